@@ -1,0 +1,99 @@
+//! Model compilation, front half: an architecture spec becomes a package —
+//! deterministic weights, an ONNX decoder graph with KV-cache I/O, a
+//! byte-level BPE `tokenizer.json`, and `package.yaml`.
+
+pub mod digest;
+pub mod graph;
+mod rng;
+pub mod spec;
+pub mod tokenizer;
+
+use std::path::{Path, PathBuf};
+
+use onnx_genai_package::manifest::{
+    Architecture, Component, Generation, KvCache, Manifest, Port, Role, TokenizerRef, FORMAT,
+};
+pub use spec::Spec;
+
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    #[error("invalid spec {origin}: {reason}")]
+    Spec { origin: String, reason: String },
+    #[error("cannot build the tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("cannot write {}: {source}", path.display())]
+    Io { path: PathBuf, source: std::io::Error },
+}
+
+pub const MODEL_FILE: &str = "model.onnx";
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+
+/// Reads and checks a `spec.yaml`.
+pub fn read_spec(path: &Path) -> Result<Spec, BuildError> {
+    let text = std::fs::read_to_string(path).map_err(|source| BuildError::Io { path: path.into(), source })?;
+    Spec::parse(&text, &path.display().to_string())
+}
+
+/// Builds the package for `spec` into `out` (created if needed; files in it
+/// are overwritten).
+pub fn build_package(spec: &Spec, out: &Path) -> Result<(), BuildError> {
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| BuildError::Io { path, source }
+    };
+    std::fs::create_dir_all(out).map_err(io(out))?;
+    let model = graph::build_decoder(spec);
+    let model_path = out.join(MODEL_FILE);
+    std::fs::write(&model_path, onnx_genai_onnx::encode(&model)).map_err(io(&model_path))?;
+    let tokenizer = tokenizer::build(spec.vocab_size)?;
+    let json = tokenizer.to_string(true).map_err(|e| BuildError::Tokenizer(e.to_string()))?;
+    let tok_path = out.join(TOKENIZER_FILE);
+    std::fs::write(&tok_path, json).map_err(io(&tok_path))?;
+    let manifest_path = out.join(onnx_genai_package::MANIFEST_FILE);
+    std::fs::write(&manifest_path, manifest(spec).to_yaml()).map_err(io(&manifest_path))?;
+    Ok(())
+}
+
+/// The manifest describing what [`build_package`] writes.
+pub fn manifest(spec: &Spec) -> Manifest {
+    use graph::names;
+    let eos = spec.vocab_size - tokenizer::SPECIAL_TOKENS.len() as u32;
+    let ports = [
+        (Role::TokenIds, names::INPUT_IDS),
+        (Role::AttentionMask, names::ATTENTION_MASK),
+        (Role::PositionIds, names::POSITION_IDS),
+        (Role::PastKey, names::PAST_KEY),
+        (Role::PastValue, names::PAST_VALUE),
+        (Role::Logits, names::LOGITS),
+        (Role::PresentKey, names::PRESENT_KEY),
+        (Role::PresentValue, names::PRESENT_VALUE),
+    ]
+    .into_iter()
+    .map(|(role, name)| Port { role, name: name.into() })
+    .collect();
+    Manifest {
+        format: FORMAT.into(),
+        name: spec.name.clone(),
+        version: env!("CARGO_PKG_VERSION").into(),
+        architecture: Architecture {
+            family: spec.family,
+            hidden_size: spec.hidden_size,
+            num_layers: spec.num_layers,
+            num_attention_heads: spec.num_attention_heads,
+            num_kv_heads: spec.kv_heads(),
+            head_dim: spec.head_dim(),
+            intermediate_size: Some(spec.intermediate_size),
+            vocab_size: spec.vocab_size,
+            max_sequence_length: spec.max_sequence_length,
+            rope_theta: spec.rope_theta,
+            norm_epsilon: Some(spec.norm_epsilon),
+        },
+        dtype: spec.dtype,
+        kv_cache: Some(KvCache { dtype: spec.dtype, layers: None }),
+        components: vec![Component { name: "decoder".into(), file: MODEL_FILE.into(), ports }],
+        workflow: None,
+        tokenizer: TokenizerRef { file: TOKENIZER_FILE.into() },
+        chat_template: Some(tokenizer::CHAT_TEMPLATE.into()),
+        generation: Generation { bos_token_id: Some(eos), eos_token_ids: vec![eos], max_new_tokens: 32 },
+    }
+}

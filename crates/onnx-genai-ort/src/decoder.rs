@@ -1,0 +1,223 @@
+//! One sequence decoded on ONNX Runtime, with the KV cache carried between
+//! steps: the `present` outputs of one run are fed back as the next run's
+//! `past` inputs without copying through host arrays.
+
+use onnx_genai_backend::{BackendError, DecodeBackend};
+use onnx_genai_package::{ElementType, Package, Role};
+use ort::session::Session;
+use ort::value::{DynValue, Tensor, TensorElementType};
+
+const NAME: &str = "ort";
+
+fn run_err(reason: impl std::fmt::Display) -> BackendError {
+    BackendError::Run { backend: NAME, reason: reason.to_string() }
+}
+
+struct LayerPorts {
+    past_key: String,
+    past_value: String,
+    present_key: String,
+    present_value: String,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+pub struct OrtDecoder {
+    session: Session,
+    token_ids: String,
+    token_ids_i32: bool,
+    attention_mask: Option<String>,
+    position_ids: Option<String>,
+    logits: String,
+    layers: Vec<LayerPorts>,
+    kv_dtype: ElementType,
+    /// Per layer: (key, value) as returned by the last run.
+    past: Vec<(DynValue, DynValue)>,
+    kv_len: usize,
+    vocab: usize,
+    max_len: usize,
+}
+
+impl OrtDecoder {
+    /// Opens the package's decoder in an ONNX Runtime session with
+    /// `intra_threads` threads (0 lets ONNX Runtime choose).
+    pub fn load(package: &Package, intra_threads: usize) -> Result<Self, BackendError> {
+        let env = crate::environment().map_err(|e| BackendError::Load {
+            backend: NAME,
+            what: "ONNX Runtime".into(),
+            reason: e.to_string(),
+        })?;
+        let (component, path) = package.decoder().map_err(|e| BackendError::Load {
+            backend: NAME,
+            what: "the decoder".into(),
+            reason: e.to_string(),
+        })?;
+        let load_err = |reason: String| BackendError::Load { backend: NAME, what: path.display().to_string(), reason };
+        let mut builder = Session::builder(env).map_err(|e| load_err(e.to_string()))?;
+        if intra_threads > 0 {
+            builder = builder.with_intra_threads(intra_threads).map_err(|e| load_err(e.to_string()))?;
+        }
+        let session = builder.commit_from_file(path).map_err(|e| load_err(e.to_string()))?;
+        let m = &package.manifest;
+        let geometry = package.kv_geometry();
+        let required = |role: Role| {
+            component.port(role).map(str::to_string).ok_or_else(|| load_err(format!("no `{}` port is bound", role.as_str())))
+        };
+        let token_ids = required(Role::TokenIds)?;
+        let token_ids_i32 = session
+            .inputs()
+            .iter()
+            .find(|o| o.name() == token_ids)
+            .and_then(|o| o.dtype().tensor_type())
+            == Some(TensorElementType::Int32);
+        let mut layers = Vec::new();
+        if let Some(g) = &geometry {
+            for (layer, shape) in g.layers.iter().enumerate() {
+                let port = |role: Role| {
+                    component
+                        .layer_port(role, layer as u32)
+                        .ok_or_else(|| load_err(format!("no `{}` port is bound", role.as_str())))
+                };
+                layers.push(LayerPorts {
+                    past_key: port(Role::PastKey)?,
+                    past_value: port(Role::PastValue)?,
+                    present_key: port(Role::PresentKey)?,
+                    present_value: port(Role::PresentValue)?,
+                    kv_heads: shape.kv_heads as usize,
+                    head_dim: shape.head_dim as usize,
+                });
+            }
+        }
+        let mut decoder = Self {
+            session,
+            token_ids,
+            token_ids_i32,
+            attention_mask: component.port(Role::AttentionMask).map(str::to_string),
+            position_ids: component.port(Role::PositionIds).map(str::to_string),
+            logits: required(Role::Logits)?,
+            layers,
+            kv_dtype: geometry.map_or(ElementType::F32, |g| g.dtype),
+            past: Vec::new(),
+            kv_len: 0,
+            vocab: m.architecture.vocab_size as usize,
+            max_len: m.architecture.max_sequence_length as usize,
+        };
+        decoder.reset_cache()?;
+        Ok(decoder)
+    }
+
+    fn empty_kv(&self, kv_heads: usize, head_dim: usize) -> Result<DynValue, BackendError> {
+        let shape = [1usize, kv_heads, 0, head_dim];
+        Ok(match self.kv_dtype {
+            ElementType::F32 => Tensor::from_array((shape, Vec::<f32>::new())).map_err(run_err)?.into_dyn(),
+            ElementType::F16 => Tensor::from_array((shape, Vec::<half::f16>::new())).map_err(run_err)?.into_dyn(),
+        })
+    }
+
+    fn reset_cache(&mut self) -> Result<(), BackendError> {
+        let mut past = Vec::with_capacity(self.layers.len());
+        for l in &self.layers {
+            past.push((self.empty_kv(l.kv_heads, l.head_dim)?, self.empty_kv(l.kv_heads, l.head_dim)?));
+        }
+        self.past = past;
+        self.kv_len = 0;
+        Ok(())
+    }
+
+    fn int_input(&self, values: Vec<i64>, as_i32: bool) -> Result<DynValue, BackendError> {
+        let shape = [1usize, values.len()];
+        Ok(if as_i32 {
+            let v: Vec<i32> = values.into_iter().map(|x| x as i32).collect();
+            Tensor::from_array((shape, v)).map_err(run_err)?.into_dyn()
+        } else {
+            Tensor::from_array((shape, values)).map_err(run_err)?.into_dyn()
+        })
+    }
+}
+
+impl DecodeBackend for OrtDecoder {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.vocab
+    }
+
+    fn kv_len(&self) -> usize {
+        self.kv_len
+    }
+
+    fn forward(&mut self, tokens: &[u32]) -> Result<Vec<f32>, BackendError> {
+        if tokens.is_empty() {
+            return Err(run_err("forward needs at least one token"));
+        }
+        let total = self.kv_len + tokens.len();
+        if total > self.max_len {
+            return Err(BackendError::Capacity {
+                backend: NAME,
+                have: self.kv_len,
+                reason: format!("{} more exceed max_sequence_length {}", tokens.len(), self.max_len),
+            });
+        }
+        let mut inputs: Vec<(String, DynValue)> = Vec::with_capacity(3 + 2 * self.layers.len());
+        let ids = tokens.iter().map(|t| i64::from(*t)).collect();
+        inputs.push((self.token_ids.clone(), self.int_input(ids, self.token_ids_i32)?));
+        if let Some(name) = &self.attention_mask {
+            inputs.push((name.clone(), self.int_input(vec![1; total], false)?));
+        }
+        if let Some(name) = &self.position_ids {
+            inputs.push((name.clone(), self.int_input((self.kv_len as i64..total as i64).collect(), false)?));
+        }
+        let past = std::mem::take(&mut self.past);
+        for (l, (key, value)) in self.layers.iter().zip(past) {
+            inputs.push((l.past_key.clone(), key));
+            inputs.push((l.past_value.clone(), value));
+        }
+        match run_step(&mut self.session, inputs, &self.logits, &self.layers, self.vocab) {
+            Ok((logits, next)) => {
+                self.past = next;
+                self.kv_len = total;
+                Ok(logits)
+            }
+            Err(e) => {
+                // The past values were moved into the failed run; the cache is
+                // no longer coherent, so start over rather than continue wrong.
+                self.reset_cache()?;
+                Err(e)
+            }
+        }
+    }
+
+    fn reset(&mut self) {
+        // Creating empty tensors only fails if ONNX Runtime cannot allocate;
+        // the next forward would then report it.
+        let _ = self.reset_cache();
+    }
+}
+
+type Kv = (DynValue, DynValue);
+
+/// Runs one step; returns the last position's logits and the new KV values.
+fn run_step(
+    session: &mut Session,
+    inputs: Vec<(String, DynValue)>,
+    logits_name: &str,
+    layers: &[LayerPorts],
+    vocab: usize,
+) -> Result<(Vec<f32>, Vec<Kv>), BackendError> {
+    let mut outputs = session.run(inputs).map_err(run_err)?;
+    let logits = outputs.remove(logits_name).ok_or_else(|| run_err(format!("no `{logits_name}` output")))?;
+    let (shape, data) = logits.try_extract_tensor::<f32>().map_err(run_err)?;
+    let width = shape.last().copied().unwrap_or(0) as usize;
+    if width != vocab || data.len() < vocab {
+        return Err(run_err(format!("logits shape {shape:?} does not end in vocab {vocab}")));
+    }
+    let last = data[data.len() - vocab..].to_vec();
+    let mut next = Vec::with_capacity(layers.len());
+    for l in layers {
+        let mut take = |name: &str| outputs.remove(name).ok_or_else(|| run_err(format!("no `{name}` output")));
+        next.push((take(&l.present_key)?, take(&l.present_value)?));
+    }
+    Ok((last, next))
+}

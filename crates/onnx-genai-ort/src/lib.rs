@@ -1,0 +1,63 @@
+//! The reference backend: ONNX Runtime through the `ort` crate, loaded
+//! dynamically from the official `onnxruntime` wheel's shared library (which
+//! `cargo xtask ort` installs under `target/onnxruntime/`).
+
+mod decoder;
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+pub use decoder::OrtDecoder;
+
+/// The ONNX Runtime release this crate targets (the `ort` crate's `api-31`).
+pub const ORT_VERSION: &str = "1.31.1";
+
+/// The library file name inside the wheel.
+pub const LIBRARY_FILE: &str = "libonnxruntime.so.1.31.1";
+
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error(
+        "ONNX Runtime {ORT_VERSION} is not installed at {}: run `cargo xtask ort` \
+         (or set ORT_DYLIB_PATH to a libonnxruntime.so {ORT_VERSION})", path.display()
+    )]
+    Missing { path: PathBuf },
+    #[error("cannot load ONNX Runtime from {}: {reason}; run `cargo xtask ort` to reinstall it", path.display())]
+    Load { path: PathBuf, reason: String },
+}
+
+/// Where the library is looked for: `ORT_DYLIB_PATH` (the `ort` crate's own
+/// variable, set by every xtask command), else this workspace's `target/`.
+pub fn library_path() -> PathBuf {
+    match std::env::var_os("ORT_DYLIB_PATH") {
+        Some(p) if !p.is_empty() => PathBuf::from(p),
+        _ => default_library_path(),
+    }
+}
+
+/// `target/onnxruntime/<LIBRARY_FILE>` of the workspace this crate was built in.
+pub fn default_library_path() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/onnxruntime").join(LIBRARY_FILE)
+}
+
+static ENVIRONMENT: OnceLock<Result<ort::environment::Environment, RuntimeError>> = OnceLock::new();
+
+/// The process-wide ONNX Runtime environment, loading the library on first use.
+pub fn environment() -> Result<&'static ort::environment::Environment, RuntimeError> {
+    ENVIRONMENT
+        .get_or_init(|| {
+            let path = library_path();
+            if !path.is_file() {
+                return Err(RuntimeError::Missing { path });
+            }
+            let path = path.canonicalize().unwrap_or(path);
+            let load = |reason: String| RuntimeError::Load { path: path.clone(), reason };
+            ort::init_from(&path)
+                .map_err(|e| load(e.to_string()))?
+                .with_name("onnx-genai")
+                .build()
+                .map_err(|e| load(e.to_string()))
+        })
+        .as_ref()
+        .map_err(Clone::clone)
+}

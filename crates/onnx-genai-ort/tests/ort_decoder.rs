@@ -1,0 +1,70 @@
+//! The reference backend on every shipped tiny package, with real ONNX Runtime.
+
+use std::path::{Path, PathBuf};
+
+use onnx_genai_backend::DecodeBackend;
+use onnx_genai_ort::OrtDecoder;
+use onnx_genai_package::Package;
+
+fn specs() -> Vec<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packages");
+    let mut specs: Vec<PathBuf> = std::fs::read_dir(&root)
+        .expect("packages/ exists")
+        .filter_map(|e| e.ok().map(|e| e.path().join("spec.yaml")))
+        .filter(|p| p.is_file())
+        .collect();
+    specs.sort();
+    assert!(specs.len() >= 3, "expected the shipped tiny packages, found {specs:?}");
+    specs
+}
+
+fn open(spec: &Path, dir: &Path) -> Package {
+    let spec = onnx_genai_build::read_spec(spec).expect("spec parses");
+    onnx_genai_build::build_package(&spec, dir).expect("package builds");
+    Package::open(dir).expect("package validates")
+}
+
+/// Carrying the KV cache between steps gives the same logits as running the
+/// whole prefix at once: the cache is fed back, not dropped or duplicated.
+#[test]
+fn incremental_decode_matches_full_prefix_on_every_package() {
+    for spec in specs() {
+        let dir = tempfile::tempdir().unwrap();
+        let package = open(&spec, dir.path());
+        let tokens = [5u32, 77, 300, 12, 9, 150];
+        let mut full = OrtDecoder::load(&package, 1).expect("session loads");
+        let expected = full.forward(&tokens).expect("full prefix runs");
+        assert_eq!(expected.len(), package.manifest.architecture.vocab_size as usize);
+        assert!(expected.iter().all(|v| v.is_finite()), "{}: non-finite logits", spec.display());
+
+        let mut step = OrtDecoder::load(&package, 1).unwrap();
+        step.forward(&tokens[..3]).unwrap();
+        step.forward(&tokens[3..5]).unwrap();
+        assert_eq!(step.kv_len(), 5);
+        let got = step.forward(&tokens[5..]).unwrap();
+        assert_eq!(step.kv_len(), 6);
+        let max_diff = expected.iter().zip(&got).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        // f16 packages round the cached KV to f16 in both runs identically.
+        assert!(max_diff < 1e-4, "{}: incremental logits differ by {max_diff}", spec.display());
+        let spread = expected.iter().cloned().fold(f32::MIN, f32::max) - expected.iter().cloned().fold(f32::MAX, f32::min);
+        assert!(spread > 1e-3, "{}: logits are flat ({spread}); the model computes nothing", spec.display());
+
+        step.reset();
+        assert_eq!(step.kv_len(), 0);
+        let again = step.forward(&tokens).unwrap();
+        assert_eq!(again, expected, "{}: reset does not give a fresh sequence", spec.display());
+    }
+}
+
+/// Running past `max_sequence_length` is a typed capacity error, not a crash.
+#[test]
+fn exceeding_the_context_is_a_capacity_error() {
+    let spec = &specs()[0];
+    let dir = tempfile::tempdir().unwrap();
+    let package = open(spec, dir.path());
+    let mut d = OrtDecoder::load(&package, 1).unwrap();
+    let max = package.manifest.architecture.max_sequence_length as usize;
+    let err = d.forward(&vec![1u32; max + 1]).unwrap_err();
+    assert!(matches!(err, onnx_genai_backend::BackendError::Capacity { .. }), "{err}");
+    assert_eq!(d.kv_len(), 0);
+}

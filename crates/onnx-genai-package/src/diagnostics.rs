@@ -1,0 +1,187 @@
+//! Coded validation diagnostics: every problem a package has, each with a
+//! stable code, the file and field at fault, and what to do about it.
+
+use serde::Serialize;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Severity {
+    Error,
+    Warning,
+}
+
+/// Stable diagnostic codes. The numbers never change meaning; new checks get
+/// new numbers. `PKG0xx` are the native manifest, `PKG1xx` the ONNX Runtime
+/// GenAI `genai_config.json` dialect.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+pub enum Code {
+    /// The manifest file is missing or unreadable.
+    PKG001,
+    /// The manifest is not valid YAML.
+    PKG002,
+    /// A key the schema does not know.
+    PKG003,
+    /// A value of the wrong type, a missing required field, or an invalid value.
+    PKG004,
+    /// An unsupported manifest format version.
+    PKG005,
+    /// A path that is absolute or climbs out with `..`.
+    PKG010,
+    /// A path that resolves (through a symlink) outside the package.
+    PKG011,
+    /// A referenced file does not exist.
+    PKG012,
+    /// A referenced file cannot be read.
+    PKG013,
+    /// An ONNX file that does not decode.
+    PKG020,
+    /// A port bound by the manifest is not an input/output of the graph.
+    PKG021,
+    /// A port's element type does not fit its role.
+    PKG022,
+    /// A port's rank does not fit its role.
+    PKG023,
+    /// A role the component needs is not bound.
+    PKG024,
+    /// The same role or tensor is bound twice, or a per-layer template is malformed.
+    PKG025,
+    /// A graph input that no port binds (the runtime could not feed it).
+    PKG026,
+    /// KV geometry disagrees with the graph's KV tensor shapes.
+    PKG030,
+    /// Inconsistent architecture numbers (heads vs KV heads, zero sizes).
+    PKG031,
+    /// Logits width differs from the architecture's vocabulary size.
+    PKG040,
+    /// The tokenizer's vocabulary does not fit the model's.
+    PKG041,
+    /// The tokenizer file does not load.
+    PKG042,
+    /// A special token id (eos/bos) outside the vocabulary.
+    PKG043,
+    /// The chat template does not parse.
+    PKG050,
+    /// A workflow application input or step that the graph does not have.
+    PKG060,
+    /// `genai_config.json` is not valid JSON.
+    PKG101,
+    /// A key `genai_config.json` does not know.
+    PKG102,
+    /// A value of the wrong type or a missing required key in `genai_config.json`.
+    PKG103,
+    /// A `%d` KV name template that matches no graph input or output.
+    PKG104,
+    /// A `genai_config.json` feature this project does not support.
+    PKG105,
+}
+
+impl std::fmt::Display for Code {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(self, f)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Diagnostic {
+    pub code: Code,
+    pub severity: Severity,
+    /// Path relative to the package root.
+    pub file: String,
+    /// Dotted field path inside the file (`components[0].ports[2].name`), or empty.
+    pub field: String,
+    pub message: String,
+    /// What to do about it.
+    pub hint: String,
+}
+
+impl Diagnostic {
+    pub fn error(code: Code, file: &str, field: impl Into<String>, message: impl Into<String>, hint: impl Into<String>) -> Self {
+        Self { code, severity: Severity::Error, file: file.into(), field: field.into(), message: message.into(), hint: hint.into() }
+    }
+
+    pub fn warning(code: Code, file: &str, field: impl Into<String>, message: impl Into<String>, hint: impl Into<String>) -> Self {
+        Self { severity: Severity::Warning, ..Self::error(code, file, field, message, hint) }
+    }
+}
+
+impl std::fmt::Display for Diagnostic {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let severity = match self.severity {
+            Severity::Error => "error",
+            Severity::Warning => "warning",
+        };
+        write!(f, "{severity}[{}] {}", self.code, self.file)?;
+        if !self.field.is_empty() {
+            write!(f, " @ {}", self.field)?;
+        }
+        write!(f, ": {}\n  hint: {}", self.message, self.hint)
+    }
+}
+
+/// Everything `validate` found, in a stable order.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Report {
+    pub diagnostics: Vec<Diagnostic>,
+}
+
+impl Report {
+    pub fn push(&mut self, d: Diagnostic) {
+        self.diagnostics.push(d);
+    }
+
+    pub fn has_errors(&self) -> bool {
+        self.diagnostics.iter().any(|d| d.severity == Severity::Error)
+    }
+
+    pub fn errors(&self) -> impl Iterator<Item = &Diagnostic> {
+        self.diagnostics.iter().filter(|d| d.severity == Severity::Error)
+    }
+}
+
+impl std::fmt::Display for Report {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for d in &self.diagnostics {
+            writeln!(f, "{d}")?;
+        }
+        Ok(())
+    }
+}
+
+/// The known word nearest to `unknown` (Levenshtein distance at most a third of
+/// its length, at least 2), for "did you mean" hints.
+pub fn nearest<'a>(unknown: &str, known: &[&'a str]) -> Option<&'a str> {
+    let limit = (unknown.chars().count() / 3).max(2);
+    known
+        .iter()
+        .map(|k| (levenshtein(unknown, k), *k))
+        .filter(|(d, _)| *d <= limit)
+        .min_by_key(|(d, k)| (*d, *k))
+        .map(|(_, k)| k)
+}
+
+fn levenshtein(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut prev = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let cur = row[j + 1];
+            row[j + 1] = (prev + usize::from(ca != *cb)).min(row[j] + 1).min(row[j + 1] + 1);
+            prev = cur;
+        }
+    }
+    row[b.len()]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nearest_suggests_close_keys_only() {
+        assert_eq!(nearest("hiden_size", &["hidden_size", "head_dim"]), Some("hidden_size"));
+        assert_eq!(nearest("num_kv_head", &["num_kv_heads", "num_layers"]), Some("num_kv_heads"));
+        assert_eq!(nearest("completely_else", &["hidden_size", "head_dim"]), None);
+    }
+}

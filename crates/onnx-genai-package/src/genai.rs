@@ -1,0 +1,290 @@
+//! Import of ONNX Runtime GenAI packages: a directory with `genai_config.json`,
+//! `model.onnx` and `tokenizer.json` becomes the same [`Manifest`] a native
+//! package has. Its `%d` KV name templates become `{layer}` port templates.
+
+use serde::Deserialize;
+
+use crate::diagnostics::{Code, Diagnostic, Report};
+use crate::manifest::{
+    Architecture, Component, ElementType, Family, Generation, KvCache, Manifest, Port, Role, TokenizerRef, FORMAT,
+};
+use crate::schema::{deserialize_closed, SchemaCodes, Tree};
+
+pub const CONFIG_FILE: &str = "genai_config.json";
+
+const CODES: SchemaCodes = SchemaCodes { unknown_key: Code::PKG102, bad_value: Code::PKG103 };
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GenaiConfig {
+    model: GenaiModel,
+    #[serde(default)]
+    search: Option<GenaiSearch>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum OneOrMany {
+    One(u32),
+    Many(Vec<u32>),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GenaiModel {
+    #[serde(default)]
+    bos_token_id: Option<u32>,
+    context_length: u32,
+    decoder: GenaiDecoder,
+    eos_token_id: OneOrMany,
+    #[serde(default)]
+    pad_token_id: Option<u32>,
+    #[serde(default)]
+    sep_token_id: Option<u32>,
+    #[serde(default)]
+    decoder_start_token_id: Option<u32>,
+    #[serde(rename = "type")]
+    model_type: String,
+    vocab_size: u32,
+    // Known to the format, not supported here: named so they are not "unknown".
+    #[serde(default)]
+    vision: Option<Tree>,
+    #[serde(default)]
+    speech: Option<Tree>,
+    #[serde(default)]
+    embedding: Option<Tree>,
+    #[serde(default)]
+    encoder: Option<Tree>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GenaiDecoder {
+    #[serde(default)]
+    session_options: Option<Tree>,
+    filename: String,
+    head_size: u32,
+    hidden_size: u32,
+    num_attention_heads: u32,
+    num_hidden_layers: u32,
+    num_key_value_heads: u32,
+    inputs: GenaiInputs,
+    outputs: GenaiOutputs,
+    #[serde(default)]
+    pipeline: Option<Tree>,
+    #[serde(default)]
+    sliding_window: Option<Tree>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GenaiInputs {
+    #[serde(default)]
+    input_ids: Option<String>,
+    #[serde(default)]
+    inputs_embeds: Option<String>,
+    #[serde(default)]
+    attention_mask: Option<String>,
+    #[serde(default)]
+    position_ids: Option<String>,
+    #[serde(default)]
+    past_key_names: Option<String>,
+    #[serde(default)]
+    past_value_names: Option<String>,
+    #[serde(default)]
+    past_sequence_length: Option<String>,
+    #[serde(default)]
+    current_sequence_length: Option<String>,
+    #[serde(default)]
+    total_sequence_length: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GenaiOutputs {
+    logits: String,
+    #[serde(default)]
+    present_key_names: Option<String>,
+    #[serde(default)]
+    present_value_names: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[allow(dead_code)] // read for schema checking; generation defaults come from `max_length`
+struct GenaiSearch {
+    #[serde(default)]
+    diversity_penalty: Option<f64>,
+    #[serde(default)]
+    do_sample: Option<bool>,
+    #[serde(default)]
+    early_stopping: Option<bool>,
+    #[serde(default)]
+    length_penalty: Option<f64>,
+    #[serde(default)]
+    max_length: Option<u32>,
+    #[serde(default)]
+    min_length: Option<u32>,
+    #[serde(default)]
+    no_repeat_ngram_size: Option<u32>,
+    #[serde(default)]
+    num_beams: Option<u32>,
+    #[serde(default)]
+    num_return_sequences: Option<u32>,
+    #[serde(default)]
+    past_present_share_buffer: Option<bool>,
+    #[serde(default)]
+    repetition_penalty: Option<f64>,
+    #[serde(default)]
+    temperature: Option<f64>,
+    #[serde(default)]
+    top_k: Option<u32>,
+    #[serde(default)]
+    top_p: Option<f64>,
+}
+
+/// Where a port of an imported manifest came from, so diagnostics point at
+/// the user's `genai_config.json` key rather than at a manifest they never wrote.
+pub fn port_field(role: Role) -> &'static str {
+    match role {
+        Role::TokenIds => "model.decoder.inputs.input_ids",
+        Role::InputsEmbeds => "model.decoder.inputs.inputs_embeds",
+        Role::PositionIds => "model.decoder.inputs.position_ids",
+        Role::AttentionMask => "model.decoder.inputs.attention_mask",
+        Role::PastKey => "model.decoder.inputs.past_key_names",
+        Role::PastValue => "model.decoder.inputs.past_value_names",
+        Role::PresentKey => "model.decoder.outputs.present_key_names",
+        Role::PresentValue => "model.decoder.outputs.present_value_names",
+        Role::Logits => "model.decoder.outputs.logits",
+    }
+}
+
+/// Reads `genai_config.json` text into a manifest, pushing diagnostics.
+pub fn import(text: &str, report: &mut Report) -> Option<Manifest> {
+    let tree: Tree = match serde_json::from_str(text) {
+        Ok(t) => t,
+        Err(e) => {
+            report.push(Diagnostic::error(
+                Code::PKG101,
+                CONFIG_FILE,
+                "",
+                format!("not valid JSON: {e}"),
+                "fix the JSON syntax at the line and column given",
+            ));
+            return None;
+        }
+    };
+    let config: GenaiConfig = deserialize_closed(tree, CONFIG_FILE, &CODES, report)?;
+    let m = config.model;
+    let d = m.decoder;
+    let unsupported = |field: &str, what: &str| {
+        Diagnostic::error(
+            Code::PKG105,
+            CONFIG_FILE,
+            field,
+            format!("{what} is not supported by onnx-genai"),
+            "remove it, or use a decoder-only text package",
+        )
+    };
+    let mut ok = true;
+    for (present, field, what) in [
+        (m.vision.is_some(), "model.vision", "a vision encoder"),
+        (m.speech.is_some(), "model.speech", "a speech encoder"),
+        (m.embedding.is_some(), "model.embedding", "a separate embedding model"),
+        (m.encoder.is_some(), "model.encoder", "an encoder-decoder model"),
+        (d.pipeline.is_some(), "model.decoder.pipeline", "a multi-model decoder pipeline"),
+        (d.sliding_window.is_some(), "model.decoder.sliding_window", "sliding-window attention"),
+    ] {
+        if present {
+            report.push(unsupported(field, what));
+            ok = false;
+        }
+    }
+    let family = match m.model_type.as_str() {
+        "llama" | "mistral" | "qwen2" | "qwen3" | "smollm" | "granite" | "olmo" => Family::Llama,
+        "gpt2" => Family::Gpt2,
+        other => {
+            report.push(unsupported("model.type", &format!("model type `{other}`")));
+            return None;
+        }
+    };
+    let _ = (&d.session_options, m.pad_token_id, m.sep_token_id, m.decoder_start_token_id);
+    let mut ports = Vec::new();
+    let mut bind = |role: Role, name: &Option<String>| {
+        if let Some(name) = name {
+            ports.push(Port { role, name: name.clone() });
+        }
+    };
+    bind(Role::TokenIds, &d.inputs.input_ids);
+    bind(Role::InputsEmbeds, &d.inputs.inputs_embeds);
+    bind(Role::AttentionMask, &d.inputs.attention_mask);
+    bind(Role::PositionIds, &d.inputs.position_ids);
+    bind(Role::Logits, &Some(d.outputs.logits.clone()));
+    for (role, template) in [
+        (Role::PastKey, &d.inputs.past_key_names),
+        (Role::PastValue, &d.inputs.past_value_names),
+        (Role::PresentKey, &d.outputs.present_key_names),
+        (Role::PresentValue, &d.outputs.present_value_names),
+    ] {
+        let Some(template) = template else { continue };
+        if template.matches("%d").count() != 1 {
+            report.push(Diagnostic::error(
+                Code::PKG104,
+                CONFIG_FILE,
+                port_field(role),
+                format!("KV name template `{template}` must contain `%d` exactly once"),
+                "write the per-layer name with `%d` where the layer number goes, e.g. `past_key_values.%d.key`",
+            ));
+            ok = false;
+            continue;
+        }
+        ports.push(Port { role, name: template.replace("%d", "{layer}") });
+    }
+    for (field, value) in [
+        ("model.decoder.inputs.past_sequence_length", &d.inputs.past_sequence_length),
+        ("model.decoder.inputs.current_sequence_length", &d.inputs.current_sequence_length),
+        ("model.decoder.inputs.total_sequence_length", &d.inputs.total_sequence_length),
+    ] {
+        if value.is_some() {
+            report.push(unsupported(field, "a sequence-length input"));
+            ok = false;
+        }
+    }
+    let has_kv = d.inputs.past_key_names.is_some();
+    let max_len = config.search.as_ref().and_then(|s| s.max_length).unwrap_or(m.context_length);
+    let manifest = Manifest {
+        format: FORMAT.into(),
+        name: "genai-import".into(),
+        version: "0.0.0".into(),
+        architecture: Architecture {
+            family,
+            hidden_size: d.hidden_size,
+            num_layers: d.num_hidden_layers,
+            num_attention_heads: d.num_attention_heads,
+            num_kv_heads: d.num_key_value_heads,
+            head_dim: d.head_size,
+            intermediate_size: None,
+            vocab_size: m.vocab_size,
+            max_sequence_length: m.context_length,
+            rope_theta: None,
+            norm_epsilon: None,
+        },
+        dtype: ElementType::F32,
+        // The config does not say the KV element type; validation reads it
+        // from the graph's past-key input.
+        kv_cache: has_kv.then_some(KvCache { dtype: ElementType::F32, layers: None }),
+        components: vec![Component { name: "decoder".into(), file: d.filename, ports }],
+        workflow: None,
+        tokenizer: TokenizerRef { file: "tokenizer.json".into() },
+        chat_template: None,
+        generation: Generation {
+            bos_token_id: m.bos_token_id,
+            eos_token_ids: match m.eos_token_id {
+                OneOrMany::One(id) => vec![id],
+                OneOrMany::Many(ids) => ids,
+            },
+            max_new_tokens: max_len.min(256),
+        },
+    };
+    ok.then_some(manifest)
+}

@@ -1,0 +1,58 @@
+//! KV geometry: the one place that computes KV bytes per token.
+
+use crate::manifest::{ElementType, Manifest};
+
+/// One layer's KV tensor shape (per token).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayerKv {
+    pub kv_heads: u32,
+    pub head_dim: u32,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvGeometry {
+    pub dtype: ElementType,
+    pub layers: Vec<LayerKv>,
+}
+
+impl KvGeometry {
+    /// The geometry a manifest declares, or `None` when it declares no KV
+    /// cache (unknown geometry: admission reserves nothing for it).
+    pub fn from_manifest(m: &Manifest) -> Option<Self> {
+        let kv = m.kv_cache.as_ref()?;
+        let layers = match &kv.layers {
+            Some(layers) => layers.iter().map(|l| LayerKv { kv_heads: l.kv_heads, head_dim: l.head_dim }).collect(),
+            None => {
+                let a = &m.architecture;
+                vec![LayerKv { kv_heads: a.num_kv_heads, head_dim: a.head_dim }; a.num_layers as usize]
+            }
+        };
+        Some(Self { dtype: kv.dtype, layers })
+    }
+
+    /// Bytes one token occupies across every layer's key and value tensors:
+    /// `sum over layers of 2 * kv_heads * head_dim * dtype_bytes`.
+    pub fn bytes_per_token(&self) -> u64 {
+        self.layers.iter().map(|l| 2 * u64::from(l.kv_heads) * u64::from(l.head_dim) * self.dtype.size_bytes()).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bytes_per_token_is_two_times_layers_heads_dim_dtype() {
+        let g = KvGeometry { dtype: ElementType::F16, layers: vec![LayerKv { kv_heads: 3, head_dim: 64 }; 30] };
+        assert_eq!(g.bytes_per_token(), 2 * 30 * 3 * 64 * 2);
+    }
+
+    #[test]
+    fn layers_that_differ_are_summed() {
+        let g = KvGeometry {
+            dtype: ElementType::F32,
+            layers: vec![LayerKv { kv_heads: 2, head_dim: 16 }, LayerKv { kv_heads: 1, head_dim: 8 }],
+        };
+        assert_eq!(g.bytes_per_token(), 2 * (2 * 16 + 8) * 4);
+    }
+}

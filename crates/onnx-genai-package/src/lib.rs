@@ -1,0 +1,105 @@
+//! The onnx-genai package format: manifest schema, loading confined to the
+//! package directory, KV geometry, validation with coded diagnostics, and
+//! import of ONNX Runtime GenAI `genai_config.json` packages.
+
+pub mod confine;
+pub mod diagnostics;
+pub mod genai;
+pub mod geometry;
+pub mod manifest;
+pub mod schema;
+pub mod validate;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+pub use diagnostics::{Code, Diagnostic, Report, Severity};
+pub use geometry::{KvGeometry, LayerKv};
+pub use manifest::{Component, ElementType, Family, Manifest, Port, Role};
+pub use validate::{validate, Dialect, MANIFEST_FILE};
+
+#[derive(Debug, thiserror::Error)]
+pub enum PackageError {
+    #[error("package {} is invalid:\n{report}run `onnx-genai validate {}` for the full report", root.display(), root.display())]
+    Invalid { root: PathBuf, report: Report },
+    #[error("component `{name}` is not in the package (known: {known})")]
+    UnknownComponent { name: String, known: String },
+}
+
+/// A package that validated without errors.
+#[derive(Clone, Debug)]
+pub struct Package {
+    pub root: PathBuf,
+    pub dialect: Dialect,
+    pub manifest: Manifest,
+    /// Warnings validation found (errors make [`Package::open`] fail).
+    pub warnings: Vec<Diagnostic>,
+    component_paths: BTreeMap<String, PathBuf>,
+    tokenizer_path: PathBuf,
+}
+
+impl Package {
+    /// Validates and opens the package at `root`; any error-level diagnostic
+    /// fails the open with the whole report.
+    pub fn open(root: &Path) -> Result<Self, PackageError> {
+        let (report, checked) = validate(root);
+        let invalid = |report| PackageError::Invalid { root: root.to_path_buf(), report };
+        if report.has_errors() {
+            return Err(invalid(report));
+        }
+        match (checked.manifest, checked.tokenizer_path) {
+            (Some(manifest), Some(tokenizer_path)) => Ok(Self {
+                root: root.to_path_buf(),
+                dialect: checked.dialect,
+                manifest,
+                warnings: report.diagnostics,
+                component_paths: checked.component_paths,
+                tokenizer_path,
+            }),
+            _ => Err(invalid(report)),
+        }
+    }
+
+    pub fn kv_geometry(&self) -> Option<KvGeometry> {
+        KvGeometry::from_manifest(&self.manifest)
+    }
+
+    pub fn tokenizer_path(&self) -> &Path {
+        &self.tokenizer_path
+    }
+
+    pub fn component(&self, name: &str) -> Result<(&Component, &Path), PackageError> {
+        let component = self.manifest.components.iter().find(|c| c.name == name);
+        match (component, self.component_paths.get(name)) {
+            (Some(c), Some(p)) => Ok((c, p)),
+            _ => Err(PackageError::UnknownComponent {
+                name: name.into(),
+                known: self.manifest.components.iter().map(|c| c.name.as_str()).collect::<Vec<_>>().join(", "),
+            }),
+        }
+    }
+
+    /// The component that produces logits (validation guarantees one).
+    pub fn decoder(&self) -> Result<(&Component, &Path), PackageError> {
+        let name = self
+            .manifest
+            .components
+            .iter()
+            .find(|c| c.ports.iter().any(|p| p.role == Role::Logits))
+            .map(|c| c.name.clone())
+            .unwrap_or_default();
+        self.component(&name)
+    }
+}
+
+impl Component {
+    /// The graph tensor bound to a non-per-layer role.
+    pub fn port(&self, role: Role) -> Option<&str> {
+        self.ports.iter().find(|p| p.role == role).map(|p| p.name.as_str())
+    }
+
+    /// The graph tensor bound to a per-layer role at `layer`.
+    pub fn layer_port(&self, role: Role, layer: u32) -> Option<String> {
+        self.port(role).map(|t| Manifest::expand(t, layer))
+    }
+}

@@ -1,0 +1,206 @@
+//! The `package.yaml` schema. Closed: every struct denies unknown fields, and
+//! [`crate::schema`] turns each unknown key into a diagnostic with a
+//! suggestion. Ports are bound to roles here, never guessed from tensor names.
+
+use serde::{Deserialize, Serialize};
+
+/// The one manifest format version this code reads and writes.
+pub const FORMAT: &str = "onnx-genai/1";
+
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Manifest {
+    pub format: String,
+    pub name: String,
+    pub version: String,
+    pub architecture: Architecture,
+    /// Element type of the weights.
+    pub dtype: ElementType,
+    /// KV cache layout. Absent means unknown geometry: admission reserves nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_cache: Option<KvCache>,
+    pub components: Vec<Component>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workflow: Option<Workflow>,
+    pub tokenizer: TokenizerRef,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chat_template: Option<String>,
+    pub generation: Generation,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Family {
+    Llama,
+    Gpt2,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ElementType {
+    F32,
+    F16,
+}
+
+impl ElementType {
+    pub fn size_bytes(self) -> u64 {
+        match self {
+            Self::F32 => 4,
+            Self::F16 => 2,
+        }
+    }
+
+    pub fn onnx(self) -> onnx_genai_onnx::DataType {
+        match self {
+            Self::F32 => onnx_genai_onnx::DataType::Float,
+            Self::F16 => onnx_genai_onnx::DataType::Float16,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Architecture {
+    pub family: Family,
+    pub hidden_size: u32,
+    pub num_layers: u32,
+    pub num_attention_heads: u32,
+    pub num_kv_heads: u32,
+    pub head_dim: u32,
+    /// FFN width; absent when imported from a format that does not state it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub intermediate_size: Option<u32>,
+    pub vocab_size: u32,
+    pub max_sequence_length: u32,
+    /// RoPE base; present for families with rotary positions.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_theta: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub norm_epsilon: Option<f64>,
+}
+
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct KvCache {
+    pub dtype: ElementType,
+    /// Per-layer shapes where layers differ; absent means every layer has the
+    /// architecture's `num_kv_heads` x `head_dim`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layers: Option<Vec<KvLayer>>,
+}
+
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct KvLayer {
+    pub kv_heads: u32,
+    pub head_dim: u32,
+}
+
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Component {
+    pub name: String,
+    /// ONNX file, relative to the package root.
+    pub file: String,
+    pub ports: Vec<Port>,
+}
+
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Port {
+    pub role: Role,
+    /// The graph's tensor name. Per-layer roles contain `{layer}`, expanded for
+    /// layer 0..num_layers.
+    pub name: String,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    TokenIds,
+    InputsEmbeds,
+    PositionIds,
+    AttentionMask,
+    PastKey,
+    PastValue,
+    PresentKey,
+    PresentValue,
+    Logits,
+}
+
+impl Role {
+    pub fn per_layer(self) -> bool {
+        matches!(self, Role::PastKey | Role::PastValue | Role::PresentKey | Role::PresentValue)
+    }
+
+    pub fn is_output(self) -> bool {
+        matches!(self, Role::PresentKey | Role::PresentValue | Role::Logits)
+    }
+
+    /// The rank a tensor bound to this role must have.
+    pub fn rank(self) -> usize {
+        match self {
+            Role::TokenIds | Role::PositionIds | Role::AttentionMask => 2,
+            Role::InputsEmbeds | Role::Logits => 3,
+            Role::PastKey | Role::PastValue | Role::PresentKey | Role::PresentValue => 4,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::TokenIds => "token_ids",
+            Role::InputsEmbeds => "inputs_embeds",
+            Role::PositionIds => "position_ids",
+            Role::AttentionMask => "attention_mask",
+            Role::PastKey => "past_key",
+            Role::PastValue => "past_value",
+            Role::PresentKey => "present_key",
+            Role::PresentValue => "present_value",
+            Role::Logits => "logits",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Workflow {
+    /// Inputs a request may bind directly (e.g. `pixel_values`).
+    #[serde(default)]
+    pub application_inputs: Vec<ApplicationInput>,
+}
+
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApplicationInput {
+    pub name: String,
+    pub component: String,
+    /// The graph input of `component` the request's tensor feeds.
+    pub port: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenizerRef {
+    pub file: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Generation {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+    pub max_new_tokens: u32,
+}
+
+impl Manifest {
+    /// The per-layer tensor name of a templated port.
+    pub fn expand(template: &str, layer: u32) -> String {
+        template.replace("{layer}", &layer.to_string())
+    }
+
+    pub fn to_yaml(&self) -> String {
+        // Serializing plain data structs to YAML cannot fail.
+        serde_yaml_ng::to_string(self).unwrap_or_default()
+    }
+}

@@ -1,0 +1,582 @@
+//! Deep validation: every problem of a package at once.
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::{Path, PathBuf};
+
+use onnx_genai_onnx::{DataType, Model};
+
+use crate::confine;
+use crate::diagnostics::{nearest, Code, Diagnostic, Report};
+use crate::genai;
+use crate::manifest::{Manifest, Role, FORMAT};
+use crate::schema::{deserialize_closed, SchemaCodes, Tree};
+
+pub const MANIFEST_FILE: &str = "package.yaml";
+
+/// Which format the package directory is written in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dialect {
+    /// `package.yaml`.
+    Native,
+    /// ONNX Runtime GenAI's `genai_config.json`.
+    GenaiConfig,
+}
+
+/// What validation learned on the way, reused by [`crate::Package::open`].
+pub struct Checked {
+    pub dialect: Dialect,
+    pub manifest: Option<Manifest>,
+    pub component_paths: BTreeMap<String, PathBuf>,
+    pub tokenizer_path: Option<PathBuf>,
+}
+
+/// Validates the package at `root`, collecting every problem.
+pub fn validate(root: &Path) -> (Report, Checked) {
+    let mut report = Report::default();
+    let mut checked = Checked {
+        dialect: Dialect::Native,
+        manifest: None,
+        component_paths: BTreeMap::new(),
+        tokenizer_path: None,
+    };
+    let native = root.join(MANIFEST_FILE);
+    let genai_path = root.join(genai::CONFIG_FILE);
+    let mut manifest = if std::fs::symlink_metadata(&native).is_ok() {
+        read_text(root, MANIFEST_FILE, &mut report).and_then(|text| parse_native(&text, &mut report))
+    } else if std::fs::symlink_metadata(&genai_path).is_ok() {
+        checked.dialect = Dialect::GenaiConfig;
+        read_text(root, genai::CONFIG_FILE, &mut report).and_then(|text| genai::import(&text, &mut report))
+    } else {
+        report.push(Diagnostic::error(
+            Code::PKG001,
+            MANIFEST_FILE,
+            "",
+            format!("no {MANIFEST_FILE} (or {}) in {}", genai::CONFIG_FILE, root.display()),
+            "point at a package directory, or build one with `onnx-genai build <spec.yaml> <out-dir>`",
+        ));
+        None
+    };
+    let Some(m) = manifest.as_mut() else {
+        return (report, checked);
+    };
+    let ctx = Ctx { root, dialect: checked.dialect };
+    check_architecture(&ctx, m, &mut report);
+    let mut models = Vec::new();
+    for (ci, component) in m.components.iter().enumerate() {
+        let field = ctx.component_field(ci, "file");
+        let model = match confine::resolve(root, &component.file, ctx.manifest_file(), &field) {
+            Ok(path) => {
+                checked.component_paths.insert(component.name.clone(), path.clone());
+                load_model(&component.file, &path, &mut report)
+            }
+            Err(d) => {
+                report.push(d);
+                None
+            }
+        };
+        models.push(model);
+    }
+    if checked.dialect == Dialect::GenaiConfig {
+        adopt_graph_kv_dtype(m, &models);
+    }
+    for (ci, model) in models.iter().enumerate() {
+        if let Some(model) = model {
+            check_ports(&ctx, m, ci, model, &mut report);
+        }
+    }
+    check_roles_present(&ctx, m, &mut report);
+    check_workflow(&ctx, m, &models, &mut report);
+    checked.tokenizer_path = check_tokenizer(&ctx, m, &mut report);
+    check_chat_template(&ctx, m, &mut report);
+    checked.manifest = manifest;
+    (report, checked)
+}
+
+struct Ctx<'a> {
+    root: &'a Path,
+    dialect: Dialect,
+}
+
+impl Ctx<'_> {
+    fn manifest_file(&self) -> &'static str {
+        match self.dialect {
+            Dialect::Native => MANIFEST_FILE,
+            Dialect::GenaiConfig => genai::CONFIG_FILE,
+        }
+    }
+
+    fn component_field(&self, ci: usize, key: &str) -> String {
+        match self.dialect {
+            Dialect::Native => format!("components[{ci}].{key}"),
+            Dialect::GenaiConfig => "model.decoder.filename".into(),
+        }
+    }
+
+    fn port_field(&self, ci: usize, pi: usize, role: Role) -> String {
+        match self.dialect {
+            Dialect::Native => format!("components[{ci}].ports[{pi}].name"),
+            Dialect::GenaiConfig => genai::port_field(role).into(),
+        }
+    }
+
+    fn arch_field(&self, key: &str) -> String {
+        match self.dialect {
+            Dialect::Native => format!("architecture.{key}"),
+            Dialect::GenaiConfig => match key {
+                "vocab_size" => "model.vocab_size".into(),
+                "num_layers" => "model.decoder.num_hidden_layers".into(),
+                "num_kv_heads" => "model.decoder.num_key_value_heads".into(),
+                "num_attention_heads" => "model.decoder.num_attention_heads".into(),
+                "head_dim" => "model.decoder.head_size".into(),
+                "hidden_size" => "model.decoder.hidden_size".into(),
+                other => format!("model.{other}"),
+            },
+        }
+    }
+
+    /// Missing ports in the GenAI dialect get its own code: the usual cause is
+    /// a `%d` template that names no tensor.
+    fn missing_port_code(&self, role: Role) -> Code {
+        match (self.dialect, role.per_layer()) {
+            (Dialect::GenaiConfig, true) => Code::PKG104,
+            _ => Code::PKG021,
+        }
+    }
+}
+
+fn read_text(root: &Path, file: &str, report: &mut Report) -> Option<String> {
+    let path = match confine::resolve(root, file, file, "") {
+        Ok(p) => p,
+        Err(mut d) => {
+            if d.code == Code::PKG012 {
+                d.code = Code::PKG001;
+            }
+            report.push(d);
+            return None;
+        }
+    };
+    match std::fs::read(&path) {
+        Ok(bytes) => match String::from_utf8(bytes) {
+            Ok(text) => Some(text),
+            Err(e) => {
+                report.push(Diagnostic::error(
+                    Code::PKG001,
+                    file,
+                    "",
+                    format!("not UTF-8 text (invalid byte at offset {})", e.utf8_error().valid_up_to()),
+                    "save the file as UTF-8",
+                ));
+                None
+            }
+        },
+        Err(e) => {
+            report.push(Diagnostic::error(Code::PKG001, file, "", format!("cannot read: {e}"), "check the file's permissions"));
+            None
+        }
+    }
+}
+
+/// Parses `package.yaml` text against the closed schema.
+pub fn parse_native(text: &str, report: &mut Report) -> Option<Manifest> {
+    let tree: Tree = match serde_yaml_ng::from_str(text) {
+        Ok(t) => t,
+        Err(e) => {
+            report.push(Diagnostic::error(
+                Code::PKG002,
+                MANIFEST_FILE,
+                "",
+                format!("not valid YAML: {e}"),
+                "fix the YAML syntax at the line and column given",
+            ));
+            return None;
+        }
+    };
+    let codes = SchemaCodes { unknown_key: Code::PKG003, bad_value: Code::PKG004 };
+    let m: Manifest = deserialize_closed(tree, MANIFEST_FILE, &codes, report)?;
+    if m.format != FORMAT {
+        report.push(Diagnostic::error(
+            Code::PKG005,
+            MANIFEST_FILE,
+            "format",
+            format!("format `{}` is not supported", m.format),
+            format!("this version reads `{FORMAT}`; rebuild the package with this version's builder"),
+        ));
+        return None;
+    }
+    Some(m)
+}
+
+fn check_architecture(ctx: &Ctx, m: &Manifest, report: &mut Report) {
+    let a = &m.architecture;
+    let file = ctx.manifest_file();
+    for (key, value) in [
+        ("hidden_size", a.hidden_size),
+        ("num_layers", a.num_layers),
+        ("num_attention_heads", a.num_attention_heads),
+        ("num_kv_heads", a.num_kv_heads),
+        ("head_dim", a.head_dim),
+        ("vocab_size", a.vocab_size),
+        ("max_sequence_length", a.max_sequence_length),
+    ] {
+        if value == 0 {
+            report.push(Diagnostic::error(Code::PKG031, file, ctx.arch_field(key), format!("`{key}` is 0"), "give the model's real size"));
+        }
+    }
+    if a.num_kv_heads != 0 && a.num_attention_heads % a.num_kv_heads != 0 {
+        report.push(Diagnostic::error(
+            Code::PKG031,
+            file,
+            ctx.arch_field("num_kv_heads"),
+            format!("{} attention heads cannot share {} KV heads evenly", a.num_attention_heads, a.num_kv_heads),
+            "num_attention_heads must be a multiple of num_kv_heads (MHA: equal; MQA: 1)",
+        ));
+    }
+    if let Some(layers) = m.kv_cache.as_ref().and_then(|k| k.layers.as_ref()) {
+        if layers.len() != a.num_layers as usize {
+            report.push(Diagnostic::error(
+                Code::PKG031,
+                file,
+                "kv_cache.layers",
+                format!("{} per-layer KV entries for {} layers", layers.len(), a.num_layers),
+                "give one entry per layer, or drop `layers` when all layers are alike",
+            ));
+        }
+    }
+}
+
+fn load_model(relative: &str, path: &Path, report: &mut Report) -> Option<Model> {
+    let bytes = match std::fs::read(path) {
+        Ok(b) => b,
+        Err(e) => {
+            report.push(Diagnostic::error(Code::PKG013, relative, "", format!("cannot read: {e}"), "check the file's permissions"));
+            return None;
+        }
+    };
+    match onnx_genai_onnx::decode(&bytes) {
+        Ok(model) => Some(model),
+        Err(e) => {
+            report.push(Diagnostic::error(
+                Code::PKG020,
+                relative,
+                "",
+                format!("not a readable ONNX model: {e}"),
+                "re-export the model; the file may be truncated or not ONNX",
+            ));
+            None
+        }
+    }
+}
+
+fn adopt_graph_kv_dtype(m: &mut Manifest, models: &[Option<Model>]) {
+    let Some(template) = m.components.first().and_then(|c| c.ports.iter().find(|p| p.role == Role::PastKey)) else {
+        return;
+    };
+    let name = Manifest::expand(&template.name, 0);
+    let dtype = models.first().and_then(Option::as_ref).and_then(|model| model.graph.input(&name)).map(|v| v.dtype);
+    if let (Some(kv), Some(DataType::Float16)) = (m.kv_cache.as_mut(), dtype) {
+        kv.dtype = crate::manifest::ElementType::F16;
+    }
+}
+
+fn allowed_dtypes(m: &Manifest, role: Role) -> Vec<DataType> {
+    match role {
+        Role::TokenIds | Role::PositionIds | Role::AttentionMask => vec![DataType::Int64, DataType::Int32],
+        Role::InputsEmbeds | Role::Logits => vec![DataType::Float, DataType::Float16],
+        _ => match &m.kv_cache {
+            Some(kv) => vec![kv.dtype.onnx()],
+            None => vec![DataType::Float, DataType::Float16],
+        },
+    }
+}
+
+fn check_ports(ctx: &Ctx, m: &Manifest, ci: usize, model: &Model, report: &mut Report) {
+    let component = &m.components[ci];
+    let graph = &model.graph;
+    let file = ctx.manifest_file();
+    let mut seen_roles = HashSet::new();
+    let mut bound_names = HashSet::new();
+    for (pi, port) in component.ports.iter().enumerate() {
+        let field = ctx.port_field(ci, pi, port.role);
+        let templated = port.name.contains("{layer}");
+        if !seen_roles.insert(port.role) {
+            report.push(Diagnostic::error(
+                Code::PKG025,
+                file,
+                field.clone(),
+                format!("role `{}` is bound twice in component `{}`", port.role.as_str(), component.name),
+                "bind each role once",
+            ));
+        }
+        if port.role.per_layer() != templated {
+            let msg = if templated {
+                format!("role `{}` is not per layer but its name contains `{{layer}}`", port.role.as_str())
+            } else {
+                format!("per-layer role `{}` needs `{{layer}}` in its name", port.role.as_str())
+            };
+            report.push(Diagnostic::error(Code::PKG025, file, field, msg, "write e.g. `past_key_values.{layer}.key` for per-layer KV ports"));
+            continue;
+        }
+        let layers = if templated { m.architecture.num_layers } else { 1 };
+        for layer in 0..layers {
+            let name = Manifest::expand(&port.name, layer);
+            if !bound_names.insert(name.clone()) {
+                report.push(Diagnostic::error(Code::PKG025, file, field.clone(), format!("tensor `{name}` is bound twice"), "bind each tensor once"));
+                continue;
+            }
+            let (found, kind, pool) = if port.role.is_output() {
+                (graph.output(&name), "output", &graph.outputs)
+            } else {
+                (graph.input(&name), "input", &graph.inputs)
+            };
+            let Some(value) = found else {
+                let names: Vec<&str> = pool.iter().map(|v| v.name.as_str()).collect();
+                let hint = match nearest(&name, &names) {
+                    Some(s) => format!("did you mean `{s}`? The graph's {kind}s are: {}", names.join(", ")),
+                    None => format!("the graph's {kind}s are: {}", names.join(", ")),
+                };
+                report.push(Diagnostic::error(
+                    ctx.missing_port_code(port.role),
+                    file,
+                    field.clone(),
+                    format!("`{name}` (role `{}`) is not an {kind} of {}", port.role.as_str(), component.file),
+                    hint,
+                ));
+                // One missing layer usually means all are: report the template once.
+                break;
+            };
+            let allowed = allowed_dtypes(m, port.role);
+            if !allowed.contains(&value.dtype) {
+                let names: Vec<&str> = allowed.iter().map(|d| d.name()).collect();
+                report.push(Diagnostic::error(
+                    Code::PKG022,
+                    file,
+                    field.clone(),
+                    format!("`{name}` is {} but role `{}` needs {}", value.dtype, port.role.as_str(), names.join(" or ")),
+                    if port.role.per_layer() {
+                        "make kv_cache.dtype match the graph's KV tensors".to_string()
+                    } else {
+                        "re-export the graph with the expected element type".to_string()
+                    },
+                ));
+            }
+            match value.rank() {
+                Some(rank) if rank != port.role.rank() => report.push(Diagnostic::error(
+                    Code::PKG023,
+                    file,
+                    field.clone(),
+                    format!("`{name}` has rank {rank} but role `{}` needs rank {}", port.role.as_str(), port.role.rank()),
+                    "bind the role to a tensor of the right rank",
+                )),
+                Some(_) => check_shape(ctx, m, port.role, layer, &name, value, &field, report),
+                None => {}
+            }
+        }
+    }
+    let application: HashSet<&str> = m
+        .workflow
+        .iter()
+        .flat_map(|w| &w.application_inputs)
+        .filter(|a| a.component == component.name)
+        .map(|a| a.port.as_str())
+        .collect();
+    for input in graph.runtime_inputs() {
+        if !bound_names.contains(&input.name) && !application.contains(input.name.as_str()) {
+            report.push(Diagnostic::error(
+                Code::PKG026,
+                file,
+                ctx.component_field(ci, "ports"),
+                format!("graph input `{}` of {} is bound by no port", input.name, component.file),
+                "bind it to a role, declare it as a workflow application input, or remove it from the graph",
+            ));
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn check_shape(
+    ctx: &Ctx,
+    m: &Manifest,
+    role: Role,
+    layer: u32,
+    name: &str,
+    value: &onnx_genai_onnx::ValueInfo,
+    field: &str,
+    report: &mut Report,
+) {
+    let Some(shape) = value.shape.as_ref() else { return };
+    let file = ctx.manifest_file();
+    if role.per_layer() {
+        let Some(geometry) = crate::geometry::KvGeometry::from_manifest(m) else { return };
+        let Some(expected) = geometry.layers.get(layer as usize) else { return };
+        for (axis, what, want) in [(1, "KV heads", expected.kv_heads), (3, "head dim", expected.head_dim)] {
+            match shape[axis].fixed() {
+                Some(got) if got != i64::from(want) => report.push(Diagnostic::error(
+                    Code::PKG030,
+                    file,
+                    field,
+                    format!("`{name}` has {got} {what} (axis {axis}) but the KV geometry says {want}"),
+                    "make architecture.num_kv_heads/head_dim (or kv_cache.layers) match the graph",
+                )),
+                Some(_) => {}
+                None => report.push(Diagnostic::warning(
+                    Code::PKG030,
+                    file,
+                    field,
+                    format!("`{name}` axis {axis} ({what}) is not fixed, so the KV geometry cannot be checked"),
+                    "export KV tensors with fixed head counts and head size",
+                )),
+            }
+        }
+    } else if role == Role::Logits {
+        if let Some(width) = shape[2].fixed() {
+            if width != i64::from(m.architecture.vocab_size) {
+                report.push(Diagnostic::error(
+                    Code::PKG040,
+                    file,
+                    ctx.arch_field("vocab_size"),
+                    format!("logits `{name}` are {width} wide but vocab_size is {}", m.architecture.vocab_size),
+                    "make vocab_size equal the logits width",
+                ));
+            }
+        }
+    }
+}
+
+fn check_roles_present(ctx: &Ctx, m: &Manifest, report: &mut Report) {
+    let file = ctx.manifest_file();
+    let decoders: Vec<usize> = (0..m.components.len())
+        .filter(|&ci| m.components[ci].ports.iter().any(|p| p.role == Role::Logits))
+        .collect();
+    if decoders.is_empty() {
+        report.push(Diagnostic::error(
+            Code::PKG024,
+            file,
+            "components",
+            "no component binds the `logits` role",
+            "bind the decoder's logits output with `role: logits`",
+        ));
+    }
+    for ci in decoders {
+        let roles: HashSet<Role> = m.components[ci].ports.iter().map(|p| p.role).collect();
+        let mut need = Vec::new();
+        if !roles.contains(&Role::TokenIds) && !roles.contains(&Role::InputsEmbeds) {
+            need.push("token_ids or inputs_embeds");
+        }
+        if m.kv_cache.is_some() {
+            for (role, label) in [
+                (Role::PastKey, "past_key"),
+                (Role::PastValue, "past_value"),
+                (Role::PresentKey, "present_key"),
+                (Role::PresentValue, "present_value"),
+            ] {
+                if !roles.contains(&role) {
+                    need.push(label);
+                }
+            }
+        }
+        for label in need {
+            report.push(Diagnostic::error(
+                Code::PKG024,
+                file,
+                ctx.component_field(ci, "ports"),
+                format!("decoder component `{}` binds no `{label}` port", m.components[ci].name),
+                "bind the role to the graph tensor that carries it",
+            ));
+        }
+    }
+}
+
+fn check_workflow(ctx: &Ctx, m: &Manifest, models: &[Option<Model>], report: &mut Report) {
+    let Some(workflow) = &m.workflow else { return };
+    for (i, input) in workflow.application_inputs.iter().enumerate() {
+        let field = format!("workflow.application_inputs[{i}]");
+        let Some(ci) = m.components.iter().position(|c| c.name == input.component) else {
+            report.push(Diagnostic::error(
+                Code::PKG060,
+                ctx.manifest_file(),
+                format!("{field}.component"),
+                format!("application input `{}` names unknown component `{}`", input.name, input.component),
+                "name one of the package's components",
+            ));
+            continue;
+        };
+        if let Some(model) = &models[ci] {
+            if model.graph.input(&input.port).is_none() {
+                report.push(Diagnostic::error(
+                    Code::PKG060,
+                    ctx.manifest_file(),
+                    format!("{field}.port"),
+                    format!("application input `{}` feeds `{}`, which is not an input of {}", input.name, input.port, m.components[ci].file),
+                    "name a graph input of that component",
+                ));
+            }
+        }
+    }
+}
+
+fn check_tokenizer(ctx: &Ctx, m: &Manifest, report: &mut Report) -> Option<PathBuf> {
+    let file = ctx.manifest_file();
+    let field = match ctx.dialect {
+        Dialect::Native => "tokenizer.file",
+        Dialect::GenaiConfig => "",
+    };
+    let vocab = m.architecture.vocab_size;
+    let special = m.generation.eos_token_ids.iter().map(|id| ("generation.eos_token_ids", *id)).chain(m.generation.bos_token_id.map(|id| ("generation.bos_token_id", id)));
+    for (key, id) in special {
+        if id >= vocab {
+            report.push(Diagnostic::error(
+                Code::PKG043,
+                file,
+                key,
+                format!("token id {id} is outside the vocabulary (vocab_size {vocab})"),
+                "use the tokenizer's id for the special token",
+            ));
+        }
+    }
+    let path = match confine::resolve(ctx.root, &m.tokenizer.file, file, field) {
+        Ok(p) => p,
+        Err(d) => {
+            report.push(d);
+            return None;
+        }
+    };
+    match tokenizers::Tokenizer::from_file(&path) {
+        Ok(tokenizer) => {
+            let size = tokenizer.get_vocab_size(true);
+            if size > vocab as usize {
+                report.push(Diagnostic::error(
+                    Code::PKG041,
+                    &m.tokenizer.file,
+                    "",
+                    format!("the tokenizer has {size} tokens but the model's vocab_size is {vocab}"),
+                    "use the model's own tokenizer, or raise vocab_size to the logits width",
+                ));
+            }
+            Some(path)
+        }
+        Err(e) => {
+            report.push(Diagnostic::error(
+                Code::PKG042,
+                &m.tokenizer.file,
+                "",
+                format!("the tokenizer does not load: {e}"),
+                "ship a Hugging Face `tokenizer.json` (tokenizers format)",
+            ));
+            None
+        }
+    }
+}
+
+fn check_chat_template(ctx: &Ctx, m: &Manifest, report: &mut Report) {
+    let Some(template) = &m.chat_template else { return };
+    let env = minijinja::Environment::new();
+    if let Err(e) = env.template_from_str(template) {
+        report.push(Diagnostic::error(
+            Code::PKG050,
+            ctx.manifest_file(),
+            "chat_template",
+            format!("the chat template does not parse: {e}"),
+            "fix the Jinja syntax",
+        ));
+    }
+}
