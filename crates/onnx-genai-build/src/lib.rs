@@ -3,6 +3,7 @@
 //! byte-level BPE `tokenizer.json`, and `package.yaml`.
 
 pub mod digest;
+pub mod genai_config;
 pub mod graph;
 mod rng;
 pub mod spec;

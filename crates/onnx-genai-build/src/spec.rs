@@ -50,18 +50,27 @@ impl Spec {
 
     fn check(&self, origin: &str) -> Result<(), BuildError> {
         let fail = |reason: String| Err(BuildError::Spec { origin: origin.into(), reason });
-        if self.num_attention_heads == 0 || self.hidden_size % self.num_attention_heads != 0 {
-            return fail(format!("hidden_size {} is not a multiple of num_attention_heads {}", self.hidden_size, self.num_attention_heads));
+        if self.num_attention_heads == 0 || !self.hidden_size.is_multiple_of(self.num_attention_heads) {
+            return fail(format!(
+                "hidden_size {} is not a multiple of num_attention_heads {}",
+                self.hidden_size, self.num_attention_heads
+            ));
         }
-        if self.kv_heads() == 0 || self.num_attention_heads % self.kv_heads() != 0 {
-            return fail(format!("num_attention_heads {} is not a multiple of num_kv_heads {}", self.num_attention_heads, self.kv_heads()));
+        if self.kv_heads() == 0 || !self.num_attention_heads.is_multiple_of(self.kv_heads()) {
+            return fail(format!(
+                "num_attention_heads {} is not a multiple of num_kv_heads {}",
+                self.num_attention_heads,
+                self.kv_heads()
+            ));
         }
-        if self.head_dim() % 2 != 0 && self.family == Family::Llama {
+        if !self.head_dim().is_multiple_of(2) && self.family == Family::Llama {
             return fail(format!("rotary embedding needs an even head_dim, got {}", self.head_dim()));
         }
         match (self.family, self.rope_theta, self.num_kv_heads) {
             (Family::Llama, None, _) => return fail("the llama family needs rope_theta".into()),
-            (Family::Gpt2, Some(_), _) => return fail("the gpt2 family has learned positions; remove rope_theta".into()),
+            (Family::Gpt2, Some(_), _) => {
+                return fail("the gpt2 family has learned positions; remove rope_theta".into())
+            }
             (Family::Gpt2, _, Some(k)) if k != self.num_attention_heads => {
                 return fail("the gpt2 family is multi-head attention; remove num_kv_heads".into())
             }

@@ -50,10 +50,8 @@ pub fn build(vocab_size: u32) -> Result<Tokenizer, BuildError> {
     }
     let vocab_map: ahash::AHashMap<String, u32> =
         vocab.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
-    let bpe = BPE::builder()
-        .vocab_and_merges(vocab_map, merges)
-        .build()
-        .map_err(|e| BuildError::Tokenizer(e.to_string()))?;
+    let bpe =
+        BPE::builder().vocab_and_merges(vocab_map, merges).build().map_err(|e| BuildError::Tokenizer(e.to_string()))?;
     let mut tokenizer = Tokenizer::new(bpe);
     tokenizer.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
     tokenizer.with_decoder(Some(ByteLevel::default()));

@@ -1,1 +1,195 @@
-fn main() {}
+//! `onnx-genai`: validate, build, inspect and generate from model packages.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand, ValueEnum};
+use onnx_genai_engine::{ChatMessage, Engine, Flow, GenerateRequest, Prompt, Sampling};
+use onnx_genai_package::Package;
+
+#[derive(Parser)]
+#[command(name = "onnx-genai", version, about = "Compile, validate and run generative ONNX model packages")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Format {
+    Text,
+    Json,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Report every problem of a package (exit 1 when any is an error).
+    Validate {
+        package: PathBuf,
+        #[arg(long, value_enum, default_value = "text")]
+        format: Format,
+    },
+    /// Build a package from an architecture spec (`packages/<name>/spec.yaml`).
+    Build { spec: PathBuf, out: PathBuf },
+    /// Show components, ports, KV geometry, bytes per token and parameter count.
+    Inspect { package: PathBuf },
+    /// Generate text, streaming it to stdout.
+    Generate {
+        package: PathBuf,
+        #[arg(long)]
+        prompt: String,
+        /// Treat the prompt as a user message and apply the chat template.
+        #[arg(long)]
+        chat: bool,
+        #[arg(long)]
+        max_new_tokens: Option<u32>,
+        /// 0 is greedy decoding.
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f32,
+        /// 0 keeps every token.
+        #[arg(long, default_value_t = 0)]
+        top_k: usize,
+        #[arg(long, default_value_t = 1.0)]
+        top_p: f32,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Decode backend.
+        #[arg(long, value_enum, default_value = "ort")]
+        backend: Backend,
+        /// Intra-op threads (0: the backend decides).
+        #[arg(long, default_value_t = 0)]
+        threads: usize,
+        /// Print the token ids after the text.
+        #[arg(long)]
+        show_ids: bool,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Backend {
+    /// ONNX Runtime (the reference).
+    Ort,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<ExitCode> {
+    match cli.command {
+        Command::Validate { package, format } => validate(&package, format),
+        Command::Build { spec, out } => {
+            let spec = onnx_genai_build::read_spec(&spec)?;
+            onnx_genai_build::build_package(&spec, &out)?;
+            println!("built {} into {}", spec.name, out.display());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Inspect { package } => inspect(&package),
+        Command::Generate {
+            package,
+            prompt,
+            chat,
+            max_new_tokens,
+            temperature,
+            top_k,
+            top_p,
+            seed,
+            backend: Backend::Ort,
+            threads,
+            show_ids,
+        } => {
+            let mut engine = Engine::open_ort(&package, threads)?;
+            let prompt = if chat {
+                Prompt::Chat(vec![ChatMessage { role: "user".into(), content: prompt }])
+            } else {
+                Prompt::Text(prompt)
+            };
+            let request =
+                GenerateRequest { prompt, max_new_tokens, sampling: Sampling { temperature, top_k, top_p, seed } };
+            let mut stdout = std::io::stdout().lock();
+            let result = engine.generate(&request, &mut |event| {
+                // A closed stdout (e.g. `| head`) stops generation instead of panicking.
+                match write!(stdout, "{}", event.text_delta).and_then(|_| stdout.flush()) {
+                    Ok(()) => Flow::Continue,
+                    Err(_) => Flow::Stop,
+                }
+            })?;
+            let _ = writeln!(stdout);
+            if show_ids {
+                let _ = writeln!(stdout, "token ids: {:?}", result.token_ids);
+            }
+            eprintln!(
+                "[{}: {} prompt tokens, {} generated, finish: {:?}]",
+                engine.backend_name(),
+                result.prompt_tokens,
+                result.token_ids.len(),
+                result.finish_reason
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+fn validate(dir: &std::path::Path, format: Format) -> Result<ExitCode> {
+    let (report, _) = onnx_genai_package::validate(dir);
+    match format {
+        Format::Json => println!("{}", serde_json::to_string_pretty(&report)?),
+        Format::Text if report.diagnostics.is_empty() => println!("{}: ok", dir.display()),
+        Format::Text => print!("{report}"),
+    }
+    Ok(if report.has_errors() { ExitCode::FAILURE } else { ExitCode::SUCCESS })
+}
+
+fn inspect(dir: &std::path::Path) -> Result<ExitCode> {
+    let package = Package::open(dir)?;
+    let m = &package.manifest;
+    let a = &m.architecture;
+    println!("package   {} {} ({:?} dialect)", m.name, m.version, package.dialect);
+    println!(
+        "arch      {:?}: hidden {}, layers {}, heads {}, kv heads {}, head dim {}, vocab {}, context {}",
+        a.family,
+        a.hidden_size,
+        a.num_layers,
+        a.num_attention_heads,
+        a.num_kv_heads,
+        a.head_dim,
+        a.vocab_size,
+        a.max_sequence_length
+    );
+    println!("dtype     weights {:?}", m.dtype);
+    match package.kv_geometry() {
+        Some(g) => {
+            println!("kv cache  {:?}, {} layers, {} bytes per token", g.dtype, g.layers.len(), g.bytes_per_token())
+        }
+        None => println!("kv cache  unknown geometry (admission reserves nothing)"),
+    }
+    let mut parameters = 0;
+    for c in &m.components {
+        let (_, path) = package.component(&c.name)?;
+        let model = onnx_genai_onnx::read_model(path).with_context(|| format!("reading {}", path.display()))?;
+        parameters += model.graph.parameter_count();
+        println!(
+            "component {} ({}, {} nodes, {} parameters)",
+            c.name,
+            c.file,
+            model.graph.nodes.len(),
+            model.graph.parameter_count()
+        );
+        for p in &c.ports {
+            println!("  {:<15} {}", p.role.as_str(), p.name);
+        }
+    }
+    println!("params    {parameters}");
+    for w in &package.warnings {
+        println!("{w}");
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -160,9 +160,9 @@ impl Tensor {
             DataType::Float => chunks.map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
             DataType::Float16 => chunks.map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
             DataType::Bfloat16 => chunks.map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-            DataType::Double => chunks
-                .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f32)
-                .collect(),
+            DataType::Double => {
+                chunks.map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f32).collect()
+            }
             other => {
                 return Err(OnnxError::Unsupported {
                     what: format!("tensor '{}' of type {other} read as floating point", self.name),
@@ -175,9 +175,9 @@ impl Tensor {
     pub fn to_i64(&self) -> Result<Vec<i64>, OnnxError> {
         let chunks = self.raw.chunks_exact(self.dtype.size_bytes());
         Ok(match self.dtype {
-            DataType::Int64 => chunks
-                .map(|c| i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
-                .collect(),
+            DataType::Int64 => {
+                chunks.map(|c| i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])).collect()
+            }
             DataType::Int32 => chunks.map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64).collect(),
             DataType::Int8 => chunks.map(|c| c[0] as i8 as i64).collect(),
             DataType::Uint8 | DataType::Bool => chunks.map(|c| c[0] as i64).collect(),
@@ -289,10 +289,9 @@ impl TryFrom<proto::ModelProto> for Model {
     type Error = OnnxError;
 
     fn try_from(m: proto::ModelProto) -> Result<Self, OnnxError> {
-        let graph = m.graph.ok_or_else(|| OnnxError::Invalid {
-            location: "model".into(),
-            reason: "the model has no graph".into(),
-        })?;
+        let graph = m
+            .graph
+            .ok_or_else(|| OnnxError::Invalid { location: "model".into(), reason: "the model has no graph".into() })?;
         Ok(Model {
             ir_version: m.ir_version,
             opsets: m
@@ -359,11 +358,7 @@ fn tensor_from_proto(t: proto::TensorProto) -> Result<Tensor, OnnxError> {
         .iter()
         .try_fold(1usize, |acc, d| acc.checked_mul(*d as usize))
         .ok_or_else(|| OnnxError::Invalid { location: location.clone(), reason: "element count overflows".into() })?;
-    let raw = if !t.raw_data.is_empty() {
-        t.raw_data
-    } else {
-        typed_payload_to_raw(dtype, &t)
-    };
+    let raw = if !t.raw_data.is_empty() { t.raw_data } else { typed_payload_to_raw(dtype, &t) };
     let expected = count.checked_mul(dtype.size_bytes());
     if expected != Some(raw.len()) {
         return Err(OnnxError::Invalid {
@@ -387,20 +382,14 @@ fn typed_payload_to_raw(dtype: DataType, t: &proto::TensorProto) -> Vec<u8> {
         DataType::Double => t.double_data.iter().flat_map(|v| v.to_le_bytes()).collect(),
         DataType::Int64 => t.int64_data.iter().flat_map(|v| v.to_le_bytes()).collect(),
         DataType::Int32 => t.int32_data.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        DataType::Float16 | DataType::Bfloat16 => {
-            t.int32_data.iter().flat_map(|v| (*v as u16).to_le_bytes()).collect()
-        }
+        DataType::Float16 | DataType::Bfloat16 => t.int32_data.iter().flat_map(|v| (*v as u16).to_le_bytes()).collect(),
         DataType::Uint8 | DataType::Int8 | DataType::Bool => t.int32_data.iter().map(|v| *v as u8).collect(),
     }
 }
 
 fn node_from_proto(index: usize, n: proto::NodeProto) -> Result<Node, OnnxError> {
     let label = if n.name.is_empty() { format!("#{index} ({})", n.op_type) } else { format!("'{}'", n.name) };
-    let attributes = n
-        .attribute
-        .into_iter()
-        .map(|a| attribute_from_proto(&label, a))
-        .collect::<Result<_, _>>()?;
+    let attributes = n.attribute.into_iter().map(|a| attribute_from_proto(&label, a)).collect::<Result<_, _>>()?;
     Ok(Node {
         name: n.name,
         op_type: n.op_type,

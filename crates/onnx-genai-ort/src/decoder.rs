@@ -61,15 +61,15 @@ impl OrtDecoder {
         let m = &package.manifest;
         let geometry = package.kv_geometry();
         let required = |role: Role| {
-            component.port(role).map(str::to_string).ok_or_else(|| load_err(format!("no `{}` port is bound", role.as_str())))
+            component
+                .port(role)
+                .map(str::to_string)
+                .ok_or_else(|| load_err(format!("no `{}` port is bound", role.as_str())))
         };
         let token_ids = required(Role::TokenIds)?;
-        let token_ids_i32 = session
-            .inputs()
-            .iter()
-            .find(|o| o.name() == token_ids)
-            .and_then(|o| o.dtype().tensor_type())
-            == Some(TensorElementType::Int32);
+        let token_ids_i32 =
+            session.inputs().iter().find(|o| o.name() == token_ids).and_then(|o| o.dtype().tensor_type())
+                == Some(TensorElementType::Int32);
         let mut layers = Vec::new();
         if let Some(g) = &geometry {
             for (layer, shape) in g.layers.iter().enumerate() {

@@ -46,7 +46,8 @@ fn incremental_decode_matches_full_prefix_on_every_package() {
         let max_diff = expected.iter().zip(&got).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
         // f16 packages round the cached KV to f16 in both runs identically.
         assert!(max_diff < 1e-4, "{}: incremental logits differ by {max_diff}", spec.display());
-        let spread = expected.iter().cloned().fold(f32::MIN, f32::max) - expected.iter().cloned().fold(f32::MAX, f32::min);
+        let spread =
+            expected.iter().cloned().fold(f32::MIN, f32::max) - expected.iter().cloned().fold(f32::MAX, f32::min);
         assert!(spread > 1e-3, "{}: logits are flat ({spread}); the model computes nothing", spec.display());
 
         step.reset();

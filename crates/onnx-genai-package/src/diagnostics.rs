@@ -95,11 +95,30 @@ pub struct Diagnostic {
 }
 
 impl Diagnostic {
-    pub fn error(code: Code, file: &str, field: impl Into<String>, message: impl Into<String>, hint: impl Into<String>) -> Self {
-        Self { code, severity: Severity::Error, file: file.into(), field: field.into(), message: message.into(), hint: hint.into() }
+    pub fn error(
+        code: Code,
+        file: &str,
+        field: impl Into<String>,
+        message: impl Into<String>,
+        hint: impl Into<String>,
+    ) -> Self {
+        Self {
+            code,
+            severity: Severity::Error,
+            file: file.into(),
+            field: field.into(),
+            message: message.into(),
+            hint: hint.into(),
+        }
     }
 
-    pub fn warning(code: Code, file: &str, field: impl Into<String>, message: impl Into<String>, hint: impl Into<String>) -> Self {
+    pub fn warning(
+        code: Code,
+        file: &str,
+        field: impl Into<String>,
+        message: impl Into<String>,
+        hint: impl Into<String>,
+    ) -> Self {
         Self { severity: Severity::Warning, ..Self::error(code, file, field, message, hint) }
     }
 }

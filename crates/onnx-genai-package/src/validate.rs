@@ -33,12 +33,8 @@ pub struct Checked {
 /// Validates the package at `root`, collecting every problem.
 pub fn validate(root: &Path) -> (Report, Checked) {
     let mut report = Report::default();
-    let mut checked = Checked {
-        dialect: Dialect::Native,
-        manifest: None,
-        component_paths: BTreeMap::new(),
-        tokenizer_path: None,
-    };
+    let mut checked =
+        Checked { dialect: Dialect::Native, manifest: None, component_paths: BTreeMap::new(), tokenizer_path: None };
     let native = root.join(MANIFEST_FILE);
     let genai_path = root.join(genai::CONFIG_FILE);
     let mut manifest = if std::fs::symlink_metadata(&native).is_ok() {
@@ -51,7 +47,7 @@ pub fn validate(root: &Path) -> (Report, Checked) {
             Code::PKG001,
             MANIFEST_FILE,
             "",
-            format!("no {MANIFEST_FILE} (or {}) in {}", genai::CONFIG_FILE, root.display()),
+            format!("no {MANIFEST_FILE} (or {}) in the package directory", genai::CONFIG_FILE),
             "point at a package directory, or build one with `onnx-genai build <spec.yaml> <out-dir>`",
         ));
         None
@@ -108,7 +104,8 @@ impl Ctx<'_> {
     fn component_field(&self, ci: usize, key: &str) -> String {
         match self.dialect {
             Dialect::Native => format!("components[{ci}].{key}"),
-            Dialect::GenaiConfig => "model.decoder.filename".into(),
+            Dialect::GenaiConfig if key == "file" => "model.decoder.filename".into(),
+            Dialect::GenaiConfig => "model.decoder.inputs".into(),
         }
     }
 
@@ -170,7 +167,13 @@ fn read_text(root: &Path, file: &str, report: &mut Report) -> Option<String> {
             }
         },
         Err(e) => {
-            report.push(Diagnostic::error(Code::PKG001, file, "", format!("cannot read: {e}"), "check the file's permissions"));
+            report.push(Diagnostic::error(
+                Code::PKG001,
+                file,
+                "",
+                format!("cannot read: {e}"),
+                "check the file's permissions",
+            ));
             None
         }
     }
@@ -219,10 +222,16 @@ fn check_architecture(ctx: &Ctx, m: &Manifest, report: &mut Report) {
         ("max_sequence_length", a.max_sequence_length),
     ] {
         if value == 0 {
-            report.push(Diagnostic::error(Code::PKG031, file, ctx.arch_field(key), format!("`{key}` is 0"), "give the model's real size"));
+            report.push(Diagnostic::error(
+                Code::PKG031,
+                file,
+                ctx.arch_field(key),
+                format!("`{key}` is 0"),
+                "give the model's real size",
+            ));
         }
     }
-    if a.num_kv_heads != 0 && a.num_attention_heads % a.num_kv_heads != 0 {
+    if a.num_kv_heads != 0 && !a.num_attention_heads.is_multiple_of(a.num_kv_heads) {
         report.push(Diagnostic::error(
             Code::PKG031,
             file,
@@ -248,7 +257,13 @@ fn load_model(relative: &str, path: &Path, report: &mut Report) -> Option<Model>
     let bytes = match std::fs::read(path) {
         Ok(b) => b,
         Err(e) => {
-            report.push(Diagnostic::error(Code::PKG013, relative, "", format!("cannot read: {e}"), "check the file's permissions"));
+            report.push(Diagnostic::error(
+                Code::PKG013,
+                relative,
+                "",
+                format!("cannot read: {e}"),
+                "check the file's permissions",
+            ));
             return None;
         }
     };
@@ -313,14 +328,26 @@ fn check_ports(ctx: &Ctx, m: &Manifest, ci: usize, model: &Model, report: &mut R
             } else {
                 format!("per-layer role `{}` needs `{{layer}}` in its name", port.role.as_str())
             };
-            report.push(Diagnostic::error(Code::PKG025, file, field, msg, "write e.g. `past_key_values.{layer}.key` for per-layer KV ports"));
+            report.push(Diagnostic::error(
+                Code::PKG025,
+                file,
+                field,
+                msg,
+                "write e.g. `past_key_values.{layer}.key` for per-layer KV ports",
+            ));
             continue;
         }
         let layers = if templated { m.architecture.num_layers } else { 1 };
         for layer in 0..layers {
             let name = Manifest::expand(&port.name, layer);
             if !bound_names.insert(name.clone()) {
-                report.push(Diagnostic::error(Code::PKG025, file, field.clone(), format!("tensor `{name}` is bound twice"), "bind each tensor once"));
+                report.push(Diagnostic::error(
+                    Code::PKG025,
+                    file,
+                    field.clone(),
+                    format!("tensor `{name}` is bound twice"),
+                    "bind each tensor once",
+                ));
                 continue;
             }
             let (found, kind, pool) = if port.role.is_output() {
@@ -351,7 +378,12 @@ fn check_ports(ctx: &Ctx, m: &Manifest, ci: usize, model: &Model, report: &mut R
                     Code::PKG022,
                     file,
                     field.clone(),
-                    format!("`{name}` is {} but role `{}` needs {}", value.dtype, port.role.as_str(), names.join(" or ")),
+                    format!(
+                        "`{name}` is {} but role `{}` needs {}",
+                        value.dtype,
+                        port.role.as_str(),
+                        names.join(" or ")
+                    ),
                     if port.role.per_layer() {
                         "make kv_cache.dtype match the graph's KV tensors".to_string()
                     } else {
@@ -364,7 +396,11 @@ fn check_ports(ctx: &Ctx, m: &Manifest, ci: usize, model: &Model, report: &mut R
                     Code::PKG023,
                     file,
                     field.clone(),
-                    format!("`{name}` has rank {rank} but role `{}` needs rank {}", port.role.as_str(), port.role.rank()),
+                    format!(
+                        "`{name}` has rank {rank} but role `{}` needs rank {}",
+                        port.role.as_str(),
+                        port.role.rank()
+                    ),
                     "bind the role to a tensor of the right rank",
                 )),
                 Some(_) => check_shape(ctx, m, port.role, layer, &name, value, &field, report),
@@ -444,9 +480,8 @@ fn check_shape(
 
 fn check_roles_present(ctx: &Ctx, m: &Manifest, report: &mut Report) {
     let file = ctx.manifest_file();
-    let decoders: Vec<usize> = (0..m.components.len())
-        .filter(|&ci| m.components[ci].ports.iter().any(|p| p.role == Role::Logits))
-        .collect();
+    let decoders: Vec<usize> =
+        (0..m.components.len()).filter(|&ci| m.components[ci].ports.iter().any(|p| p.role == Role::Logits)).collect();
     if decoders.is_empty() {
         report.push(Diagnostic::error(
             Code::PKG024,
@@ -506,7 +541,10 @@ fn check_workflow(ctx: &Ctx, m: &Manifest, models: &[Option<Model>], report: &mu
                     Code::PKG060,
                     ctx.manifest_file(),
                     format!("{field}.port"),
-                    format!("application input `{}` feeds `{}`, which is not an input of {}", input.name, input.port, m.components[ci].file),
+                    format!(
+                        "application input `{}` feeds `{}`, which is not an input of {}",
+                        input.name, input.port, m.components[ci].file
+                    ),
                     "name a graph input of that component",
                 ));
             }
@@ -521,7 +559,12 @@ fn check_tokenizer(ctx: &Ctx, m: &Manifest, report: &mut Report) -> Option<PathB
         Dialect::GenaiConfig => "",
     };
     let vocab = m.architecture.vocab_size;
-    let special = m.generation.eos_token_ids.iter().map(|id| ("generation.eos_token_ids", *id)).chain(m.generation.bos_token_id.map(|id| ("generation.bos_token_id", id)));
+    let special = m
+        .generation
+        .eos_token_ids
+        .iter()
+        .map(|id| ("generation.eos_token_ids", *id))
+        .chain(m.generation.bos_token_id.map(|id| ("generation.bos_token_id", id)));
     for (key, id) in special {
         if id >= vocab {
             report.push(Diagnostic::error(

@@ -182,7 +182,9 @@ impl<'s> Decoder<'s> {
         let (heads, kv_heads, hd) = (spec.num_attention_heads, spec.kv_heads(), spec.head_dim());
         let kv_dtype = spec.dtype.onnx();
         let mut cached = Vec::new();
-        for (new, past_t, present_t) in [(k, names::PAST_KEY, names::PRESENT_KEY), (v, names::PAST_VALUE, names::PRESENT_VALUE)] {
+        for (new, past_t, present_t) in
+            [(k, names::PAST_KEY, names::PRESENT_KEY), (v, names::PAST_VALUE, names::PRESENT_VALUE)]
+        {
             let stored = if kv_dtype == DataType::Float {
                 new.to_string()
             } else {

@@ -1,0 +1,81 @@
+//! The package builder: committed digests, deterministic output, tokenizer.
+
+use std::path::{Path, PathBuf};
+
+use onnx_genai_build::digest::{package_digest, DIGEST_FILE};
+use onnx_genai_build::{build_package, read_spec, tokenizer, Spec};
+
+fn spec_paths() -> Vec<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packages");
+    let mut v: Vec<PathBuf> = std::fs::read_dir(root)
+        .unwrap()
+        .filter_map(|e| e.ok().map(|e| e.path().join("spec.yaml")))
+        .filter(|p| p.is_file())
+        .collect();
+    v.sort();
+    v
+}
+
+/// A generator change that alters a package's bytes fails here until the
+/// digest is deliberately re-blessed (`cargo xtask packages --bless`).
+#[test]
+fn built_packages_match_their_committed_digests() {
+    assert!(spec_paths().len() >= 3);
+    for spec_path in spec_paths() {
+        let spec = read_spec(&spec_path).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        build_package(&spec, dir.path()).unwrap();
+        let committed = std::fs::read_to_string(spec_path.with_file_name(DIGEST_FILE)).unwrap();
+        assert_eq!(
+            package_digest(dir.path()).unwrap(),
+            committed,
+            "{} drifted; run `cargo xtask packages --bless` if intended",
+            spec.name
+        );
+        let size: u64 = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().metadata().unwrap().len()).sum();
+        assert!(size < 2 * 1024 * 1024, "{} is {size} bytes; tiny packages stay under 2 MB", spec.name);
+    }
+}
+
+#[test]
+fn a_different_seed_gives_different_weights() {
+    let spec = read_spec(&spec_paths()[0]).unwrap();
+    let other = Spec { seed: spec.seed + 100, ..spec.clone() };
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    build_package(&spec, a.path()).unwrap();
+    build_package(&other, b.path()).unwrap();
+    let model = |d: &Path| std::fs::read(d.join("model.onnx")).unwrap();
+    assert_ne!(model(a.path()), model(b.path()));
+}
+
+#[test]
+fn tokenizer_round_trips_text_and_keeps_special_tokens_whole() {
+    let tok = tokenizer::build(384).unwrap();
+    assert_eq!(tok.get_vocab_size(true), 384);
+    for text in ["The capital of France is Paris.", "  two  spaces\nand a tab\t", "héllo wörld ✓ 数字 123456", ""]
+    {
+        let ids = tok.encode(text, false).unwrap().get_ids().to_vec();
+        assert_eq!(tok.decode(&ids, false).unwrap(), text, "round trip of {text:?}");
+    }
+    let ids = tok.encode("<|im_start|>user", false).unwrap().get_ids().to_vec();
+    assert_eq!(ids[0], tok.token_to_id("<|im_start|>").unwrap());
+    assert_eq!(tok.token_to_id("<|endoftext|>"), Some(381));
+    // Merges are used: common words are fewer tokens than bytes.
+    assert!(tok.encode("the capital", false).unwrap().get_ids().len() < "the capital".len());
+}
+
+#[test]
+fn invalid_specs_are_refused_with_the_reason() {
+    let gqa = spec_paths().into_iter().find(|p| p.to_string_lossy().contains("tiny-llama-gqa")).unwrap();
+    let text = std::fs::read_to_string(gqa).unwrap();
+    let cases = [
+        (text.replace("num_kv_heads: 2", "num_kv_heads: 3"), "multiple of num_kv_heads"),
+        (text.replace("seed: 1", "seed: 1\nsead: 2"), "unknown field `sead`"),
+        (text.replace("vocab_size: 384", "vocab_size: 100"), "below the 259"),
+        (text.replace("hidden_size: 64", "hidden_size: sixty"), "hidden_size"),
+    ];
+    for (spec, want) in cases {
+        let err = Spec::parse(&spec, "test").unwrap_err().to_string();
+        assert!(err.contains(want), "expected `{want}` in: {err}");
+    }
+}

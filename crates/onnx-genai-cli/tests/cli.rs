@@ -1,0 +1,77 @@
+//! The `onnx-genai` binary: exit codes, output, and no panics on bad input.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn cli(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_onnx-genai")).args(args).output().unwrap()
+}
+
+fn text(o: &Output) -> (String, String) {
+    (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
+}
+
+fn built(name: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packages").join(name).join("spec.yaml");
+    let out = cli(&["build", spec.to_str().unwrap(), dir.path().to_str().unwrap()]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    dir
+}
+
+#[test]
+fn validate_reports_ok_and_errors_with_exit_codes() {
+    let dir = built("tiny-llama-gqa");
+    let p = dir.path().to_str().unwrap();
+    let ok = cli(&["validate", p]);
+    assert_eq!(ok.status.code(), Some(0));
+    assert!(text(&ok).0.contains(": ok"));
+
+    std::fs::write(dir.path().join("tokenizer.json"), "not json").unwrap();
+    let bad = cli(&["validate", p, "--format", "json"]);
+    assert_eq!(bad.status.code(), Some(1));
+    let report: serde_json::Value = serde_json::from_slice(&bad.stdout).unwrap();
+    assert_eq!(report["diagnostics"][0]["code"], "PKG042");
+    assert_eq!(report["diagnostics"][0]["severity"], "error");
+}
+
+#[test]
+fn generate_is_greedy_deterministic_and_inspect_shows_geometry() {
+    let dir = built("tiny-llama-gqa");
+    let p = dir.path().to_str().unwrap();
+    let args = ["generate", p, "--prompt", "The capital of France is", "--max-new-tokens", "8", "--show-ids"];
+    let (a, b) = (cli(&args), cli(&args));
+    assert!(a.status.success(), "{:?}", text(&a));
+    assert_eq!(a.stdout, b.stdout);
+    assert!(text(&a).0.contains("token ids: ["));
+    let inspect = cli(&["inspect", p]);
+    let (out, _) = text(&inspect);
+    assert!(out.contains("512 bytes per token"), "{out}");
+    assert!(out.contains("past_key_values.{layer}.key"), "{out}");
+}
+
+/// Bad input: a clear error and a non-zero exit, never a panic.
+#[test]
+fn bad_input_fails_cleanly() {
+    let dir = built("tiny-gpt2");
+    let p = dir.path().to_str().unwrap();
+    let missing = cli(&["generate", "/nonexistent/pkg", "--prompt", "x"]);
+    assert_eq!(missing.status.code(), Some(1));
+    assert!(text(&missing).1.contains("PKG001"), "{:?}", text(&missing));
+
+    let bad_arg = cli(&["generate", p, "--prompt", "x", "--max-new-tokens", "many"]);
+    assert_eq!(bad_arg.status.code(), Some(2), "clap usage errors exit 2");
+
+    let zero = cli(&["generate", p, "--prompt", "x", "--max-new-tokens", "0"]);
+    assert_eq!(zero.status.code(), Some(1));
+    assert!(text(&zero).1.contains("max_new_tokens"));
+
+    std::fs::write(dir.path().join("model.onnx"), b"\x08\x01garbage").unwrap();
+    let corrupt = cli(&["generate", p, "--prompt", "x"]);
+    assert_eq!(corrupt.status.code(), Some(1));
+    assert!(text(&corrupt).1.contains("PKG020"), "{:?}", text(&corrupt));
+
+    for o in [missing, bad_arg, zero, corrupt] {
+        assert!(!text(&o).1.contains("panicked"), "{:?}", text(&o));
+    }
+}

@@ -1,0 +1,138 @@
+//! The generate path on ONNX Runtime with a real tiny package.
+
+use std::path::Path;
+
+use onnx_genai_backend::DecodeBackend;
+use onnx_genai_engine::{ChatMessage, Engine, EngineError, FinishReason, Flow, GenerateRequest, Prompt, Sampling};
+
+fn package(name: &str) -> tempfile::TempDir {
+    let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packages").join(name).join("spec.yaml");
+    let dir = tempfile::tempdir().unwrap();
+    onnx_genai_build::build_package(&onnx_genai_build::read_spec(&spec).unwrap(), dir.path()).unwrap();
+    dir
+}
+
+fn request(prompt: Prompt, max: u32) -> GenerateRequest {
+    GenerateRequest { prompt, max_new_tokens: Some(max), sampling: Sampling::default() }
+}
+
+/// Greedy generation through the engine equals a hand-driven argmax loop on
+/// the backend (prefill once, then one token per step on the carried KV).
+#[test]
+fn greedy_matches_a_manual_decode_loop_and_is_deterministic() {
+    let dir = package("tiny-llama-gqa");
+    let mut engine = Engine::open_ort(dir.path(), 1).unwrap();
+    let prompt = engine.encode("The capital of France is").unwrap();
+    let req = request(Prompt::TokenIds(prompt.clone()), 24);
+    let mut streamed = Vec::new();
+    let result = engine
+        .generate(&req, &mut |e| {
+            streamed.push(e.token_id);
+            Flow::Continue
+        })
+        .unwrap();
+    assert_eq!(result.token_ids, streamed);
+    assert_eq!(result.prompt_tokens, prompt.len());
+
+    let package = onnx_genai_package::Package::open(dir.path()).unwrap();
+    let mut backend = onnx_genai_ort::OrtDecoder::load(&package, 1).unwrap();
+    let eos = package.manifest.generation.eos_token_ids.clone();
+    let mut logits = backend.forward(&prompt).unwrap();
+    let mut manual = Vec::new();
+    for _ in 0..24 {
+        let t = onnx_genai_engine::sampling::argmax(&logits);
+        if eos.contains(&t) {
+            break;
+        }
+        manual.push(t);
+        logits = backend.forward(&[t]).unwrap();
+    }
+    assert_eq!(result.token_ids, manual);
+    if result.finish_reason == FinishReason::Length {
+        assert_eq!(result.token_ids.len(), 24);
+    }
+    let again = engine.generate(&req, &mut |_| Flow::Continue).unwrap();
+    assert_eq!(again.token_ids, result.token_ids, "greedy is deterministic");
+}
+
+#[test]
+fn streamed_text_deltas_build_the_final_text() {
+    let dir = package("tiny-gpt2");
+    let mut engine = Engine::open_ort(dir.path(), 1).unwrap();
+    let mut text = String::new();
+    let result = engine
+        .generate(&request(Prompt::Text("Hello, world".into()), 12), &mut |e| {
+            text.push_str(e.text_delta);
+            Flow::Continue
+        })
+        .unwrap();
+    assert!(result.text.starts_with(&text), "{text:?} vs {:?}", result.text);
+}
+
+#[test]
+fn a_callback_can_stop_generation() {
+    let dir = package("tiny-llama-f16");
+    let mut engine = Engine::open_ort(dir.path(), 1).unwrap();
+    let result = engine.generate(&request(Prompt::Text("one two".into()), 10), &mut |_| Flow::Stop).unwrap();
+    assert_eq!(result.finish_reason, FinishReason::Stopped);
+    assert_eq!(result.token_ids.len(), 1);
+}
+
+#[test]
+fn seeded_sampling_is_reproducible_and_differs_from_greedy_somewhere() {
+    let dir = package("tiny-llama-gqa");
+    let mut engine = Engine::open_ort(dir.path(), 1).unwrap();
+    let sample = |engine: &mut Engine, seed| {
+        let req = GenerateRequest {
+            prompt: Prompt::Text("Once upon a time".into()),
+            max_new_tokens: Some(16),
+            sampling: Sampling { temperature: 1.5, top_k: 50, top_p: 0.95, seed },
+        };
+        engine.generate(&req, &mut |_| Flow::Continue).unwrap().token_ids
+    };
+    assert_eq!(sample(&mut engine, 7), sample(&mut engine, 7));
+    let runs: std::collections::BTreeSet<Vec<u32>> = (0..4).map(|s| sample(&mut engine, s)).collect();
+    assert!(runs.len() > 1, "different seeds all gave {runs:?}");
+}
+
+#[test]
+fn chat_prompts_use_the_template() {
+    let dir = package("tiny-llama-gqa");
+    let mut engine = Engine::open_ort(dir.path(), 1).unwrap();
+    let chat = Prompt::Chat(vec![ChatMessage { role: "user".into(), content: "Hi".into() }]);
+    let result = engine.generate(&request(chat, 4), &mut |_| Flow::Continue).unwrap();
+    let rendered = engine.encode("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n").unwrap();
+    assert_eq!(result.prompt_tokens, rendered.len());
+}
+
+/// Bad requests are typed errors before any token is produced.
+#[test]
+fn bad_requests_are_refused_with_a_reason() {
+    let dir = package("tiny-llama-gqa");
+    let mut engine = Engine::open_ort(dir.path(), 1).unwrap();
+    let cases = [
+        (request(Prompt::Text(String::new()), 4), "empty"),
+        (request(Prompt::Text("hi".into()), 0), "max_new_tokens"),
+        (request(Prompt::TokenIds(vec![1, 9999]), 4), "outside the vocabulary"),
+        (request(Prompt::TokenIds(vec![1; 256]), 4), "context holds 256"),
+        (
+            GenerateRequest {
+                sampling: Sampling { temperature: -1.0, ..Sampling::default() },
+                ..request(Prompt::Text("hi".into()), 4)
+            },
+            "temperature",
+        ),
+    ];
+    for (req, want) in cases {
+        let mut called = false;
+        let err = engine.generate(&req, &mut |_| {
+            called = true;
+            Flow::Continue
+        });
+        match err {
+            Err(EngineError::Request(msg)) => assert!(msg.contains(want), "{msg}"),
+            other => panic!("expected a request error containing {want}, got {other:?}"),
+        }
+        assert!(!called);
+    }
+}

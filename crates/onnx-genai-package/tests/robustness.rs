@@ -1,0 +1,65 @@
+//! Bad input never panics: at least 500 deterministic truncations and bit
+//! flips of real packages' ONNX files and manifests go through validation
+//! and open; each either validates or fails with coded diagnostics.
+
+mod support;
+
+use onnx_genai_package::{validate, Package};
+use support::{build, shipped_packages, Layout};
+
+/// xorshift: positions are deterministic so a failure reproduces exactly.
+fn positions(len: usize, count: usize, seed: u64) -> Vec<usize> {
+    let mut s = seed | 1;
+    (0..count)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s % len as u64) as usize
+        })
+        .collect()
+}
+
+#[test]
+fn truncations_and_bit_flips_never_panic() {
+    let mut checked = 0;
+    let mut rejected = 0;
+    for (p, name) in shipped_packages().iter().enumerate() {
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().join("pkg");
+        build(name, Layout::Native, &dir);
+        for file in ["model.onnx", "package.yaml"] {
+            let original = std::fs::read(dir.join(file)).unwrap();
+            let len = original.len();
+            // Structure lives at the start of an ONNX file (graph, nodes) and
+            // everywhere in a manifest: aim half the flips at the first 4 KiB.
+            let head = len.min(4096);
+            let mut variants: Vec<Vec<u8>> = Vec::new();
+            for cut in positions(len, 40, 11 + p as u64) {
+                variants.push(original[..cut].to_vec());
+            }
+            for (i, at) in
+                positions(head, 60, 23 + p as u64).into_iter().chain(positions(len, 40, 37 + p as u64)).enumerate()
+            {
+                let mut v = original.clone();
+                v[at] ^= 1 << (i % 8);
+                variants.push(v);
+            }
+            for bytes in variants {
+                std::fs::write(dir.join(file), &bytes).unwrap();
+                let (report, _) = validate(&dir);
+                let opened = Package::open(&dir);
+                assert_eq!(opened.is_err(), report.has_errors(), "open and validate disagree:\n{report}");
+                if report.has_errors() {
+                    rejected += 1;
+                    assert!(report.errors().all(|d| !d.message.is_empty() && !d.hint.is_empty()));
+                }
+                checked += 1;
+            }
+            std::fs::write(dir.join(file), &original).unwrap();
+        }
+    }
+    assert!(checked >= 500, "only {checked} variants");
+    // Most mutations must be caught; a validator that accepts anything fails here.
+    assert!(rejected * 2 > checked, "only {rejected} of {checked} variants were rejected");
+}
