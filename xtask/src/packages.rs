@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use onnx_genai_build::digest::{package_digest, DIGEST_FILE};
 
 use crate::util;
@@ -13,22 +13,10 @@ pub struct Built {
     pub bytes: u64,
 }
 
-/// Every `packages/<name>/spec.yaml`, sorted by name.
-pub fn specs() -> Result<Vec<PathBuf>> {
-    let dir = util::root().join("packages");
-    let mut specs: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .with_context(|| format!("reading {}", dir.display()))?
-        .filter_map(|e| e.ok().map(|e| e.path().join("spec.yaml")))
-        .filter(|p| p.is_file())
-        .collect();
-    specs.sort();
-    Ok(specs)
-}
-
 pub fn build_all(bless: bool) -> Result<Vec<Built>> {
     let mut built = Vec::new();
     let mut drift = Vec::new();
-    for spec_path in specs()? {
+    for spec_path in onnx_genai_build::spec_files(&util::root().join("packages"))? {
         let spec = onnx_genai_build::read_spec(&spec_path)?;
         let out = util::target().join("packages").join(&spec.name);
         if out.exists() {

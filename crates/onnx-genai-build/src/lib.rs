@@ -29,6 +29,18 @@ pub enum BuildError {
 pub const MODEL_FILE: &str = "model.onnx";
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
 
+/// The `<packages_dir>/<name>/spec.yaml` files, sorted by package name.
+pub fn spec_files(packages_dir: &Path) -> Result<Vec<PathBuf>, BuildError> {
+    let io = |source| BuildError::Io { path: packages_dir.into(), source };
+    let mut specs: Vec<PathBuf> = std::fs::read_dir(packages_dir)
+        .map_err(io)?
+        .filter_map(|e| e.ok().map(|e| e.path().join("spec.yaml")))
+        .filter(|p| p.is_file())
+        .collect();
+    specs.sort();
+    Ok(specs)
+}
+
 /// Reads and checks a `spec.yaml`.
 pub fn read_spec(path: &Path) -> Result<Spec, BuildError> {
     let text = std::fs::read_to_string(path).map_err(|source| BuildError::Io { path: path.into(), source })?;

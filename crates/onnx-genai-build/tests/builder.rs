@@ -6,14 +6,7 @@ use onnx_genai_build::digest::{package_digest, DIGEST_FILE};
 use onnx_genai_build::{build_package, read_spec, tokenizer, Spec};
 
 fn spec_paths() -> Vec<PathBuf> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packages");
-    let mut v: Vec<PathBuf> = std::fs::read_dir(root)
-        .unwrap()
-        .filter_map(|e| e.ok().map(|e| e.path().join("spec.yaml")))
-        .filter(|p| p.is_file())
-        .collect();
-    v.sort();
-    v
+    onnx_genai_build::spec_files(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packages")).unwrap()
 }
 
 /// A generator change that alters a package's bytes fails here until the

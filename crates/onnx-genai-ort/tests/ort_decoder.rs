@@ -7,13 +7,7 @@ use onnx_genai_ort::OrtDecoder;
 use onnx_genai_package::Package;
 
 fn specs() -> Vec<PathBuf> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packages");
-    let mut specs: Vec<PathBuf> = std::fs::read_dir(&root)
-        .expect("packages/ exists")
-        .filter_map(|e| e.ok().map(|e| e.path().join("spec.yaml")))
-        .filter(|p| p.is_file())
-        .collect();
-    specs.sort();
+    let specs = onnx_genai_build::spec_files(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packages")).unwrap();
     assert!(specs.len() >= 3, "expected the shipped tiny packages, found {specs:?}");
     specs
 }

@@ -16,14 +16,11 @@ pub fn spec_path(name: &str) -> PathBuf {
 }
 
 pub fn shipped_packages() -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(workspace().join("packages"))
+    onnx_genai_build::spec_files(&workspace().join("packages"))
         .unwrap()
-        .filter_map(|e| e.ok())
-        .filter(|e| e.path().join("spec.yaml").is_file())
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
-    names
+        .iter()
+        .filter_map(|p| p.parent()?.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .collect()
 }
 
 #[derive(Clone, Copy, Debug, Deserialize, PartialEq)]
