@@ -33,14 +33,26 @@ fn corpus_is_large_enough() {
 #[test]
 fn shipped_packages_are_clean_in_both_layouts() {
     for name in shipped_packages() {
+        let spec = onnx_genai_build::read_spec(&support::spec_path(&name)).unwrap();
+        let dtype_bytes = match spec.dtype {
+            onnx_genai_package::ElementType::F32 => 4,
+            onnx_genai_package::ElementType::F16 => 2,
+        };
+        let expected_bytes = 2 * u64::from(spec.num_layers * spec.kv_heads() * spec.head_dim()) * dtype_bytes;
+        let mut geometries = Vec::new();
         for layout in [Layout::Native, Layout::Genai] {
             let dir = tempfile::tempdir().unwrap();
             build(&name, layout, dir.path());
             let (report, _) = validate(dir.path());
             assert!(report.diagnostics.is_empty(), "{name} ({layout:?}):\n{report}");
-            let package = Package::open(dir.path()).unwrap();
-            assert_eq!(package.kv_geometry(), Package::open(dir.path()).unwrap().kv_geometry());
+            let geometry =
+                Package::open(dir.path()).unwrap().kv_geometry().expect("shipped packages declare a KV cache");
+            assert_eq!(geometry.bytes_per_token(), expected_bytes, "{name} ({layout:?})");
+            geometries.push(geometry);
         }
+        // The genai import reads the KV dtype from the graph; it must land on
+        // the same geometry the native manifest declares.
+        assert_eq!(geometries[0], geometries[1], "{name}: native and genai layouts disagree");
     }
 }
 
