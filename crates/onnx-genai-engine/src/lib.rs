@@ -101,9 +101,7 @@ impl Engine {
     }
 
     pub fn new(package: Package, backend: Box<dyn DecodeBackend>) -> Result<Self, EngineError> {
-        let path = package.tokenizer_path();
-        let tokenizer = Tokenizer::from_file(path)
-            .map_err(|e| EngineError::Tokenizer { path: path.display().to_string(), reason: e.to_string() })?;
+        let tokenizer = package.tokenizer().clone();
         Ok(Self { package, tokenizer, backend })
     }
 

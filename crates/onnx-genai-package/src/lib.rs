@@ -35,7 +35,7 @@ pub struct Package {
     /// Warnings validation found (errors make [`Package::open`] fail).
     pub warnings: Vec<Diagnostic>,
     component_paths: BTreeMap<String, PathBuf>,
-    tokenizer_path: PathBuf,
+    tokenizer: tokenizers::Tokenizer,
 }
 
 impl Package {
@@ -47,14 +47,14 @@ impl Package {
         if report.has_errors() {
             return Err(invalid(report));
         }
-        match (checked.manifest, checked.tokenizer_path) {
-            (Some(manifest), Some(tokenizer_path)) => Ok(Self {
+        match (checked.manifest, checked.tokenizer) {
+            (Some(manifest), Some(tokenizer)) => Ok(Self {
                 root: root.to_path_buf(),
                 dialect: checked.dialect,
                 manifest,
                 warnings: report.diagnostics,
                 component_paths: checked.component_paths,
-                tokenizer_path,
+                tokenizer,
             }),
             _ => Err(invalid(report)),
         }
@@ -64,8 +64,9 @@ impl Package {
         KvGeometry::from_manifest(&self.manifest)
     }
 
-    pub fn tokenizer_path(&self) -> &Path {
-        &self.tokenizer_path
+    /// The package tokenizer, as loaded (and checked) by validation.
+    pub fn tokenizer(&self) -> &tokenizers::Tokenizer {
+        &self.tokenizer
     }
 
     pub fn component(&self, name: &str) -> Result<(&Component, &Path), PackageError> {

@@ -27,14 +27,15 @@ pub struct Checked {
     pub dialect: Dialect,
     pub manifest: Option<Manifest>,
     pub component_paths: BTreeMap<String, PathBuf>,
-    pub tokenizer_path: Option<PathBuf>,
+    /// The tokenizer validation loaded, handed on so it is read once.
+    pub tokenizer: Option<tokenizers::Tokenizer>,
 }
 
 /// Validates the package at `root`, collecting every problem.
 pub fn validate(root: &Path) -> (Report, Checked) {
     let mut report = Report::default();
     let mut checked =
-        Checked { dialect: Dialect::Native, manifest: None, component_paths: BTreeMap::new(), tokenizer_path: None };
+        Checked { dialect: Dialect::Native, manifest: None, component_paths: BTreeMap::new(), tokenizer: None };
     let native = root.join(MANIFEST_FILE);
     let genai_path = root.join(genai::CONFIG_FILE);
     let mut manifest = if std::fs::symlink_metadata(&native).is_ok() {
@@ -82,7 +83,7 @@ pub fn validate(root: &Path) -> (Report, Checked) {
     }
     check_roles_present(&ctx, m, &mut report);
     check_workflow(&ctx, m, &models, &mut report);
-    checked.tokenizer_path = check_tokenizer(&ctx, m, &mut report);
+    checked.tokenizer = check_tokenizer(&ctx, m, &mut report);
     check_chat_template(&ctx, m, &mut report);
     checked.manifest = manifest;
     (report, checked)
@@ -552,7 +553,7 @@ fn check_workflow(ctx: &Ctx, m: &Manifest, models: &[Option<Model>], report: &mu
     }
 }
 
-fn check_tokenizer(ctx: &Ctx, m: &Manifest, report: &mut Report) -> Option<PathBuf> {
+fn check_tokenizer(ctx: &Ctx, m: &Manifest, report: &mut Report) -> Option<tokenizers::Tokenizer> {
     let file = ctx.manifest_file();
     let field = match ctx.dialect {
         Dialect::Native => "tokenizer.file",
@@ -595,7 +596,7 @@ fn check_tokenizer(ctx: &Ctx, m: &Manifest, report: &mut Report) -> Option<PathB
                     "use the model's own tokenizer, or raise vocab_size to the logits width",
                 ));
             }
-            Some(path)
+            Some(tokenizer)
         }
         Err(e) => {
             report.push(Diagnostic::error(

@@ -70,13 +70,11 @@ fn rotary_tables(d: &mut Decoder) -> (String, String) {
     let cos_t = d.table("rotary.cos", dims.clone(), &cos);
     let sin_t = d.table("rotary.sin", dims, &sin);
     let axis = d.b.const_i64(&[1]);
-    let mut out = Vec::new();
-    for t in [cos_t, sin_t] {
-        let g = d.b.op_with("Gather", &[&t, names::POSITION_IDS], vec![attr_int("axis", 0)]);
-        out.push(d.b.op("Unsqueeze", &[&g, &axis]));
-    }
-    let sin = out.pop().unwrap_or_default();
-    let cos = out.pop().unwrap_or_default();
+    let mut by_position = |table: &str| {
+        let g = d.b.op_with("Gather", &[table, names::POSITION_IDS], vec![attr_int("axis", 0)]);
+        d.b.op("Unsqueeze", &[&g, &axis])
+    };
+    let (cos, sin) = (by_position(&cos_t), by_position(&sin_t));
     (cos, sin)
 }
 
