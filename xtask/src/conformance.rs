@@ -1,92 +1,173 @@
-//! `cargo xtask conformance`: build every package, validate it, load it in
-//! ONNX Runtime and generate from it; print a summary table and write
-//! `target/conformance/report.md`.
+//! `cargo xtask conformance`: build every package in every export variant,
+//! validate it, load it in ONNX Runtime, compile it natively, run the parity
+//! and golden suites; print a summary, write `target/conformance/report.md`,
+//! `report.json` and `junit.xml` (each stamped with the commit); exit
+//! non-zero on any failure.
 
-use std::fmt::Write as _;
 use std::time::Instant;
 
 use anyhow::{bail, Result};
-use onnx_genai_engine::{Engine, Flow, GenerateRequest};
+use onnx_genai_build::Variant;
+use onnx_genai_conformance::cases::{discover, Filter, Suite};
+use onnx_genai_conformance::golden::{self, Comparison};
+use onnx_genai_conformance::report::Report;
+use onnx_genai_conformance::run::{run_check, CheckResult, Context, Status};
+use onnx_genai_engine::{BackendKind, Engine, Flow, GenerateRequest};
 
 use crate::{ort, packages, util};
 
-const PROMPT: &str = "The capital of France is";
-const NEW_TOKENS: u32 = 16;
-
-struct Row {
-    package: String,
-    bytes: u64,
-    diagnostics: String,
-    generated: String,
-    tokens_per_s: String,
-    ok: bool,
-    note: String,
+pub struct Options {
+    pub package: Option<String>,
+    pub backend: Option<String>,
+    pub suite: Option<String>,
+    pub shard: Option<String>,
+    pub threads: usize,
 }
 
-pub fn run(only: Option<&str>) -> Result<()> {
+fn stage(
+    name: &str,
+    package: &str,
+    variant: Variant,
+    backend: &str,
+    started: Instant,
+    outcome: Result<String>,
+) -> CheckResult {
+    let (status, summary) = match outcome {
+        Ok(s) => (Status::Passed, s),
+        Err(e) => (Status::Failed, format!("{e:#}")),
+    };
+    CheckResult {
+        name: format!("{name}::{package}::{}", variant.name()),
+        suite: match name {
+            "validate" => "validate",
+            "ort-load" => "ort-load",
+            _ => "native-compile",
+        },
+        package: package.into(),
+        variant: variant.name(),
+        backend: backend.into(),
+        status,
+        summary,
+        seconds: started.elapsed().as_secs_f64(),
+        parity: None,
+        golden_text: None,
+    }
+}
+
+fn print_result(i: usize, n: usize, r: &CheckResult) {
+    let mark = if r.status == Status::Passed { "ok  " } else { "FAIL" };
+    println!("[{i:>3}/{n}] {mark} {:<60} {:>6.2}s  {}", r.name, r.seconds, r.summary);
+}
+
+pub fn run(opts: Options) -> Result<()> {
     let lib = ort::provision()?;
     // Read by the in-process reference backend; set before any thread starts.
     std::env::set_var("ORT_DYLIB_PATH", &lib);
+    let suite = match opts.suite.as_deref() {
+        None => None,
+        Some(s) => Some(Suite::parse(s).ok_or_else(|| anyhow::anyhow!("unknown suite `{s}` (parity, golden)"))?),
+    };
+    if let Some(b) = &opts.backend {
+        if BackendKind::parse(b).is_none() {
+            bail!("unknown backend `{b}` (ort, native-cpu)");
+        }
+    }
+    let shard = opts.shard.as_deref().map(Filter::parse_shard).transpose().map_err(anyhow::Error::msg)?;
+    let filter = Filter { package: opts.package.clone(), backend: opts.backend.clone(), suite, shard };
+
+    println!("==> build packages (every variant; digests checked)");
     let built = packages::build_all(false)?;
-    let mut rows = Vec::new();
-    for package in built.iter().filter(|b| only.is_none_or(|name| b.name == name)) {
-        println!("--> {}", package.name);
-        let (report, _) = onnx_genai_package::validate(&package.dir);
-        let mut row = Row {
-            package: package.name.clone(),
-            bytes: package.bytes,
-            diagnostics: format!(
-                "{} errors, {} warnings",
-                report.errors().count(),
-                report.diagnostics.len() - report.errors().count()
-            ),
-            generated: "-".into(),
-            tokens_per_s: "-".into(),
-            ok: !report.has_errors(),
-            note: String::new(),
-        };
-        if report.has_errors() {
-            row.note = report.to_string();
-        } else {
-            match generate_twice(&package.dir) {
-                Ok((ids, rate)) => {
-                    row.generated = format!("{} tokens {:?}", ids.len(), &ids[..ids.len().min(6)]);
-                    row.tokens_per_s = format!("{rate:.0}");
+    let selected: Vec<_> = built.iter().filter(|b| opts.package.as_ref().is_none_or(|p| *p == b.name)).collect();
+    if selected.is_empty() {
+        bail!("no package matched {:?}", opts.package);
+    }
+    let mut results: Vec<CheckResult> = Vec::new();
+    let stages = selected.len() * Variant::ALL.len() * 3;
+    println!("==> validate, ONNX Runtime load, native compile ({stages} stages)");
+    for b in &selected {
+        for variant in Variant::ALL {
+            let dir = b.dir.join(variant.name());
+            let t = Instant::now();
+            let (report, _) = onnx_genai_package::validate(&dir);
+            let valid = !report.has_errors();
+            let r = stage(
+                "validate",
+                &b.name,
+                variant,
+                "-",
+                t,
+                if valid {
+                    Ok(format!("{} diagnostics, no errors", report.diagnostics.len()))
+                } else {
+                    Err(anyhow::anyhow!("{report}"))
+                },
+            );
+            print_result(results.len() + 1, stages, &r);
+            results.push(r);
+            let t = Instant::now();
+            let r = stage("ort-load", &b.name, variant, "ort", t, ort_greedy_twice(&dir, opts.threads));
+            print_result(results.len() + 1, stages, &r);
+            results.push(r);
+            let t = Instant::now();
+            let r = stage("native-compile", &b.name, variant, "native-cpu", t, native_compile(&dir));
+            print_result(results.len() + 1, stages, &r);
+            results.push(r);
+        }
+    }
+    let root = util::root();
+    let checks = filter.apply(discover(&root)?);
+    let mut checks = checks;
+    checks.sort_by_key(|c| (c.suite.order(), c.name.clone()));
+    println!("==> {} checks (parity, then goldens)", checks.len());
+    let ctx = Context::new(&root, &util::target().join("packages"), opts.threads);
+    let n = checks.len();
+    for (i, check) in checks.iter().enumerate() {
+        let mut r = run_check(check, &ctx);
+        if check.suite == Suite::Golden && r.status == Status::Passed {
+            let path = golden::snapshot_path(&root, check);
+            match golden::compare(&path, r.golden_text.as_deref().unwrap_or("")) {
+                Comparison::Matches => r.summary = "matches the committed snapshot".into(),
+                Comparison::Missing => {
+                    r.status = Status::Failed;
+                    r.summary = format!("no snapshot at {}; run `cargo test -p onnx-genai-conformance --test conformance` then `cargo insta review`", path.display());
                 }
-                Err(e) => {
-                    row.ok = false;
-                    row.note = format!("{e:#}");
+                Comparison::Differs { first_line, committed, current } => {
+                    r.status = Status::Failed;
+                    r.summary = format!("differs from the snapshot at line {first_line}: committed `{committed}`, now `{current}`; review with `cargo test -p onnx-genai-conformance --test conformance` + `cargo insta review`");
                 }
             }
         }
-        rows.push(row);
+        print_result(i + 1, n, &r);
+        results.push(r);
     }
-    if rows.is_empty() {
-        bail!("no package matched {only:?}");
-    }
-    let table = render(&rows);
-    println!("\n{table}");
+    let report = Report { commit: commit(), results };
     let dir = util::target().join("conformance");
     std::fs::create_dir_all(&dir)?;
-    std::fs::write(dir.join("report.md"), format!("# onnx-genai conformance\n\ncommit: {}\n\n{table}", commit()))?;
-    let failed: Vec<&str> = rows.iter().filter(|r| !r.ok).map(|r| r.package.as_str()).collect();
-    if !failed.is_empty() {
-        for r in rows.iter().filter(|r| !r.ok) {
-            eprintln!("{}: {}", r.package, r.note);
-        }
-        bail!("conformance failed for {}", failed.join(", "));
+    std::fs::write(dir.join("report.md"), report.markdown())?;
+    std::fs::write(dir.join("report.json"), report.json())?;
+    std::fs::write(dir.join("junit.xml"), report.junit())?;
+    println!("\n| suite | passed | failed |\n|---|---:|---:|");
+    for (suite, (p, f)) in report.by_suite() {
+        println!("| {suite:<14} | {p:>6} | {f:>6} |");
     }
-    println!("conformance: {} packages ok (report: target/conformance/report.md)", rows.len());
+    println!("\nreports: {0}/report.md, {0}/report.json, {0}/junit.xml (commit {1})", dir.display(), report.commit);
+    let failed = report.failures();
+    if failed > 0 {
+        for r in report.results.iter().filter(|r| r.status == Status::Failed) {
+            eprintln!("FAILED {}: {}", r.name, r.summary);
+        }
+        bail!("conformance: {failed} of {} failed", report.results.len());
+    }
+    println!("conformance: all {} passed", report.results.len());
     Ok(())
 }
 
-/// Greedy generation twice on fresh state: the token ids must agree.
-fn generate_twice(dir: &std::path::Path) -> Result<(Vec<u32>, f64)> {
-    let mut engine = Engine::open_ort(dir, 1)?;
-    let request = GenerateRequest { max_new_tokens: Some(NEW_TOKENS), ..GenerateRequest::text(PROMPT) };
-    let started = Instant::now();
+/// Greedy generation through the engine on ONNX Runtime, twice on fresh
+/// state: the token ids must agree.
+fn ort_greedy_twice(dir: &std::path::Path, threads: usize) -> Result<String> {
+    let mut engine = Engine::open(dir, BackendKind::Ort, threads)?;
+    let request = GenerateRequest { max_new_tokens: Some(8), ..GenerateRequest::text("The capital of France is") };
     let first = engine.generate(&request, &mut |_| Flow::Continue)?;
-    let rate = first.token_ids.len() as f64 / started.elapsed().as_secs_f64();
     let second = engine.generate(&request, &mut |_| Flow::Continue)?;
     if first.token_ids != second.token_ids {
         bail!("greedy decoding is not deterministic: {:?} then {:?}", first.token_ids, second.token_ids);
@@ -94,24 +175,22 @@ fn generate_twice(dir: &std::path::Path) -> Result<(Vec<u32>, f64)> {
     if first.token_ids.is_empty() {
         bail!("generated no tokens (finish: {:?})", first.finish_reason);
     }
-    Ok((first.token_ids, rate))
+    Ok(format!("loaded; greedy deterministic: {:?}", first.token_ids))
 }
 
-fn render(rows: &[Row]) -> String {
-    let mut out = String::from("| package | bytes | validate | ORT greedy (deterministic) | tok/s (ORT, 1 thread) | result |\n|---|---:|---|---|---:|---|\n");
-    for r in rows {
-        let _ = writeln!(
-            out,
-            "| {} | {} | {} | {} | {} | {} |",
-            r.package,
-            r.bytes,
-            r.diagnostics,
-            r.generated,
-            r.tokens_per_s,
-            if r.ok { "ok" } else { "FAIL" }
-        );
-    }
-    out
+fn native_compile(dir: &std::path::Path) -> Result<String> {
+    let package = onnx_genai_package::Package::open(dir)?;
+    let plan = onnx_genai_native::compile_package(&package)?;
+    let s = &plan.stats;
+    let fused: Vec<String> = s.fusions.iter().map(|(k, n)| format!("{k} x{n}")).collect();
+    Ok(format!(
+        "{} nodes -> {} steps; fused {}; {} values in {} slots",
+        s.imported_nodes,
+        s.planned_steps,
+        fused.join(", "),
+        plan.values,
+        plan.slots()
+    ))
 }
 
 fn commit() -> String {

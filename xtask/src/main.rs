@@ -26,11 +26,24 @@ enum Command {
         #[arg(long)]
         bless: bool,
     },
-    /// The main job: build, validate, load in ONNX Runtime and generate from every package.
+    /// The main job: build and validate every package variant, load it in ONNX Runtime,
+    /// compile it natively, run the parity and golden suites, write reports.
     Conformance {
         /// Only the package with this name.
         #[arg(long)]
         package: Option<String>,
+        /// Only checks of this backend (ort, native-cpu).
+        #[arg(long)]
+        backend: Option<String>,
+        /// Only this suite of checks (parity, golden); build/validate/load/compile always run.
+        #[arg(long)]
+        suite: Option<String>,
+        /// Only the k-th of n shards of the checks (e.g. 2/4).
+        #[arg(long)]
+        shard: Option<String>,
+        /// Threads per backend.
+        #[arg(long, default_value_t = 1)]
+        threads: usize,
     },
     /// Everything CI checks: ONNX Runtime, fmt, clippy, every test.
     Test,
@@ -41,7 +54,9 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Ort => ort::provision().map(|path| println!("ONNX Runtime ready: {}", path.display())),
         Command::Packages { bless } => packages::build_all(bless).map(|_| ()),
-        Command::Conformance { package } => conformance::run(package.as_deref()),
+        Command::Conformance { package, backend, suite, shard, threads } => {
+            conformance::run(conformance::Options { package, backend, suite, shard, threads })
+        }
         Command::Test => test(),
     };
     match result {

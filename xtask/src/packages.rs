@@ -3,14 +3,13 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Result};
-use onnx_genai_build::digest::{package_digest, DIGEST_FILE};
+use onnx_genai_build::digest::{variants_digest, DIGEST_FILE};
 
 use crate::util;
 
 pub struct Built {
     pub name: String,
     pub dir: PathBuf,
-    pub bytes: u64,
 }
 
 pub fn build_all(bless: bool) -> Result<Vec<Built>> {
@@ -22,17 +21,18 @@ pub fn build_all(bless: bool) -> Result<Vec<Built>> {
         if out.exists() {
             std::fs::remove_dir_all(&out)?;
         }
-        onnx_genai_build::build_package(&spec, &out)?;
-        let digest = package_digest(&out)?;
+        onnx_genai_build::build_all_variants(&spec, &out)?;
+        let digest = variants_digest(&out)?;
         let digest_path = spec_path.with_file_name(DIGEST_FILE);
         if bless {
             std::fs::write(&digest_path, &digest)?;
         } else if std::fs::read_to_string(&digest_path).ok().as_deref() != Some(digest.as_str()) {
             drift.push(spec.name.clone());
         }
-        let bytes = std::fs::read_dir(&out)?.filter_map(|e| e.ok()?.metadata().ok()).map(|m| m.len()).sum();
+        let decomposed = out.join(onnx_genai_build::Variant::Decomposed.name());
+        let bytes: u64 = std::fs::read_dir(&decomposed)?.filter_map(|e| e.ok()?.metadata().ok()).map(|m| m.len()).sum();
         println!("built {:<16} {:>9} bytes  {}", spec.name, bytes, out.display());
-        built.push(Built { name: spec.name, dir: out, bytes });
+        built.push(Built { name: spec.name, dir: out });
     }
     if !drift.is_empty() {
         bail!(

@@ -29,6 +29,10 @@ pub trait DecodeBackend: Send {
     /// logits of the last token.
     fn forward(&mut self, tokens: &[u32]) -> Result<Vec<f32>, BackendError>;
 
+    /// Keeps the first `len` positions of the KV cache and forgets the rest
+    /// (no-op when the cache holds fewer).
+    fn truncate(&mut self, len: usize) -> Result<(), BackendError>;
+
     /// Drops the whole KV cache.
     fn reset(&mut self);
 }

@@ -28,3 +28,15 @@ pub fn package_digest(dir: &Path) -> Result<String, BuildError> {
     }
     Ok(out)
 }
+
+/// The digest of a package built with every variant (`<variant>/<file>
+/// <sha256>` lines, variants in [`crate::Variant::ALL`] order).
+pub fn variants_digest(dir: &Path) -> Result<String, BuildError> {
+    let mut out = String::new();
+    for variant in crate::Variant::ALL {
+        for line in package_digest(&dir.join(variant.name()))?.lines() {
+            out.push_str(&format!("{}/{line}\n", variant.name()));
+        }
+    }
+    Ok(out)
+}

@@ -11,6 +11,7 @@ pub mod tokenizer;
 
 use std::path::{Path, PathBuf};
 
+pub use graph::Variant;
 use onnx_genai_package::manifest::{
     Architecture, Component, Generation, KvCache, Manifest, Port, Role, TokenizerRef, FORMAT,
 };
@@ -47,15 +48,28 @@ pub fn read_spec(path: &Path) -> Result<Spec, BuildError> {
     Spec::parse(&text, &path.display().to_string())
 }
 
-/// Builds the package for `spec` into `out` (created if needed; files in it
-/// are overwritten).
+/// Builds the decomposed package for `spec` into `out` (created if needed;
+/// files in it are overwritten).
 pub fn build_package(spec: &Spec, out: &Path) -> Result<(), BuildError> {
+    build_variant(spec, Variant::Decomposed, out)
+}
+
+/// Builds every export variant of `spec` into `out/<variant>/`.
+pub fn build_all_variants(spec: &Spec, out: &Path) -> Result<(), BuildError> {
+    for variant in Variant::ALL {
+        build_variant(spec, variant, &out.join(variant.name()))?;
+    }
+    Ok(())
+}
+
+/// Builds the package for `spec` in the given export form into `out`.
+pub fn build_variant(spec: &Spec, variant: Variant, out: &Path) -> Result<(), BuildError> {
     let io = |path: &Path| {
         let path = path.to_path_buf();
         move |source| BuildError::Io { path, source }
     };
     std::fs::create_dir_all(out).map_err(io(out))?;
-    let model = graph::build_decoder(spec);
+    let model = graph::build_decoder(spec, variant);
     let model_path = out.join(MODEL_FILE);
     std::fs::write(&model_path, onnx_genai_onnx::encode(&model)).map_err(io(&model_path))?;
     let tokenizer = tokenizer::build(spec.vocab_size)?;

@@ -2,32 +2,67 @@
 
 use std::path::{Path, PathBuf};
 
-use onnx_genai_build::digest::{package_digest, DIGEST_FILE};
-use onnx_genai_build::{build_package, read_spec, tokenizer, Spec};
+use onnx_genai_build::digest::{variants_digest, DIGEST_FILE};
+use onnx_genai_build::{build_all_variants, build_package, read_spec, tokenizer, Spec, Variant};
 
 fn spec_paths() -> Vec<PathBuf> {
     onnx_genai_build::spec_files(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packages")).unwrap()
 }
 
-/// A generator change that alters a package's bytes fails here until the
-/// digest is deliberately re-blessed (`cargo xtask packages --bless`).
+/// A generator change that alters a package's bytes (in any export
+/// variant) fails here until the digest is deliberately re-blessed
+/// (`cargo xtask packages --bless`).
 #[test]
 fn built_packages_match_their_committed_digests() {
     assert!(spec_paths().len() >= 3);
     for spec_path in spec_paths() {
         let spec = read_spec(&spec_path).unwrap();
         let dir = tempfile::tempdir().unwrap();
-        build_package(&spec, dir.path()).unwrap();
+        build_all_variants(&spec, dir.path()).unwrap();
         let committed = std::fs::read_to_string(spec_path.with_file_name(DIGEST_FILE)).unwrap();
         assert_eq!(
-            package_digest(dir.path()).unwrap(),
+            variants_digest(dir.path()).unwrap(),
             committed,
             "{} drifted; run `cargo xtask packages --bless` if intended",
             spec.name
         );
-        let size: u64 = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().metadata().unwrap().len()).sum();
-        assert!(size < 2 * 1024 * 1024, "{} is {size} bytes; tiny packages stay under 2 MB", spec.name);
+        for variant in Variant::ALL {
+            let vdir = dir.path().join(variant.name());
+            let size: u64 = std::fs::read_dir(&vdir).unwrap().map(|e| e.unwrap().metadata().unwrap().len()).sum();
+            assert!(size < 2 * 1024 * 1024, "{} {variant:?} is {size} bytes; tiny packages stay under 2 MB", spec.name);
+        }
     }
+}
+
+/// The three exports use the ops their names promise (and the decomposed
+/// one none of the fused ones).
+#[test]
+fn variants_use_their_op_sets() {
+    let spec =
+        read_spec(&spec_paths().into_iter().find(|p| p.to_string_lossy().contains("tiny-llama-gqa")).unwrap()).unwrap();
+    let ops = |v: Variant| -> Vec<String> {
+        let model = onnx_genai_build::graph::build_decoder(&spec, v);
+        model.graph.nodes.iter().map(|n| format!("{}:{}", n.domain, n.op_type)).collect()
+    };
+    let decomposed = ops(Variant::Decomposed);
+    for fused in ["RMSNormalization", "RotaryEmbedding", "Attention", "GroupQueryAttention", "MatMulNBits"] {
+        assert!(!decomposed.iter().any(|o| o.ends_with(&format!(":{fused}"))), "decomposed uses {fused}");
+    }
+    let opset23 = ops(Variant::Opset23);
+    for op in [":RMSNormalization", ":RotaryEmbedding", ":Attention"] {
+        assert!(opset23.iter().any(|o| o == op), "opset23 lacks {op}");
+    }
+    let contrib = ops(Variant::Contrib);
+    for op in [
+        ":SimplifiedLayerNormalization",
+        "com.microsoft:SkipSimplifiedLayerNormalization",
+        "com.microsoft:RotaryEmbedding",
+        "com.microsoft:GroupQueryAttention",
+        "com.microsoft:MatMulNBits",
+    ] {
+        assert!(contrib.iter().any(|o| o == op), "contrib lacks {op}");
+    }
+    assert!(!contrib.iter().any(|o| o == ":MatMul"), "contrib projections are all 4-bit");
 }
 
 #[test]

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
-use onnx_genai_engine::{ChatMessage, Engine, Flow, GenerateRequest, Prompt, Sampling};
+use onnx_genai_engine::{BackendKind, ChatMessage, Engine, Flow, GenerateRequest, Prompt, Sampling};
 use onnx_genai_package::Package;
 
 #[derive(Parser)]
@@ -70,6 +70,17 @@ enum Command {
 enum Backend {
     /// ONNX Runtime (the reference).
     Ort,
+    /// The native compiler's CPU plan.
+    NativeCpu,
+}
+
+impl Backend {
+    fn kind(self) -> BackendKind {
+        match self {
+            Backend::Ort => BackendKind::Ort,
+            Backend::NativeCpu => BackendKind::NativeCpu,
+        }
+    }
 }
 
 fn main() -> ExitCode {
@@ -102,11 +113,11 @@ fn run(cli: Cli) -> Result<ExitCode> {
             top_k,
             top_p,
             seed,
-            backend: Backend::Ort,
+            backend,
             threads,
             show_ids,
         } => {
-            let mut engine = Engine::open_ort(&package, threads)?;
+            let mut engine = Engine::open(&package, backend.kind(), threads)?;
             let prompt = if chat {
                 Prompt::Chat(vec![ChatMessage { role: "user".into(), content: prompt }])
             } else {
@@ -188,6 +199,24 @@ fn inspect(dir: &std::path::Path) -> Result<ExitCode> {
         }
     }
     println!("params    {parameters}");
+    // What native-cpu makes of the decoder: a compile error here is the same
+    // one `generate --backend native-cpu` would report.
+    match onnx_genai_native::compile_package(&package) {
+        Ok(plan) => {
+            let s = &plan.stats;
+            let fused: Vec<String> = s.fusions.iter().map(|(k, n)| format!("{k} x{n}")).collect();
+            println!(
+                "native    {} nodes -> {} steps ({} folded; fused: {}); {} values in {} buffer slots",
+                s.imported_nodes,
+                s.planned_steps,
+                s.folded_nodes,
+                if fused.is_empty() { "none".to_string() } else { fused.join(", ") },
+                plan.values,
+                plan.slots()
+            );
+        }
+        Err(e) => println!("native    not compilable: {e}"),
+    }
     for w in &package.warnings {
         println!("{w}");
     }

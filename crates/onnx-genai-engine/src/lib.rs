@@ -92,12 +92,45 @@ pub struct Engine {
     backend: Box<dyn DecodeBackend>,
 }
 
+/// Which decode backend an engine runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendKind {
+    /// ONNX Runtime, the reference.
+    Ort,
+    /// The native compiler's CPU plan.
+    NativeCpu,
+}
+
+impl BackendKind {
+    pub const ALL: [BackendKind; 2] = [BackendKind::Ort, BackendKind::NativeCpu];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Ort => "ort",
+            BackendKind::NativeCpu => onnx_genai_native::NAME,
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|k| k.name() == s)
+    }
+
+    /// Opens this backend on `package` with `threads` threads (0: the
+    /// backend decides).
+    pub fn load(self, package: &Package, threads: usize) -> Result<Box<dyn DecodeBackend>, BackendError> {
+        Ok(match self {
+            BackendKind::Ort => Box::new(onnx_genai_ort::OrtDecoder::load(package, threads)?),
+            BackendKind::NativeCpu => Box::new(onnx_genai_native::NativeDecoder::load(package, threads)?),
+        })
+    }
+}
+
 impl Engine {
-    /// Validates the package and opens it on ONNX Runtime.
-    pub fn open_ort(dir: &Path, intra_threads: usize) -> Result<Self, EngineError> {
+    /// Validates the package and opens it on `backend`.
+    pub fn open(dir: &Path, backend: BackendKind, threads: usize) -> Result<Self, EngineError> {
         let package = Package::open(dir)?;
-        let backend = onnx_genai_ort::OrtDecoder::load(&package, intra_threads)?;
-        Self::new(package, Box::new(backend))
+        let backend = backend.load(&package, threads)?;
+        Self::new(package, backend)
     }
 
     pub fn new(package: Package, backend: Box<dyn DecodeBackend>) -> Result<Self, EngineError> {

@@ -1,9 +1,11 @@
-//! The generate path on ONNX Runtime with a real tiny package.
+//! The generate path with real tiny packages, on ONNX Runtime and native-cpu.
 
 use std::path::Path;
 
 use onnx_genai_backend::DecodeBackend;
-use onnx_genai_engine::{ChatMessage, Engine, EngineError, FinishReason, Flow, GenerateRequest, Prompt, Sampling};
+use onnx_genai_engine::{
+    BackendKind, ChatMessage, Engine, EngineError, FinishReason, Flow, GenerateRequest, Prompt, Sampling,
+};
 
 fn package(name: &str) -> tempfile::TempDir {
     let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packages").join(name).join("spec.yaml");
@@ -21,7 +23,7 @@ fn request(prompt: Prompt, max: u32) -> GenerateRequest {
 #[test]
 fn greedy_matches_a_manual_decode_loop_and_is_deterministic() {
     let dir = package("tiny-llama-gqa");
-    let mut engine = Engine::open_ort(dir.path(), 1).unwrap();
+    let mut engine = Engine::open(dir.path(), BackendKind::Ort, 1).unwrap();
     let prompt = engine.encode("The capital of France is").unwrap();
     let req = request(Prompt::TokenIds(prompt.clone()), 24);
     let mut streamed = Vec::new();
@@ -58,7 +60,7 @@ fn greedy_matches_a_manual_decode_loop_and_is_deterministic() {
 #[test]
 fn streamed_text_deltas_build_the_final_text() {
     let dir = package("tiny-gpt2");
-    let mut engine = Engine::open_ort(dir.path(), 1).unwrap();
+    let mut engine = Engine::open(dir.path(), BackendKind::Ort, 1).unwrap();
     let mut text = String::new();
     let result = engine
         .generate(&request(Prompt::Text("Hello, world".into()), 12), &mut |e| {
@@ -72,7 +74,7 @@ fn streamed_text_deltas_build_the_final_text() {
 #[test]
 fn a_callback_can_stop_generation() {
     let dir = package("tiny-llama-f16");
-    let mut engine = Engine::open_ort(dir.path(), 1).unwrap();
+    let mut engine = Engine::open(dir.path(), BackendKind::Ort, 1).unwrap();
     let result = engine.generate(&request(Prompt::Text("one two".into()), 10), &mut |_| Flow::Stop).unwrap();
     assert_eq!(result.finish_reason, FinishReason::Stopped);
     assert_eq!(result.token_ids.len(), 1);
@@ -81,7 +83,7 @@ fn a_callback_can_stop_generation() {
 #[test]
 fn seeded_sampling_is_reproducible_and_differs_from_greedy_somewhere() {
     let dir = package("tiny-llama-gqa");
-    let mut engine = Engine::open_ort(dir.path(), 1).unwrap();
+    let mut engine = Engine::open(dir.path(), BackendKind::Ort, 1).unwrap();
     let sample = |engine: &mut Engine, seed| {
         let req = GenerateRequest {
             prompt: Prompt::Text("Once upon a time".into()),
@@ -98,7 +100,7 @@ fn seeded_sampling_is_reproducible_and_differs_from_greedy_somewhere() {
 #[test]
 fn chat_prompts_use_the_template() {
     let dir = package("tiny-llama-gqa");
-    let mut engine = Engine::open_ort(dir.path(), 1).unwrap();
+    let mut engine = Engine::open(dir.path(), BackendKind::Ort, 1).unwrap();
     let chat = Prompt::Chat(vec![ChatMessage { role: "user".into(), content: "Hi".into() }]);
     let result = engine.generate(&request(chat, 4), &mut |_| Flow::Continue).unwrap();
     let rendered = engine.encode("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n").unwrap();
@@ -109,7 +111,7 @@ fn chat_prompts_use_the_template() {
 #[test]
 fn bad_requests_are_refused_with_a_reason() {
     let dir = package("tiny-llama-gqa");
-    let mut engine = Engine::open_ort(dir.path(), 1).unwrap();
+    let mut engine = Engine::open(dir.path(), BackendKind::Ort, 1).unwrap();
     let cases = [
         (request(Prompt::Text(String::new()), 4), "empty"),
         (request(Prompt::Text("hi".into()), 0), "max_new_tokens"),
@@ -134,5 +136,55 @@ fn bad_requests_are_refused_with_a_reason() {
             other => panic!("expected a request error containing {want}, got {other:?}"),
         }
         assert!(!called);
+    }
+}
+
+/// The one generate path gives identical greedy tokens on native-cpu and on
+/// ONNX Runtime (the parity suite checks logits; this checks the engine
+/// wiring of `--backend`).
+#[test]
+fn native_and_ort_engines_generate_the_same_greedy_tokens() {
+    for name in ["tiny-llama-gqa", "tiny-gpt2", "tiny-llama-f16"] {
+        let dir = package(name);
+        let run = |kind| {
+            let mut engine = Engine::open(dir.path(), kind, 1).unwrap();
+            assert_eq!(engine.backend_name(), kind.name());
+            engine
+                .generate(&request(Prompt::Text("The capital of France is".into()), 16), &mut |_| Flow::Continue)
+                .unwrap()
+        };
+        let (ort, native) = (run(BackendKind::Ort), run(BackendKind::NativeCpu));
+        assert_eq!(ort.token_ids, native.token_ids, "{name}");
+        assert!(!ort.token_ids.is_empty());
+    }
+}
+
+/// DecodeBackend contract (truncate), on every backend: cutting the cache
+/// back to `k` positions and feeding the rest again gives the logits of an
+/// uninterrupted run; truncating past the end is a no-op.
+#[test]
+fn truncate_then_refeed_matches_an_uninterrupted_run_on_every_backend() {
+    let dir = package("tiny-llama-gqa");
+    let package = onnx_genai_package::Package::open(dir.path()).unwrap();
+    let tokens: Vec<u32> = vec![10, 200, 31, 47, 5, 99, 123, 7];
+    for kind in BackendKind::ALL {
+        let mut b = kind.load(&package, 1).unwrap();
+        let full = b.forward(&tokens).unwrap();
+        b.truncate(100).unwrap();
+        assert_eq!(b.kv_len(), tokens.len());
+        b.truncate(3).unwrap();
+        assert_eq!(b.kv_len(), 3, "{}", kind.name());
+        let again = b.forward(&tokens[3..]).unwrap();
+        let max = full.iter().zip(&again).map(|(a, c)| (a - c).abs()).fold(0.0f32, f32::max);
+        assert!(max < 1e-5, "{}: truncate+refeed differs by {max}", kind.name());
+        // A different continuation after truncation must not see the old one.
+        b.truncate(3).unwrap();
+        let other = b.forward(&[1, 2]).unwrap();
+        b.reset();
+        let mut fresh_input = tokens[..3].to_vec();
+        fresh_input.extend([1, 2]);
+        let fresh = b.forward(&fresh_input).unwrap();
+        let max = fresh.iter().zip(&other).map(|(a, c)| (a - c).abs()).fold(0.0f32, f32::max);
+        assert!(max < 1e-5, "{}: stale cache after truncate ({max})", kind.name());
     }
 }

@@ -77,7 +77,8 @@ impl GraphBuilder {
         name
     }
 
-    fn fresh(&mut self, stem: &str) -> String {
+    /// A fresh value name in the current scope.
+    pub fn fresh(&mut self, stem: &str) -> String {
         self.counter += 1;
         format!("{}/{}_{}", self.scope, stem, self.counter)
     }
@@ -138,6 +139,11 @@ impl GraphBuilder {
             outputs: outputs.iter().map(|s| s.to_string()).collect(),
             attributes,
         });
+    }
+
+    /// Whether a node already produces `name`.
+    pub fn has_value(&self, name: &str) -> bool {
+        self.graph.nodes.iter().any(|n| n.outputs.iter().any(|o| o == name))
     }
 
     pub fn finish(self, ir_version: i64, producer_version: &str) -> Model {

@@ -124,6 +124,31 @@ impl OrtDecoder {
         Ok(())
     }
 
+    /// The first `len` positions of a `[1, kv_heads, kv_len, head_dim]` cache
+    /// tensor, copied into a new tensor.
+    fn prefix(&self, t: &DynValue, l: &LayerPorts, len: usize) -> Result<DynValue, BackendError> {
+        fn rows<T: Copy>(data: &[T], l: &LayerPorts, have: usize, len: usize) -> Vec<T> {
+            let mut out = Vec::with_capacity(l.kv_heads * len * l.head_dim);
+            for h in 0..l.kv_heads {
+                let start = h * have * l.head_dim;
+                out.extend_from_slice(&data[start..start + len * l.head_dim]);
+            }
+            out
+        }
+        let shape = [1usize, l.kv_heads, len, l.head_dim];
+        let have = self.kv_len;
+        Ok(match self.kv_dtype {
+            ElementType::F32 => {
+                let (_, data) = t.try_extract_tensor::<f32>().map_err(run_err)?;
+                Tensor::from_array((shape, rows(data, l, have, len))).map_err(run_err)?.into_dyn()
+            }
+            ElementType::F16 => {
+                let (_, data) = t.try_extract_tensor::<half::f16>().map_err(run_err)?;
+                Tensor::from_array((shape, rows(data, l, have, len))).map_err(run_err)?.into_dyn()
+            }
+        })
+    }
+
     fn int_input(&self, values: Vec<i64>, as_i32: bool) -> Result<DynValue, BackendError> {
         let shape = [1usize, values.len()];
         Ok(if as_i32 {
@@ -187,6 +212,20 @@ impl DecodeBackend for OrtDecoder {
                 Err(e)
             }
         }
+    }
+
+    fn truncate(&mut self, len: usize) -> Result<(), BackendError> {
+        if len >= self.kv_len {
+            return Ok(());
+        }
+        let past = std::mem::take(&mut self.past);
+        let mut kept = Vec::with_capacity(past.len());
+        for (l, (key, value)) in self.layers.iter().zip(past) {
+            kept.push((self.prefix(&key, l, len)?, self.prefix(&value, l, len)?));
+        }
+        self.past = kept;
+        self.kv_len = len;
+        Ok(())
     }
 
     fn reset(&mut self) {

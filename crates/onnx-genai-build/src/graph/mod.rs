@@ -1,20 +1,68 @@
-//! Decoder graphs in standard, decomposed ONNX ops (opset 17): no fused or
-//! vendor ops. Weights may be f16; compute is f32 (weights are cast once,
-//! which ONNX Runtime folds at load), the KV cache is stored in the package's
-//! KV dtype.
+//! Decoder graphs. One spec is exported in three forms from the same
+//! weights ([`Variant`]): standard decomposed ops (opset 17), the fused
+//! ONNX opset-23 ops, and the com.microsoft contrib ops with 4-bit weights.
+//! Weights may be f16; compute is f32; the KV cache is stored in the
+//! package's KV dtype.
 
+mod forms;
 mod gpt2;
 mod llama;
 
-use onnx_genai_onnx::builder::{attr_int, attr_ints};
+use onnx_genai_onnx::builder::attr_int;
 use onnx_genai_onnx::{DataType, Dim, GraphBuilder, Model, Tensor};
 use onnx_genai_package::{ElementType, Family};
 
 use crate::rng::SplitMix64;
 use crate::spec::Spec;
 
-pub const OPSET: i64 = 17;
-pub const IR_VERSION: i64 = 8;
+/// How the decoder is expressed in ONNX.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Variant {
+    /// Standard basic ops only (opset 17).
+    Decomposed,
+    /// ONNX opset 23 `RMSNormalization`, `RotaryEmbedding`, `Attention`
+    /// with past/present KV.
+    Opset23,
+    /// com.microsoft `SimplifiedLayerNormalization`,
+    /// `SkipSimplifiedLayerNormalization`, `RotaryEmbedding`,
+    /// `GroupQueryAttention`, and `MatMulNBits` (4-bit, blocks of 32).
+    Contrib,
+}
+
+impl Variant {
+    pub const ALL: [Variant; 3] = [Variant::Decomposed, Variant::Opset23, Variant::Contrib];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Variant::Decomposed => "decomposed",
+            Variant::Opset23 => "opset23",
+            Variant::Contrib => "contrib",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|v| v.name() == s)
+    }
+
+    fn opset(self) -> i64 {
+        match self {
+            Variant::Opset23 => 23,
+            _ => 17,
+        }
+    }
+
+    fn ir_version(self) -> i64 {
+        match self {
+            Variant::Opset23 => 11,
+            _ => 8,
+        }
+    }
+}
+
+pub const MS_DOMAIN: &str = "com.microsoft";
+/// `MatMulNBits` block size of the contrib export.
+pub const NBITS_BLOCK: usize = 32;
 
 /// Tensor names of the graph's I/O, bound to roles by the manifest.
 pub mod names {
@@ -32,27 +80,41 @@ pub mod names {
     }
 }
 
-pub fn build_decoder(spec: &Spec) -> Model {
-    let mut d = Decoder::new(spec);
+pub fn build_decoder(spec: &Spec, variant: Variant) -> Model {
+    let mut d = Decoder::new(spec, variant);
     match spec.family {
         Family::Llama => llama::build(&mut d),
         Family::Gpt2 => gpt2::build(&mut d),
     }
-    d.b.finish(IR_VERSION, env!("CARGO_PKG_VERSION"))
+    d.b.finish(variant.ir_version(), env!("CARGO_PKG_VERSION"))
+}
+
+/// A weight's values before storage: the f16 package rounds them through
+/// f16 first, so every export (including the 4-bit one) starts from the
+/// same numbers.
+pub(crate) struct WeightValues {
+    pub name: String,
+    pub dims: Vec<u32>,
+    pub values: Vec<f32>,
 }
 
 /// Shared state while one decoder graph is built.
 pub(crate) struct Decoder<'s> {
     pub spec: &'s Spec,
+    pub variant: Variant,
     pub b: GraphBuilder,
     pub rng: SplitMix64,
-    /// `[batch, 1, sequence, total]` additive mask, tiled for GQA groups.
-    pub mask_bias: String,
+    /// The additive attention bias, made on first use (decomposed and
+    /// opset 23; contrib attention is causal by itself).
+    mask_bias: Option<String>,
 }
 
 impl<'s> Decoder<'s> {
-    fn new(spec: &'s Spec) -> Self {
-        let mut b = GraphBuilder::new(&spec.name, OPSET);
+    fn new(spec: &'s Spec, variant: Variant) -> Self {
+        let mut b = GraphBuilder::new(&spec.name, variant.opset());
+        if variant == Variant::Contrib {
+            b.opset(MS_DOMAIN, 1);
+        }
         let kv = spec.dtype.onnx();
         let (batch, seq, total, past) = (dim("batch"), dim("sequence"), dim("total_sequence"), dim("past_sequence"));
         b.input(names::INPUT_IDS, DataType::Int64, vec![batch.clone(), seq.clone()]);
@@ -70,166 +132,125 @@ impl<'s> Decoder<'s> {
                 b.output(&names::layer(t, layer), kv, vec![batch.clone(), kvh.clone(), total.clone(), hd.clone()]);
             }
         }
-        let mut d = Self { spec, b, rng: SplitMix64::new(spec.seed), mask_bias: String::new() };
-        d.mask_bias = d.causal_mask_bias();
-        d
+        Self { spec, variant, b, rng: SplitMix64::new(spec.seed), mask_bias: None }
     }
 
-    /// Adds a weight initializer in the package dtype; returns an f32 value.
-    pub fn weight(&mut self, name: &str, dims: &[u32], scale: f32, offset: f32) -> String {
+    /// Draws a weight's values (uniform in `offset ± scale`), rounded through
+    /// f16 for f16 packages.
+    pub fn draw(&mut self, name: &str, dims: &[u32], scale: f32, offset: f32) -> WeightValues {
         let n: usize = dims.iter().map(|d| *d as usize).product();
-        let values: Vec<f32> = self.rng.fill(n, scale).into_iter().map(|v| v + offset).collect();
-        let dims: Vec<i64> = dims.iter().map(|d| i64::from(*d)).collect();
+        let mut values: Vec<f32> = self.rng.fill(n, scale).into_iter().map(|v| v + offset).collect();
+        if self.spec.dtype == ElementType::F16 {
+            values.iter_mut().for_each(|v| *v = half::f16::from_f32(*v).to_f32());
+        }
+        WeightValues { name: name.into(), dims: dims.to_vec(), values }
+    }
+
+    /// Stores a weight in the package dtype; returns an f32 value.
+    pub fn store(&mut self, w: &WeightValues) -> String {
+        let dims: Vec<i64> = w.dims.iter().map(|d| i64::from(*d)).collect();
         match self.spec.dtype {
-            ElementType::F32 => self.b.initializer(Tensor::from_f32(name, dims, &values)),
+            ElementType::F32 => self.b.initializer(Tensor::from_f32(&w.name, dims, &w.values)),
             ElementType::F16 => {
-                let halves: Vec<half::f16> = values.iter().map(|v| half::f16::from_f32(*v)).collect();
-                let stored = self.b.initializer(Tensor::from_f16(name, dims, &halves));
+                let halves: Vec<half::f16> = w.values.iter().map(|v| half::f16::from_f32(*v)).collect();
+                let stored = self.b.initializer(Tensor::from_f16(&w.name, dims, &halves));
                 self.b.op_with("Cast", &[&stored], vec![attr_int("to", DataType::Float.onnx_code().into())])
             }
         }
     }
 
-    /// A `[in, out]` projection weight with fan-in scaling.
-    pub fn linear(&mut self, name: &str, inputs: u32, outputs: u32) -> String {
+    /// A stored weight (norm scales, biases, embeddings).
+    pub fn weight(&mut self, name: &str, dims: &[u32], scale: f32, offset: f32) -> String {
+        let w = self.draw(name, dims, scale, offset);
+        self.store(&w)
+    }
+
+    /// `x @ W` for a `[inputs, outputs]` weight with fan-in scaling.
+    pub fn project(&mut self, x: &str, name: &str, inputs: u32, outputs: u32) -> String {
         let scale = 1.0 / (inputs as f32).sqrt();
-        self.weight(name, &[inputs, outputs], scale, 0.0)
+        let w = self.draw(name, &[inputs, outputs], scale, 0.0);
+        self.apply_weight(x, &w)
     }
 
-    pub fn matmul(&mut self, x: &str, w: &str) -> String {
-        self.b.op("MatMul", &[x, w])
+    /// `x @ W` in the variant's form: MatMul, or MatMulNBits for contrib.
+    pub fn apply_weight(&mut self, x: &str, w: &WeightValues) -> String {
+        if self.variant == Variant::Contrib {
+            forms::matmul_nbits(self, x, w)
+        } else {
+            let stored = self.store(w);
+            self.b.op("MatMul", &[x, &stored])
+        }
     }
 
-    /// `x * w / sqrt(mean(x^2) + eps)` over the last axis.
-    pub fn rms_norm(&mut self, x: &str, weight_name: &str) -> String {
-        let w = self.weight(weight_name, &[self.spec.hidden_size], 0.1, 1.0);
-        let sq = self.b.op("Mul", &[x, x]);
-        let mean = self.b.op_with("ReduceMean", &[&sq], vec![attr_ints("axes", &[-1]), attr_int("keepdims", 1)]);
-        let eps = self.b.scalar_f32(self.spec.norm_epsilon as f32);
-        let var = self.b.op("Add", &[&mean, &eps]);
-        let rms = self.b.op("Sqrt", &[&var]);
-        let normed = self.b.op("Div", &[x, &rms]);
-        self.b.op("Mul", &[&normed, &w])
-    }
-
-    /// `(x - mean) / sqrt(var + eps) * gamma + beta` over the last axis.
-    pub fn layer_norm(&mut self, x: &str, prefix: &str) -> String {
-        let h = self.spec.hidden_size;
-        let gamma = self.weight(&format!("{prefix}.weight"), &[h], 0.1, 1.0);
-        let beta = self.weight(&format!("{prefix}.bias"), &[h], 0.1, 0.0);
-        let mean = self.b.op_with("ReduceMean", &[x], vec![attr_ints("axes", &[-1]), attr_int("keepdims", 1)]);
-        let centered = self.b.op("Sub", &[x, &mean]);
-        let sq = self.b.op("Mul", &[&centered, &centered]);
-        let var = self.b.op_with("ReduceMean", &[&sq], vec![attr_ints("axes", &[-1]), attr_int("keepdims", 1)]);
-        let eps = self.b.scalar_f32(self.spec.norm_epsilon as f32);
-        let var = self.b.op("Add", &[&var, &eps]);
-        let std = self.b.op("Sqrt", &[&var]);
-        let normed = self.b.op("Div", &[&centered, &std]);
-        let scaled = self.b.op("Mul", &[&normed, &gamma]);
-        self.b.op("Add", &[&scaled, &beta])
+    /// `x @ W + b` (GPT-2 projections).
+    pub fn biased_project(&mut self, x: &str, prefix: &str, inputs: u32, outputs: u32) -> String {
+        let y = self.project(x, &format!("{prefix}.weight"), inputs, outputs);
+        let b = self.weight(&format!("{prefix}.bias"), &[outputs], 0.1, 0.0);
+        self.b.op("Add", &[&y, &b])
     }
 
     /// `[batch, seq, heads*dim]` -> `[batch, heads, seq, dim]`.
     pub fn split_heads(&mut self, x: &str, heads: u32) -> String {
         let shape = self.b.const_i64(&[0, 0, heads.into(), self.spec.head_dim().into()]);
         let r = self.b.op("Reshape", &[x, &shape]);
-        self.b.op_with("Transpose", &[&r], vec![attr_ints("perm", &[0, 2, 1, 3])])
+        self.b.op_with("Transpose", &[&r], vec![onnx_genai_onnx::builder::attr_ints("perm", &[0, 2, 1, 3])])
     }
 
-    /// Additive attention bias `[batch, 1, n_rep*seq, total]`: 0 where a query
-    /// may attend (causal and not padding), -1e9 elsewhere.
-    fn causal_mask_bias(&mut self) -> String {
-        self.b.set_scope("/mask");
-        let ids_shape = self.b.op("Shape", &[names::INPUT_IDS]);
-        let mask_shape = self.b.op("Shape", &[names::ATTENTION_MASK]);
-        let one_idx = self.b.scalar_i64(1);
-        let seq = self.b.op_with("Gather", &[&ids_shape, &one_idx], vec![attr_int("axis", 0)]);
-        let total = self.b.op_with("Gather", &[&mask_shape, &one_idx], vec![attr_int("axis", 0)]);
-        let past = self.b.op("Sub", &[&total, &seq]);
-        let zero = self.b.scalar_i64(0);
-        let step = self.b.scalar_i64(1);
-        let q_pos = self.b.op("Range", &[&past, &total, &step]);
-        let k_pos = self.b.op("Range", &[&zero, &total, &step]);
-        let ax0 = self.b.const_i64(&[0]);
-        let ax1 = self.b.const_i64(&[1]);
-        let k_row = self.b.op("Unsqueeze", &[&k_pos, &ax0]);
-        let q_col = self.b.op("Unsqueeze", &[&q_pos, &ax1]);
-        let causal = self.b.op("LessOrEqual", &[&k_row, &q_col]);
-        let ax12 = self.b.const_i64(&[1, 2]);
-        let pad = self.b.op("Unsqueeze", &[names::ATTENTION_MASK, &ax12]);
-        let pad = self.b.op_with("Cast", &[&pad], vec![attr_int("to", DataType::Bool.onnx_code().into())]);
-        let allowed = self.b.op("And", &[&causal, &pad]);
-        let open = self.b.scalar_f32(0.0);
-        let closed = self.b.scalar_f32(-1e9);
-        let bias = self.b.op("Where", &[&allowed, &open, &closed]);
-        let n_rep = self.spec.num_attention_heads / self.spec.kv_heads();
-        let bias = if n_rep > 1 {
-            let reps = self.b.const_i64(&[1, 1, n_rep.into(), 1]);
-            self.b.op("Tile", &[&bias, &reps])
-        } else {
-            bias
-        };
-        self.b.set_scope("");
+    /// `[batch, heads, seq, dim]` -> `[batch, seq, heads*dim]`.
+    pub fn merge_heads(&mut self, x: &str) -> String {
+        let spec = self.spec;
+        let t = self.b.op_with("Transpose", &[x], vec![onnx_genai_onnx::builder::attr_ints("perm", &[0, 2, 1, 3])]);
+        let merged = self.b.const_i64(&[0, 0, i64::from(spec.num_attention_heads * spec.head_dim())]);
+        self.b.op("Reshape", &[&t, &merged])
+    }
+
+    /// The additive attention bias (made once): 0 where a query may attend
+    /// (causal and not padding), -1e9 elsewhere; `[batch, 1, seq, total]`,
+    /// or tiled to `[batch, 1, n_rep*seq, total]` for grouped decomposed GQA.
+    pub fn mask_bias(&mut self) -> String {
+        if let Some(m) = &self.mask_bias {
+            return m.clone();
+        }
+        let bias = forms::causal_mask_bias(self);
+        self.mask_bias = Some(bias.clone());
         bias
     }
 
-    /// Causal attention over the KV cache with GQA head sharing. `q` is
-    /// `[b, heads, s, d]`, `k`/`v` are `[b, kv_heads, s, d]` (f32, rotary
-    /// already applied). Appends to the layer's past KV, writes the presents,
-    /// and returns `[b, s, heads*d]`.
-    pub fn attention(&mut self, layer: u32, q: &str, k: &str, v: &str) -> String {
-        let spec = self.spec;
-        let (heads, kv_heads, hd) = (spec.num_attention_heads, spec.kv_heads(), spec.head_dim());
-        let kv_dtype = spec.dtype.onnx();
-        let mut cached = Vec::new();
-        for (new, past_t, present_t) in
-            [(k, names::PAST_KEY, names::PRESENT_KEY), (v, names::PAST_VALUE, names::PRESENT_VALUE)]
-        {
-            let stored = if kv_dtype == DataType::Float {
-                new.to_string()
-            } else {
-                self.b.op_with("Cast", &[new], vec![attr_int("to", kv_dtype.onnx_code().into())])
-            };
-            let present = names::layer(present_t, layer);
-            self.b.op_into("Concat", &[&names::layer(past_t, layer), &stored], &[&present], vec![attr_int("axis", 2)]);
-            let full = if kv_dtype == DataType::Float {
-                present
-            } else {
-                self.b.op_with("Cast", &[&present], vec![attr_int("to", DataType::Float.onnx_code().into())])
-            };
-            cached.push(full);
-        }
-        let n_rep = heads / kv_heads;
-        let scale = self.b.scalar_f32(1.0 / (hd as f32).sqrt());
-        let q = self.b.op("Mul", &[q, &scale]);
-        let grouped_shape = self.b.const_i64(&[0, kv_heads.into(), -1, hd.into()]);
-        let q = if n_rep > 1 { self.b.op("Reshape", &[&q, &grouped_shape]) } else { q };
-        let kt = self.b.op_with("Transpose", &[&cached[0]], vec![attr_ints("perm", &[0, 1, 3, 2])]);
-        let scores = self.b.op("MatMul", &[&q, &kt]);
-        let mask = self.mask_bias.clone();
-        let scores = self.b.op("Add", &[&scores, &mask]);
-        let probs = self.b.op_with("Softmax", &[&scores], vec![attr_int("axis", -1)]);
-        let ctx = self.b.op("MatMul", &[&probs, &cached[1]]);
-        let ctx = if n_rep > 1 {
-            let heads_shape = self.b.const_i64(&[0, heads.into(), -1, hd.into()]);
-            self.b.op("Reshape", &[&ctx, &heads_shape])
-        } else {
-            ctx
-        };
-        let ctx = self.b.op_with("Transpose", &[&ctx], vec![attr_ints("perm", &[0, 2, 1, 3])]);
-        let merged = self.b.const_i64(&[0, 0, i64::from(heads * hd)]);
-        self.b.op("Reshape", &[&ctx, &merged])
-    }
-
     /// Final projection to `logits` `[batch, seq, vocab]`.
-    pub fn lm_head(&mut self, x: &str, embedding: &str) {
+    pub fn lm_head(&mut self, x: &str, embedding: &WeightValues, embedding_value: &str) {
         let spec = self.spec;
-        let w = if spec.tie_embeddings {
-            self.b.op_with("Transpose", &[embedding], vec![attr_ints("perm", &[1, 0])])
+        let logits = if spec.tie_embeddings {
+            match self.variant {
+                Variant::Contrib => {
+                    // MatMulNBits wants [K, N] semantics; the tied weight is
+                    // the embedding transposed.
+                    let (v, h) = (spec.vocab_size as usize, spec.hidden_size as usize);
+                    let mut t = vec![0.0; v * h];
+                    for (tok, row) in embedding.values.chunks_exact(h).enumerate() {
+                        for (j, x) in row.iter().enumerate() {
+                            t[j * v + tok] = *x;
+                        }
+                    }
+                    let w = WeightValues {
+                        name: "lm_head.tied".into(),
+                        dims: vec![spec.hidden_size, spec.vocab_size],
+                        values: t,
+                    };
+                    forms::matmul_nbits(self, x, &w)
+                }
+                _ => {
+                    let w = self.b.op_with(
+                        "Transpose",
+                        &[embedding_value],
+                        vec![onnx_genai_onnx::builder::attr_ints("perm", &[1, 0])],
+                    );
+                    self.b.op("MatMul", &[x, &w])
+                }
+            }
         } else {
-            self.linear("lm_head.weight", spec.hidden_size, spec.vocab_size)
+            self.project(x, "lm_head.weight", spec.hidden_size, spec.vocab_size)
         };
-        self.b.op_into("MatMul", &[x, &w], &[names::LOGITS], Vec::new());
+        self.b.op_into("Identity", &[&logits], &[names::LOGITS], Vec::new());
     }
 
     /// A constant f32 tensor initializer of `values` with `dims`.

@@ -1,0 +1,373 @@
+//! The pieces whose ONNX form depends on the export variant: normalization,
+//! rotary embedding, attention with the KV cache, and quantized projections.
+
+use onnx_genai_onnx::builder::{attr_float, attr_int, attr_ints};
+use onnx_genai_onnx::{DataType, Tensor};
+
+use super::{names, Decoder, Variant, WeightValues, MS_DOMAIN, NBITS_BLOCK};
+
+fn cast(d: &mut Decoder, x: &str, to: DataType) -> String {
+    d.b.op_with("Cast", &[x], vec![attr_int("to", to.onnx_code().into())])
+}
+
+/// `x * w / sqrt(mean(x^2) + eps)` over the last axis.
+pub fn rms_norm(d: &mut Decoder, x: &str, weight_name: &str) -> String {
+    let w = d.weight(weight_name, &[d.spec.hidden_size], 0.1, 1.0);
+    let eps = d.spec.norm_epsilon as f32;
+    match d.variant {
+        Variant::Decomposed => {
+            let sq = d.b.op("Mul", &[x, x]);
+            let mean = d.b.op_with("ReduceMean", &[&sq], vec![attr_ints("axes", &[-1]), attr_int("keepdims", 1)]);
+            let eps = d.b.scalar_f32(eps);
+            let var = d.b.op("Add", &[&mean, &eps]);
+            let rms = d.b.op("Sqrt", &[&var]);
+            let normed = d.b.op("Div", &[x, &rms]);
+            d.b.op("Mul", &[&normed, &w])
+        }
+        Variant::Opset23 => {
+            d.b.op_with("RMSNormalization", &[x, &w], vec![attr_int("axis", -1), attr_float("epsilon", eps)])
+        }
+        Variant::Contrib => {
+            let out = d.b.fresh("SimplifiedLayerNormalization");
+            let attrs = vec![attr_int("axis", -1), attr_float("epsilon", eps)];
+            d.b.node_in("", "SimplifiedLayerNormalization", &[x, &w], &[&out], attrs);
+            out
+        }
+    }
+}
+
+/// The residual add followed by the next RMSNorm: returns `(x + delta,
+/// rms_norm(x + delta))`. Contrib fuses both into
+/// `SkipSimplifiedLayerNormalization`.
+pub fn residual_rms_norm(d: &mut Decoder, x: &str, delta: &str, weight_name: &str) -> (String, String) {
+    if d.variant != Variant::Contrib {
+        let sum = d.b.op("Add", &[x, delta]);
+        let normed = rms_norm(d, &sum, weight_name);
+        return (sum, normed);
+    }
+    let w = d.weight(weight_name, &[d.spec.hidden_size], 0.1, 1.0);
+    let (normed, sum) = (d.b.fresh("SkipSimplifiedLayerNormalization"), d.b.fresh("SkipSum"));
+    let attrs = vec![attr_float("epsilon", d.spec.norm_epsilon as f32)];
+    d.b.node_in(MS_DOMAIN, "SkipSimplifiedLayerNormalization", &[x, delta, &w], &[&normed, "", "", &sum], attrs);
+    (sum, normed)
+}
+
+/// `(x - mean) / sqrt(var + eps) * gamma + beta` over the last axis.
+pub fn layer_norm(d: &mut Decoder, x: &str, prefix: &str) -> String {
+    let h = d.spec.hidden_size;
+    let gamma = d.weight(&format!("{prefix}.weight"), &[h], 0.1, 1.0);
+    let beta = d.weight(&format!("{prefix}.bias"), &[h], 0.1, 0.0);
+    let eps = d.spec.norm_epsilon as f32;
+    if d.variant != Variant::Decomposed {
+        return d.b.op_with(
+            "LayerNormalization",
+            &[x, &gamma, &beta],
+            vec![attr_int("axis", -1), attr_float("epsilon", eps)],
+        );
+    }
+    let mean = d.b.op_with("ReduceMean", &[x], vec![attr_ints("axes", &[-1]), attr_int("keepdims", 1)]);
+    let centered = d.b.op("Sub", &[x, &mean]);
+    let sq = d.b.op("Mul", &[&centered, &centered]);
+    let var = d.b.op_with("ReduceMean", &[&sq], vec![attr_ints("axes", &[-1]), attr_int("keepdims", 1)]);
+    let eps = d.b.scalar_f32(eps);
+    let var = d.b.op("Add", &[&var, &eps]);
+    let std = d.b.op("Sqrt", &[&var]);
+    let normed = d.b.op("Div", &[&centered, &std]);
+    let scaled = d.b.op("Mul", &[&normed, &gamma]);
+    d.b.op("Add", &[&scaled, &beta])
+}
+
+/// Rotary angle tables, computed in f64 (HF rotate-half layout).
+pub struct Rotary {
+    /// Decomposed: `[batch, 1, seq, head_dim]` gathered by position.
+    /// Fused forms: the `[max_positions, head_dim / 2]` caches.
+    pub cos: String,
+    pub sin: String,
+}
+
+pub fn rotary_tables(d: &mut Decoder) -> Rotary {
+    let spec = d.spec;
+    let hd = spec.head_dim() as usize;
+    let half = hd / 2;
+    let theta = spec.rope_theta.unwrap_or(10_000.0);
+    let max = spec.max_sequence_length as usize;
+    let (mut cos, mut sin) = (Vec::with_capacity(max * half), Vec::with_capacity(max * half));
+    for pos in 0..max {
+        for i in 0..half {
+            let angle = pos as f64 / theta.powf((2 * i) as f64 / hd as f64);
+            cos.push(angle.cos() as f32);
+            sin.push(angle.sin() as f32);
+        }
+    }
+    d.b.set_scope("/rotary");
+    if d.variant != Variant::Decomposed {
+        let dims = vec![max as i64, half as i64];
+        return Rotary {
+            cos: d.table("rotary.cos_cache", dims.clone(), &cos),
+            sin: d.table("rotary.sin_cache", dims, &sin),
+        };
+    }
+    // The decomposed form repeats the half-width table over both halves.
+    let full =
+        |t: &[f32]| -> Vec<f32> { t.chunks_exact(half).flat_map(|r| r.iter().chain(r.iter()).copied()).collect() };
+    let dims = vec![max as i64, hd as i64];
+    let cos_t = d.table("rotary.cos", dims.clone(), &full(&cos));
+    let sin_t = d.table("rotary.sin", dims, &full(&sin));
+    let axis = d.b.const_i64(&[1]);
+    let mut by_position = |table: &str| {
+        let g = d.b.op_with("Gather", &[table, names::POSITION_IDS], vec![attr_int("axis", 0)]);
+        d.b.op("Unsqueeze", &[&g, &axis])
+    };
+    let (cos, sin) = (by_position(&cos_t), by_position(&sin_t));
+    Rotary { cos, sin }
+}
+
+/// Rotates `x`: heads-first `[b, heads, s, d]` for decomposed and opset 23,
+/// `[b, s, heads*d]` for contrib.
+pub fn rotate(d: &mut Decoder, x: &str, r: &Rotary, heads: u32) -> String {
+    match d.variant {
+        Variant::Decomposed => {
+            let hd = i64::from(d.spec.head_dim());
+            let axis = d.b.const_i64(&[3]);
+            let (s0, mid, end) = (d.b.const_i64(&[0]), d.b.const_i64(&[hd / 2]), d.b.const_i64(&[hd]));
+            let first = d.b.op("Slice", &[x, &s0, &mid, &axis]);
+            let second = d.b.op("Slice", &[x, &mid, &end, &axis]);
+            let neg = d.b.op("Neg", &[&second]);
+            let rotated = d.b.op_with("Concat", &[&neg, &first], vec![attr_int("axis", 3)]);
+            let a = d.b.op("Mul", &[x, &r.cos]);
+            let b = d.b.op("Mul", &[&rotated, &r.sin]);
+            d.b.op("Add", &[&a, &b])
+        }
+        Variant::Opset23 => {
+            d.b.op_with("RotaryEmbedding", &[x, &r.cos, &r.sin, names::POSITION_IDS], vec![attr_int("interleaved", 0)])
+        }
+        Variant::Contrib => {
+            let out = d.b.fresh("RotaryEmbedding");
+            let attrs = vec![attr_int("interleaved", 0), attr_int("num_heads", heads.into())];
+            d.b.node_in(MS_DOMAIN, "RotaryEmbedding", &[x, names::POSITION_IDS, &r.cos, &r.sin], &[&out], attrs);
+            out
+        }
+    }
+}
+
+/// Causal self-attention over the KV cache with GQA head sharing. `q`, `k`,
+/// `v` are the projections `[b, s, heads*d]` (f32); `rotary` is applied to
+/// `q` and `k` when given. Appends to the layer's past KV, writes the
+/// presents, and returns `[b, s, heads*d]`.
+pub fn self_attention(d: &mut Decoder, layer: u32, q: &str, k: &str, v: &str, rotary: Option<&Rotary>) -> String {
+    let spec = d.spec;
+    let (heads, kv_heads) = (spec.num_attention_heads, spec.kv_heads());
+    match d.variant {
+        Variant::Decomposed | Variant::Opset23 => {
+            let (mut qh, mut kh) = (d.split_heads(q, heads), d.split_heads(k, kv_heads));
+            let vh = d.split_heads(v, kv_heads);
+            if let Some(r) = rotary {
+                qh = rotate(d, &qh, r, heads);
+                kh = rotate(d, &kh, r, kv_heads);
+            }
+            let ctx = if d.variant == Variant::Decomposed {
+                decomposed_attention(d, layer, &qh, &kh, &vh)
+            } else {
+                onnx_attention(d, layer, &qh, &kh, &vh)
+            };
+            d.merge_heads(&ctx)
+        }
+        Variant::Contrib => {
+            let (q, k) = match rotary {
+                Some(r) => (rotate(d, q, r, heads), rotate(d, k, r, kv_heads)),
+                None => (q.to_string(), k.to_string()),
+            };
+            group_query_attention(d, layer, &q, &k, v)
+        }
+    }
+}
+
+fn present_names(layer: u32) -> (String, String, String, String) {
+    (
+        names::layer(names::PAST_KEY, layer),
+        names::layer(names::PAST_VALUE, layer),
+        names::layer(names::PRESENT_KEY, layer),
+        names::layer(names::PRESENT_VALUE, layer),
+    )
+}
+
+/// Basic ops: `Concat` onto the past, `softmax(q k^T * scale + bias) v`.
+/// For GQA the query heads are grouped per KV head by a reshape rather than
+/// repeating K/V.
+fn decomposed_attention(d: &mut Decoder, layer: u32, q: &str, k: &str, v: &str) -> String {
+    let spec = d.spec;
+    let (heads, kv_heads, hd) = (spec.num_attention_heads, spec.kv_heads(), spec.head_dim());
+    let kv_dtype = spec.dtype.onnx();
+    let (past_k, past_v, present_k, present_v) = present_names(layer);
+    let mut cached = Vec::new();
+    for (new, past, present) in [(k, &past_k, &present_k), (v, &past_v, &present_v)] {
+        let stored = if kv_dtype == DataType::Float { new.to_string() } else { cast(d, new, kv_dtype) };
+        d.b.op_into("Concat", &[past, &stored], &[present], vec![attr_int("axis", 2)]);
+        cached.push(if kv_dtype == DataType::Float { present.clone() } else { cast(d, present, DataType::Float) });
+    }
+    let n_rep = heads / kv_heads;
+    let scale = d.b.scalar_f32(1.0 / (hd as f32).sqrt());
+    let q = d.b.op("Mul", &[q, &scale]);
+    let grouped_shape = d.b.const_i64(&[0, kv_heads.into(), -1, hd.into()]);
+    let q = if n_rep > 1 { d.b.op("Reshape", &[&q, &grouped_shape]) } else { q };
+    let kt = d.b.op_with("Transpose", &[&cached[0]], vec![attr_ints("perm", &[0, 1, 3, 2])]);
+    let scores = d.b.op("MatMul", &[&q, &kt]);
+    let mask = d.mask_bias();
+    let scores = d.b.op("Add", &[&scores, &mask]);
+    let probs = d.b.op_with("Softmax", &[&scores], vec![attr_int("axis", -1)]);
+    let ctx = d.b.op("MatMul", &[&probs, &cached[1]]);
+    if n_rep > 1 {
+        let heads_shape = d.b.const_i64(&[0, heads.into(), -1, hd.into()]);
+        d.b.op("Reshape", &[&ctx, &heads_shape])
+    } else {
+        ctx
+    }
+}
+
+/// ONNX opset 23 `Attention` on heads-first tensors with an additive mask;
+/// for an f16 cache Q, K, V and the mask are cast to f16 (the op keeps Q, K
+/// and the past in one type).
+fn onnx_attention(d: &mut Decoder, layer: u32, q: &str, k: &str, v: &str) -> String {
+    let (past_k, past_v, present_k, present_v) = present_names(layer);
+    let mask = d.mask_bias();
+    let kv_dtype = d.spec.dtype.onnx();
+    let half = kv_dtype != DataType::Float;
+    let to_kv = |d: &mut Decoder, x: &str| if half { cast(d, x, kv_dtype) } else { x.to_string() };
+    let (q, k, v, mask) = (to_kv(d, q), to_kv(d, k), to_kv(d, v), to_kv(d, &mask));
+    let y = d.b.fresh("Attention");
+    let attrs = vec![attr_float("scale", 1.0 / (d.spec.head_dim() as f32).sqrt())];
+    d.b.node_in("", "Attention", &[&q, &k, &v, &mask, &past_k, &past_v], &[&y, &present_k, &present_v], attrs);
+    if half {
+        cast(d, &y, DataType::Float)
+    } else {
+        y
+    }
+}
+
+/// com.microsoft `GroupQueryAttention`: causal by construction; sequence
+/// lengths come from the attention mask.
+fn group_query_attention(d: &mut Decoder, layer: u32, q: &str, k: &str, v: &str) -> String {
+    let spec = d.spec;
+    let (past_k, past_v, present_k, present_v) = present_names(layer);
+    let (seqlens, total) = gqa_lengths(d);
+    let kv_dtype = spec.dtype.onnx();
+    let half = kv_dtype != DataType::Float;
+    let to_kv = |d: &mut Decoder, x: &str| if half { cast(d, x, kv_dtype) } else { x.to_string() };
+    let (q, k, v) = (to_kv(d, q), to_kv(d, k), to_kv(d, v));
+    let out = d.b.fresh("GroupQueryAttention");
+    let attrs = vec![
+        attr_int("num_heads", spec.num_attention_heads.into()),
+        attr_int("kv_num_heads", spec.kv_heads().into()),
+        attr_float("scale", 1.0 / (spec.head_dim() as f32).sqrt()),
+    ];
+    d.b.node_in(
+        MS_DOMAIN,
+        "GroupQueryAttention",
+        &[&q, &k, &v, &past_k, &past_v, &seqlens, &total],
+        &[&out, &present_k, &present_v],
+        attrs,
+    );
+    if half {
+        cast(d, &out, DataType::Float)
+    } else {
+        out
+    }
+}
+
+/// `seqlens_k = sum(mask) - 1` (int32 `[batch]`) and `total_sequence_length`
+/// (int32 scalar), shared by every layer.
+fn gqa_lengths(d: &mut Decoder) -> (String, String) {
+    let scope = "/gqa_lengths";
+    let seqlens = format!("{scope}/seqlens_k");
+    let total = format!("{scope}/total_sequence_length");
+    if d.b.has_value(&seqlens) {
+        return (seqlens, total);
+    }
+    let one = d.b.const_i64(&[1]);
+    let sum = d.b.op_with("ReduceSum", &[names::ATTENTION_MASK, &one], vec![attr_int("keepdims", 0)]);
+    let one_s = d.b.scalar_i64(1);
+    let minus = d.b.op("Sub", &[&sum, &one_s]);
+    d.b.op_into("Cast", &[&minus], &[&seqlens], vec![attr_int("to", DataType::Int32.onnx_code().into())]);
+    let shape = d.b.op("Shape", &[names::ATTENTION_MASK]);
+    let idx = d.b.scalar_i64(1);
+    let t = d.b.op_with("Gather", &[&shape, &idx], vec![attr_int("axis", 0)]);
+    d.b.op_into("Cast", &[&t], &[&total], vec![attr_int("to", DataType::Int32.onnx_code().into())]);
+    (seqlens, total)
+}
+
+/// The additive attention bias; see [`Decoder::mask_bias`].
+pub fn causal_mask_bias(d: &mut Decoder) -> String {
+    let spec = d.spec;
+    let b = &mut d.b;
+    b.set_scope("/mask");
+    let ids_shape = b.op("Shape", &[names::INPUT_IDS]);
+    let mask_shape = b.op("Shape", &[names::ATTENTION_MASK]);
+    let one_idx = b.scalar_i64(1);
+    let seq = b.op_with("Gather", &[&ids_shape, &one_idx], vec![attr_int("axis", 0)]);
+    let total = b.op_with("Gather", &[&mask_shape, &one_idx], vec![attr_int("axis", 0)]);
+    let past = b.op("Sub", &[&total, &seq]);
+    let zero = b.scalar_i64(0);
+    let step = b.scalar_i64(1);
+    let q_pos = b.op("Range", &[&past, &total, &step]);
+    let k_pos = b.op("Range", &[&zero, &total, &step]);
+    let ax0 = b.const_i64(&[0]);
+    let ax1 = b.const_i64(&[1]);
+    let k_row = b.op("Unsqueeze", &[&k_pos, &ax0]);
+    let q_col = b.op("Unsqueeze", &[&q_pos, &ax1]);
+    let causal = b.op("LessOrEqual", &[&k_row, &q_col]);
+    let ax12 = b.const_i64(&[1, 2]);
+    let pad = b.op("Unsqueeze", &[names::ATTENTION_MASK, &ax12]);
+    let pad = b.op_with("Cast", &[&pad], vec![attr_int("to", DataType::Bool.onnx_code().into())]);
+    let allowed = b.op("And", &[&causal, &pad]);
+    let open = b.scalar_f32(0.0);
+    let closed = b.scalar_f32(-1e9);
+    let bias = b.op("Where", &[&allowed, &open, &closed]);
+    let n_rep = spec.num_attention_heads / spec.kv_heads();
+    let bias = if n_rep > 1 && d.variant == Variant::Decomposed {
+        let reps = d.b.const_i64(&[1, 1, n_rep.into(), 1]);
+        d.b.op("Tile", &[&bias, &reps])
+    } else {
+        bias
+    };
+    d.b.set_scope("");
+    bias
+}
+
+/// com.microsoft `MatMulNBits`: symmetric 4-bit quantization of `w`
+/// (`[K, N]`) in blocks of [`NBITS_BLOCK`] along K, scale `max|w| / 7`,
+/// stored as `q + 8` (the op's default zero point), low nibble first.
+pub fn matmul_nbits(d: &mut Decoder, x: &str, w: &WeightValues) -> String {
+    let (k, n) = (w.dims[0] as usize, w.dims[1] as usize);
+    let blocks = k.div_ceil(NBITS_BLOCK);
+    let mut packed = vec![0u8; n * blocks * NBITS_BLOCK / 2];
+    let mut scales = vec![0f32; n * blocks];
+    for col in 0..n {
+        for b in 0..blocks {
+            let rows = b * NBITS_BLOCK..((b + 1) * NBITS_BLOCK).min(k);
+            let max = rows.clone().map(|r| w.values[r * n + col].abs()).fold(0.0f32, f32::max);
+            let scale = if max > 0.0 { max / 7.0 } else { 1.0 };
+            scales[col * blocks + b] = scale;
+            for (j, r) in rows.enumerate() {
+                let q = ((w.values[r * n + col] / scale).round() as i32 + 8).clamp(0, 15) as u8;
+                let byte = &mut packed[(col * blocks + b) * NBITS_BLOCK / 2 + j / 2];
+                *byte |= if j % 2 == 0 { q } else { q << 4 };
+            }
+        }
+    }
+    let bname = d.b.initializer(Tensor {
+        name: format!("{}.q4", w.name),
+        dtype: DataType::Uint8,
+        dims: vec![n as i64, blocks as i64, (NBITS_BLOCK / 2) as i64],
+        raw: packed,
+    });
+    let sname = d.b.initializer(Tensor::from_f32(format!("{}.scales", w.name), vec![(n * blocks) as i64], &scales));
+    let out = d.b.fresh("MatMulNBits");
+    let attrs = vec![
+        attr_int("K", k as i64),
+        attr_int("N", n as i64),
+        attr_int("bits", 4),
+        attr_int("block_size", NBITS_BLOCK as i64),
+    ];
+    d.b.node_in(MS_DOMAIN, "MatMulNBits", &[x, &bname, &sname], &[&out], attrs);
+    out
+}

@@ -1,0 +1,205 @@
+//! Suite definitions (data under `conformance/`), expanded into named
+//! checks: `parity::<package>::<variant>::<backend>::<prompt>` and
+//! `golden::<package>::<variant>::<backend>`.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use onnx_genai_build::Variant;
+use serde::Deserialize;
+
+use crate::tolerance::Tier;
+use crate::HarnessError;
+
+/// Backends compared against the reference.
+pub const CANDIDATES: &[&str] = &["native-cpu"];
+/// The reference backend.
+pub const REFERENCE: &str = "ort";
+
+/// `conformance/parity/<file>.yaml`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ParityFile {
+    pub package: String,
+    pub variants: Vec<Variant>,
+    /// Tier for every variant unless `tiers` overrides it.
+    pub tier: Tier,
+    #[serde(default)]
+    pub tiers: BTreeMap<Variant, Tier>,
+    /// Greedy decode steps after the prefill (at least 32).
+    pub steps: usize,
+    pub prompts: Vec<PromptDef>,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PromptDef {
+    pub name: String,
+    pub text: String,
+}
+
+/// `conformance/golden.yaml`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GoldenFile {
+    pub prompt: String,
+    pub max_new_tokens: usize,
+    /// Decode steps (0 = after the prefill) whose top-5 logits are kept.
+    pub top5_at_steps: Vec<usize>,
+    /// Decimal places the logits are rounded to.
+    pub decimals: u32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Suite {
+    Parity,
+    Golden,
+}
+
+impl Suite {
+    pub fn name(self) -> &'static str {
+        match self {
+            Suite::Parity => "parity",
+            Suite::Golden => "golden",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        [Suite::Parity, Suite::Golden].into_iter().find(|x| x.name() == s)
+    }
+}
+
+#[derive(Clone, Debug)]
+pub enum CheckKind {
+    Parity { prompt: PromptDef, steps: usize, tier: Tier },
+    Golden(GoldenFile),
+}
+
+/// One named, independently runnable check.
+#[derive(Clone, Debug)]
+pub struct Check {
+    pub name: String,
+    pub suite: Suite,
+    pub package: String,
+    pub variant: Variant,
+    pub backend: String,
+    pub kind: CheckKind,
+}
+
+fn read_yaml<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, HarnessError> {
+    let text =
+        std::fs::read_to_string(path).map_err(|e| HarnessError::Suite { path: path.into(), reason: e.to_string() })?;
+    let de = serde_yaml_ng::Deserializer::from_str(&text);
+    serde_path_to_error::deserialize(de)
+        .map_err(|e| HarnessError::Suite { path: path.into(), reason: format!("{} (at `{}`)", e.inner(), e.path()) })
+}
+
+/// Every check the suites under `root/conformance` define, sorted by name.
+pub fn discover(root: &Path) -> Result<Vec<Check>, HarnessError> {
+    let mut checks = Vec::new();
+    let parity_dir = root.join("conformance/parity");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&parity_dir)
+        .map_err(|e| HarnessError::Suite { path: parity_dir.clone(), reason: e.to_string() })?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
+        .collect();
+    files.sort();
+    let packages = shipped_packages(root)?;
+    for path in &files {
+        let f: ParityFile = read_yaml(path)?;
+        if !packages.contains(&f.package) {
+            return Err(HarnessError::Suite {
+                path: path.clone(),
+                reason: format!("no package `{}` under packages/", f.package),
+            });
+        }
+        if f.steps < 32 {
+            return Err(HarnessError::Suite {
+                path: path.clone(),
+                reason: format!("steps is {}; parity needs at least 32", f.steps),
+            });
+        }
+        for variant in &f.variants {
+            for backend in CANDIDATES {
+                for prompt in &f.prompts {
+                    checks.push(Check {
+                        name: format!("parity::{}::{}::{backend}::{}", f.package, variant.name(), prompt.name),
+                        suite: Suite::Parity,
+                        package: f.package.clone(),
+                        variant: *variant,
+                        backend: backend.to_string(),
+                        kind: CheckKind::Parity {
+                            prompt: prompt.clone(),
+                            steps: f.steps,
+                            tier: f.tiers.get(variant).copied().unwrap_or(f.tier),
+                        },
+                    });
+                }
+            }
+        }
+    }
+    let golden: GoldenFile = read_yaml(&root.join("conformance/golden.yaml"))?;
+    for package in &packages {
+        for variant in Variant::ALL {
+            for backend in std::iter::once(&REFERENCE).chain(CANDIDATES) {
+                checks.push(Check {
+                    name: format!("golden::{package}::{}::{backend}", variant.name()),
+                    suite: Suite::Golden,
+                    package: package.clone(),
+                    variant,
+                    backend: backend.to_string(),
+                    kind: CheckKind::Golden(golden.clone()),
+                });
+            }
+        }
+    }
+    checks.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(checks)
+}
+
+fn shipped_packages(root: &Path) -> Result<Vec<String>, HarnessError> {
+    let specs = onnx_genai_build::spec_files(&root.join("packages")).map_err(|e| HarnessError::Build(e.to_string()))?;
+    specs
+        .iter()
+        .map(|p| onnx_genai_build::read_spec(p).map(|s| s.name).map_err(|e| HarnessError::Build(e.to_string())))
+        .collect()
+}
+
+/// Which checks a run selects.
+#[derive(Clone, Debug, Default)]
+pub struct Filter {
+    pub package: Option<String>,
+    pub backend: Option<String>,
+    pub suite: Option<Suite>,
+    /// `(k, n)`: the k-th of n shards, 1-based.
+    pub shard: Option<(usize, usize)>,
+}
+
+impl Filter {
+    /// Parses `k/n` with `1 <= k <= n`.
+    pub fn parse_shard(s: &str) -> Result<(usize, usize), String> {
+        let (k, n) = s.split_once('/').ok_or_else(|| format!("shard `{s}` is not k/n"))?;
+        let (k, n): (usize, usize) = (
+            k.parse().map_err(|_| format!("shard index `{k}`"))?,
+            n.parse().map_err(|_| format!("shard count `{n}`"))?,
+        );
+        if k == 0 || k > n {
+            return Err(format!("shard {k}/{n}: need 1 <= k <= n"));
+        }
+        Ok((k, n))
+    }
+
+    pub fn apply(&self, checks: Vec<Check>) -> Vec<Check> {
+        let selected = checks.into_iter().filter(|c| {
+            self.package.as_ref().is_none_or(|p| *p == c.package)
+                && self.backend.as_ref().is_none_or(|b| *b == c.backend)
+                && self.suite.is_none_or(|s| s == c.suite)
+        });
+        match self.shard {
+            // Round-robin over the sorted list keeps shards balanced across
+            // packages and suites.
+            Some((k, n)) => selected.enumerate().filter(|(i, _)| i % n == k - 1).map(|(_, c)| c).collect(),
+            None => selected.collect(),
+        }
+    }
+}

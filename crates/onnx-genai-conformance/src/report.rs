@@ -1,0 +1,135 @@
+//! Reports of a conformance run: Markdown for people, JSON for tools, JUnit
+//! XML for CI, each stamped with the commit.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+
+use serde::Serialize;
+
+use crate::run::{CheckResult, Status};
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    pub commit: String,
+    /// Stages and checks in the order they ran.
+    pub results: Vec<CheckResult>,
+}
+
+impl Report {
+    pub fn failures(&self) -> usize {
+        self.results.iter().filter(|r| r.status == Status::Failed).count()
+    }
+
+    /// Per suite: (passed, failed).
+    pub fn by_suite(&self) -> BTreeMap<&'static str, (usize, usize)> {
+        let mut m: BTreeMap<&'static str, (usize, usize)> = BTreeMap::new();
+        for r in &self.results {
+            let e = m.entry(r.suite).or_default();
+            if r.status == Status::Passed {
+                e.0 += 1;
+            } else {
+                e.1 += 1;
+            }
+        }
+        m
+    }
+
+    pub fn markdown(&self) -> String {
+        let mut s = String::new();
+        let _ = writeln!(s, "# Conformance report\n\ncommit `{}`\n", self.commit);
+        let _ = writeln!(s, "| suite | passed | failed |\n|---|---:|---:|");
+        for (suite, (p, f)) in self.by_suite() {
+            let _ = writeln!(s, "| {suite} | {p} | {f} |");
+        }
+        let _ = writeln!(s, "\n| check | status | seconds | summary |\n|---|---|---:|---|");
+        for r in &self.results {
+            let status = if r.status == Status::Passed { "pass" } else { "**FAIL**" };
+            let _ = writeln!(s, "| `{}` | {status} | {:.2} | {} |", r.name, r.seconds, r.summary.replace('|', "\\|"));
+        }
+        s
+    }
+
+    pub fn json(&self) -> String {
+        serde_json::to_string_pretty(self).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
+    }
+
+    pub fn junit(&self) -> String {
+        let mut suites: BTreeMap<&str, Vec<&CheckResult>> = BTreeMap::new();
+        for r in &self.results {
+            suites.entry(r.suite).or_default().push(r);
+        }
+        let mut s = String::from("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n");
+        let _ = writeln!(
+            s,
+            "<testsuites name=\"onnx-genai conformance\" tests=\"{}\" failures=\"{}\">",
+            self.results.len(),
+            self.failures()
+        );
+        let _ = writeln!(s, "  <properties><property name=\"commit\" value=\"{}\"/></properties>", xml(&self.commit));
+        for (suite, results) in suites {
+            let failures = results.iter().filter(|r| r.status == Status::Failed).count();
+            let time: f64 = results.iter().map(|r| r.seconds).sum();
+            let _ = writeln!(
+                s,
+                "  <testsuite name=\"{suite}\" tests=\"{}\" failures=\"{failures}\" time=\"{time:.3}\">",
+                results.len()
+            );
+            for r in results {
+                let class = format!("{suite}.{}.{}", r.package, r.variant);
+                let _ = write!(
+                    s,
+                    "    <testcase classname=\"{}\" name=\"{}\" time=\"{:.3}\"",
+                    xml(&class),
+                    xml(&r.name),
+                    r.seconds
+                );
+                if r.status == Status::Failed {
+                    let _ = writeln!(s, ">\n      <failure message=\"{}\"/>\n    </testcase>", xml(&r.summary));
+                } else {
+                    let _ = writeln!(s, "><system-out>{}</system-out></testcase>", xml(&r.summary));
+                }
+            }
+            let _ = writeln!(s, "  </testsuite>");
+        }
+        s.push_str("</testsuites>\n");
+        s
+    }
+}
+
+fn xml(s: &str) -> String {
+    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn result(name: &str, status: Status, summary: &str) -> CheckResult {
+        CheckResult {
+            name: name.into(),
+            suite: "parity",
+            package: "p".into(),
+            variant: "decomposed",
+            backend: "native-cpu".into(),
+            status,
+            summary: summary.into(),
+            seconds: 0.5,
+            parity: None,
+            golden_text: None,
+        }
+    }
+
+    /// JUnit output counts failures and escapes what it quotes.
+    #[test]
+    fn junit_counts_and_escapes() {
+        let r = Report {
+            commit: "abc".into(),
+            results: vec![result("a", Status::Passed, "ok"), result("b", Status::Failed, "x < y & \"z\"")],
+        };
+        let x = r.junit();
+        assert!(x.contains("tests=\"2\" failures=\"1\""));
+        assert!(x.contains("x &lt; y &amp; &quot;z&quot;"));
+        assert!(r.markdown().contains("**FAIL**"));
+        assert_eq!(r.failures(), 1);
+    }
+}

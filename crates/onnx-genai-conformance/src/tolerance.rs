@@ -1,0 +1,100 @@
+//! Tolerance tiers: how far native logits may sit from ONNX Runtime's.
+//! A logit passes when `|native - ort| <= atol + rtol * |ort|`.
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Tier {
+    /// f32 weights, f32 KV cache.
+    F32,
+    /// f16 weights and KV cache (f32 compute). Both backends round the same
+    /// f32 K/V to f16, but an f32 value a hair from a rounding boundary can
+    /// land one f16 ulp (2^-11 relative) apart; that propagates.
+    F16,
+    /// 4-bit `MatMulNBits` weights. Both backends dequantize the same blocks;
+    /// they differ in accumulation order over dequantized weights.
+    Int4,
+}
+
+impl Tier {
+    /// `(atol, rtol)`.
+    pub fn bounds(self) -> (f32, f32) {
+        match self {
+            Tier::F32 => (1e-4, 1e-4),
+            Tier::F16 => (2e-3, 2e-3),
+            Tier::Int4 => (2e-4, 2e-4),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Tier::F32 => "f32",
+            Tier::F16 => "f16",
+            Tier::Int4 => "int4",
+        }
+    }
+}
+
+/// The worst element of a comparison.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Deviation {
+    /// Largest `|native - ort|`.
+    pub max_abs: f32,
+    /// Index of the element that uses the most of its allowance.
+    pub worst_index: usize,
+    /// `|d| / (atol + rtol * |ort|)` at that element: <= 1 passes.
+    pub worst_ratio: f32,
+}
+
+pub fn compare(reference: &[f32], candidate: &[f32], tier: Tier) -> Deviation {
+    let (atol, rtol) = tier.bounds();
+    let mut dev = Deviation { max_abs: 0.0, worst_index: 0, worst_ratio: 0.0 };
+    for (i, (r, c)) in reference.iter().zip(candidate).enumerate() {
+        let d = (r - c).abs();
+        let ratio = if d.is_nan() { f32::INFINITY } else { d / (atol + rtol * r.abs()) };
+        dev.max_abs = dev.max_abs.max(if d.is_nan() { f32::INFINITY } else { d });
+        if ratio > dev.worst_ratio {
+            dev.worst_ratio = ratio;
+            dev.worst_index = i;
+        }
+    }
+    if reference.len() != candidate.len() {
+        dev.worst_ratio = f32::INFINITY;
+    }
+    dev
+}
+
+/// The greedy choice and the gap to the runner-up.
+pub fn top2(logits: &[f32]) -> (u32, f32) {
+    let mut best = (0usize, f32::NEG_INFINITY);
+    let mut second = f32::NEG_INFINITY;
+    for (i, v) in logits.iter().enumerate() {
+        if *v > best.1 {
+            second = best.1;
+            best = (i, *v);
+        } else if *v > second {
+            second = *v;
+        }
+    }
+    (best.0 as u32, best.1 - second)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f32_tier_is_the_documented_bound() {
+        let r = [10.0f32, -2.0];
+        // 1e-4 + 1e-4 * 10 = 1.1e-3 allowed at index 0.
+        assert!(compare(&r, &[10.001, -2.0], Tier::F32).worst_ratio <= 1.0);
+        assert!(compare(&r, &[10.0012, -2.0], Tier::F32).worst_ratio > 1.0);
+        assert!(compare(&r, &[f32::NAN, -2.0], Tier::F32).worst_ratio > 1.0);
+    }
+
+    #[test]
+    fn top2_reports_gap() {
+        assert_eq!(top2(&[0.5, 2.0, 1.5]), (1, 0.5));
+    }
+}

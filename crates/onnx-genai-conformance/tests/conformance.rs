@@ -1,0 +1,62 @@
+//! The conformance suites as named tests (libtest-mimic): every parity case
+//! and golden check under `conformance/` is one test, so
+//! `cargo test -p onnx-genai-conformance --test conformance -- --list`
+//! shows them and filters select them.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use libtest_mimic::{Arguments, Failed, Trial};
+use onnx_genai_conformance::cases::{discover, Check, Suite};
+use onnx_genai_conformance::golden;
+use onnx_genai_conformance::run::{run_check, Context, Status};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// Parity: fails with the step, token ids, top-2 gap and max |d| on a
+/// divergence. Golden: asserts the record against `golden/decode/` with
+/// insta, so a change shows up in `cargo insta review`.
+fn run(check: &Check, ctx: &Context) -> Result<(), Failed> {
+    let result = run_check(check, ctx);
+    if result.status == Status::Failed {
+        return Err(result.summary.into());
+    }
+    if check.suite == Suite::Golden {
+        let text = result.golden_text.unwrap_or_default();
+        let name = golden::snapshot_name(check);
+        let dir = root().join(golden::SNAPSHOT_DIR);
+        let asserted = std::panic::catch_unwind(|| {
+            insta::with_settings!({ snapshot_path => dir, prepend_module_to_snapshot => false, omit_expression => true }, {
+                insta::assert_snapshot!(name, text);
+            });
+        });
+        if asserted.is_err() {
+            return Err(format!("golden {} changed; review with `cargo insta review`", check.name).into());
+        }
+    }
+    Ok(())
+}
+
+fn main() {
+    let args = Arguments::from_args();
+    let checks = match discover(&root()) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("cannot load the conformance suites: {e}");
+            std::process::exit(2);
+        }
+    };
+    let packages = Path::new(env!("CARGO_TARGET_TMPDIR")).join("conformance-packages");
+    let ctx = Arc::new(Context::new(&root(), &packages, 1));
+    let trials = checks
+        .into_iter()
+        .map(|check| {
+            let ctx = ctx.clone();
+            let kind = check.suite.name();
+            Trial::test(check.name.clone(), move || run(&check, &ctx)).with_kind(kind)
+        })
+        .collect();
+    libtest_mimic::run(&args, trials).exit();
+}

@@ -1,0 +1,399 @@
+//! The compiler driver: import (lowering with liveness), inference and
+//! constant folding, weight packing and fusion, KV binding, dead-code
+//! elimination, then the plan.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use onnx_genai_onnx::ir::{Graph as IrGraph, Model};
+use onnx_genai_package::{ElementType, Package, Role};
+
+use crate::error::CompileError;
+use crate::graph::{Graph, Node, Uses, Vid};
+use crate::kernels::attention::AttentionSpec;
+use crate::lower::{constant_value, lower};
+use crate::ops::Op;
+use crate::plan::Plan;
+use crate::value::{DType, Value};
+
+/// One layer's KV ports and geometry.
+#[derive(Clone, Debug)]
+pub struct LayerBinding {
+    pub past_key: String,
+    pub past_value: String,
+    pub present_key: String,
+    pub present_value: String,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// What the manifest says about the decoder's ports: the compiler never
+/// guesses a role from a tensor name.
+#[derive(Clone, Debug)]
+pub struct Binding {
+    pub token_ids: String,
+    pub position_ids: Option<String>,
+    pub attention_mask: Option<String>,
+    pub logits: String,
+    pub layers: Vec<LayerBinding>,
+    pub heads: usize,
+    pub kv_f16: bool,
+    pub max_sequence_length: usize,
+    pub vocab_size: usize,
+}
+
+impl Binding {
+    pub fn from_package(package: &Package) -> Result<(Self, std::path::PathBuf), CompileError> {
+        let (component, path) = package.decoder().map_err(|e| CompileError::Graph(e.to_string()))?;
+        let port = |role: Role| {
+            component
+                .port(role)
+                .map(str::to_string)
+                .ok_or_else(|| CompileError::Graph(format!("no `{}` port is bound", role.as_str())))
+        };
+        let geometry =
+            package.kv_geometry().ok_or_else(|| CompileError::Graph("the package declares no KV cache".into()))?;
+        let mut layers = Vec::new();
+        for (i, l) in geometry.layers.iter().enumerate() {
+            let lp = |role: Role| {
+                component
+                    .layer_port(role, i as u32)
+                    .ok_or_else(|| CompileError::Graph(format!("no `{}` port is bound", role.as_str())))
+            };
+            layers.push(LayerBinding {
+                past_key: lp(Role::PastKey)?,
+                past_value: lp(Role::PastValue)?,
+                present_key: lp(Role::PresentKey)?,
+                present_value: lp(Role::PresentValue)?,
+                kv_heads: l.kv_heads as usize,
+                head_dim: l.head_dim as usize,
+            });
+        }
+        let a = &package.manifest.architecture;
+        let binding = Self {
+            token_ids: port(Role::TokenIds)?,
+            position_ids: component.port(Role::PositionIds).map(str::to_string),
+            attention_mask: component.port(Role::AttentionMask).map(str::to_string),
+            logits: port(Role::Logits)?,
+            layers,
+            heads: a.num_attention_heads as usize,
+            kv_f16: geometry.dtype == ElementType::F16,
+            max_sequence_length: a.max_sequence_length as usize,
+            vocab_size: a.vocab_size as usize,
+        };
+        Ok((binding, path.to_path_buf()))
+    }
+}
+
+/// What the passes did, for `inspect` and the compile tests.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CompileStats {
+    pub imported_nodes: usize,
+    pub folded_nodes: usize,
+    pub fusions: Vec<(String, usize)>,
+    pub planned_steps: usize,
+}
+
+impl CompileStats {
+    pub fn fused(&self, kind: &str) -> usize {
+        self.fusions.iter().filter(|(k, _)| k == kind).map(|(_, n)| n).sum()
+    }
+}
+
+pub fn compile(model: &Model, binding: &Binding) -> Result<Plan, CompileError> {
+    let opset =
+        model.opset("").ok_or_else(|| CompileError::Graph("the model imports no default-domain opset".into()))?;
+    let mut stats = CompileStats::default();
+    let mut g = import(&model.graph, binding, opset)?;
+    stats.imported_nodes = g.live_nodes().count();
+    stats.folded_nodes = infer_and_fold(&mut g)?;
+    crate::fuse::run(&mut g, &mut stats)?;
+    bind_kv(&mut g, binding)?;
+    let logits = g.find(&binding.logits).ok_or_else(|| CompileError::tensor(&binding.logits, "not in the graph"))?;
+    eliminate_dead(&mut g, &[logits]);
+    check_kv_is_owned(&g, binding)?;
+    Plan::build(g, binding, logits, stats)
+}
+
+/// Lowers the nodes that contribute to the logits or the KV outputs, walking
+/// backwards so that inputs an op ignores never pull in their producers.
+fn import(ir: &IrGraph, binding: &Binding, opset: i64) -> Result<Graph, CompileError> {
+    if ir.output(&binding.logits).is_none() {
+        return Err(CompileError::tensor(&binding.logits, "the logits port is not a graph output"));
+    }
+    let mut needed: HashSet<&str> = HashSet::new();
+    needed.insert(&binding.logits);
+    for l in &binding.layers {
+        for (port, input) in
+            [(&l.present_key, false), (&l.present_value, false), (&l.past_key, true), (&l.past_value, true)]
+        {
+            let found = if input { ir.input(port).is_some() } else { ir.output(port).is_some() };
+            if !found {
+                let kind = if input { "input" } else { "output" };
+                return Err(CompileError::tensor(
+                    port,
+                    format!("the manifest binds it as a KV {kind} but the graph has no such {kind}"),
+                ));
+            }
+            if !input {
+                needed.insert(port);
+            }
+        }
+    }
+    let mut producers: HashMap<&str, usize> = HashMap::new();
+    for (i, n) in ir.nodes.iter().enumerate() {
+        for o in n.outputs.iter().filter(|o| !o.is_empty()) {
+            if producers.insert(o, i).is_some() {
+                return Err(CompileError::tensor(o, "is produced by more than one node"));
+            }
+        }
+    }
+    let mut lowered: Vec<Option<(Op, Vec<Option<String>>)>> = vec![None; ir.nodes.len()];
+    let mut constants: HashMap<String, Value> = HashMap::new();
+    for (i, node) in ir.nodes.iter().enumerate().rev() {
+        if !node.outputs.iter().any(|o| needed.contains(o.as_str())) {
+            continue;
+        }
+        if node.domain.is_empty() && node.op_type == "Constant" {
+            let v = constant_value(node)?;
+            constants.insert(node.outputs.first().cloned().unwrap_or_default(), v);
+            continue;
+        }
+        let (op, used) = lower(node, opset)?;
+        if let Op::SkipRmsNorm { .. } = op {
+            for o in [1, 2] {
+                if node.outputs.get(o).is_some_and(|n| needed.contains(n.as_str())) {
+                    return Err(CompileError::UnsupportedOp {
+                        node: node.name.clone(),
+                        op: node.op_type.clone(),
+                        domain: node.domain.clone(),
+                        reason: format!("output {o} (mean / inverse std) is not produced by native-cpu"),
+                    });
+                }
+            }
+        }
+        let inputs: Vec<Option<String>> =
+            used.iter().map(|u| node.inputs.get(*u).filter(|n| !n.is_empty()).cloned()).collect();
+        for u in &used {
+            if let Some(name) = node.inputs.get(*u).filter(|n| !n.is_empty()) {
+                needed.insert(name);
+            }
+        }
+        lowered[i] = Some((op, inputs));
+    }
+    let mut g = Graph::default();
+    for input in &ir.inputs {
+        let v = g.value(&input.name);
+        g.values[v].dtype = DType::from_onnx(input.dtype);
+        g.values[v].dims =
+            input.shape.as_ref().map(|s| s.iter().map(|d| d.fixed().and_then(|x| usize::try_from(x).ok())).collect());
+        if DType::from_onnx(input.dtype).is_none() && needed.contains(input.name.as_str()) {
+            return Err(CompileError::tensor(
+                &input.name,
+                format!("graph input of type {} is not supported", input.dtype),
+            ));
+        }
+    }
+    for init in &ir.initializers {
+        if !needed.contains(init.name.as_str()) {
+            continue;
+        }
+        let value = Value::from_tensor(init).map_err(|e| CompileError::tensor(&init.name, e))?;
+        let v = g.value(&init.name);
+        g.values[v].konst = Some(Arc::new(value));
+    }
+    for (name, value) in constants {
+        let v = g.value(&name);
+        g.values[v].konst = Some(Arc::new(value));
+    }
+    for (node, low) in ir.nodes.iter().zip(lowered) {
+        let Some((op, inputs)) = low else { continue };
+        let inputs = inputs.iter().map(|n| n.as_ref().map(|n| g.value(n))).collect();
+        let outputs = node
+            .outputs
+            .iter()
+            .enumerate()
+            .map(|(i, o)| if o.is_empty() { g.fresh(&format!("{}#{i}", node.name)) } else { g.value(o) })
+            .collect();
+        let domain = if node.domain.is_empty() { "ai.onnx" } else { &node.domain };
+        g.nodes.push(Some(Node {
+            name: node.name.clone(),
+            origin: format!("{domain}::{}", node.op_type),
+            op,
+            inputs,
+            outputs,
+        }));
+    }
+    // Everything read must come from somewhere.
+    let produced: HashSet<Vid> = g.live_nodes().flat_map(|(_, n)| n.outputs.clone()).collect();
+    let graph_inputs: HashSet<&str> = ir.inputs.iter().map(|i| i.name.as_str()).collect();
+    for (_, n) in g.live_nodes() {
+        for v in n.inputs.iter().flatten() {
+            let meta = &g.values[*v];
+            if meta.konst.is_none() && !produced.contains(v) && !graph_inputs.contains(meta.name.as_str()) {
+                return Err(CompileError::node(&n.name, &n.origin, format!("input `{}` is never produced", meta.name)));
+            }
+        }
+    }
+    Ok(g)
+}
+
+/// Infers every value's dtype and dims in order, and evaluates nodes whose
+/// inputs are all constant. Casts of f16 weights into a MatMul are kept so
+/// the weight can stay f16 (see `fuse::pack_linear`).
+fn infer_and_fold(g: &mut Graph) -> Result<usize, CompileError> {
+    let uses = Uses::of(g);
+    let mut folded = 0;
+    for i in 0..g.nodes.len() {
+        let Some(node) = g.nodes[i].clone() else { continue };
+        let metas: Vec<Option<&crate::graph::Meta>> = node.inputs.iter().map(|v| v.map(|v| &g.values[v])).collect();
+        let outs = crate::infer::infer(&node.op, &metas, node.outputs.len())
+            .map_err(|e| CompileError::node(&node.name, &node.origin, e))?;
+        for (o, (dtype, dims)) in node.outputs.iter().zip(outs) {
+            g.values[*o].dtype = dtype;
+            g.values[*o].dims = dims;
+        }
+        let all_const = node.inputs.iter().flatten().all(|v| g.values[*v].konst.is_some());
+        if !all_const || !node.op.foldable() || keeps_f16_weight(g, &uses, &node) {
+            continue;
+        }
+        let inputs: Vec<Option<&Value>> = node.inputs.iter().map(|v| v.and_then(|v| g.konst(v))).collect();
+        let mut outputs = vec![Value::default(); node.outputs.len()];
+        crate::exec::run(&node.op, &inputs, &mut outputs, None)
+            .map_err(|e| CompileError::node(&node.name, &node.origin, e))?;
+        for (o, value) in node.outputs.iter().zip(outputs) {
+            g.values[*o].dtype = Some(value.dtype());
+            g.values[*o].konst = Some(Arc::new(value));
+        }
+        g.nodes[i] = None;
+        folded += 1;
+    }
+    Ok(folded)
+}
+
+fn keeps_f16_weight(g: &Graph, uses: &Uses, node: &Node) -> bool {
+    let (Op::Cast(DType::F32), Some(Some(src))) = (&node.op, node.inputs.first()) else { return false };
+    let is_f16 = g.konst(*src).is_some_and(|v| v.dtype() == DType::F16 && v.shape.len() == 2);
+    let consumers = &uses.consumers[node.outputs[0]];
+    is_f16
+        && !consumers.is_empty()
+        && consumers.iter().all(|c| {
+            g.nodes[*c]
+                .as_ref()
+                .is_some_and(|n| matches!(n.op, Op::MatMul) && n.inputs.get(1) == Some(&Some(node.outputs[0])))
+        })
+}
+
+/// Ties each attention's past/present edges to a KV cache layer and fills in
+/// its geometry.
+fn bind_kv(g: &mut Graph, binding: &Binding) -> Result<(), CompileError> {
+    let past_key: HashMap<&str, usize> =
+        binding.layers.iter().enumerate().map(|(i, l)| (l.past_key.as_str(), i)).collect();
+    let mut bound = vec![false; binding.layers.len()];
+    for i in 0..g.nodes.len() {
+        let Some(node) = &g.nodes[i] else { continue };
+        let Op::Attention { spec, .. } = &node.op else { continue };
+        let err = |reason: String| CompileError::node(&node.name, &node.origin, reason);
+        let past = node.inputs.get(4).copied().flatten().ok_or_else(|| err("attention has no past_key input: native-cpu keeps the KV cache in place and needs the past/present ports".into()))?;
+        let past_name = g.values[past].name.clone();
+        let layer = *past_key
+            .get(past_name.as_str())
+            .ok_or_else(|| err(format!("past key `{past_name}` is not a KV port bound by the manifest")))?;
+        let l = &binding.layers[layer];
+        let names = |slot: Option<Vid>| slot.map(|v| g.values[v].name.as_str());
+        let expect = [
+            (names(node.inputs.get(5).copied().flatten()), l.past_value.as_str(), "past value"),
+            (names(node.outputs.get(1).copied()), l.present_key.as_str(), "present key"),
+            (names(node.outputs.get(2).copied()), l.present_value.as_str(), "present value"),
+        ];
+        for (found, want, what) in expect {
+            if found != Some(want) {
+                return Err(err(format!(
+                    "{what} is `{}`, the manifest binds layer {layer} to `{want}`",
+                    found.unwrap_or("(none)")
+                )));
+            }
+        }
+        if bound[layer] {
+            return Err(err(format!("a second attention uses layer {layer}'s KV cache")));
+        }
+        bound[layer] = true;
+        let heads = spec.heads.unwrap_or(binding.heads);
+        let kv_heads = spec.kv_heads.unwrap_or(l.kv_heads);
+        if kv_heads != l.kv_heads || heads % kv_heads.max(1) != 0 {
+            return Err(err(format!(
+                "{heads} query heads over {kv_heads} KV heads; the manifest declares {} KV heads for layer {layer}",
+                l.kv_heads
+            )));
+        }
+        let (v, what) = (past, "past key");
+        if let Some(dims) = &g.values[v].dims {
+            let want = [None, Some(l.kv_heads), None, Some(l.head_dim)];
+            let bad =
+                dims.len() != 4 || dims.iter().zip(want).any(|(d, w)| matches!((d, w), (Some(a), Some(b)) if *a != b));
+            if bad {
+                return Err(err(format!(
+                    "{what} `{}` has dims {dims:?}; the manifest's KV geometry is [batch, {}, past, {}]",
+                    g.values[v].name, l.kv_heads, l.head_dim
+                )));
+            }
+        }
+        let want = if binding.kv_f16 { DType::F16 } else { DType::F32 };
+        if let Some(dt) = g.values[v].dtype.filter(|dt| *dt != want) {
+            return Err(err(format!("{what} `{}` is {dt}; the manifest's KV dtype is {want}", g.values[v].name)));
+        }
+        let resolved = AttentionSpec {
+            heads,
+            kv_heads,
+            head_dim: l.head_dim,
+            scale: spec.scale.unwrap_or(1.0 / (l.head_dim as f32).sqrt()),
+            q_layout: spec.q_layout,
+            kv_layout: spec.kv_layout,
+            out_layout: spec.out_layout,
+            bias: spec.bias,
+        };
+        let Some(node) = g.nodes[i].as_mut() else { continue };
+        if let Op::Attention { spec, layer: slot } = &mut node.op {
+            spec.resolved = Some(resolved);
+            *slot = Some(layer);
+        }
+        node.inputs.truncate(4);
+        node.outputs.truncate(1);
+    }
+    Ok(())
+}
+
+/// Removes nodes none of whose outputs reach `roots`.
+pub(crate) fn eliminate_dead(g: &mut Graph, roots: &[Vid]) {
+    let mut live: HashSet<Vid> = roots.iter().copied().collect();
+    for i in (0..g.nodes.len()).rev() {
+        let Some(node) = &g.nodes[i] else { continue };
+        if node.outputs.iter().any(|o| live.contains(o)) {
+            live.extend(node.inputs.iter().flatten());
+        } else {
+            g.nodes[i] = None;
+        }
+    }
+}
+
+/// After fusion and binding, no generic node may read a past-KV input or
+/// produce a present-KV output: those live in the in-place cache.
+fn check_kv_is_owned(g: &Graph, binding: &Binding) -> Result<(), CompileError> {
+    let ports: HashSet<&str> =
+        binding.layers.iter().flat_map(|l| [l.past_key.as_str(), l.past_value.as_str()]).collect();
+    for (_, n) in g.live_nodes() {
+        for v in n.inputs.iter().flatten() {
+            if ports.contains(g.values[*v].name.as_str()) {
+                return Err(CompileError::node(
+                    &n.name,
+                    &n.origin,
+                    format!(
+                        "reads the KV cache input `{}` outside an attention the compiler recognizes; native-cpu keeps the cache in place and cannot materialize it",
+                        g.values[*v].name
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,285 @@
+//! Shape and dtype inference for the supported ops. Dims are known where
+//! the graph fixes them (weights, head counts, hidden sizes) and unknown
+//! where only run time knows (batch, sequence). Any definite contradiction
+//! is an error that the compiler reports against the node.
+
+use crate::graph::{Dims, Meta};
+use crate::kernels::elementwise::broadcast_shape;
+use crate::kernels::layout as ly;
+use crate::ops::Op;
+use crate::value::DType;
+
+type Out = (Option<DType>, Dims);
+
+fn dims_of(m: Option<&Meta>) -> Dims {
+    match m {
+        Some(m) => match &m.konst {
+            Some(v) => Some(v.shape.iter().map(|d| Some(*d)).collect()),
+            None => m.dims.clone(),
+        },
+        None => None,
+    }
+}
+
+fn known(d: &Dims) -> Option<Vec<usize>> {
+    d.as_ref()?.iter().copied().collect()
+}
+
+fn broadcast(a: &Dims, b: &Dims) -> Result<Dims, String> {
+    let (Some(a), Some(b)) = (a, b) else { return Ok(None) };
+    let rank = a.len().max(b.len());
+    let mut out = Vec::with_capacity(rank);
+    for i in 0..rank {
+        let da = if i + a.len() >= rank { a[i + a.len() - rank] } else { Some(1) };
+        let db = if i + b.len() >= rank { b[i + b.len() - rank] } else { Some(1) };
+        out.push(match (da, db) {
+            (Some(x), Some(y)) => match broadcast_shape(&[x], &[y]) {
+                Some(v) => Some(v[0]),
+                None => return Err(format!("dims {x} and {y} do not broadcast (shapes {a:?} and {b:?})")),
+            },
+            (Some(1), y) | (y, Some(1)) => y,
+            (Some(x), None) | (None, Some(x)) => Some(x),
+            (None, None) => None,
+        });
+    }
+    Ok(Some(out))
+}
+
+fn require_float(what: &str, t: Option<DType>) -> Result<(), String> {
+    match t {
+        None | Some(DType::F32) => Ok(()),
+        Some(DType::F16) => {
+            Err(format!("{what} is f16: native-cpu computes in f32 (f16 is for weights and the KV cache)"))
+        }
+        Some(t) => Err(format!("{what} is {t}, expected f32")),
+    }
+}
+
+fn same_dtype(a: Option<DType>, b: Option<DType>) -> Result<Option<DType>, String> {
+    match (a, b) {
+        (Some(x), Some(y)) if x != y => Err(format!("operand dtypes differ: {x} and {y}")),
+        (x, y) => Ok(x.or(y)),
+    }
+}
+
+/// Infers the outputs of `op` from its inputs' metadata.
+pub fn infer(op: &Op, inputs: &[Option<&Meta>], outputs: usize) -> Result<Vec<Out>, String> {
+    let t = |i: usize| inputs.get(i).copied().flatten().and_then(|m| m.dtype.or(m.konst.as_ref().map(|v| v.dtype())));
+    let d = |i: usize| dims_of(inputs.get(i).copied().flatten());
+    let konst = |i: usize| inputs.get(i).copied().flatten().and_then(|m| m.konst.clone());
+    let single = |o: Out| Ok(vec![o]);
+    match op {
+        Op::Binary(_) => {
+            let dt = same_dtype(t(0), t(1))?;
+            if dt == Some(DType::F16) {
+                require_float("the operand", dt)?;
+            }
+            single((dt, broadcast(&d(0), &d(1))?))
+        }
+        Op::Compare(_) => {
+            same_dtype(t(0), t(1))?;
+            single((Some(DType::Bool), broadcast(&d(0), &d(1))?))
+        }
+        Op::Logic(_) => {
+            for i in 0..2 {
+                if let Some(dt) = t(i).filter(|dt| *dt != DType::Bool) {
+                    return Err(format!("input {i} is {dt}, expected bool"));
+                }
+            }
+            single((Some(DType::Bool), broadcast(&d(0), &d(1))?))
+        }
+        Op::Unary(u) => {
+            if u.float_only() {
+                require_float("the input", t(0))?;
+            }
+            single((t(0), d(0)))
+        }
+        Op::Where => {
+            if let Some(dt) = t(0).filter(|dt| *dt != DType::Bool) {
+                return Err(format!("the condition is {dt}, expected bool"));
+            }
+            single((same_dtype(t(1), t(2))?, broadcast(&d(0), &broadcast(&d(1), &d(2))?)?))
+        }
+        Op::Cast(to) => single((Some(*to), d(0))),
+        Op::Identity => single((t(0), d(0))),
+        Op::MatMul => {
+            require_float("input A", t(0))?;
+            require_float("input B", t(1))?;
+            let (a, b) = (d(0), d(1));
+            if let (Some(a), Some(b)) = (&a, &b) {
+                if a.len() < 2 || b.len() < 2 {
+                    return Err(format!("native MatMul needs rank >= 2, got ranks {} and {}", a.len(), b.len()));
+                }
+                if let (Some(k1), Some(k2)) = (a[a.len() - 1], b[b.len() - 2]) {
+                    if k1 != k2 {
+                        return Err(format!("inner dimensions differ: {k1} vs {k2}"));
+                    }
+                }
+                let mut out =
+                    broadcast(&Some(a[..a.len() - 2].to_vec()), &Some(b[..b.len() - 2].to_vec()))?.unwrap_or_default();
+                out.extend([a[a.len() - 2], b[b.len() - 1]]);
+                return single((Some(DType::F32), Some(out)));
+            }
+            single((Some(DType::F32), None))
+        }
+        Op::Gather { axis } => {
+            if let Some(dt) = t(1).filter(|dt| *dt != DType::I64) {
+                return Err(format!("indices are {dt}, expected i64"));
+            }
+            let dims = match (d(0), d(1)) {
+                (Some(data), Some(idx)) => {
+                    let a = ly::axis(*axis, data.len())?;
+                    let mut out = data[..a].to_vec();
+                    out.extend(idx);
+                    out.extend(&data[a + 1..]);
+                    Some(out)
+                }
+                _ => None,
+            };
+            single((t(0), dims))
+        }
+        Op::Shape => single((Some(DType::I64), d(0).map(|x| vec![Some(x.len())]))),
+        Op::Concat { axis } => {
+            let mut dt = None;
+            let mut out: Option<Vec<Option<usize>>> = None;
+            for i in 0..inputs.len() {
+                dt = same_dtype(dt, t(i))?;
+                let Some(cur) = d(i) else { continue };
+                let Some(acc) = &mut out else {
+                    out = Some(cur);
+                    continue;
+                };
+                if acc.len() != cur.len() {
+                    return Err(format!("inputs have ranks {} and {}", acc.len(), cur.len()));
+                }
+                let a = ly::axis(*axis, acc.len())?;
+                for (j, (x, y)) in acc.iter_mut().zip(&cur).enumerate() {
+                    if j == a {
+                        *x = x.zip(*y).map(|(x, y)| x + y);
+                    } else if let (Some(p), Some(q)) = (*x, *y) {
+                        if p != q {
+                            return Err(format!("inputs differ at axis {j} ({p} vs {q}) off the concat axis {a}"));
+                        }
+                    }
+                }
+            }
+            single((dt, out))
+        }
+        Op::Reshape => {
+            let dims = match (konst(1), known(&d(0))) {
+                (Some(shape), Some(input)) => {
+                    let target = shape.ints().ok_or("the shape input must be i64")?;
+                    Some(ly::reshape_target(&input, target)?.into_iter().map(Some).collect())
+                }
+                (Some(shape), None) => {
+                    let target = shape.ints().ok_or("the shape input must be i64")?;
+                    let input = d(0);
+                    Some(
+                        target
+                            .iter()
+                            .enumerate()
+                            .map(|(i, t)| match *t {
+                                0 => input.as_ref().and_then(|x| x.get(i).copied().flatten()),
+                                t if t > 0 => Some(t as usize),
+                                _ => None,
+                            })
+                            .collect(),
+                    )
+                }
+                _ => None,
+            };
+            single((t(0), dims))
+        }
+        Op::Transpose(perm) => {
+            let dims = match (d(0), perm) {
+                (Some(x), Some(p)) => {
+                    if p.len() != x.len() {
+                        return Err(format!("perm {p:?} does not match rank {}", x.len()));
+                    }
+                    Some(p.iter().map(|a| ly::axis(*a, x.len()).map(|a| x[a])).collect::<Result<_, _>>()?)
+                }
+                _ => None,
+            };
+            single((t(0), dims))
+        }
+        Op::Softmax { .. } => {
+            require_float("the input", t(0))?;
+            single((t(0), d(0)))
+        }
+        Op::RmsNorm { .. } | Op::LayerNorm { .. } => {
+            require_float("the input", t(0))?;
+            norm_check(&d(0), &d(1))?;
+            single((Some(DType::F32), d(0)))
+        }
+        Op::SkipRmsNorm { .. } => {
+            require_float("the input", t(0))?;
+            norm_check(&d(0), &d(2))?;
+            let x = (Some(DType::F32), d(0));
+            Ok(vec![x.clone(), (None, None), (None, None), x].into_iter().take(outputs.max(1)).collect())
+        }
+        Op::Linear { weight, .. } => linear_out(&d(0), t(0), weight.k, weight.n),
+        Op::GatedMlp { weight } => linear_out(&d(0), t(0), weight.k, weight.n / 2),
+        Op::MatMulNBits { k, n, .. } => linear_out(&d(0), t(0), *k, *n),
+        Op::Rotary { .. } => {
+            require_float("the input", t(0))?;
+            single((Some(DType::F32), d(0)))
+        }
+        Op::Attention { .. } => {
+            for (i, what) in [(0, "query"), (1, "key"), (2, "value")] {
+                if t(i) != Some(DType::F16) {
+                    require_float(what, t(i))?;
+                }
+            }
+            let mut outs = vec![(t(0).or(Some(DType::F32)), d(0))];
+            outs.extend((1..outputs).map(|i| (t(3 + i), None)));
+            Ok(outs)
+        }
+        Op::Range
+        | Op::ConstantOfShape(_)
+        | Op::Unsqueeze(_)
+        | Op::Squeeze(_)
+        | Op::Slice
+        | Op::Reduce { .. }
+        | Op::Tile
+        | Op::Expand => {
+            let dt = match op {
+                Op::Range => Some(DType::I64),
+                Op::ConstantOfShape(v) => Some(v.dtype()),
+                _ => t(0),
+            };
+            if matches!(op, Op::Reduce { .. }) {
+                require_float("the input", dt).or_else(|e| if dt == Some(DType::I64) { Ok(()) } else { Err(e) })?;
+            }
+            single((dt, None))
+        }
+    }
+}
+
+fn norm_check(x: &Dims, scale: &Dims) -> Result<(), String> {
+    if let (Some(x), Some(s)) = (x, scale) {
+        let n: Option<usize> = s.iter().copied().product();
+        if let (Some(Some(last)), Some(n)) = (x.last(), n) {
+            if *last != n {
+                return Err(format!("the scale has {n} elements, the normalized axis {last}"));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn linear_out(x: &Dims, t: Option<DType>, k: usize, n: usize) -> Result<Vec<Out>, String> {
+    require_float("the input", t)?;
+    let dims = x.as_ref().map(|x| {
+        let mut out = x.clone();
+        if let Some(last) = out.last_mut() {
+            *last = Some(n);
+        }
+        out
+    });
+    if let Some(Some(Some(last))) = x.as_ref().map(|x| x.last().copied()) {
+        if last != k {
+            return Err(format!("the input's last axis is {last}, the weight takes {k}"));
+        }
+    }
+    Ok(vec![(Some(DType::F32), dims)])
+}

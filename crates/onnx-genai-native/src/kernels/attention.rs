@@ -1,0 +1,252 @@
+//! Causal attention over an in-place KV cache. Each layer's cache is
+//! preallocated as `[kv_heads, capacity, head_dim]`; a step writes only its
+//! new rows and reads the past where it lies, so the cost of a decode step
+//! never includes copying the whole past (what a `Concat(past, new)` graph
+//! does).
+
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+use rayon::prelude::*;
+
+use super::math::{dot, softmax_row};
+use crate::value::Value;
+
+#[derive(Clone, Debug)]
+pub enum KvStore {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+}
+
+impl KvStore {
+    fn write(&mut self, at: usize, row: &[f32]) {
+        match self {
+            KvStore::F32(v) => v[at..at + row.len()].copy_from_slice(row),
+            KvStore::F16(v) => v[at..at + row.len()].convert_from_f32_slice(row),
+        }
+    }
+
+    fn read<'a>(&'a self, at: usize, len: usize, scratch: &'a mut [f32]) -> &'a [f32] {
+        match self {
+            KvStore::F32(v) => &v[at..at + len],
+            KvStore::F16(v) => {
+                v[at..at + len].convert_to_f32_slice(&mut scratch[..len]);
+                &scratch[..len]
+            }
+        }
+    }
+}
+
+/// One layer's key and value cache.
+#[derive(Clone, Debug)]
+pub struct LayerCache {
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub capacity: usize,
+    pub key: KvStore,
+    pub value: KvStore,
+}
+
+impl LayerCache {
+    pub fn new(kv_heads: usize, head_dim: usize, capacity: usize, half: bool) -> Self {
+        let n = kv_heads * capacity * head_dim;
+        let store = || if half { KvStore::F16(vec![f16::ZERO; n]) } else { KvStore::F32(vec![0.0; n]) };
+        Self { kv_heads, head_dim, capacity, key: store(), value: store() }
+    }
+
+    fn offset(&self, head: usize, pos: usize) -> usize {
+        (head * self.capacity + pos) * self.head_dim
+    }
+
+    pub fn bytes(&self) -> usize {
+        let per = match self.key {
+            KvStore::F32(_) => 4,
+            KvStore::F16(_) => 2,
+        };
+        2 * self.kv_heads * self.capacity * self.head_dim * per
+    }
+}
+
+/// How a tensor's `[heads, seq, dim]` elements are laid out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// `[batch, heads, seq, dim]`.
+    HeadsFirst,
+    /// `[batch, seq, heads * dim]` (also `[batch, seq, heads, dim]`).
+    SeqFirst,
+}
+
+impl Layout {
+    fn index(self, heads: usize, seq: usize, dim: usize, h: usize, t: usize) -> usize {
+        match self {
+            Layout::HeadsFirst => (h * seq + t) * dim,
+            Layout::SeqFirst => (t * heads + h) * dim,
+        }
+    }
+
+    /// The sequence length of a tensor in this layout.
+    pub fn seq_len(self, shape: &[usize], heads: usize, dim: usize) -> Result<usize, String> {
+        let bad = || format!("shape {shape:?} is not a batch-1 {self:?} tensor of {heads} heads x {dim}");
+        let n: usize = shape.iter().product();
+        if shape.first() != Some(&1) || !n.is_multiple_of(heads * dim) {
+            return Err(bad());
+        }
+        let seq = n / (heads * dim);
+        let ok = match (self, shape.len()) {
+            (Layout::HeadsFirst, 4) => shape[1] == heads && shape[3] == dim,
+            (Layout::SeqFirst, 3) => shape[2] == heads * dim,
+            (Layout::SeqFirst, 4) => shape[2] == heads && shape[3] == dim,
+            _ => false,
+        };
+        if ok {
+            Ok(seq)
+        } else {
+            Err(bad())
+        }
+    }
+}
+
+/// How an additive bias, if any, maps onto `[head, query, key]` scores.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Bias {
+    /// No bias input: the kernel applies the causal mask itself.
+    Causal,
+    /// `[.., 1 | heads, seq, total]`.
+    PerQuery,
+    /// The GQA-grouped form `[.., 1 | kv_heads, n_rep * seq, total]`: query
+    /// heads of a group are stacked along the row axis.
+    Grouped,
+}
+
+#[derive(Clone, Debug)]
+pub struct AttentionSpec {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub scale: f32,
+    pub q_layout: Layout,
+    pub kv_layout: Layout,
+    pub out_layout: Layout,
+    pub bias: Bias,
+}
+
+const PARALLEL_MIN_MACS: usize = 1 << 14;
+
+/// The tensors one attention step reads: the new tokens' query, key and
+/// value, and the additive bias if the form has one.
+pub struct AttentionInputs<'a> {
+    pub q: &'a Value,
+    pub k: &'a Value,
+    pub v: &'a Value,
+    pub bias: Option<&'a Value>,
+}
+
+/// Appends `k`/`v` (the new tokens) at `past` in `cache`, then attends every
+/// query of `q` over positions `0..past + seq`. Writes `out` in
+/// `spec.out_layout`.
+pub fn attention(
+    spec: &AttentionSpec,
+    cache: &mut LayerCache,
+    past: usize,
+    inputs: AttentionInputs,
+    out: &mut Value,
+) -> Result<(), String> {
+    let AttentionInputs { q, k, v, bias } = inputs;
+    let (heads, kvh, hd) = (spec.heads, spec.kv_heads, spec.head_dim);
+    if cache.kv_heads != kvh || cache.head_dim != hd {
+        return Err(format!(
+            "KV cache holds {} heads x {}, the attention needs {kvh} x {hd}",
+            cache.kv_heads, cache.head_dim
+        ));
+    }
+    let seq = spec.q_layout.seq_len(&q.shape, heads, hd).map_err(|e| format!("query: {e}"))?;
+    for (name, t) in [("key", k), ("value", v)] {
+        let s = spec.kv_layout.seq_len(&t.shape, kvh, hd).map_err(|e| format!("{name}: {e}"))?;
+        if s != seq {
+            return Err(format!("{name} has {s} new positions, the query {seq}"));
+        }
+    }
+    let total = past + seq;
+    if total > cache.capacity {
+        return Err(format!("{total} positions exceed the KV cache capacity {}", cache.capacity));
+    }
+    let (q, k, v) = (q.as_f32()?, k.as_f32()?, v.as_f32()?);
+    for h in 0..kvh {
+        for t in 0..seq {
+            let src = spec.kv_layout.index(kvh, seq, hd, h, t);
+            let dst = cache.offset(h, past + t);
+            cache.key.write(dst, &k[src..src + hd]);
+            cache.value.write(dst, &v[src..src + hd]);
+        }
+    }
+    let n_rep = heads / kvh;
+    let bias_rows = match (bias, spec.bias) {
+        (None, Bias::Causal) => None,
+        (Some(b), mode @ (Bias::PerQuery | Bias::Grouped)) => {
+            let rows = if mode == Bias::Grouped { n_rep * seq } else { seq };
+            let groups = if mode == Bias::Grouped { kvh } else { heads };
+            let n = b.len();
+            let per_head = rows * total;
+            if b.shape.last() != Some(&total) || (n != per_head && n != per_head * groups) {
+                return Err(format!("attention bias {:?} does not fit {rows} query rows x {total} positions", b.shape));
+            }
+            Some((b.as_f32()?, n == per_head, mode))
+        }
+        _ => return Err("attention bias input does not match the compiled form".into()),
+    };
+    let cache = &*cache;
+    let head = |h: usize, dst: &mut [f32]| {
+        let g = h / n_rep;
+        let mut scores = vec![0.0f32; total];
+        let mut scratch = vec![0.0f32; hd];
+        for i in 0..seq {
+            let qi = spec.q_layout.index(heads, seq, hd, h, i);
+            let qrow = &q[qi..qi + hd];
+            for (t, s) in scores.iter_mut().enumerate() {
+                *s = spec.scale * dot(qrow, cache.key.read(cache.offset(g, t), hd, &mut scratch));
+            }
+            match bias_rows {
+                None => scores[past + i + 1..].iter_mut().for_each(|s| *s = f32::NEG_INFINITY),
+                Some((b, shared, mode)) => {
+                    let (row, group) = match mode {
+                        Bias::Grouped => ((h % n_rep) * seq + i, g),
+                        _ => (i, h),
+                    };
+                    let rows = if mode == Bias::Grouped { n_rep * seq } else { seq };
+                    let base = if shared { 0 } else { group * rows * total };
+                    let brow = &b[base + row * total..base + (row + 1) * total];
+                    scores.iter_mut().zip(brow).for_each(|(s, b)| *s += b);
+                }
+            }
+            softmax_row(&mut scores);
+            let o = &mut dst[i * hd..(i + 1) * hd];
+            o.iter_mut().for_each(|x| *x = 0.0);
+            for (t, p) in scores.iter().enumerate() {
+                let vrow = cache.value.read(cache.offset(g, t), hd, &mut scratch);
+                o.iter_mut().zip(vrow).for_each(|(o, v)| *o += p * v);
+            }
+        }
+    };
+    // Compute heads-first, one contiguous block per head.
+    let mut heads_first = vec![0.0f32; heads * seq * hd];
+    if heads * seq * total * hd >= PARALLEL_MIN_MACS {
+        heads_first.par_chunks_mut(seq * hd).enumerate().for_each(|(h, dst)| head(h, dst));
+    } else {
+        heads_first.chunks_mut(seq * hd).enumerate().for_each(|(h, dst)| head(h, dst));
+    }
+    let (shape, data) = match spec.out_layout {
+        Layout::HeadsFirst => (vec![1, heads, seq, hd], heads_first),
+        Layout::SeqFirst => {
+            let mut o = out.recycle_f32(heads * seq * hd);
+            for h in 0..heads {
+                for t in 0..seq {
+                    let src = (h * seq + t) * hd;
+                    let dst = (t * heads + h) * hd;
+                    o[dst..dst + hd].copy_from_slice(&heads_first[src..src + hd]);
+                }
+            }
+            (vec![1, seq, heads * hd], o)
+        }
+    };
+    *out = Value::f32(shape, data);
+    Ok(())
+}

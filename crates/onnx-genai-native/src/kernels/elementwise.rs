@@ -1,0 +1,314 @@
+//! Element-wise kernels with numpy broadcasting.
+
+use half::f16;
+
+use crate::value::{DType, Data, Value};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BinOp {
+    Add,
+    Sub,
+    Mul,
+    Div,
+    Pow,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CmpOp {
+    Equal,
+    Less,
+    LessOrEqual,
+    Greater,
+    GreaterOrEqual,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogicOp {
+    And,
+    Or,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UnOp {
+    Neg,
+    Sqrt,
+    Reciprocal,
+    Exp,
+    Sigmoid,
+    Tanh,
+    Erf,
+    Relu,
+    Not,
+}
+
+impl UnOp {
+    /// Whether the op only makes sense on floating-point input.
+    pub fn float_only(self) -> bool {
+        !matches!(self, UnOp::Neg | UnOp::Relu | UnOp::Not)
+    }
+}
+
+/// The broadcast result shape of `a` and `b`, or `None` when incompatible.
+pub fn broadcast_shape(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
+    let rank = a.len().max(b.len());
+    let mut out = vec![0; rank];
+    for (i, o) in out.iter_mut().enumerate() {
+        let da = if i + a.len() >= rank { a[i + a.len() - rank] } else { 1 };
+        let db = if i + b.len() >= rank { b[i + b.len() - rank] } else { 1 };
+        *o = match (da, db) {
+            (x, y) if x == y => x,
+            (1, y) => y,
+            (x, 1) => x,
+            _ => return None,
+        };
+    }
+    Some(out)
+}
+
+/// Strides of `shape` laid out inside `out` (0 along broadcast axes).
+fn broadcast_strides(shape: &[usize], out: &[usize]) -> Vec<usize> {
+    let mut strides = vec![0; out.len()];
+    let offset = out.len() - shape.len();
+    let mut stride = 1;
+    for i in (0..shape.len()).rev() {
+        if shape[i] != 1 {
+            strides[offset + i] = stride;
+        }
+        stride *= shape[i];
+    }
+    strides
+}
+
+/// Calls `f(out_index, a_index, b_index)` over the broadcast of two shapes.
+fn for_each_pair(out: &[usize], a: &[usize], b: &[usize], mut f: impl FnMut(usize, usize, usize)) {
+    let n: usize = out.iter().product();
+    if a == out && b == out {
+        (0..n).for_each(|i| f(i, i, i));
+        return;
+    }
+    let (sa, sb) = (broadcast_strides(a, out), broadcast_strides(b, out));
+    let mut idx = vec![0usize; out.len()];
+    let (mut ia, mut ib) = (0usize, 0usize);
+    for o in 0..n {
+        f(o, ia, ib);
+        for axis in (0..out.len()).rev() {
+            idx[axis] += 1;
+            ia += sa[axis];
+            ib += sb[axis];
+            if idx[axis] < out[axis] {
+                break;
+            }
+            ia -= sa[axis] * out[axis];
+            ib -= sb[axis] * out[axis];
+            idx[axis] = 0;
+        }
+    }
+}
+
+fn shape_of(a: &Value, b: &Value) -> Result<Vec<usize>, String> {
+    broadcast_shape(&a.shape, &b.shape)
+        .ok_or_else(|| format!("shapes {:?} and {:?} do not broadcast", a.shape, b.shape))
+}
+
+fn apply_f32(op: BinOp, x: f32, y: f32) -> f32 {
+    match op {
+        BinOp::Add => x + y,
+        BinOp::Sub => x - y,
+        BinOp::Mul => x * y,
+        BinOp::Div => x / y,
+        BinOp::Pow => {
+            if y == 2.0 {
+                x * x
+            } else {
+                x.powf(y)
+            }
+        }
+    }
+}
+
+fn apply_i64(op: BinOp, x: i64, y: i64) -> Result<i64, String> {
+    Ok(match op {
+        BinOp::Add => x.wrapping_add(y),
+        BinOp::Sub => x.wrapping_sub(y),
+        BinOp::Mul => x.wrapping_mul(y),
+        BinOp::Div => x.checked_div(y).ok_or("integer division by zero")?,
+        BinOp::Pow => x.wrapping_pow(u32::try_from(y).map_err(|_| "negative integer exponent")?),
+    })
+}
+
+pub fn binary(op: BinOp, a: &Value, b: &Value, out: &mut Value) -> Result<(), String> {
+    let shape = shape_of(a, b)?;
+    let n = shape.iter().product();
+    match (&a.data, &b.data) {
+        (Data::F32(x), Data::F32(y)) => {
+            let mut o = out.recycle_f32(n);
+            for_each_pair(&shape, &a.shape, &b.shape, |i, ia, ib| o[i] = apply_f32(op, x[ia], y[ib]));
+            *out = Value::f32(shape, o);
+        }
+        (Data::I64(x), Data::I64(y)) => {
+            let mut o = out.recycle_i64(n);
+            let mut err: Option<String> = None;
+            for_each_pair(&shape, &a.shape, &b.shape, |i, ia, ib| match apply_i64(op, x[ia], y[ib]) {
+                Ok(v) => o[i] = v,
+                Err(e) => err = Some(e),
+            });
+            if let Some(e) = err {
+                return Err(e);
+            }
+            *out = Value::i64(shape, o);
+        }
+        _ => return Err(format!("operands are {} and {}; both must be f32 or both i64", a.dtype(), b.dtype())),
+    }
+    Ok(())
+}
+
+pub fn compare(op: CmpOp, a: &Value, b: &Value, out: &mut Value) -> Result<(), String> {
+    let shape = shape_of(a, b)?;
+    let n = shape.iter().product();
+    let mut o = out.recycle_bool(n);
+    fn cmp<T: PartialOrd>(op: CmpOp, x: T, y: T) -> bool {
+        match op {
+            CmpOp::Equal => x == y,
+            CmpOp::Less => x < y,
+            CmpOp::LessOrEqual => x <= y,
+            CmpOp::Greater => x > y,
+            CmpOp::GreaterOrEqual => x >= y,
+        }
+    }
+    match (&a.data, &b.data) {
+        (Data::F32(x), Data::F32(y)) => {
+            for_each_pair(&shape, &a.shape, &b.shape, |i, ia, ib| o[i] = cmp(op, x[ia], y[ib]))
+        }
+        (Data::I64(x), Data::I64(y)) => {
+            for_each_pair(&shape, &a.shape, &b.shape, |i, ia, ib| o[i] = cmp(op, x[ia], y[ib]))
+        }
+        (Data::Bool(x), Data::Bool(y)) if op == CmpOp::Equal => {
+            for_each_pair(&shape, &a.shape, &b.shape, |i, ia, ib| o[i] = x[ia] == y[ib])
+        }
+        _ => return Err(format!("cannot compare {} with {}", a.dtype(), b.dtype())),
+    }
+    *out = Value::bool(shape, o);
+    Ok(())
+}
+
+pub fn logic(op: LogicOp, a: &Value, b: &Value, out: &mut Value) -> Result<(), String> {
+    let shape = shape_of(a, b)?;
+    let (x, y) = (a.as_bool()?, b.as_bool()?);
+    let mut o = out.recycle_bool(shape.iter().product());
+    for_each_pair(&shape, &a.shape, &b.shape, |i, ia, ib| {
+        o[i] = match op {
+            LogicOp::And => x[ia] && y[ib],
+            LogicOp::Or => x[ia] || y[ib],
+        }
+    });
+    *out = Value::bool(shape, o);
+    Ok(())
+}
+
+pub fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// Abramowitz–Stegun 7.1.26 is too coarse for parity; this is the
+/// Numerical Recipes erfc Chebyshev fit (|error| < 1.2e-7).
+pub fn erf(x: f32) -> f32 {
+    let z = f64::from(x.abs());
+    let t = 1.0 / (1.0 + 0.5 * z);
+    let poly = -z * z - 1.265_512_23
+        + t * (1.000_023_68
+            + t * (0.374_091_96
+                + t * (0.096_784_18
+                    + t * (-0.186_288_06
+                        + t * (0.278_868_07
+                            + t * (-1.135_203_98 + t * (1.488_515_87 + t * (-0.822_152_23 + t * 0.170_872_77))))))));
+    let r = 1.0 - t * poly.exp();
+    (if x >= 0.0 { r } else { -r }) as f32
+}
+
+pub fn unary(op: UnOp, a: &Value, out: &mut Value) -> Result<(), String> {
+    let shape = a.shape.clone();
+    match (&a.data, op) {
+        (Data::Bool(x), UnOp::Not) => {
+            let mut o = out.recycle_bool(x.len());
+            o.iter_mut().zip(x).for_each(|(o, x)| *o = !x);
+            *out = Value::bool(shape, o);
+        }
+        (Data::I64(x), UnOp::Neg | UnOp::Relu) => {
+            let mut o = out.recycle_i64(x.len());
+            o.iter_mut().zip(x).for_each(|(o, x)| *o = if op == UnOp::Neg { x.wrapping_neg() } else { (*x).max(0) });
+            *out = Value::i64(shape, o);
+        }
+        (Data::F32(x), op) if op != UnOp::Not => {
+            let mut o = out.recycle_f32(x.len());
+            let f = |x: f32| match op {
+                UnOp::Neg => -x,
+                UnOp::Sqrt => x.sqrt(),
+                UnOp::Reciprocal => 1.0 / x,
+                UnOp::Exp => x.exp(),
+                UnOp::Sigmoid => sigmoid(x),
+                UnOp::Tanh => x.tanh(),
+                UnOp::Erf => erf(x),
+                UnOp::Relu => x.max(0.0),
+                UnOp::Not => x,
+            };
+            o.iter_mut().zip(x).for_each(|(o, x)| *o = f(*x));
+            *out = Value::f32(shape, o);
+        }
+        _ => return Err(format!("{op:?} is not defined for {}", a.dtype())),
+    }
+    Ok(())
+}
+
+pub fn where_(cond: &Value, a: &Value, b: &Value, out: &mut Value) -> Result<(), String> {
+    let c = cond.as_bool()?;
+    let ab = shape_of(a, b)?;
+    let shape = broadcast_shape(&cond.shape, &ab)
+        .ok_or_else(|| format!("condition {:?} does not broadcast with {ab:?}", cond.shape))?;
+    let n: usize = shape.iter().product();
+    // Expand the condition to the output first, then select pairwise.
+    let mut mask = vec![false; n];
+    for_each_pair(&shape, &cond.shape, &[], |i, ic, _| mask[i] = c[ic]);
+    match (&a.data, &b.data) {
+        (Data::F32(x), Data::F32(y)) => {
+            let mut o = out.recycle_f32(n);
+            for_each_pair(&shape, &a.shape, &b.shape, |i, ia, ib| o[i] = if mask[i] { x[ia] } else { y[ib] });
+            *out = Value::f32(shape, o);
+        }
+        (Data::I64(x), Data::I64(y)) => {
+            let mut o = out.recycle_i64(n);
+            for_each_pair(&shape, &a.shape, &b.shape, |i, ia, ib| o[i] = if mask[i] { x[ia] } else { y[ib] });
+            *out = Value::i64(shape, o);
+        }
+        _ => return Err(format!("Where branches are {} and {}", a.dtype(), b.dtype())),
+    }
+    Ok(())
+}
+
+pub fn cast(a: &Value, to: DType, out: &mut Value) -> Result<(), String> {
+    let shape = a.shape.clone();
+    let n = a.len();
+    *out = match (&a.data, to) {
+        (Data::F32(x), DType::F32) => Value::f32(shape, x.clone()),
+        (Data::F16(x), DType::F32) => {
+            let mut o = out.recycle_f32(n);
+            x.iter().zip(o.iter_mut()).for_each(|(x, o)| *o = x.to_f32());
+            Value::f32(shape, o)
+        }
+        (Data::F32(x), DType::F16) => {
+            let mut o = out.recycle_f16(n);
+            x.iter().zip(o.iter_mut()).for_each(|(x, o)| *o = f16::from_f32(*x));
+            Value { shape, data: Data::F16(o) }
+        }
+        (Data::F16(x), DType::F16) => Value { shape, data: Data::F16(x.clone()) },
+        (Data::I64(x), DType::F32) => Value::f32(shape, x.iter().map(|v| *v as f32).collect()),
+        (Data::I64(x), DType::I64) => Value::i64(shape, x.clone()),
+        (Data::I64(x), DType::Bool) => Value::bool(shape, x.iter().map(|v| *v != 0).collect()),
+        (Data::F32(x), DType::I64) => Value::i64(shape, x.iter().map(|v| *v as i64).collect()),
+        (Data::F32(x), DType::Bool) => Value::bool(shape, x.iter().map(|v| *v != 0.0).collect()),
+        (Data::Bool(x), DType::Bool) => Value::bool(shape, x.clone()),
+        (Data::Bool(x), DType::I64) => Value::i64(shape, x.iter().map(|v| i64::from(*v)).collect()),
+        (Data::Bool(x), DType::F32) => Value::f32(shape, x.iter().map(|v| f32::from(u8::from(*v))).collect()),
+        _ => return Err(format!("cast from {} to {to} is not supported", a.dtype())),
+    };
+    Ok(())
+}

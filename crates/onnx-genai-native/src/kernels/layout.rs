@@ -1,0 +1,313 @@
+//! Shape and layout kernels: they move elements without arithmetic, so each
+//! computes an index map and [`select`] copies through it for any dtype.
+
+use crate::value::{Data, Value};
+
+/// `out[i] = src[index[i]]`, with `shape` as the output shape.
+pub fn select(src: &Value, index: &[usize], shape: Vec<usize>, out: &mut Value) {
+    fn pick<T: Copy>(v: &[T], index: &[usize], mut o: Vec<T>) -> Vec<T> {
+        o.clear();
+        o.extend(index.iter().map(|i| v[*i]));
+        o
+    }
+    let n = index.len();
+    *out = match &src.data {
+        Data::F32(v) => Value::f32(shape, pick(v, index, out.recycle_f32(n))),
+        Data::I64(v) => Value::i64(shape, pick(v, index, out.recycle_i64(n))),
+        Data::Bool(v) => Value::bool(shape, pick(v, index, out.recycle_bool(n))),
+        Data::F16(v) => Value { shape, data: Data::F16(pick(v, index, out.recycle_f16(n))) },
+        Data::U8(v) => Value { shape, data: Data::U8(pick(v, index, out.recycle_u8(n))) },
+    };
+}
+
+/// Copies `src` with a new shape (Reshape, Unsqueeze, Squeeze, Flatten).
+pub fn reshaped(src: &Value, shape: Vec<usize>, out: &mut Value) -> Result<(), String> {
+    if shape.iter().product::<usize>() != src.len() {
+        return Err(format!("cannot view {:?} ({} elements) as {shape:?}", src.shape, src.len()));
+    }
+    let index: Vec<usize> = (0..src.len()).collect();
+    select(src, &index, shape, out);
+    Ok(())
+}
+
+/// Resolves an axis that may count from the end.
+pub fn axis(axis: i64, rank: usize) -> Result<usize, String> {
+    let r = rank as i64;
+    let a = if axis < 0 { axis + r } else { axis };
+    if (0..r).contains(&a) {
+        Ok(a as usize)
+    } else {
+        Err(format!("axis {axis} is out of range for rank {rank}"))
+    }
+}
+
+/// ONNX Reshape target: 0 copies the input dim, -1 is inferred.
+pub fn reshape_target(input: &[usize], target: &[i64]) -> Result<Vec<usize>, String> {
+    let total: usize = input.iter().product();
+    let mut out = Vec::with_capacity(target.len());
+    let mut infer = None;
+    for (i, t) in target.iter().enumerate() {
+        match *t {
+            0 => out
+                .push(*input.get(i).ok_or_else(|| format!("reshape 0 at axis {i} but input rank is {}", input.len()))?),
+            -1 if infer.is_none() => {
+                infer = Some(i);
+                out.push(1);
+            }
+            t if t > 0 => out.push(t as usize),
+            t => return Err(format!("invalid reshape dim {t} in {target:?}")),
+        }
+    }
+    if let Some(i) = infer {
+        let known: usize = out.iter().product();
+        if known == 0 || !total.is_multiple_of(known) {
+            return Err(format!("cannot infer -1 reshaping {input:?} to {target:?}"));
+        }
+        out[i] = total / known;
+    }
+    if out.iter().product::<usize>() != total {
+        return Err(format!("cannot reshape {input:?} ({total} elements) to {target:?}"));
+    }
+    Ok(out)
+}
+
+pub fn unsqueeze_target(input: &[usize], axes: &[i64]) -> Result<Vec<usize>, String> {
+    let rank = input.len() + axes.len();
+    let mut resolved = axes.iter().map(|a| axis(*a, rank)).collect::<Result<Vec<_>, _>>()?;
+    resolved.sort_unstable();
+    let mut out = Vec::with_capacity(rank);
+    let mut rest = input.iter();
+    for i in 0..rank {
+        if resolved.binary_search(&i).is_ok() {
+            out.push(1);
+        } else {
+            out.push(*rest.next().ok_or("duplicate unsqueeze axes")?);
+        }
+    }
+    Ok(out)
+}
+
+pub fn squeeze_target(input: &[usize], axes: Option<&[i64]>) -> Result<Vec<usize>, String> {
+    let drop: Vec<usize> = match axes {
+        Some(axes) => axes.iter().map(|a| axis(*a, input.len())).collect::<Result<_, _>>()?,
+        None => (0..input.len()).filter(|i| input[*i] == 1).collect(),
+    };
+    for d in &drop {
+        if input[*d] != 1 {
+            return Err(format!("cannot squeeze axis {d} of size {}", input[*d]));
+        }
+    }
+    Ok(input.iter().enumerate().filter(|(i, _)| !drop.contains(i)).map(|(_, d)| *d).collect())
+}
+
+fn strides(shape: &[usize]) -> Vec<usize> {
+    let mut s = vec![1; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        s[i] = s[i + 1] * shape[i + 1];
+    }
+    s
+}
+
+/// Source index of every output element of a strided view: output axis `i`
+/// walks `counts[i]` steps of `steps[i]` from `base`.
+fn strided_index(base: usize, counts: &[usize], steps: &[isize]) -> Vec<usize> {
+    let n: usize = counts.iter().product();
+    let mut index = Vec::with_capacity(n);
+    let mut idx = vec![0usize; counts.len()];
+    let mut pos = base as isize;
+    for _ in 0..n {
+        index.push(pos as usize);
+        for a in (0..counts.len()).rev() {
+            idx[a] += 1;
+            pos += steps[a];
+            if idx[a] < counts[a] {
+                break;
+            }
+            pos -= steps[a] * counts[a] as isize;
+            idx[a] = 0;
+        }
+    }
+    index
+}
+
+pub fn transpose(src: &Value, perm: &[usize], out: &mut Value) -> Result<(), String> {
+    if perm.len() != src.shape.len() {
+        return Err(format!("perm {perm:?} does not match rank {}", src.shape.len()));
+    }
+    let s = strides(&src.shape);
+    let shape: Vec<usize> = perm.iter().map(|p| src.shape[*p]).collect();
+    let steps: Vec<isize> = perm.iter().map(|p| s[*p] as isize).collect();
+    select(src, &strided_index(0, &shape, &steps), shape, out);
+    Ok(())
+}
+
+/// ONNX Slice with resolved per-axis `(start, end, step)` clamping.
+pub fn slice(
+    src: &Value,
+    starts: &[i64],
+    ends: &[i64],
+    axes: Option<&[i64]>,
+    steps: Option<&[i64]>,
+    out: &mut Value,
+) -> Result<(), String> {
+    let rank = src.shape.len();
+    let s = strides(&src.shape);
+    let mut counts = src.shape.clone();
+    let mut walk: Vec<isize> = s.iter().map(|v| *v as isize).collect();
+    let mut base = 0isize;
+    for (i, (start, end)) in starts.iter().zip(ends).enumerate() {
+        let a = axis(axes.map_or(i as i64, |a| a.get(i).copied().unwrap_or(i as i64)), rank)?;
+        let step = steps.and_then(|s| s.get(i).copied()).unwrap_or(1);
+        if step == 0 {
+            return Err("slice step 0".into());
+        }
+        let dim = src.shape[a] as i64;
+        let norm = |v: i64| if v < 0 { v + dim } else { v };
+        let (start, end) = (norm(*start), norm(*end));
+        let (first, count) = if step > 0 {
+            let (b, e) = (start.clamp(0, dim), end.clamp(0, dim));
+            (b, if e > b { (e - b + step - 1) / step } else { 0 })
+        } else {
+            let (b, e) = (start.clamp(-1, dim - 1), end.clamp(-1, dim - 1));
+            (b, if b > e { (b - e + (-step) - 1) / (-step) } else { 0 })
+        };
+        counts[a] = count as usize;
+        base += first as isize * s[a] as isize;
+        walk[a] = step as isize * s[a] as isize;
+    }
+    let index = if counts.contains(&0) { Vec::new() } else { strided_index(base as usize, &counts, &walk) };
+    select(src, &index, counts, out);
+    Ok(())
+}
+
+pub fn concat(parts: &[&Value], axis_attr: i64, out: &mut Value) -> Result<(), String> {
+    let first = parts.first().ok_or("Concat needs at least one input")?;
+    let rank = first.shape.len();
+    let a = axis(axis_attr, rank)?;
+    let mut shape = first.shape.clone();
+    shape[a] = 0;
+    for p in parts {
+        if p.shape.len() != rank || p.dtype() != first.dtype() {
+            return Err(format!(
+                "cannot concatenate {:?} {} with {:?} {}",
+                first.shape,
+                first.dtype(),
+                p.shape,
+                p.dtype()
+            ));
+        }
+        for d in 0..rank {
+            if d != a && p.shape[d] != first.shape[d] {
+                return Err(format!("concat inputs {:?} and {:?} differ off axis {a}", first.shape, p.shape));
+            }
+        }
+        shape[a] += p.shape[a];
+    }
+    let outer: usize = shape[..a].iter().product();
+    let inner: usize = shape[a + 1..].iter().product();
+    // Build the output by concatenating each part's rows; a flat source
+    // index over all parts back to back lets `select` do the copy.
+    let mut offsets = Vec::with_capacity(parts.len());
+    let mut acc = 0;
+    for p in parts {
+        offsets.push(acc);
+        acc += p.len();
+    }
+    let mut index = Vec::with_capacity(shape.iter().product());
+    for o in 0..outer {
+        for (p, off) in parts.iter().zip(&offsets) {
+            let row = p.shape[a] * inner;
+            index.extend((0..row).map(|i| off + o * row + i));
+        }
+    }
+    let joined = join(parts);
+    select(&joined, &index, shape, out);
+    Ok(())
+}
+
+fn join(parts: &[&Value]) -> Value {
+    fn cat<T: Copy>(parts: &[&Value], get: impl Fn(&Value) -> &[T]) -> Vec<T> {
+        parts.iter().flat_map(|p| get(p).iter().copied()).collect()
+    }
+    let shape = vec![parts.iter().map(|p| p.len()).sum()];
+    let data = match &parts[0].data {
+        Data::F32(_) => Data::F32(cat(parts, |p| p.as_f32().unwrap_or(&[]))),
+        Data::I64(_) => Data::I64(cat(parts, |p| p.as_i64().unwrap_or(&[]))),
+        Data::Bool(_) => Data::Bool(cat(parts, |p| p.as_bool().unwrap_or(&[]))),
+        Data::F16(_) => Data::F16(cat(parts, |p| p.as_f16().unwrap_or(&[]))),
+        Data::U8(_) => Data::U8(cat(parts, |p| p.as_u8().unwrap_or(&[]))),
+    };
+    Value { shape, data }
+}
+
+pub fn gather(data: &Value, indices: &Value, axis_attr: i64, out: &mut Value) -> Result<(), String> {
+    let a = axis(axis_attr, data.shape.len())?;
+    let idx = indices.as_i64()?;
+    let dim = data.shape[a];
+    let outer: usize = data.shape[..a].iter().product();
+    let inner: usize = data.shape[a + 1..].iter().product();
+    let mut index = Vec::with_capacity(outer * idx.len() * inner);
+    for o in 0..outer {
+        for i in idx {
+            let i = if *i < 0 { *i + dim as i64 } else { *i };
+            if !(0..dim as i64).contains(&i) {
+                return Err(format!("index {i} is out of range for axis {a} of size {dim}"));
+            }
+            let start = (o * dim + i as usize) * inner;
+            index.extend(start..start + inner);
+        }
+    }
+    let mut shape = data.shape[..a].to_vec();
+    shape.extend(&indices.shape);
+    shape.extend(&data.shape[a + 1..]);
+    select(data, &index, shape, out);
+    Ok(())
+}
+
+pub fn tile(src: &Value, repeats: &[i64], out: &mut Value) -> Result<(), String> {
+    if repeats.len() != src.shape.len() || repeats.iter().any(|r| *r < 0) {
+        return Err(format!("repeats {repeats:?} do not fit rank {}", src.shape.len()));
+    }
+    let shape: Vec<usize> = src.shape.iter().zip(repeats).map(|(d, r)| d * *r as usize).collect();
+    let s = strides(&src.shape);
+    let n: usize = shape.iter().product();
+    let mut index = Vec::with_capacity(n);
+    let mut idx = vec![0usize; shape.len()];
+    for _ in 0..n {
+        index.push(idx.iter().zip(&src.shape).zip(&s).map(|((i, d), s)| (i % d) * s).sum());
+        for a in (0..shape.len()).rev() {
+            idx[a] += 1;
+            if idx[a] < shape[a] {
+                break;
+            }
+            idx[a] = 0;
+        }
+    }
+    select(src, &index, shape, out);
+    Ok(())
+}
+
+pub fn expand(src: &Value, target: &[i64], out: &mut Value) -> Result<(), String> {
+    let target: Vec<usize> = target.iter().map(|d| (*d).max(0) as usize).collect();
+    let shape = super::elementwise::broadcast_shape(&src.shape, &target)
+        .ok_or_else(|| format!("cannot expand {:?} to {target:?}", src.shape))?;
+    let padded: Vec<usize> =
+        std::iter::repeat_n(1, shape.len() - src.shape.len()).chain(src.shape.iter().copied()).collect();
+    let reps: Vec<i64> = shape.iter().zip(&padded).map(|(o, i)| (o / i.max(&1)) as i64).collect();
+    let view = Value { shape: padded, data: src.data.clone() };
+    tile(&view, &reps, out)
+}
+
+pub fn range(start: &Value, limit: &Value, delta: &Value, out: &mut Value) -> Result<(), String> {
+    let scalar = |v: &Value| v.as_i64().ok().and_then(|x| (x.len() == 1).then(|| x[0]));
+    match (scalar(start), scalar(limit), scalar(delta)) {
+        (Some(s), Some(l), Some(d)) if d != 0 => {
+            let n = ((l - s) as f64 / d as f64).ceil().max(0.0) as usize;
+            let mut o = out.recycle_i64(n);
+            o.iter_mut().enumerate().for_each(|(i, o)| *o = s + i as i64 * d);
+            *out = Value::i64(vec![n], o);
+            Ok(())
+        }
+        _ => Err("Range needs i64 scalars and a non-zero delta".into()),
+    }
+}

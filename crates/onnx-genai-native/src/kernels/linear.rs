@@ -1,0 +1,253 @@
+//! Projections by constant weights (`x @ W + b`), the cost centre of decode.
+//! Weights are packed once at compile time as output rows (`[N, K]`), so a
+//! decode step (one input row) is N contiguous dot products split across
+//! threads; f16 and 4-bit weights stay compressed and are widened a row at a
+//! time.
+
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+use rayon::prelude::*;
+
+use super::math::{dot, sgemm};
+
+/// Below this many multiply-adds a projection runs on the calling thread:
+/// handing tiny work to the pool costs more than it saves.
+const PARALLEL_MIN_MACS: usize = 1 << 15;
+
+#[derive(Clone, Debug)]
+pub enum Packed {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+    /// `MatMulNBits` with 4 bits: per row, `blocks` blocks of `block`
+    /// elements, two per byte (low nibble first), one scale per block and an
+    /// optional packed 4-bit zero point per block (8 when absent).
+    Q4 {
+        data: Vec<u8>,
+        scales: Vec<f32>,
+        zeros: Option<Vec<u8>>,
+        block: usize,
+        blocks: usize,
+    },
+}
+
+/// A `[N, K]` weight: row `n` holds the K input weights of output `n`.
+#[derive(Clone, Debug)]
+pub struct Weight {
+    pub n: usize,
+    pub k: usize,
+    pub packed: Packed,
+}
+
+impl Weight {
+    /// Packs an ONNX MatMul weight given as `[K, N]`.
+    pub fn from_kn_f32(w: &[f32], k: usize, n: usize) -> Self {
+        let mut t = vec![0.0; k * n];
+        for (ki, row) in w.chunks_exact(n).enumerate() {
+            for (ni, v) in row.iter().enumerate() {
+                t[ni * k + ki] = *v;
+            }
+        }
+        Self { n, k, packed: Packed::F32(t) }
+    }
+
+    pub fn from_kn_f16(w: &[f16], k: usize, n: usize) -> Self {
+        let mut t = vec![f16::ZERO; k * n];
+        for (ki, row) in w.chunks_exact(n).enumerate() {
+            for (ni, v) in row.iter().enumerate() {
+                t[ni * k + ki] = *v;
+            }
+        }
+        Self { n, k, packed: Packed::F16(t) }
+    }
+
+    /// Stacks weights with the same K: outputs of `a` come first.
+    pub fn stack(a: Weight, b: Weight) -> Result<Self, String> {
+        if a.k != b.k {
+            return Err(format!("cannot stack weights with K {} and {}", a.k, b.k));
+        }
+        let packed = match (a.packed, b.packed) {
+            (Packed::F32(mut x), Packed::F32(y)) => {
+                x.extend(y);
+                Packed::F32(x)
+            }
+            (Packed::F16(mut x), Packed::F16(y)) => {
+                x.extend(y);
+                Packed::F16(x)
+            }
+            (
+                Packed::Q4 { data: mut d1, scales: mut s1, zeros: z1, block, blocks },
+                Packed::Q4 { data: d2, scales: s2, zeros: z2, block: block2, blocks: blocks2 },
+            ) if block == block2 && blocks == blocks2 && z1.is_some() == z2.is_some() => {
+                d1.extend(d2);
+                s1.extend(s2);
+                let zeros = z1.zip(z2).map(|(mut a, b)| {
+                    a.extend(b);
+                    a
+                });
+                Packed::Q4 { data: d1, scales: s1, zeros, block, blocks }
+            }
+            _ => return Err("cannot stack weights of different storage".into()),
+        };
+        Ok(Self { n: a.n + b.n, k: a.k, packed })
+    }
+
+    /// Row `r` as f32: borrowed when stored as f32, widened into `scratch`
+    /// otherwise.
+    fn row<'a>(&'a self, r: usize, scratch: &'a mut Vec<f32>) -> &'a [f32] {
+        let k = self.k;
+        match &self.packed {
+            Packed::F32(w) => &w[r * k..(r + 1) * k],
+            Packed::F16(w) => {
+                scratch.resize(k, 0.0);
+                w[r * k..(r + 1) * k].convert_to_f32_slice(scratch);
+                scratch
+            }
+            Packed::Q4 { data, scales, zeros, block, blocks } => {
+                scratch.resize(k, 0.0);
+                let bytes_per_block = block / 2;
+                let row = &data[r * blocks * bytes_per_block..(r + 1) * blocks * bytes_per_block];
+                let zero_stride = blocks.div_ceil(2);
+                for b in 0..*blocks {
+                    let scale = scales[r * blocks + b];
+                    let zero = match zeros {
+                        Some(z) => {
+                            let byte = z[r * zero_stride + b / 2];
+                            f32::from(if b % 2 == 0 { byte & 0x0f } else { byte >> 4 })
+                        }
+                        None => 8.0,
+                    };
+                    let start = b * block;
+                    for j in 0..(*block).min(k.saturating_sub(start)) {
+                        let byte = row[b * bytes_per_block + j / 2];
+                        let q = if j % 2 == 0 { byte & 0x0f } else { byte >> 4 };
+                        scratch[start + j] = (f32::from(q) - zero) * scale;
+                    }
+                }
+                scratch
+            }
+        }
+    }
+
+    /// Bytes the packed weight occupies.
+    pub fn bytes(&self) -> usize {
+        match &self.packed {
+            Packed::F32(w) => w.len() * 4,
+            Packed::F16(w) => w.len() * 2,
+            Packed::Q4 { data, scales, zeros, .. } => {
+                data.len() + scales.len() * 4 + zeros.as_ref().map_or(0, Vec::len)
+            }
+        }
+    }
+}
+
+/// `y[m, n] = x[m, :] . W[n, :] + bias[n]` for `m` input rows.
+pub fn linear(x: &[f32], m: usize, w: &Weight, bias: Option<&[f32]>, y: &mut Vec<f32>) {
+    let (n, k) = (w.n, w.k);
+    y.clear();
+    y.resize(m * n, 0.0);
+    if let (Packed::F32(wt), true) = (&w.packed, m >= 4) {
+        sgemm(m, k, n, x, (k, 1), wt, (1, k), y);
+    } else if m == 1 {
+        rows_dot(x, w, y);
+    } else {
+        // Row-major output is strided per weight row; compute transposed.
+        let mut yt = vec![0.0; n * m];
+        let per_row = |(r, out): (usize, &mut [f32]), scratch: &mut Vec<f32>| {
+            let row = w.row(r, scratch);
+            for (mi, o) in out.iter_mut().enumerate() {
+                *o = dot(&x[mi * k..(mi + 1) * k], row);
+            }
+        };
+        if m * n * k >= PARALLEL_MIN_MACS {
+            yt.par_chunks_mut(m).enumerate().for_each_init(Vec::new, |s, item| per_row(item, s));
+        } else {
+            let mut s = Vec::new();
+            yt.chunks_mut(m).enumerate().for_each(|item| per_row(item, &mut s));
+        }
+        for r in 0..n {
+            for mi in 0..m {
+                y[mi * n + r] = yt[r * m + mi];
+            }
+        }
+    }
+    if let Some(b) = bias {
+        for row in y.chunks_exact_mut(n) {
+            row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
+        }
+    }
+}
+
+/// One input row against every weight row, split across threads.
+fn rows_dot(x: &[f32], w: &Weight, y: &mut [f32]) {
+    const CHUNK: usize = 16;
+    let chunk = |(c, out): (usize, &mut [f32]), scratch: &mut Vec<f32>| {
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = dot(x, w.row(c * CHUNK + i, scratch));
+        }
+    };
+    if w.n * w.k >= PARALLEL_MIN_MACS {
+        y.par_chunks_mut(CHUNK).enumerate().for_each_init(Vec::new, |s, item| chunk(item, s));
+    } else {
+        let mut s = Vec::new();
+        y.chunks_mut(CHUNK).enumerate().for_each(|item| chunk(item, &mut s));
+    }
+}
+
+/// SiLU-gated MLP input stage: `w` stacks the gate rows over the up rows;
+/// returns `silu(x Wg) * (x Wu)`.
+pub fn gated(x: &[f32], m: usize, w: &Weight, scratch: &mut Vec<f32>, y: &mut Vec<f32>) {
+    linear(x, m, w, None, scratch);
+    let inter = w.n / 2;
+    y.clear();
+    y.resize(m * inter, 0.0);
+    for (row, out) in scratch.chunks_exact(w.n).zip(y.chunks_exact_mut(inter)) {
+        let (gate, up) = row.split_at(inter);
+        for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
+            *o = g * super::elementwise::sigmoid(*g) * u;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn naive(x: &[f32], m: usize, w_kn: &[f32], k: usize, n: usize) -> Vec<f32> {
+        let mut y = vec![0.0; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                y[i * n + j] = (0..k).map(|p| x[i * k + p] * w_kn[p * n + j]).sum();
+            }
+        }
+        y
+    }
+
+    /// Every path (matvec, small-m transposed, sgemm, threaded) equals the
+    /// naive product.
+    #[test]
+    fn linear_paths_match_naive() {
+        for (m, k, n) in [(1, 7, 5), (2, 33, 17), (5, 16, 9), (1, 256, 300), (3, 256, 300)] {
+            let x: Vec<f32> = (0..m * k).map(|i| ((i * 7) % 11) as f32 * 0.1 - 0.5).collect();
+            let w: Vec<f32> = (0..k * n).map(|i| ((i * 5) % 13) as f32 * 0.05 - 0.3).collect();
+            let packed = Weight::from_kn_f32(&w, k, n);
+            let mut y = Vec::new();
+            linear(&x, m, &packed, None, &mut y);
+            let want = naive(&x, m, &w, k, n);
+            for (a, b) in y.iter().zip(&want) {
+                assert!((a - b).abs() < 1e-4, "m={m} k={k} n={n}: {a} vs {b}");
+            }
+        }
+    }
+
+    /// 4-bit rows decode as `(q - zero) * scale`, low nibble first.
+    #[test]
+    fn q4_rows_dequantize_low_nibble_first() {
+        let w = Weight {
+            n: 1,
+            k: 4,
+            packed: Packed::Q4 { data: vec![0x21, 0xf0], scales: vec![0.5], zeros: None, block: 4, blocks: 1 },
+        };
+        let mut s = Vec::new();
+        assert_eq!(w.row(0, &mut s), &[(1.0 - 8.0) * 0.5, (2.0 - 8.0) * 0.5, -4.0, (15.0 - 8.0) * 0.5]);
+    }
+}

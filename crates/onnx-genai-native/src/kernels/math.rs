@@ -1,0 +1,244 @@
+//! Reductions, normalizations and the general (non-weight) matrix product.
+
+use crate::value::Value;
+
+/// Dot product with eight independent accumulators so the compiler can keep
+/// them in vector registers.
+#[inline]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let mut tail = 0.0;
+    for (x, y) in ra.iter().zip(rb) {
+        tail += x * y;
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
+/// Numerically stable softmax of one row, in place.
+pub fn softmax_row(row: &mut [f32]) {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0;
+    for v in row.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    let inv = 1.0 / sum;
+    row.iter_mut().for_each(|v| *v *= inv);
+}
+
+fn last_dim(x: &Value) -> Result<usize, String> {
+    match x.shape.last() {
+        Some(d) if *d > 0 => Ok(*d),
+        _ => Err(format!("needs a non-empty last axis, got shape {:?}", x.shape)),
+    }
+}
+
+pub fn softmax(x: &Value, out: &mut Value) -> Result<(), String> {
+    let d = last_dim(x)?;
+    let mut o = out.recycle_f32(0);
+    o.extend_from_slice(x.as_f32()?);
+    o.chunks_exact_mut(d).for_each(softmax_row);
+    *out = Value::f32(x.shape.clone(), o);
+    Ok(())
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reduce {
+    Mean,
+    Sum,
+}
+
+/// Reduces the trailing `count` axes (the only form decoder graphs use;
+/// the compiler checks the axes before it gets here).
+pub fn reduce(kind: Reduce, x: &Value, count: usize, keepdims: bool, out: &mut Value) -> Result<(), String> {
+    let rank = x.shape.len();
+    if count == 0 || count > rank {
+        return Err(format!("cannot reduce {count} trailing axes of rank {rank}"));
+    }
+    let inner: usize = x.shape[rank - count..].iter().product();
+    let outer: usize = x.shape[..rank - count].iter().product();
+    let mut shape = x.shape[..rank - count].to_vec();
+    if keepdims {
+        shape.extend(std::iter::repeat_n(1, count));
+    }
+    let scale = if kind == Reduce::Mean { 1.0 / inner.max(1) as f32 } else { 1.0 };
+    match x.as_f32() {
+        Ok(v) => {
+            let mut o = out.recycle_f32(outer);
+            for (o, row) in o.iter_mut().zip(v.chunks_exact(inner.max(1))) {
+                *o = row.iter().sum::<f32>() * scale;
+            }
+            *out = Value::f32(shape, o);
+        }
+        Err(_) if kind == Reduce::Sum => {
+            let v = x.as_i64()?;
+            let mut o = out.recycle_i64(outer);
+            for (o, row) in o.iter_mut().zip(v.chunks_exact(inner.max(1))) {
+                *o = row.iter().sum();
+            }
+            *out = Value::i64(shape, o);
+        }
+        Err(e) => return Err(e),
+    }
+    Ok(())
+}
+
+/// `x / sqrt(mean(x^2) + eps) * scale` over the last axis.
+pub fn rms_norm(x: &[f32], scale: &[f32], eps: f32, out: &mut [f32]) {
+    let d = scale.len();
+    for (row, o) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+        let ms = dot(row, row) / d as f32;
+        let inv = 1.0 / (ms + eps).sqrt();
+        for ((o, v), s) in o.iter_mut().zip(row).zip(scale) {
+            *o = v * inv * s;
+        }
+    }
+}
+
+/// `(x - mean) / sqrt(var + eps) * gamma + beta` over the last axis.
+pub fn layer_norm(x: &[f32], gamma: &[f32], beta: Option<&[f32]>, eps: f32, out: &mut [f32]) {
+    let d = gamma.len();
+    for (row, o) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+        let mean = row.iter().sum::<f32>() / d as f32;
+        let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / d as f32;
+        let inv = 1.0 / (var + eps).sqrt();
+        for (i, (o, v)) in o.iter_mut().zip(row).enumerate() {
+            *o = (v - mean) * inv * gamma[i] + beta.map_or(0.0, |b| b[i]);
+        }
+    }
+}
+
+/// Checks a normalization's operands and returns the row width.
+pub fn norm_width(x: &Value, scale: &Value) -> Result<usize, String> {
+    let d = last_dim(x)?;
+    if scale.len() != d {
+        return Err(format!("scale has {} elements, the normalized axis has {d}", scale.len()));
+    }
+    Ok(d)
+}
+
+/// `a @ b` for f32 tensors of rank >= 2 with broadcast batch axes.
+pub fn matmul(a: &Value, b: &Value, out: &mut Value) -> Result<(), String> {
+    let (x, y) = (a.as_f32()?, b.as_f32()?);
+    let (ra, rb) = (a.shape.len(), b.shape.len());
+    if ra < 2 || rb < 2 {
+        return Err(format!("native MatMul needs rank >= 2 operands, got {:?} and {:?}", a.shape, b.shape));
+    }
+    let (m, k) = (a.shape[ra - 2], a.shape[ra - 1]);
+    let (k2, n) = (b.shape[rb - 2], b.shape[rb - 1]);
+    if k != k2 {
+        return Err(format!("inner dimensions differ: {:?} @ {:?}", a.shape, b.shape));
+    }
+    let batch = super::elementwise::broadcast_shape(&a.shape[..ra - 2], &b.shape[..rb - 2])
+        .ok_or_else(|| format!("batch axes of {:?} and {:?} do not broadcast", a.shape, b.shape))?;
+    let batches: usize = batch.iter().product();
+    let index = |shape: &[usize], i: usize| -> usize {
+        // Maps a broadcast batch index back to the operand's own batch index.
+        let mut rem = i;
+        let mut idx = 0;
+        let mut stride = 1;
+        let offset = batch.len() - shape.len();
+        for axis in (0..batch.len()).rev() {
+            let coord = rem % batch[axis];
+            rem /= batch[axis];
+            if axis >= offset {
+                let d = shape[axis - offset];
+                idx += if d == 1 { 0 } else { coord * stride };
+                stride *= d;
+            }
+        }
+        idx
+    };
+    let mut o = out.recycle_f32(batches * m * n);
+    for bi in 0..batches {
+        let (ia, ib) = (index(&a.shape[..ra - 2], bi), index(&b.shape[..rb - 2], bi));
+        let (pa, pb) = (&x[ia * m * k..(ia + 1) * m * k], &y[ib * k * n..(ib + 1) * k * n]);
+        let pc = &mut o[bi * m * n..(bi + 1) * m * n];
+        sgemm(m, k, n, pa, (k, 1), pb, (n, 1), pc);
+    }
+    let mut shape = batch;
+    shape.extend([m, n]);
+    *out = Value::f32(shape, o);
+    Ok(())
+}
+
+/// `c = a @ b` with `a` `[m, k]` and `b` `[k, n]` at the given (row, column)
+/// strides; `c` is row-major `[m, n]`.
+#[allow(clippy::too_many_arguments)]
+pub fn sgemm(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[f32],
+    sa: (usize, usize),
+    b: &[f32],
+    sb: (usize, usize),
+    c: &mut [f32],
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        c.iter_mut().for_each(|v| *v = 0.0);
+        return;
+    }
+    let max_a = (m - 1) * sa.0 + (k - 1) * sa.1;
+    let max_b = (k - 1) * sb.0 + (n - 1) * sb.1;
+    assert!(max_a < a.len() && max_b < b.len() && c.len() >= m * n, "sgemm operands are smaller than their strides");
+    // SAFETY: the assertion above proves every element matrixmultiply reads
+    // (a up to max_a, b up to max_b) and writes (c, row-major m x n) lies in
+    // the slices; the slices do not alias because `c` is borrowed mutably.
+    unsafe {
+        matrixmultiply::sgemm(
+            m,
+            k,
+            n,
+            1.0,
+            a.as_ptr(),
+            sa.0 as isize,
+            sa.1 as isize,
+            b.as_ptr(),
+            sb.0 as isize,
+            sb.1 as isize,
+            0.0,
+            c.as_mut_ptr(),
+            n as isize,
+            1,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The one `unsafe` block: sgemm with transposed strides must equal the
+    /// naive product.
+    #[test]
+    fn sgemm_matches_naive_product_with_transposed_b() {
+        let (m, k, n) = (3, 5, 4);
+        let a: Vec<f32> = (0..m * k).map(|i| i as f32 * 0.5 - 2.0).collect();
+        let bt: Vec<f32> = (0..n * k).map(|i| (i % 7) as f32 - 3.0).collect(); // [n, k]
+        let mut c = vec![0.0; m * n];
+        sgemm(m, k, n, &a, (k, 1), &bt, (1, k), &mut c);
+        for i in 0..m {
+            for j in 0..n {
+                let want: f32 = (0..k).map(|p| a[i * k + p] * bt[j * k + p]).sum();
+                assert!((c[i * n + j] - want).abs() < 1e-5, "c[{i},{j}] = {} want {want}", c[i * n + j]);
+            }
+        }
+    }
+
+    #[test]
+    fn dot_handles_tails() {
+        let a: Vec<f32> = (0..13).map(|i| i as f32).collect();
+        assert_eq!(dot(&a, &a), (0..13).map(|i| (i * i) as f32).sum::<f32>());
+    }
+}

@@ -1,0 +1,292 @@
+//! Lowering: one ONNX node (domain, op type, attributes) becomes one [`Op`],
+//! or a compile error that names the node and says why. This is the list of
+//! what native-cpu supports.
+
+use onnx_genai_onnx::ir::{AttrValue, Node};
+
+use crate::error::CompileError;
+use crate::kernels::attention::{Bias, Layout};
+use crate::kernels::elementwise::{BinOp, CmpOp, LogicOp, UnOp};
+use crate::kernels::math::Reduce;
+use crate::ops::{Op, PartialAttention};
+use crate::value::{DType, Value};
+
+pub const MS_DOMAIN: &str = "com.microsoft";
+
+/// In a lowering's input list: an input slot the op has but the node does
+/// not fill.
+pub const ABSENT: usize = usize::MAX;
+
+struct Attrs<'n> {
+    node: &'n Node,
+}
+
+impl Attrs<'_> {
+    fn err(&self, reason: impl Into<String>) -> CompileError {
+        CompileError::node(&self.node.name, &self.node.op_type, reason)
+    }
+    fn unsupported(&self, reason: impl Into<String>) -> CompileError {
+        CompileError::UnsupportedOp {
+            node: self.node.name.clone(),
+            op: self.node.op_type.clone(),
+            domain: if self.node.domain.is_empty() { "ai.onnx".into() } else { self.node.domain.clone() },
+            reason: reason.into(),
+        }
+    }
+    fn int(&self, name: &str) -> Result<Option<i64>, CompileError> {
+        match self.node.attr(name) {
+            None => Ok(None),
+            Some(AttrValue::Int(v)) => Ok(Some(*v)),
+            Some(other) => Err(self.err(format!("attribute `{name}` must be an int, found {other:?}"))),
+        }
+    }
+    fn int_or(&self, name: &str, default: i64) -> Result<i64, CompileError> {
+        Ok(self.int(name)?.unwrap_or(default))
+    }
+    fn float(&self, name: &str) -> Result<Option<f32>, CompileError> {
+        match self.node.attr(name) {
+            None => Ok(None),
+            Some(AttrValue::Float(v)) => Ok(Some(*v)),
+            Some(other) => Err(self.err(format!("attribute `{name}` must be a float, found {other:?}"))),
+        }
+    }
+    fn ints(&self, name: &str) -> Result<Option<Vec<i64>>, CompileError> {
+        match self.node.attr(name) {
+            None => Ok(None),
+            Some(AttrValue::Ints(v)) => Ok(Some(v.clone())),
+            Some(other) => Err(self.err(format!("attribute `{name}` must be ints, found {other:?}"))),
+        }
+    }
+    /// An attribute that native-cpu only supports at its default value.
+    fn require(&self, name: &str, default: i64, why: &str) -> Result<(), CompileError> {
+        match self.int(name)? {
+            Some(v) if v != default => Err(self.unsupported(format!("{name}={v}: {why}"))),
+            _ => Ok(()),
+        }
+    }
+    fn input_absent(&self, index: usize, what: &str) -> Result<(), CompileError> {
+        match self.node.inputs.get(index) {
+            Some(name) if !name.is_empty() => Err(self.unsupported(format!("input {index} ({what}) is not supported"))),
+            _ => Ok(()),
+        }
+    }
+}
+
+fn cast_target(code: i64) -> Option<DType> {
+    let t = onnx_genai_onnx::DataType::from_onnx(i32::try_from(code).ok()?)?;
+    match t {
+        onnx_genai_onnx::DataType::Uint8 => None,
+        t => DType::from_onnx(t),
+    }
+}
+
+/// The constant a `Constant` node defines.
+pub fn constant_value(node: &Node) -> Result<Value, CompileError> {
+    let a = Attrs { node };
+    if let Some(AttrValue::Tensor(t)) = node.attr("value") {
+        return Value::from_tensor(t).map_err(|e| a.err(e));
+    }
+    if let Some(v) = a.int("value_int")? {
+        return Ok(Value::i64(vec![], vec![v]));
+    }
+    if let Some(v) = a.float("value_float")? {
+        return Ok(Value::f32(vec![], vec![v]));
+    }
+    if let Some(v) = a.ints("value_ints")? {
+        return Ok(Value::i64(vec![v.len()], v));
+    }
+    Err(a.unsupported("only value, value_int, value_float and value_ints constants are supported"))
+}
+
+/// Lowers `node`. Returns the op and, in the op's order, the indices of the
+/// node inputs it reads: an input the op ignores is dropped, so whatever
+/// computes it can be removed.
+pub fn lower(node: &Node, opset: i64) -> Result<(Op, Vec<usize>), CompileError> {
+    let a = Attrs { node };
+    let all: Vec<usize> = (0..node.inputs.len()).collect();
+    let op = match (node.domain.as_str(), node.op_type.as_str()) {
+        ("" | "ai.onnx", op) => match op {
+            "Add" => Op::Binary(BinOp::Add),
+            "Sub" => Op::Binary(BinOp::Sub),
+            "Mul" => Op::Binary(BinOp::Mul),
+            "Div" => Op::Binary(BinOp::Div),
+            "Pow" => Op::Binary(BinOp::Pow),
+            "Equal" => Op::Compare(CmpOp::Equal),
+            "Less" => Op::Compare(CmpOp::Less),
+            "LessOrEqual" => Op::Compare(CmpOp::LessOrEqual),
+            "Greater" => Op::Compare(CmpOp::Greater),
+            "GreaterOrEqual" => Op::Compare(CmpOp::GreaterOrEqual),
+            "And" => Op::Logic(LogicOp::And),
+            "Or" => Op::Logic(LogicOp::Or),
+            "Not" => Op::Unary(UnOp::Not),
+            "Neg" => Op::Unary(UnOp::Neg),
+            "Sqrt" => Op::Unary(UnOp::Sqrt),
+            "Reciprocal" => Op::Unary(UnOp::Reciprocal),
+            "Exp" => Op::Unary(UnOp::Exp),
+            "Sigmoid" => Op::Unary(UnOp::Sigmoid),
+            "Tanh" => Op::Unary(UnOp::Tanh),
+            "Erf" => Op::Unary(UnOp::Erf),
+            "Relu" => Op::Unary(UnOp::Relu),
+            "Where" => Op::Where,
+            "Identity" => Op::Identity,
+            "Cast" => {
+                let to = a.int("to")?.ok_or_else(|| a.err("missing attribute `to`"))?;
+                Op::Cast(cast_target(to).ok_or_else(|| {
+                    a.unsupported(format!("cast to ONNX type {to}: native-cpu computes in f32, f16, i64 and bool"))
+                })?)
+            }
+            "MatMul" => Op::MatMul,
+            "Gather" => Op::Gather { axis: a.int_or("axis", 0)? },
+            "Shape" => {
+                if a.int("start")?.is_some() || a.int("end")?.is_some() {
+                    return Err(a.unsupported("Shape with start/end"));
+                }
+                Op::Shape
+            }
+            "Range" => Op::Range,
+            "ConstantOfShape" => {
+                let v = match node.attr("value") {
+                    Some(AttrValue::Tensor(t)) => Value::from_tensor(t).map_err(|e| a.err(e))?,
+                    None => Value::f32(vec![1], vec![0.0]),
+                    Some(other) => return Err(a.err(format!("`value` must be a tensor, found {other:?}"))),
+                };
+                Op::ConstantOfShape(v)
+            }
+            "Unsqueeze" => Op::Unsqueeze(if opset < 13 { a.ints("axes")? } else { None }),
+            "Squeeze" => Op::Squeeze(if opset < 13 { a.ints("axes")? } else { None }),
+            "Reshape" => {
+                a.require("allowzero", 0, "allowzero reshapes are not supported")?;
+                Op::Reshape
+            }
+            "Transpose" => Op::Transpose(a.ints("perm")?),
+            "Slice" => Op::Slice,
+            "Concat" => Op::Concat { axis: a.int("axis")?.ok_or_else(|| a.err("missing attribute `axis`"))? },
+            "Softmax" => Op::Softmax { axis: a.int_or("axis", -1)? },
+            "ReduceMean" | "ReduceSum" => {
+                a.require("noop_with_empty_axes", 0, "empty-axes no-op reductions are not supported")?;
+                let kind = if op == "ReduceMean" { Reduce::Mean } else { Reduce::Sum };
+                Op::Reduce { kind, axes: a.ints("axes")?, keepdims: a.int_or("keepdims", 1)? != 0 }
+            }
+            "Tile" => Op::Tile,
+            "Expand" => Op::Expand,
+            "RMSNormalization" | "SimplifiedLayerNormalization" => {
+                a.require("axis", -1, "only the last axis is normalized")?;
+                Op::RmsNorm { eps: a.float("epsilon")?.unwrap_or(1e-5) }
+            }
+            "LayerNormalization" => {
+                a.require("axis", -1, "only the last axis is normalized")?;
+                Op::LayerNorm { eps: a.float("epsilon")?.unwrap_or(1e-5) }
+            }
+            "RotaryEmbedding" => {
+                a.require("interleaved", 0, "interleaved rotary is not supported")?;
+                a.require("rotary_embedding_dim", 0, "partial rotary is not supported")?;
+                if node.inputs.get(3).is_none_or(|n| n.is_empty()) {
+                    return Err(a.unsupported("RotaryEmbedding without position_ids is not supported"));
+                }
+                let layout = if a.int("num_heads")?.is_some() { Layout::SeqFirst } else { Layout::HeadsFirst };
+                // ONNX order is (x, cos, sin, positions); normalize to
+                // (x, positions, cos, sin) as com.microsoft has it.
+                return Ok((Op::Rotary { layout, cached: true }, vec![0, 3, 1, 2]));
+            }
+            "Attention" => {
+                a.require("softcap", 0, "softcap is not supported")?;
+                a.require("qk_matmul_output_mode", 0, "qk matmul outputs are not supported")?;
+                a.input_absent(6, "nonpad_kv_seqlen")?;
+                if node.outputs.get(3).is_some_and(|n| !n.is_empty()) {
+                    return Err(a.unsupported("the qk_matmul_output output is not supported"));
+                }
+                let has_mask = node.inputs.get(3).is_some_and(|n| !n.is_empty());
+                let causal = a.int_or("is_causal", 0)? != 0;
+                let bias = match (has_mask, causal) {
+                    (true, false) => Bias::PerQuery,
+                    (false, true) => Bias::Causal,
+                    (true, true) => return Err(a.unsupported("is_causal together with attn_mask is not supported")),
+                    (false, false) => {
+                        return Err(a.unsupported("attention without a mask or is_causal would see future tokens"))
+                    }
+                };
+                let heads = a.int("q_num_heads")?;
+                let layout = if heads.is_some() { Layout::SeqFirst } else { Layout::HeadsFirst };
+                Op::Attention {
+                    spec: PartialAttention {
+                        heads: heads.map(|h| h as usize),
+                        kv_heads: a.int("kv_num_heads")?.map(|h| h as usize),
+                        scale: a.float("scale")?,
+                        q_layout: layout,
+                        kv_layout: layout,
+                        out_layout: layout,
+                        bias,
+                        resolved: None,
+                    },
+                    layer: None,
+                }
+            }
+            other => return Err(a.unsupported(format!("`{other}` has no native-cpu kernel"))),
+        },
+        (MS_DOMAIN, op) => match op {
+            "SimplifiedLayerNormalization" => {
+                a.require("axis", -1, "only the last axis is normalized")?;
+                Op::RmsNorm { eps: a.float("epsilon")?.unwrap_or(1e-5) }
+            }
+            "SkipSimplifiedLayerNormalization" => Op::SkipRmsNorm { eps: a.float("epsilon")?.unwrap_or(1e-5) },
+            "RotaryEmbedding" => {
+                a.require("interleaved", 0, "interleaved rotary is not supported")?;
+                a.require("rotary_embedding_dim", 0, "partial rotary is not supported")?;
+                a.require("is_packed_batching", 0, "packed batching is not supported")?;
+                if a.float("scale")?.is_some_and(|s| s != 1.0) {
+                    return Err(a.unsupported("scale != 1 is not supported"));
+                }
+                Op::Rotary { layout: Layout::SeqFirst, cached: true }
+            }
+            "GroupQueryAttention" => {
+                a.require("do_rotary", 0, "fused rotary inside attention is not supported; use RotaryEmbedding")?;
+                a.require("local_window_size", -1, "sliding-window attention is not supported")?;
+                a.require("smooth_softmax", 0, "smooth softmax is not supported")?;
+                if a.float("softcap")?.is_some_and(|s| s != 0.0) {
+                    return Err(a.unsupported("softcap is not supported"));
+                }
+                if node.inputs.get(1).is_none_or(|n| n.is_empty()) {
+                    return Err(a.unsupported("packed QKV (no key input) is not supported"));
+                }
+                for (i, what) in [(10, "attention_bias"), (11, "head_sink")] {
+                    a.input_absent(i, what)?;
+                }
+                let heads = a.int("num_heads")?.ok_or_else(|| a.err("missing attribute `num_heads`"))?;
+                let kv_heads = a.int("kv_num_heads")?.ok_or_else(|| a.err("missing attribute `kv_num_heads`"))?;
+                let scale = a.float("scale")?.filter(|s| *s != 0.0);
+                // Inputs 5 and 6 (seqlens_k, total_sequence_length) describe
+                // batch padding; a native sequence is batch 1 and its cache
+                // knows its own length, so they are not read.
+                let used = vec![0, 1, 2, ABSENT, 3, 4];
+                let spec = PartialAttention {
+                    heads: Some(heads as usize),
+                    kv_heads: Some(kv_heads as usize),
+                    scale,
+                    q_layout: Layout::SeqFirst,
+                    kv_layout: Layout::SeqFirst,
+                    out_layout: Layout::SeqFirst,
+                    bias: Bias::Causal,
+                    resolved: None,
+                };
+                return Ok((Op::Attention { spec, layer: None }, used));
+            }
+            "MatMulNBits" => {
+                let bits = a.int_or("bits", 4)?;
+                if bits != 4 {
+                    return Err(a.unsupported(format!("bits={bits}: only 4-bit blocks are supported")));
+                }
+                a.input_absent(4, "g_idx")?;
+                let k = a.int("K")?.ok_or_else(|| a.err("missing attribute `K`"))?;
+                let n = a.int("N")?.ok_or_else(|| a.err("missing attribute `N`"))?;
+                let block = a.int("block_size")?.ok_or_else(|| a.err("missing attribute `block_size`"))?;
+                if k <= 0 || n <= 0 || block < 2 || block % 2 != 0 {
+                    return Err(a.err(format!("invalid K={k}, N={n}, block_size={block}")));
+                }
+                Op::MatMulNBits { k: k as usize, n: n as usize, block: block as usize }
+            }
+            other => return Err(a.unsupported(format!("`{other}` has no native-cpu kernel"))),
+        },
+        (domain, _) => return Err(a.unsupported(format!("domain `{domain}` is not supported"))),
+    };
+    Ok((op, all))
+}

@@ -1,0 +1,148 @@
+//! The operations of a compiled graph: standard ONNX ops the decomposed
+//! export uses, the fused forms the compiler makes, and the opset-23 and
+//! com.microsoft ops real packages use.
+
+use std::sync::Arc;
+
+use crate::kernels::attention::AttentionSpec;
+use crate::kernels::attention::Layout;
+use crate::kernels::elementwise::{BinOp, CmpOp, LogicOp, UnOp};
+use crate::kernels::linear::Weight;
+use crate::kernels::math::Reduce;
+use crate::value::{DType, Value};
+
+#[derive(Clone, Debug)]
+pub enum Op {
+    Binary(BinOp),
+    Compare(CmpOp),
+    Logic(LogicOp),
+    Unary(UnOp),
+    Where,
+    Cast(DType),
+    Identity,
+    MatMul,
+    Gather {
+        axis: i64,
+    },
+    Shape,
+    Range,
+    ConstantOfShape(Value),
+    /// Axes from the attribute (opset < 13) or, when `None`, the second input.
+    Unsqueeze(Option<Vec<i64>>),
+    Squeeze(Option<Vec<i64>>),
+    Reshape,
+    Transpose(Option<Vec<i64>>),
+    Slice,
+    Concat {
+        axis: i64,
+    },
+    Softmax {
+        axis: i64,
+    },
+    Reduce {
+        kind: Reduce,
+        axes: Option<Vec<i64>>,
+        keepdims: bool,
+    },
+    Tile,
+    Expand,
+    /// `x / rms(x) * scale` over the last axis (fused, ONNX RMSNormalization,
+    /// com.microsoft SimplifiedLayerNormalization).
+    RmsNorm {
+        eps: f32,
+    },
+    /// Inputs `input, skip, gamma[, bias]`; outputs `normed, (mean), (inv_std),
+    /// sum` (com.microsoft SkipSimplifiedLayerNormalization).
+    SkipRmsNorm {
+        eps: f32,
+    },
+    /// Inputs `x, gamma[, beta]`.
+    LayerNorm {
+        eps: f32,
+    },
+    /// `x @ W + b` with a packed constant weight.
+    Linear {
+        weight: Arc<Weight>,
+        bias: Option<Arc<Vec<f32>>>,
+    },
+    /// `silu(x Wg) * (x Wu)`; the weight stacks gate over up rows.
+    GatedMlp {
+        weight: Arc<Weight>,
+    },
+    /// com.microsoft MatMulNBits before its constants are packed.
+    MatMulNBits {
+        k: usize,
+        n: usize,
+        block: usize,
+    },
+    /// Inputs `x, cos, sin` (gathered tables) or, with `cached`,
+    /// `x, position_ids, cos_cache, sin_cache`.
+    Rotary {
+        layout: Layout,
+        cached: bool,
+    },
+    /// Inputs `q, k, v[, bias][, past_key, past_value]`; outputs
+    /// `y[, present_key, present_value]`. Until the KV binding pass, `layer`
+    /// is `None` and the past/present tensors are still graph edges.
+    Attention {
+        spec: PartialAttention,
+        layer: Option<usize>,
+    },
+}
+
+/// An attention as read from the graph: head counts may come from the node,
+/// the rest from the KV binding.
+#[derive(Clone, Debug)]
+pub struct PartialAttention {
+    pub heads: Option<usize>,
+    pub kv_heads: Option<usize>,
+    pub scale: Option<f32>,
+    pub q_layout: Layout,
+    pub kv_layout: Layout,
+    pub out_layout: Layout,
+    pub bias: crate::kernels::attention::Bias,
+    /// Set by the binding pass.
+    pub resolved: Option<AttentionSpec>,
+}
+
+impl Op {
+    /// A short name for plans and errors.
+    pub fn name(&self) -> String {
+        match self {
+            Op::Binary(b) => format!("{b:?}"),
+            Op::Compare(c) => format!("{c:?}"),
+            Op::Logic(l) => format!("{l:?}"),
+            Op::Unary(u) => format!("{u:?}"),
+            Op::Cast(t) => format!("Cast({t})"),
+            Op::Gather { .. } => "Gather".into(),
+            Op::ConstantOfShape(_) => "ConstantOfShape".into(),
+            Op::Unsqueeze(_) => "Unsqueeze".into(),
+            Op::Squeeze(_) => "Squeeze".into(),
+            Op::Transpose(_) => "Transpose".into(),
+            Op::Concat { .. } => "Concat".into(),
+            Op::Softmax { .. } => "Softmax".into(),
+            Op::Reduce { kind, .. } => format!("Reduce{kind:?}"),
+            Op::RmsNorm { .. } => "RmsNorm".into(),
+            Op::SkipRmsNorm { .. } => "SkipRmsNorm".into(),
+            Op::LayerNorm { .. } => "LayerNorm".into(),
+            Op::Linear { weight, bias } => {
+                let kind = match weight.packed {
+                    crate::kernels::linear::Packed::F32(_) => "f32",
+                    crate::kernels::linear::Packed::F16(_) => "f16",
+                    crate::kernels::linear::Packed::Q4 { .. } => "q4",
+                };
+                format!("Linear[{kind}{}]", if bias.is_some() { "+bias" } else { "" })
+            }
+            Op::GatedMlp { .. } => "GatedMlp".into(),
+            Op::MatMulNBits { .. } => "MatMulNBits".into(),
+            Op::Rotary { .. } => "Rotary".into(),
+            Op::Attention { .. } => "Attention".into(),
+            other => format!("{other:?}"),
+        }
+    }
+
+    /// Whether constant inputs may be evaluated at compile time.
+    pub fn foldable(&self) -> bool {
+        !matches!(self, Op::Attention { .. } | Op::Linear { .. } | Op::GatedMlp { .. } | Op::MatMulNBits { .. })
+    }
+}

@@ -1,0 +1,181 @@
+//! Runtime tensors: a shape and one typed buffer. Kernels recycle the buffer
+//! of the slot they write into, so a warmed-up plan allocates nothing per step.
+
+use half::f16;
+
+/// Element types the native backend computes with or stores.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DType {
+    F32,
+    F16,
+    I64,
+    Bool,
+    U8,
+}
+
+impl DType {
+    pub fn from_onnx(t: onnx_genai_onnx::DataType) -> Option<Self> {
+        use onnx_genai_onnx::DataType as D;
+        Some(match t {
+            D::Float => Self::F32,
+            D::Float16 => Self::F16,
+            D::Int64 => Self::I64,
+            D::Bool => Self::Bool,
+            D::Uint8 => Self::U8,
+            _ => return None,
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::F16 => "f16",
+            Self::I64 => "i64",
+            Self::Bool => "bool",
+            Self::U8 => "u8",
+        }
+    }
+}
+
+impl std::fmt::Display for DType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Data {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+    I64(Vec<i64>),
+    Bool(Vec<bool>),
+    U8(Vec<u8>),
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Value {
+    pub shape: Vec<usize>,
+    pub data: Data,
+}
+
+impl Default for Value {
+    fn default() -> Self {
+        Self { shape: vec![0], data: Data::F32(Vec::new()) }
+    }
+}
+
+macro_rules! typed_access {
+    ($get:ident, $recycle:ident, $variant:ident, $t:ty, $zero:expr) => {
+        /// The elements, or an error naming the dtype found.
+        pub fn $get(&self) -> Result<&[$t], String> {
+            match &self.data {
+                Data::$variant(v) => Ok(v),
+                _ => Err(format!("expected {}, got {}", DType::$variant, self.dtype())),
+            }
+        }
+
+        /// Takes this value's buffer for reuse as `n` zeroed elements.
+        pub fn $recycle(&mut self, n: usize) -> Vec<$t> {
+            let mut v = match std::mem::replace(&mut self.data, Data::U8(Vec::new())) {
+                Data::$variant(v) => v,
+                _ => Vec::new(),
+            };
+            v.clear();
+            v.resize(n, $zero);
+            v
+        }
+    };
+}
+
+impl Value {
+    pub fn f32(shape: Vec<usize>, v: Vec<f32>) -> Self {
+        Self { shape, data: Data::F32(v) }
+    }
+    pub fn i64(shape: Vec<usize>, v: Vec<i64>) -> Self {
+        Self { shape, data: Data::I64(v) }
+    }
+    pub fn bool(shape: Vec<usize>, v: Vec<bool>) -> Self {
+        Self { shape, data: Data::Bool(v) }
+    }
+
+    pub fn dtype(&self) -> DType {
+        match self.data {
+            Data::F32(_) => DType::F32,
+            Data::F16(_) => DType::F16,
+            Data::I64(_) => DType::I64,
+            Data::Bool(_) => DType::Bool,
+            Data::U8(_) => DType::U8,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match &self.data {
+            Data::F32(v) => v.len(),
+            Data::F16(v) => v.len(),
+            Data::I64(v) => v.len(),
+            Data::Bool(v) => v.len(),
+            Data::U8(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    typed_access!(as_f32, recycle_f32, F32, f32, 0.0);
+    typed_access!(as_f16, recycle_f16, F16, f16, f16::ZERO);
+    typed_access!(as_i64, recycle_i64, I64, i64, 0);
+    typed_access!(as_bool, recycle_bool, Bool, bool, false);
+    typed_access!(as_u8, recycle_u8, U8, u8, 0);
+
+    /// A scalar or one-element tensor as f32 (used for constants such as
+    /// epsilons and scales).
+    pub fn scalar_f32(&self) -> Option<f32> {
+        match &self.data {
+            Data::F32(v) if v.len() == 1 => Some(v[0]),
+            Data::F16(v) if v.len() == 1 => Some(v[0].to_f32()),
+            _ => None,
+        }
+    }
+
+    /// An integer tensor's elements (constant shapes, axes, indices).
+    pub fn ints(&self) -> Option<&[i64]> {
+        match &self.data {
+            Data::I64(v) => Some(v),
+            _ => None,
+        }
+    }
+
+    /// Converts an ONNX initializer or constant tensor.
+    pub fn from_tensor(t: &onnx_genai_onnx::Tensor) -> Result<Self, String> {
+        use onnx_genai_onnx::DataType as D;
+        let shape: Vec<usize> = t
+            .dims
+            .iter()
+            .map(|d| usize::try_from(*d).map_err(|_| format!("negative dim {d}")))
+            .collect::<Result<_, _>>()?;
+        let n: usize = shape.iter().product();
+        if t.raw.len() != n * t.dtype.size_bytes() {
+            return Err(format!(
+                "payload has {} bytes, shape {:?} of {} needs {}",
+                t.raw.len(),
+                shape,
+                t.dtype,
+                n * t.dtype.size_bytes()
+            ));
+        }
+        let data = match t.dtype {
+            D::Float => {
+                Data::F32(t.raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+            }
+            D::Float16 => Data::F16(t.raw.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]])).collect()),
+            D::Int64 => {
+                Data::I64(t.raw.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8]))).collect())
+            }
+            D::Bool => Data::Bool(t.raw.iter().map(|b| *b != 0).collect()),
+            D::Uint8 => Data::U8(t.raw.clone()),
+            other => return Err(format!("{other} tensors are not supported by native-cpu")),
+        };
+        Ok(Self { shape, data })
+    }
+}
