@@ -48,6 +48,11 @@ impl NativeDecoder {
     pub fn plan(&self) -> &Plan {
         &self.plan
     }
+
+    /// Bytes of this sequence's KV cache (allocated once, at capacity).
+    pub fn kv_bytes(&self) -> usize {
+        self.state.kv_bytes()
+    }
 }
 
 impl DecodeBackend for NativeDecoder {

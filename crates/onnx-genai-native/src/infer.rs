@@ -234,6 +234,57 @@ pub fn infer(op: &Op, inputs: &[Option<&Meta>], outputs: usize) -> Result<Vec<Ou
             outs.extend((1..outputs).map(|i| (t(3 + i), None)));
             Ok(outs)
         }
+        Op::Reduce { axes: Some(axes), keepdims, .. } if d(0).is_some() => {
+            let x = d(0).unwrap_or_default();
+            let reduced = axes.iter().map(|a| ly::axis(*a, x.len())).collect::<Result<Vec<_>, _>>()?;
+            let dims = x
+                .iter()
+                .enumerate()
+                .filter_map(|(i, v)| match (reduced.contains(&i), *keepdims) {
+                    (true, true) => Some(Some(1)),
+                    (true, false) => None,
+                    (false, _) => Some(*v),
+                })
+                .collect();
+            single((t(0), Some(dims)))
+        }
+        Op::Unsqueeze(attr) if d(0).is_some() && (attr.is_some() || konst(1).is_some()) => {
+            let x = d(0).unwrap_or_default();
+            let axes: Vec<i64> = match (attr, konst(1)) {
+                (Some(a), _) => a.clone(),
+                (None, Some(k)) => k.ints().ok_or("axes must be i64")?.to_vec(),
+                (None, None) => return single((t(0), None)),
+            };
+            let rank = x.len() + axes.len();
+            let mut resolved = axes.iter().map(|a| ly::axis(*a, rank)).collect::<Result<Vec<_>, _>>()?;
+            resolved.sort_unstable();
+            let mut rest = x.into_iter();
+            let dims = (0..rank)
+                .map(|i| if resolved.binary_search(&i).is_ok() { Some(1) } else { rest.next().flatten() })
+                .collect();
+            single((t(0), Some(dims)))
+        }
+        Op::Slice if d(0).is_some() && konst(1).is_some() && konst(2).is_some() => {
+            let mut x = d(0).unwrap_or_default();
+            let ints = |i: usize| konst(i).and_then(|k| k.ints().map(<[i64]>::to_vec));
+            let (starts, ends) = (ints(1).unwrap_or_default(), ints(2).unwrap_or_default());
+            let axes = ints(3).unwrap_or_else(|| (0..starts.len() as i64).collect());
+            let steps = ints(4);
+            for (i, (start, end)) in starts.iter().zip(&ends).enumerate() {
+                let a = ly::axis(*axes.get(i).ok_or("fewer axes than starts")?, x.len())?;
+                let step = steps.as_ref().and_then(|s| s.get(i).copied()).unwrap_or(1);
+                x[a] = match x[a] {
+                    Some(dim) if step > 0 => {
+                        let dim = dim as i64;
+                        let norm = |v: i64| if v < 0 { v + dim } else { v };
+                        let (b, e) = (norm(*start).clamp(0, dim), norm(*end).clamp(0, dim));
+                        Some(if e > b { ((e - b + step - 1) / step) as usize } else { 0 })
+                    }
+                    _ => None,
+                };
+            }
+            single((t(0), Some(x)))
+        }
         Op::Range
         | Op::ConstantOfShape(_)
         | Op::Unsqueeze(_)

@@ -66,7 +66,7 @@ impl State {
         self.len = self.len.min(len);
     }
     pub fn kv_bytes(&self) -> usize {
-        self.cache.iter().map(LayerCache::bytes).sum()
+        self.cache.iter().map(LayerCache::allocated_bytes).sum()
     }
 }
 

@@ -57,12 +57,16 @@ impl LayerCache {
         (head * self.capacity + pos) * self.head_dim
     }
 
-    pub fn bytes(&self) -> usize {
-        let per = match self.key {
-            KvStore::F32(_) => 4,
-            KvStore::F16(_) => 2,
-        };
-        2 * self.kv_heads * self.capacity * self.head_dim * per
+    /// Memory the two stores hold (measured from the buffers; the KV
+    /// geometry is where bytes per token are defined).
+    pub fn allocated_bytes(&self) -> usize {
+        [&self.key, &self.value]
+            .iter()
+            .map(|s| match s {
+                KvStore::F32(v) => std::mem::size_of_val(v.as_slice()),
+                KvStore::F16(v) => std::mem::size_of_val(v.as_slice()),
+            })
+            .sum()
     }
 }
 
