@@ -1,5 +1,6 @@
 //! `cargo xtask <command>`: the project's automation. See README.md.
 
+mod bench;
 mod conformance;
 mod ort;
 mod packages;
@@ -45,6 +46,21 @@ enum Command {
         #[arg(long, default_value_t = 1)]
         threads: usize,
     },
+    /// Decode speed, native-cpu vs ONNX Runtime side by side (ratio; context 64 vs 1024).
+    Bench {
+        /// Threads per backend (the same for both).
+        #[arg(long, default_value_t = 1)]
+        threads: usize,
+        /// Rounds per measurement (min and median are reported).
+        #[arg(long, default_value_t = 7)]
+        rounds: usize,
+        /// Decode steps per round.
+        #[arg(long, default_value_t = 64)]
+        steps: usize,
+        /// Only the package with this name.
+        #[arg(long)]
+        package: Option<String>,
+    },
     /// Everything CI checks: ONNX Runtime, fmt, clippy, every test.
     Test,
 }
@@ -56,6 +72,9 @@ fn main() -> ExitCode {
         Command::Packages { bless } => packages::build_all(bless).map(|_| ()),
         Command::Conformance { package, backend, suite, shard, threads } => {
             conformance::run(conformance::Options { package, backend, suite, shard, threads })
+        }
+        Command::Bench { threads, rounds, steps, package } => {
+            bench::run(bench::Options { threads, rounds: rounds.max(1), steps: steps.max(1), package })
         }
         Command::Test => test(),
     };

@@ -14,7 +14,9 @@ pub const NAME: &str = "native-cpu";
 pub struct NativeDecoder {
     plan: Arc<Plan>,
     state: State,
-    pool: rayon::ThreadPool,
+    /// `None` for one thread: steps then run on the caller's thread (handing
+    /// a step to a one-thread pool costs a context switch per token).
+    pool: Option<rayon::ThreadPool>,
     capacity: usize,
 }
 
@@ -28,18 +30,22 @@ pub fn compile_package(package: &Package) -> Result<Plan, BackendError> {
 
 impl NativeDecoder {
     /// Compiles the package's decoder and runs it on `threads` threads
-    /// (0: one per core).
+    /// (0: one per core; 1: on the calling thread).
     pub fn load(package: &Package, threads: usize) -> Result<Self, BackendError> {
         Self::from_plan(Arc::new(compile_package(package)?), threads)
     }
 
     /// A new sequence over an already compiled plan.
     pub fn from_plan(plan: Arc<Plan>, threads: usize) -> Result<Self, BackendError> {
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().map_err(|e| BackendError::Load {
-            backend: NAME,
-            what: "the thread pool".into(),
-            reason: e.to_string(),
-        })?;
+        let pool = if threads == 1 {
+            None
+        } else {
+            Some(rayon::ThreadPoolBuilder::new().num_threads(threads).build().map_err(|e| BackendError::Load {
+                backend: NAME,
+                what: "the thread pool".into(),
+                reason: e.to_string(),
+            })?)
+        };
         let capacity = plan.binding.max_sequence_length;
         let state = plan.new_state(capacity);
         Ok(Self { plan, state, pool, capacity })
@@ -80,9 +86,11 @@ impl DecodeBackend for NativeDecoder {
             });
         }
         let (plan, state) = (&self.plan, &mut self.state);
-        self.pool
-            .install(|| plan.run(state, tokens))
-            .map_err(|e| BackendError::Run { backend: NAME, reason: e.to_string() })
+        let result = match &self.pool {
+            Some(pool) => pool.install(|| plan.run(state, tokens, true)),
+            None => plan.run(state, tokens, false),
+        };
+        result.map_err(|e| BackendError::Run { backend: NAME, reason: e.to_string() })
     }
 
     fn truncate(&mut self, len: usize) -> Result<(), BackendError> {

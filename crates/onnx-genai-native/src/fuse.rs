@@ -20,15 +20,17 @@ use crate::value::{DType, Value};
 
 type Pass = fn(&Graph, &Uses, usize) -> Result<Option<Rewrite>, CompileError>;
 
-/// Replace `remove` (which includes the root) by `node` at the root.
+/// Replace `remove` (which includes the root) by `node` at the root, and
+/// rewrite the nodes in `update` in place.
 pub struct Rewrite {
     root: usize,
     remove: Vec<usize>,
     node: Node,
+    update: Vec<(usize, Node)>,
 }
 
 pub fn run(g: &mut Graph, stats: &mut CompileStats) -> Result<(), CompileError> {
-    let passes: [(&str, Pass); 8] = [
+    let passes: [(&str, Pass); 9] = [
         ("linear", pack_linear),
         ("matmul_nbits", pack_nbits),
         ("linear_bias", linear_bias),
@@ -38,6 +40,7 @@ pub fn run(g: &mut Graph, stats: &mut CompileStats) -> Result<(), CompileError> 
         ("gated_mlp", gated_mlp),
         ("rotary", rotary),
         ("attention", attention),
+        ("head_layout", head_layout),
     ];
     for (name, pass) in passes {
         let mut count = 0;
@@ -48,6 +51,9 @@ pub fn run(g: &mut Graph, stats: &mut CompileStats) -> Result<(), CompileError> 
                 if let Some(rw) = pass(g, &uses, i)? {
                     for r in &rw.remove {
                         g.nodes[*r] = None;
+                    }
+                    for (at, node) in rw.update {
+                        g.nodes[at] = Some(node);
                     }
                     g.nodes[rw.root] = Some(rw.node);
                     uses = Uses::of(g);
@@ -124,7 +130,7 @@ fn pack_linear(g: &Graph, u: &Uses, i: usize) -> Result<Option<Rewrite>, Compile
     };
     remove.dedup();
     let op = Op::Linear { weight: Arc::new(weight), bias: None };
-    Ok(Some(Rewrite { root: i, remove, node: fused(n, op, vec![Some(x)], n.outputs.clone()) }))
+    Ok(Some(Rewrite { root: i, remove, node: fused(n, op, vec![Some(x)], n.outputs.clone()), update: Vec::new() }))
 }
 
 /// com.microsoft `MatMulNBits` with constant blocks, scales and zero points.
@@ -180,7 +186,12 @@ fn pack_nbits(g: &Graph, _u: &Uses, i: usize) -> Result<Option<Rewrite>, Compile
         packed: Packed::Q4 { data: data.to_vec(), scales: scales.to_vec(), zeros, block, blocks },
     };
     let op = Op::Linear { weight: Arc::new(weight), bias };
-    Ok(Some(Rewrite { root: i, remove: vec![i], node: fused(n, op, vec![M::input(n, 0)], n.outputs.clone()) }))
+    Ok(Some(Rewrite {
+        root: i,
+        remove: vec![i],
+        node: fused(n, op, vec![M::input(n, 0)], n.outputs.clone()),
+        update: Vec::new(),
+    }))
 }
 
 /// `Add(Linear(x), b)` with a constant `[N]` bias.
@@ -203,6 +214,7 @@ fn linear_bias(g: &Graph, u: &Uses, i: usize) -> Result<Option<Rewrite>, Compile
             root: i,
             remove: vec![li, i],
             node: fused(n, op, lin.inputs.clone(), n.outputs.clone()),
+            update: Vec::new(),
         }));
     }
     Ok(None)
@@ -258,6 +270,7 @@ fn rms_norm(g: &Graph, u: &Uses, i: usize) -> Result<Option<Rewrite>, CompileErr
             root: i,
             remove: nodes,
             node: fused(n, op, vec![Some(x), Some(w)], n.outputs.clone()),
+            update: Vec::new(),
         }));
     }
     Ok(None)
@@ -302,7 +315,12 @@ fn layer_norm(g: &Graph, u: &Uses, i: usize) -> Result<Option<Rewrite>, CompileE
             }
             let op = Op::LayerNorm { eps };
             let inputs = vec![Some(x), Some(gamma), Some(beta)];
-            return Ok(Some(Rewrite { root: i, remove: nodes, node: fused(n, op, inputs, n.outputs.clone()) }));
+            return Ok(Some(Rewrite {
+                root: i,
+                remove: nodes,
+                node: fused(n, op, inputs, n.outputs.clone()),
+                update: Vec::new(),
+            }));
         }
     }
     Ok(None)
@@ -347,6 +365,7 @@ fn gated_mlp(g: &Graph, u: &Uses, i: usize) -> Result<Option<Rewrite>, CompileEr
                 root: i,
                 remove: nodes,
                 node: fused(n, op, gl.inputs.clone(), n.outputs.clone()),
+                update: Vec::new(),
             }));
         }
     }
@@ -423,6 +442,7 @@ fn rotary(g: &Graph, u: &Uses, i: usize) -> Result<Option<Rewrite>, CompileError
                 root: i,
                 remove: nodes,
                 node: fused(n, op, vec![x, Some(cos), Some(sin)], n.outputs.clone()),
+                update: Vec::new(),
             }));
         }
     }
@@ -526,7 +546,7 @@ fn attention(g: &Graph, u: &Uses, i: usize) -> Result<Option<Rewrite>, CompileEr
     let root = *nodes.iter().max().unwrap_or(&i);
     let inputs = vec![Some(q), Some(k_new), Some(v_new), Some(bias), Some(past_k), Some(past_v)];
     let node = fused(n, op, inputs, vec![out, present_k, present_v]);
-    Ok(Some(Rewrite { root, remove: nodes, node }))
+    Ok(Some(Rewrite { root, remove: nodes, node, update: Vec::new() }))
 }
 
 /// `[Cast f32](Concat(past, [Cast f16](new), axis=2))`: returns
@@ -556,4 +576,80 @@ fn cache_edge(m: &M, full: Vid, nodes: &mut Vec<usize>) -> Option<(Vid, Vid, Vid
         None => stored,
     };
     Some((new, past, present))
+}
+
+/// `Transpose(Reshape(x, [0, 0, heads, dim]), [0, 2, 1, 3])` read only by
+/// `reader`: returns `x` and the two nodes.
+fn split_heads(m: &M, v: Vid, reader: usize) -> Option<(Vid, [usize; 2])> {
+    let (ti, t) = m.from(v, |op| matches!(op, Op::Transpose(Some(p)) if p.as_slice() == [0, 2, 1, 3]))?;
+    let (ri, r) = m.from(M::input(t, 0)?, |op| matches!(op, Op::Reshape))?;
+    let target = m.ints(M::input(r, 1))?;
+    let ok = matches!(target, [0, 0, h, d] if *h > 0 && *d > 0);
+    let x = M::input(r, 0)?;
+    (ok && m.read_only_by(v, &[reader]) && m.read_only_by(M::input(t, 0)?, &[ti])).then_some((x, [ri, ti]))
+}
+
+/// Attention (and the rotary feeding it) read the projections in their
+/// `[batch, seq, heads*dim]` layout and write the output in it, so the
+/// head split and merge (two Reshapes and Transposes per tensor) go away.
+fn head_layout(g: &Graph, u: &Uses, i: usize) -> Result<Option<Rewrite>, CompileError> {
+    let m = M { g, u };
+    let Some(n) = &g.nodes[i] else { return Ok(None) };
+    let Op::Attention { spec, layer } = &n.op else { return Ok(None) };
+    if spec.q_layout != Layout::HeadsFirst || spec.kv_layout != Layout::HeadsFirst {
+        return Ok(None);
+    }
+    let mut inputs = n.inputs.clone();
+    let mut remove = vec![i];
+    let mut update = Vec::new();
+    for (slot, input) in inputs.iter_mut().enumerate().take(3) {
+        let Some(v) = M::input(n, slot) else { return Ok(None) };
+        if let Some((x, nodes)) = split_heads(&m, v, i) {
+            *input = Some(x);
+            remove.extend(nodes);
+            continue;
+        }
+        // A heads-first rotary between the split and the attention.
+        let Some((ri, rot)) = m.from(v, |op| matches!(op, Op::Rotary { layout: Layout::HeadsFirst, .. })) else {
+            return Ok(None);
+        };
+        let Op::Rotary { cached, .. } = rot.op else { return Ok(None) };
+        let Some((x, nodes)) = M::input(rot, 0).and_then(|rx| split_heads(&m, rx, ri)) else { return Ok(None) };
+        if !m.read_only_by(v, &[i]) {
+            return Ok(None);
+        }
+        let mut r = rot.clone();
+        r.op = Op::Rotary { layout: Layout::SeqFirst, cached };
+        r.inputs[0] = Some(x);
+        update.push((ri, r));
+        remove.extend(nodes);
+    }
+    let mut spec = spec.clone();
+    spec.q_layout = Layout::SeqFirst;
+    spec.kv_layout = Layout::SeqFirst;
+    let mut outputs = n.outputs.clone();
+    // Output: `Reshape(Transpose(y, [0, 2, 1, 3]), [0, 0, heads*dim])`.
+    let y = n.outputs[0];
+    let readers = &u.consumers[y];
+    if let [ti] = readers[..] {
+        let merge =
+            g.nodes[ti].as_ref().filter(|t| matches!(&t.op, Op::Transpose(Some(p)) if p.as_slice() == [0, 2, 1, 3]));
+        if let Some(t) = merge {
+            if let [ri] = u.consumers[t.outputs[0]][..] {
+                let reshape = g.nodes[ri].as_ref().filter(|r| {
+                    matches!(r.op, Op::Reshape) && matches!(m.ints(M::input(r, 1)), Some([0, 0, x]) if *x > 0)
+                });
+                if let Some(r) = reshape {
+                    spec.out_layout = Layout::SeqFirst;
+                    outputs[0] = r.outputs[0];
+                    remove.extend([ti, ri]);
+                    let root = ri;
+                    let node = fused(n, Op::Attention { spec, layer: *layer }, inputs, outputs);
+                    return Ok(Some(Rewrite { root, remove, node, update }));
+                }
+            }
+        }
+    }
+    let node = fused(n, Op::Attention { spec, layer: *layer }, inputs, outputs);
+    Ok(Some(Rewrite { root: i, remove, node, update }))
 }

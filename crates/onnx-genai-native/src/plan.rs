@@ -197,7 +197,23 @@ impl Plan {
 
     /// Runs `tokens` after what `state` holds; returns the last position's
     /// logits. On error the state's length is unchanged.
-    pub fn run(&self, state: &mut State, tokens: &[u32]) -> Result<Vec<f32>, RunError> {
+    /// `parallel`: whether kernels may use the current rayon pool.
+    pub fn run(&self, state: &mut State, tokens: &[u32], parallel: bool) -> Result<Vec<f32>, RunError> {
+        self.run_profiled(state, tokens, parallel, None)
+    }
+
+    /// [`Plan::run`], adding each step's wall time to `profile` (indexed
+    /// like [`Plan::step_ops`]) when given.
+    pub fn run_profiled(
+        &self,
+        state: &mut State,
+        tokens: &[u32],
+        parallel: bool,
+        mut profile: Option<&mut Vec<std::time::Duration>>,
+    ) -> Result<Vec<f32>, RunError> {
+        if let Some(p) = profile.as_deref_mut() {
+            p.resize(self.steps.len(), std::time::Duration::ZERO);
+        }
         let past = state.len;
         let total = past + tokens.len();
         let feed = |slot: Option<usize>, v: Value, slots: &mut Vec<Value>| {
@@ -213,8 +229,9 @@ impl Plan {
         );
         feed(self.position_ids, Value::i64(vec![1, seq], (past as i64..total as i64).collect()), &mut state.slots);
         feed(self.attention_mask, Value::i64(vec![1, total], vec![1; total]), &mut state.slots);
-        let mut kv = KvContext { layers: &mut state.cache, past };
-        for step in &self.steps {
+        let mut kv = KvContext { layers: &mut state.cache, past, parallel };
+        for (index, step) in self.steps.iter().enumerate() {
+            let started = profile.is_some().then(std::time::Instant::now);
             let mut outs: Vec<Value> = step.outputs.iter().map(|s| std::mem::take(&mut state.slots[*s])).collect();
             let result = {
                 let ins: Vec<Option<&Value>> = step
@@ -233,6 +250,9 @@ impl Plan {
                 state.slots[*s] = v;
             }
             result.map_err(|reason| RunError { node: step.name.clone(), op: step.op.name(), reason })?;
+            if let (Some(p), Some(t)) = (profile.as_deref_mut(), started) {
+                p[index] += t.elapsed();
+            }
         }
         let logits = &state.slots[self.logits];
         let vocab = self.binding.vocab_size;

@@ -8,7 +8,8 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
-use super::math::{dot, softmax_row};
+use super::math::softmax_row;
+use super::simd::{scores as scores_of, weighted_sum};
 use crate::value::Value;
 
 #[derive(Clone, Debug)]
@@ -25,12 +26,14 @@ impl KvStore {
         }
     }
 
-    fn read<'a>(&'a self, at: usize, len: usize, scratch: &'a mut [f32]) -> &'a [f32] {
+    /// Elements `range` as f32: borrowed, or widened from f16 into `wide`.
+    fn span<'a>(&'a self, range: std::ops::Range<usize>, wide: &'a mut Vec<f32>) -> &'a [f32] {
         match self {
-            KvStore::F32(v) => &v[at..at + len],
+            KvStore::F32(v) => &v[range],
             KvStore::F16(v) => {
-                v[at..at + len].convert_to_f32_slice(&mut scratch[..len]);
-                &scratch[..len]
+                wide.resize(range.len(), 0.0);
+                v[range].convert_to_f32_slice(wide);
+                wide
             }
         }
     }
@@ -142,6 +145,8 @@ pub struct AttentionInputs<'a> {
     pub k: &'a Value,
     pub v: &'a Value,
     pub bias: Option<&'a Value>,
+    /// Whether long contexts may use the thread pool.
+    pub parallel: bool,
 }
 
 /// Appends `k`/`v` (the new tokens) at `past` in `cache`, then attends every
@@ -154,7 +159,7 @@ pub fn attention(
     inputs: AttentionInputs,
     out: &mut Value,
 ) -> Result<(), String> {
-    let AttentionInputs { q, k, v, bias } = inputs;
+    let AttentionInputs { q, k, v, bias, parallel } = inputs;
     let (heads, kvh, hd) = (spec.heads, spec.kv_heads, spec.head_dim);
     if cache.kv_heads != kvh || cache.head_dim != hd {
         return Err(format!(
@@ -198,44 +203,53 @@ pub fn attention(
         _ => return Err("attention bias input does not match the compiled form".into()),
     };
     let cache = &*cache;
-    let head = |h: usize, dst: &mut [f32]| {
-        let g = h / n_rep;
-        let mut scores = vec![0.0f32; total];
-        let mut scratch = vec![0.0f32; hd];
-        for i in 0..seq {
-            let qi = spec.q_layout.index(heads, seq, hd, h, i);
-            let qrow = &q[qi..qi + hd];
-            for (t, s) in scores.iter_mut().enumerate() {
-                *s = spec.scale * dot(qrow, cache.key.read(cache.offset(g, t), hd, &mut scratch));
-            }
-            match bias_rows {
-                None => scores[past + i + 1..].iter_mut().for_each(|s| *s = f32::NEG_INFINITY),
-                Some((b, shared, mode)) => {
-                    let (row, group) = match mode {
-                        Bias::Grouped => ((h % n_rep) * seq + i, g),
-                        _ => (i, h),
-                    };
-                    let rows = if mode == Bias::Grouped { n_rep * seq } else { seq };
-                    let base = if shared { 0 } else { group * rows * total };
-                    let brow = &b[base + row * total..base + (row + 1) * total];
-                    scores.iter_mut().zip(brow).for_each(|(s, b)| *s += b);
-                }
-            }
-            softmax_row(&mut scores);
-            let o = &mut dst[i * hd..(i + 1) * hd];
-            o.iter_mut().for_each(|x| *x = 0.0);
-            for (t, p) in scores.iter().enumerate() {
-                let vrow = cache.value.read(cache.offset(g, t), hd, &mut scratch);
-                o.iter_mut().zip(vrow).for_each(|(o, v)| *o += p * v);
+    // One KV group at a time over the group's contiguous cache rows:
+    // scores = Q K^T, out = softmax(scores) V; the `n_rep` query heads that
+    // share the group are rows of the same pass, so each K/V row is read
+    // (and widened from f16) once for all of them.
+    let rows = n_rep * seq;
+    let group = |g: usize, dst: &mut [f32]| {
+        let mut qg = vec![0.0f32; rows * hd];
+        for r in 0..n_rep {
+            for i in 0..seq {
+                let qi = spec.q_layout.index(heads, seq, hd, g * n_rep + r, i);
+                qg[(r * seq + i) * hd..(r * seq + i + 1) * hd].copy_from_slice(&q[qi..qi + hd]);
             }
         }
+        let span = cache.offset(g, 0)..cache.offset(g, total);
+        let mut wide = Vec::new();
+        let keys = cache.key.span(span.clone(), &mut wide);
+        let mut scores = vec![0.0f32; rows * total];
+        scores_of(&qg, rows, keys, hd, &mut scores);
+        for r in 0..n_rep {
+            let h = g * n_rep + r;
+            for i in 0..seq {
+                let srow = &mut scores[(r * seq + i) * total..(r * seq + i + 1) * total];
+                srow.iter_mut().for_each(|s| *s *= spec.scale);
+                match bias_rows {
+                    None => srow[past + i + 1..].iter_mut().for_each(|s| *s = f32::NEG_INFINITY),
+                    Some((b, shared, mode)) => {
+                        let (row, grp, nrows) = match mode {
+                            Bias::Grouped => (r * seq + i, g, n_rep * seq),
+                            _ => (i, h, seq),
+                        };
+                        let base = if shared { 0 } else { grp * nrows * total };
+                        let brow = &b[base + row * total..base + (row + 1) * total];
+                        srow.iter_mut().zip(brow).for_each(|(s, b)| *s += b);
+                    }
+                }
+                softmax_row(srow);
+            }
+        }
+        let values = cache.value.span(span, &mut wide);
+        weighted_sum(&scores, rows, values, hd, dst);
     };
-    // Compute heads-first, one contiguous block per head.
+    // Heads-first output: group g owns heads g*n_rep.. contiguously.
     let mut heads_first = vec![0.0f32; heads * seq * hd];
-    if heads * seq * total * hd >= PARALLEL_MIN_MACS {
-        heads_first.par_chunks_mut(seq * hd).enumerate().for_each(|(h, dst)| head(h, dst));
+    if parallel && heads * seq * total * hd >= PARALLEL_MIN_MACS && kvh > 1 {
+        heads_first.par_chunks_mut(rows * hd).enumerate().for_each(|(g, dst)| group(g, dst));
     } else {
-        heads_first.chunks_mut(seq * hd).enumerate().for_each(|(h, dst)| head(h, dst));
+        heads_first.chunks_mut(rows * hd).enumerate().for_each(|(g, dst)| group(g, dst));
     }
     let (shape, data) = match spec.out_layout {
         Layout::HeadsFirst => (vec![1, heads, seq, hd], heads_first),

@@ -79,27 +79,44 @@ fn broadcast_strides(shape: &[usize], out: &[usize]) -> Vec<usize> {
     strides
 }
 
-/// Calls `f(out_index, a_index, b_index)` over the broadcast of two shapes.
+/// Calls `f(out_index, a_index, b_index)` over the broadcast of two shapes:
+/// an odometer over the outer axes and a tight loop over the last one.
 fn for_each_pair(out: &[usize], a: &[usize], b: &[usize], mut f: impl FnMut(usize, usize, usize)) {
     let n: usize = out.iter().product();
     if a == out && b == out {
         (0..n).for_each(|i| f(i, i, i));
         return;
     }
+    if n == 0 {
+        return;
+    }
     let (sa, sb) = (broadcast_strides(a, out), broadcast_strides(b, out));
-    let mut idx = vec![0usize; out.len()];
-    let (mut ia, mut ib) = (0usize, 0usize);
-    for o in 0..n {
-        f(o, ia, ib);
-        for axis in (0..out.len()).rev() {
+    let rank = out.len();
+    if rank == 0 {
+        f(0, 0, 0);
+        return;
+    }
+    let (inner, ia_step, ib_step) = (out[rank - 1], sa[rank - 1], sb[rank - 1]);
+    let outer = &out[..rank - 1];
+    let mut idx = vec![0usize; outer.len()];
+    let (mut ia, mut ib, mut o) = (0usize, 0usize, 0usize);
+    for _ in 0..n / inner.max(1) {
+        let (mut xa, mut xb) = (ia, ib);
+        for _ in 0..inner {
+            f(o, xa, xb);
+            o += 1;
+            xa += ia_step;
+            xb += ib_step;
+        }
+        for axis in (0..outer.len()).rev() {
             idx[axis] += 1;
             ia += sa[axis];
             ib += sb[axis];
-            if idx[axis] < out[axis] {
+            if idx[axis] < outer[axis] {
                 break;
             }
-            ia -= sa[axis] * out[axis];
-            ib -= sb[axis] * out[axis];
+            ia -= sa[axis] * outer[axis];
+            ib -= sb[axis] * outer[axis];
             idx[axis] = 0;
         }
     }

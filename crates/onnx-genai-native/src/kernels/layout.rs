@@ -20,13 +20,24 @@ pub fn select(src: &Value, index: &[usize], shape: Vec<usize>, out: &mut Value) 
     };
 }
 
-/// Copies `src` with a new shape (Reshape, Unsqueeze, Squeeze, Flatten).
+/// Copies `src` with a new shape (Reshape, Unsqueeze, Squeeze, Identity).
 pub fn reshaped(src: &Value, shape: Vec<usize>, out: &mut Value) -> Result<(), String> {
     if shape.iter().product::<usize>() != src.len() {
         return Err(format!("cannot view {:?} ({} elements) as {shape:?}", src.shape, src.len()));
     }
-    let index: Vec<usize> = (0..src.len()).collect();
-    select(src, &index, shape, out);
+    fn copy<T: Copy>(v: &[T], mut o: Vec<T>) -> Vec<T> {
+        o.clear();
+        o.extend_from_slice(v);
+        o
+    }
+    let n = src.len();
+    *out = match &src.data {
+        Data::F32(v) => Value::f32(shape, copy(v, out.recycle_f32(n))),
+        Data::I64(v) => Value::i64(shape, copy(v, out.recycle_i64(n))),
+        Data::Bool(v) => Value::bool(shape, copy(v, out.recycle_bool(n))),
+        Data::F16(v) => Value { shape, data: Data::F16(copy(v, out.recycle_f16(n))) },
+        Data::U8(v) => Value { shape, data: Data::U8(copy(v, out.recycle_u8(n))) },
+    };
     Ok(())
 }
 
@@ -133,6 +144,11 @@ fn strided_index(base: usize, counts: &[usize], steps: &[isize]) -> Vec<usize> {
 pub fn transpose(src: &Value, perm: &[usize], out: &mut Value) -> Result<(), String> {
     if perm.len() != src.shape.len() {
         return Err(format!("perm {perm:?} does not match rank {}", src.shape.len()));
+    }
+    // Moving only size-1 axes keeps the element order: a copy.
+    let moved: Vec<usize> = perm.iter().copied().filter(|p| src.shape[*p] != 1).collect();
+    if moved.windows(2).all(|w| w[0] < w[1]) {
+        return reshaped(src, perm.iter().map(|p| src.shape[*p]).collect(), out);
     }
     let s = strides(&src.shape);
     let shape: Vec<usize> = perm.iter().map(|p| src.shape[*p]).collect();
@@ -269,19 +285,18 @@ pub fn tile(src: &Value, repeats: &[i64], out: &mut Value) -> Result<(), String>
         return Err(format!("repeats {repeats:?} do not fit rank {}", src.shape.len()));
     }
     let shape: Vec<usize> = src.shape.iter().zip(repeats).map(|(d, r)| d * *r as usize).collect();
+    // Built axis by axis from the innermost: each axis repeats the block of
+    // source indices assembled so far.
     let s = strides(&src.shape);
-    let n: usize = shape.iter().product();
-    let mut index = Vec::with_capacity(n);
-    let mut idx = vec![0usize; shape.len()];
-    for _ in 0..n {
-        index.push(idx.iter().zip(&src.shape).zip(&s).map(|((i, d), s)| (i % d) * s).sum());
-        for a in (0..shape.len()).rev() {
-            idx[a] += 1;
-            if idx[a] < shape[a] {
-                break;
+    let mut index: Vec<usize> = vec![0];
+    for axis in (0..shape.len()).rev() {
+        let mut next = Vec::with_capacity(index.len() * shape[axis]);
+        for _ in 0..repeats[axis] {
+            for i in 0..src.shape[axis] {
+                next.extend(index.iter().map(|x| x + i * s[axis]));
             }
-            idx[a] = 0;
         }
+        index = next;
     }
     select(src, &index, shape, out);
     Ok(())

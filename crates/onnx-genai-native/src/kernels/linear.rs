@@ -141,14 +141,15 @@ impl Weight {
 }
 
 /// `y[m, n] = x[m, :] . W[n, :] + bias[n]` for `m` input rows.
-pub fn linear(x: &[f32], m: usize, w: &Weight, bias: Option<&[f32]>, y: &mut Vec<f32>) {
+/// `parallel`: whether large products may use the thread pool.
+pub fn linear(x: &[f32], m: usize, w: &Weight, bias: Option<&[f32]>, y: &mut Vec<f32>, parallel: bool) {
     let (n, k) = (w.n, w.k);
     y.clear();
     y.resize(m * n, 0.0);
     if let (Packed::F32(wt), true) = (&w.packed, m >= 4) {
         sgemm(m, k, n, x, (k, 1), wt, (1, k), y);
     } else if m == 1 {
-        rows_dot(x, w, y);
+        rows_dot(x, w, y, parallel);
     } else {
         // Row-major output is strided per weight row; compute transposed.
         let mut yt = vec![0.0; n * m];
@@ -158,7 +159,7 @@ pub fn linear(x: &[f32], m: usize, w: &Weight, bias: Option<&[f32]>, y: &mut Vec
                 *o = dot(&x[mi * k..(mi + 1) * k], row);
             }
         };
-        if m * n * k >= PARALLEL_MIN_MACS {
+        if parallel && m * n * k >= PARALLEL_MIN_MACS {
             yt.par_chunks_mut(m).enumerate().for_each_init(Vec::new, |s, item| per_row(item, s));
         } else {
             let mut s = Vec::new();
@@ -177,15 +178,89 @@ pub fn linear(x: &[f32], m: usize, w: &Weight, bias: Option<&[f32]>, y: &mut Vec
     }
 }
 
+/// `x . dequant(row)` for one 4-bit row without widening it:
+/// per block, `scale * (sum(q * x) - zero * sum(x))`, with the block sums of
+/// `x` computed once per input row (`xsum`).
+fn dot_q4(x: &[f32], xsum: &[f32], w: &Weight, r: usize) -> f32 {
+    let Packed::Q4 { data, scales, zeros, block, blocks } = &w.packed else { return 0.0 };
+    let (block, blocks) = (*block, *blocks);
+    let half = block / 2;
+    let row = &data[r * blocks * half..(r + 1) * blocks * half];
+    if block == 32 && zeros.is_none() && x.len() == 32 * blocks {
+        return super::simd::q4_row32(x, xsum, row, &scales[r * blocks..(r + 1) * blocks]);
+    }
+    let zero_stride = blocks.div_ceil(2);
+    let mut total = 0.0;
+    for b in 0..blocks {
+        let start = b * block;
+        let xb = &x[start..(start + block).min(x.len())];
+        let qb = &row[b * half..(b + 1) * half];
+        if xb.len() == 32 && block == 32 {
+            let zero = match zeros {
+                Some(z) => {
+                    let byte = z[r * zero_stride + b / 2];
+                    f32::from(if b % 2 == 0 { byte & 0x0f } else { byte >> 4 })
+                }
+                None => 8.0,
+            };
+            total += scales[r * blocks + b] * (super::simd::q4_block32(qb, xb) - zero * xsum[b]);
+            continue;
+        }
+        let (mut lo, mut hi) = ([0f32; 4], [0f32; 4]);
+        let pairs = xb.len() / 2;
+        let (xc, qc) = (xb[..pairs * 2].chunks_exact(8), qb[..pairs].chunks_exact(4));
+        let (xr, qr) = (xc.remainder(), qc.remainder());
+        for (xs, qs) in xc.zip(qc) {
+            for j in 0..4 {
+                lo[j] += f32::from(qs[j] & 0x0f) * xs[2 * j];
+                hi[j] += f32::from(qs[j] >> 4) * xs[2 * j + 1];
+            }
+        }
+        let mut acc = (lo[0] + lo[1]) + (lo[2] + lo[3]) + (hi[0] + hi[1]) + (hi[2] + hi[3]);
+        for (j, q) in qr.iter().enumerate() {
+            acc += f32::from(q & 0x0f) * xr[2 * j] + f32::from(q >> 4) * xr[2 * j + 1];
+        }
+        if xb.len() % 2 == 1 {
+            acc += f32::from(qb[pairs] & 0x0f) * xb[xb.len() - 1];
+        }
+        let zero = match zeros {
+            Some(z) => {
+                let byte = z[r * zero_stride + b / 2];
+                f32::from(if b % 2 == 0 { byte & 0x0f } else { byte >> 4 })
+            }
+            None => 8.0,
+        };
+        total += scales[r * blocks + b] * (acc - zero * xsum[b]);
+    }
+    total
+}
+
+fn block_sums(x: &[f32], w: &Weight) -> Vec<f32> {
+    match &w.packed {
+        Packed::Q4 { block, .. } => x.chunks(*block).map(|c| c.iter().sum()).collect(),
+        _ => Vec::new(),
+    }
+}
+
 /// One input row against every weight row, split across threads.
-fn rows_dot(x: &[f32], w: &Weight, y: &mut [f32]) {
+fn rows_dot(x: &[f32], w: &Weight, y: &mut [f32], parallel: bool) {
     const CHUNK: usize = 16;
+    let xsum = block_sums(x, w);
     let chunk = |(c, out): (usize, &mut [f32]), scratch: &mut Vec<f32>| {
-        for (i, o) in out.iter_mut().enumerate() {
-            *o = dot(x, w.row(c * CHUNK + i, scratch));
+        let first = c * CHUNK;
+        match &w.packed {
+            Packed::F32(data) => super::simd::matvec(x, &data[first * w.k..(first + out.len()) * w.k], out),
+            Packed::Q4 { data, scales, zeros: None, block: 32, blocks } if x.len() == 32 * blocks => {
+                let (b, rows) = (*blocks, out.len());
+                let (bytes, sc) =
+                    (&data[first * 16 * b..(first + rows) * 16 * b], &scales[first * b..(first + rows) * b]);
+                super::simd::q4_matvec32(x, &xsum, bytes, sc, b, out)
+            }
+            Packed::Q4 { .. } => out.iter_mut().enumerate().for_each(|(i, o)| *o = dot_q4(x, &xsum, w, first + i)),
+            Packed::F16(_) => out.iter_mut().enumerate().for_each(|(i, o)| *o = dot(x, w.row(first + i, scratch))),
         }
     };
-    if w.n * w.k >= PARALLEL_MIN_MACS {
+    if parallel && w.n * w.k >= PARALLEL_MIN_MACS {
         y.par_chunks_mut(CHUNK).enumerate().for_each_init(Vec::new, |s, item| chunk(item, s));
     } else {
         let mut s = Vec::new();
@@ -195,8 +270,8 @@ fn rows_dot(x: &[f32], w: &Weight, y: &mut [f32]) {
 
 /// SiLU-gated MLP input stage: `w` stacks the gate rows over the up rows;
 /// returns `silu(x Wg) * (x Wu)`.
-pub fn gated(x: &[f32], m: usize, w: &Weight, scratch: &mut Vec<f32>, y: &mut Vec<f32>) {
-    linear(x, m, w, None, scratch);
+pub fn gated(x: &[f32], m: usize, w: &Weight, scratch: &mut Vec<f32>, y: &mut Vec<f32>, parallel: bool) {
+    linear(x, m, w, None, scratch, parallel);
     let inter = w.n / 2;
     y.clear();
     y.resize(m * inter, 0.0);
@@ -231,10 +306,35 @@ mod tests {
             let w: Vec<f32> = (0..k * n).map(|i| ((i * 5) % 13) as f32 * 0.05 - 0.3).collect();
             let packed = Weight::from_kn_f32(&w, k, n);
             let mut y = Vec::new();
-            linear(&x, m, &packed, None, &mut y);
+            linear(&x, m, &packed, None, &mut y, true);
             let want = naive(&x, m, &w, k, n);
             for (a, b) in y.iter().zip(&want) {
                 assert!((a - b).abs() < 1e-4, "m={m} k={k} n={n}: {a} vs {b}");
+            }
+        }
+    }
+
+    /// The fused 4-bit dot equals the dot with the dequantized row (odd K,
+    /// a partial last block, explicit zero points).
+    #[test]
+    fn q4_dot_matches_dequantized_dot() {
+        let (k, n, block): (usize, usize, usize) = (37, 3, 16);
+        let blocks = k.div_ceil(block);
+        let data: Vec<u8> = (0..n * blocks * block / 2).map(|i| (i * 37 % 256) as u8).collect();
+        let scales: Vec<f32> = (0..n * blocks).map(|i| 0.01 * (i + 1) as f32).collect();
+        for zeros in [None, Some((0..n * blocks.div_ceil(2)).map(|i| (i * 29 % 256) as u8).collect::<Vec<_>>())] {
+            let w = Weight {
+                n,
+                k,
+                packed: Packed::Q4 { data: data.clone(), scales: scales.clone(), zeros, block, blocks },
+            };
+            let x: Vec<f32> = (0..k).map(|i| (i as f32 * 0.37).sin()).collect();
+            let xsum = block_sums(&x, &w);
+            let mut s = Vec::new();
+            for r in 0..n {
+                let want = dot(&x, w.row(r, &mut s));
+                let got = dot_q4(&x, &xsum, &w, r);
+                assert!((want - got).abs() < 1e-4, "row {r}: {got} vs {want}");
             }
         }
     }

@@ -2,36 +2,9 @@
 
 use crate::value::Value;
 
-/// Dot product with eight independent accumulators so the compiler can keep
-/// them in vector registers.
-#[inline]
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    let mut tail = 0.0;
-    for (x, y) in ra.iter().zip(rb) {
-        tail += x * y;
-    }
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
-}
+pub use super::simd::dot;
 
-/// Numerically stable softmax of one row, in place.
-pub fn softmax_row(row: &mut [f32]) {
-    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0;
-    for v in row.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
-    }
-    let inv = 1.0 / sum;
-    row.iter_mut().for_each(|v| *v *= inv);
-}
+pub use super::simd::softmax as softmax_row;
 
 fn last_dim(x: &Value) -> Result<usize, String> {
     match x.shape.last() {

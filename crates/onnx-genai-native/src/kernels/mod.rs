@@ -7,3 +7,4 @@ pub mod layout;
 pub mod linear;
 pub mod math;
 pub mod rotary;
+pub mod simd;
