@@ -246,7 +246,7 @@ fn block_sums(x: &[f32], w: &Weight) -> Vec<f32> {
 fn rows_dot(x: &[f32], w: &Weight, y: &mut [f32], parallel: bool) {
     const CHUNK: usize = 16;
     let xsum = block_sums(x, w);
-    let chunk = |(c, out): (usize, &mut [f32]), scratch: &mut Vec<f32>| {
+    let chunk = |(c, out): (usize, &mut [f32])| {
         let first = c * CHUNK;
         match &w.packed {
             Packed::F32(data) => super::simd::matvec(x, &data[first * w.k..(first + out.len()) * w.k], out),
@@ -257,14 +257,13 @@ fn rows_dot(x: &[f32], w: &Weight, y: &mut [f32], parallel: bool) {
                 super::simd::q4_matvec32(x, &xsum, bytes, sc, b, out)
             }
             Packed::Q4 { .. } => out.iter_mut().enumerate().for_each(|(i, o)| *o = dot_q4(x, &xsum, w, first + i)),
-            Packed::F16(_) => out.iter_mut().enumerate().for_each(|(i, o)| *o = dot(x, w.row(first + i, scratch))),
+            Packed::F16(data) => super::simd::matvec_f16(x, &data[first * w.k..(first + out.len()) * w.k], out),
         }
     };
     if parallel && w.n * w.k >= PARALLEL_MIN_MACS {
-        y.par_chunks_mut(CHUNK).enumerate().for_each_init(Vec::new, |s, item| chunk(item, s));
+        y.par_chunks_mut(CHUNK).enumerate().for_each(chunk);
     } else {
-        let mut s = Vec::new();
-        y.chunks_mut(CHUNK).enumerate().for_each(|item| chunk(item, &mut s));
+        y.chunks_mut(CHUNK).enumerate().for_each(chunk);
     }
 }
 

@@ -4,6 +4,20 @@
 
 use std::sync::OnceLock;
 
+fn has_f16c() -> bool {
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            has_avx2_fma() && std::arch::is_x86_feature_detected!("f16c")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
 fn has_avx2_fma() -> bool {
     static HAS: OnceLock<bool> = OnceLock::new();
     *HAS.get_or_init(|| {
@@ -160,6 +174,26 @@ pub fn q4_row32(x: &[f32], xsum: &[f32], bytes: &[u8], scales: &[f32]) -> f32 {
         return unsafe { x86::q4_row32(x.as_ptr(), xsum.as_ptr(), bytes.as_ptr(), scales.as_ptr(), blocks) };
     }
     (0..blocks).map(|b| scales[b] * (q4_block32_portable(&bytes[16 * b..], &x[32 * b..]) - 8.0 * xsum[b])).sum()
+}
+
+/// [`matvec`] over f16 weight rows, widened as they are read.
+pub fn matvec_f16(x: &[f32], w: &[half::f16], y: &mut [f32]) {
+    let k = x.len();
+    assert!(w.len() >= y.len() * k, "matvec weight is smaller than its rows");
+    #[cfg(target_arch = "x86_64")]
+    if has_f16c() {
+        // SAFETY: AVX2/FMA/F16C checked; reads `k` of `x` and `y.len() * k`
+        // halves of `w` (asserted; f16 is two bytes), writes `y.len()`.
+        unsafe { x86::matvec_f16(x.as_ptr(), k, w.as_ptr() as *const u16, y.as_mut_ptr(), y.len()) };
+        return;
+    }
+    let mut row = vec![0.0f32; k];
+    for (r, o) in y.iter_mut().enumerate() {
+        for (d, h) in row.iter_mut().zip(&w[r * k..(r + 1) * k]) {
+            *d = h.to_f32();
+        }
+        *o = dot_portable(x, &row);
+    }
 }
 
 /// Numerically stable softmax of one row, in place.
@@ -334,6 +368,31 @@ mod x86 {
     }
 
     /// # Safety
+    /// AVX2, FMA and F16C must be available; `x` valid for `k` reads, `w`
+    /// for `n * k` halves, `y` for `n` writes.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn matvec_f16(x: *const f32, k: usize, w: *const u16, y: *mut f32, n: usize) {
+        for r in 0..n {
+            let row = w.add(r * k);
+            let mut acc = [_mm256_setzero_ps(); 2];
+            let mut c = 0;
+            while c + 16 <= k {
+                let w0 = _mm256_cvtph_ps(_mm_loadu_si128(row.add(c) as *const __m128i));
+                let w1 = _mm256_cvtph_ps(_mm_loadu_si128(row.add(c + 8) as *const __m128i));
+                acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(x.add(c)), w0, acc[0]);
+                acc[1] = _mm256_fmadd_ps(_mm256_loadu_ps(x.add(c + 8)), w1, acc[1]);
+                c += 16;
+            }
+            let mut v = hsum(_mm256_add_ps(acc[0], acc[1]));
+            while c < k {
+                v += *x.add(c) * half::f16::from_bits(*row.add(c)).to_f32();
+                c += 1;
+            }
+            *y.add(r) = v;
+        }
+    }
+
+    /// # Safety
     /// AVX2 and FMA must be available; `y` and `x` valid for `n` elements.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn axpy(y: *mut f32, alpha: f32, x: *const f32, n: usize) {
@@ -482,8 +541,13 @@ mod tests {
             let w: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.05).cos()).collect();
             let mut y = vec![0.0; n];
             matvec(&x, &w, &mut y);
+            let halves: Vec<half::f16> = w.iter().map(|v| half::f16::from_f32(*v)).collect();
+            let mut yh = vec![0.0; n];
+            matvec_f16(&x, &halves, &mut yh);
             for r in 0..n {
                 assert!((y[r] - dot_portable(&x, &w[r * k..(r + 1) * k])).abs() < 1e-4, "matvec k={k} n={n}");
+                let widened: Vec<f32> = halves[r * k..(r + 1) * k].iter().map(|h| h.to_f32()).collect();
+                assert!((yh[r] - dot_portable(&x, &widened)).abs() < 1e-4, "matvec_f16 k={k} n={n}");
             }
         }
         for n in [1, 5, 8, 13, 64, 1000] {
