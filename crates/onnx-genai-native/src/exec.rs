@@ -171,6 +171,26 @@ pub fn run(
             *out = Value::f32(shape, y);
             Ok(())
         }
+        Op::CausalBias { closed, reps } => {
+            let (mask, ids) = (arg(inputs, 0)?, arg(inputs, 1)?);
+            let (Some(&total), Some(&seq)) = (mask.shape.get(1), ids.shape.get(1)) else {
+                return Err(format!("mask {:?} and token ids {:?} need a sequence axis", mask.shape, ids.shape));
+            };
+            if mask.shape[0] != 1 || seq > total {
+                return Err(format!("mask {:?} does not cover {seq} new tokens of batch 1", mask.shape));
+            }
+            let m = mask.as_i64()?;
+            let past = total - seq;
+            let mut o = out.recycle_f32(reps * seq * total);
+            for (row, bias) in o.chunks_exact_mut(total).enumerate() {
+                let q = past + row % seq;
+                for (t, b) in bias.iter_mut().enumerate() {
+                    *b = if t <= q && m[t] != 0 { 0.0 } else { *closed };
+                }
+            }
+            *out = Value::f32(vec![1, 1, reps * seq, total], o);
+            Ok(())
+        }
         Op::MatMulNBits { .. } => Err("MatMulNBits weights must be constant (they are packed at compile time)".into()),
         Op::Rotary { layout, cached } => {
             let x = arg(inputs, 0)?;

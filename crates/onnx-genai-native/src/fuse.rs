@@ -29,8 +29,15 @@ pub struct Rewrite {
     update: Vec<(usize, Node)>,
 }
 
+impl Rewrite {
+    pub(crate) fn new(root: usize, remove: Vec<usize>, node: Node) -> Self {
+        Self { root, remove, node, update: Vec::new() }
+    }
+}
+
 pub fn run(g: &mut Graph, stats: &mut CompileStats) -> Result<(), CompileError> {
-    let passes: [(&str, Pass); 9] = [
+    let passes: [(&str, Pass); 11] = [
+        ("causal_mask", crate::fuse_mask::causal_mask),
         ("linear", pack_linear),
         ("matmul_nbits", pack_nbits),
         ("linear_bias", linear_bias),
@@ -38,6 +45,7 @@ pub fn run(g: &mut Graph, stats: &mut CompileStats) -> Result<(), CompileError> 
         ("layer_norm", layer_norm),
         ("rms_norm", rms_norm),
         ("gated_mlp", gated_mlp),
+        ("gelu_tanh", gelu_tanh),
         ("rotary", rotary),
         ("attention", attention),
         ("head_layout", head_layout),
@@ -70,34 +78,34 @@ pub fn run(g: &mut Graph, stats: &mut CompileStats) -> Result<(), CompileError> 
 }
 
 /// Read-only helpers over a graph and its use lists.
-struct M<'a> {
-    g: &'a Graph,
-    u: &'a Uses,
+pub(crate) struct M<'a> {
+    pub g: &'a Graph,
+    pub u: &'a Uses,
 }
 
 impl<'a> M<'a> {
-    fn producer(&self, v: Vid) -> Option<(usize, &'a Node)> {
+    pub(crate) fn producer(&self, v: Vid) -> Option<(usize, &'a Node)> {
         let i = self.u.producer[v]?;
         self.g.nodes[i].as_ref().map(|n| (i, n))
     }
     /// The producer of `v` if its op satisfies `pred`.
-    fn from(&self, v: Vid, pred: impl Fn(&Op) -> bool) -> Option<(usize, &'a Node)> {
+    pub(crate) fn from(&self, v: Vid, pred: impl Fn(&Op) -> bool) -> Option<(usize, &'a Node)> {
         self.producer(v).filter(|(_, n)| pred(&n.op))
     }
-    fn input(n: &Node, i: usize) -> Option<Vid> {
+    pub(crate) fn input(n: &Node, i: usize) -> Option<Vid> {
         n.inputs.get(i).copied().flatten()
     }
-    fn konst(&self, v: Vid) -> Option<&'a Value> {
+    pub(crate) fn konst(&self, v: Vid) -> Option<&'a Value> {
         self.g.konst(v)
     }
-    fn scalar(&self, v: Vid) -> Option<f32> {
+    pub(crate) fn scalar(&self, v: Vid) -> Option<f32> {
         self.konst(v).and_then(Value::scalar_f32)
     }
     /// Whether every reader of `v` is one of `nodes`.
-    fn read_only_by(&self, v: Vid, nodes: &[usize]) -> bool {
+    pub(crate) fn read_only_by(&self, v: Vid, nodes: &[usize]) -> bool {
         self.u.consumers[v].iter().all(|c| nodes.contains(c))
     }
-    fn ints(&self, v: Option<Vid>) -> Option<&'a [i64]> {
+    pub(crate) fn ints(&self, v: Option<Vid>) -> Option<&'a [i64]> {
         self.konst(v?).and_then(Value::ints)
     }
 }
@@ -106,7 +114,7 @@ fn is_bin(op: &Op, b: BinOp) -> bool {
     matches!(op, Op::Binary(x) if *x == b)
 }
 
-fn fused(root: &Node, op: Op, inputs: Vec<Option<Vid>>, outputs: Vec<Vid>) -> Node {
+pub(crate) fn fused(root: &Node, op: Op, inputs: Vec<Option<Vid>>, outputs: Vec<Vid>) -> Node {
     Node { name: root.name.clone(), origin: format!("fused {}", op.name()), op, inputs, outputs }
 }
 
@@ -652,4 +660,82 @@ fn head_layout(g: &Graph, u: &Uses, i: usize) -> Result<Option<Rewrite>, Compile
     }
     let node = fused(n, Op::Attention { spec, layer: *layer }, inputs, outputs);
     Ok(Some(Rewrite { root: i, remove, node, update }))
+}
+
+/// `Mul(Mul(x, 0.5), Add(Tanh(Mul(Add(x, Mul(Mul(Mul(x, x), x), a)), b)), 1))`
+/// with `a = 0.044715`, `b = sqrt(2/pi)` -> `GeluTanh(x)` (GPT-2's GELU).
+fn gelu_tanh(g: &Graph, u: &Uses, i: usize) -> Result<Option<Rewrite>, CompileError> {
+    let m = M { g, u };
+    let Some(n) = &g.nodes[i] else { return Ok(None) };
+    if !is_bin(&n.op, BinOp::Mul) {
+        return Ok(None);
+    }
+    let close = |v: Option<f32>, want: f32| v.is_some_and(|v| (v - want).abs() <= 1e-6 * want.abs().max(1.0));
+    // `Mul(p, q)` with one side the constant `c`: returns the other side.
+    let times = |v: Vid, c: f32| -> Option<(usize, Vid)> {
+        let (mi, mul) = m.from(v, |op| is_bin(op, BinOp::Mul))?;
+        let (a, b) = (M::input(mul, 0)?, M::input(mul, 1)?);
+        if close(m.scalar(b), c) {
+            Some((mi, a))
+        } else if close(m.scalar(a), c) {
+            Some((mi, b))
+        } else {
+            None
+        }
+    };
+    let plus = |v: Vid| -> Option<(usize, Vid, Vid)> {
+        let (ai, add) = m.from(v, |op| is_bin(op, BinOp::Add))?;
+        Some((ai, M::input(add, 0)?, M::input(add, 1)?))
+    };
+    let found = (|| {
+        for (a, b) in [(0, 1), (1, 0)] {
+            let Some((hi, x)) = times(M::input(n, a)?, 0.5) else { continue };
+            let Some((oi, p, q)) = plus(M::input(n, b)?) else { continue };
+            let th = if close(m.scalar(q), 1.0) {
+                p
+            } else if close(m.scalar(p), 1.0) {
+                q
+            } else {
+                continue;
+            };
+            let Some((ti, tanh)) = m.from(th, |op| matches!(op, Op::Unary(UnOp::Tanh))) else { continue };
+            let Some((si, inner)) = times(M::input(tanh, 0)?, (2.0 / std::f32::consts::PI).sqrt()) else { continue };
+            let Some((ii, p, q)) = plus(inner) else { continue };
+            let cube_term = if p == x {
+                q
+            } else if q == x {
+                p
+            } else {
+                continue;
+            };
+            let Some((ci, cube)) = times(cube_term, 0.044715) else { continue };
+            let Some((c3, m3)) = m.from(cube, |op| is_bin(op, BinOp::Mul)) else { continue };
+            let (s1, s2) = (M::input(m3, 0)?, M::input(m3, 1)?);
+            let square = if s2 == x {
+                s1
+            } else if s1 == x {
+                s2
+            } else {
+                continue;
+            };
+            let Some((c2, m2)) = m.from(square, |op| is_bin(op, BinOp::Mul)) else { continue };
+            if M::input(m2, 0) != Some(x) || M::input(m2, 1) != Some(x) {
+                continue;
+            }
+            let nodes = vec![hi, oi, ti, si, ii, ci, c3, c2, i];
+            let interior: Vec<Vid> = nodes
+                .iter()
+                .filter_map(|ni| g.nodes[*ni].as_ref())
+                .flat_map(|n| n.outputs.clone())
+                .filter(|v| *v != n.outputs[0])
+                .collect();
+            if interior.iter().all(|v| m.read_only_by(*v, &nodes)) {
+                return Some((x, nodes));
+            }
+        }
+        None
+    })();
+    let Some((x, nodes)) = found else { return Ok(None) };
+    let op = Op::Unary(UnOp::GeluTanh);
+    Ok(Some(Rewrite::new(i, nodes, fused(n, op, vec![Some(x)], n.outputs.clone()))))
 }

@@ -224,6 +224,7 @@ pub fn infer(op: &Op, inputs: &[Option<&Meta>], outputs: usize) -> Result<Vec<Ou
             require_float("the input", t(0))?;
             single((Some(DType::F32), d(0)))
         }
+        Op::CausalBias { .. } => single((Some(DType::F32), None)),
         Op::Attention { .. } => {
             for (i, what) in [(0, "query"), (1, "key"), (2, "value")] {
                 if t(i) != Some(DType::F16) {

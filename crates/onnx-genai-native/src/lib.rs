@@ -13,6 +13,7 @@ mod decoder;
 mod error;
 mod exec;
 mod fuse;
+mod fuse_mask;
 mod graph;
 mod infer;
 pub mod kernels;

@@ -81,6 +81,13 @@ pub enum Op {
         layout: Layout,
         cached: bool,
     },
+    /// Inputs `attention_mask, token_ids`: the additive causal + padding bias
+    /// `[1, 1, reps * seq, total]` (0 where a query may attend, `closed`
+    /// elsewhere), query rows repeated `reps` times for grouped attention.
+    CausalBias {
+        closed: f32,
+        reps: usize,
+    },
     /// Inputs `q, k, v[, bias][, past_key, past_value]`; outputs
     /// `y[, present_key, present_value]`. Until the KV binding pass, `layer`
     /// is `None` and the past/present tensors are still graph edges.
@@ -137,6 +144,7 @@ impl Op {
             Op::MatMulNBits { .. } => "MatMulNBits".into(),
             Op::Rotary { .. } => "Rotary".into(),
             Op::Attention { .. } => "Attention".into(),
+            Op::CausalBias { .. } => "CausalBias".into(),
             other => format!("{other:?}"),
         }
     }

@@ -29,19 +29,34 @@ fn fusions_fire_on_every_export() {
             "tiny-llama-gqa",
             Variant::Decomposed,
             vec![
+                ("causal_mask", 1),
                 ("linear", 15),
                 ("rms_norm", 2 * layers + 1),
                 ("gated_mlp", layers),
                 ("rotary", 2 * layers),
                 ("attention", layers),
+                ("head_layout", layers),
             ],
         ),
-        ("tiny-llama-gqa", Variant::Opset23, vec![("linear", 15), ("gated_mlp", layers)]),
+        (
+            "tiny-llama-gqa",
+            Variant::Opset23,
+            vec![("causal_mask", 1), ("linear", 15), ("gated_mlp", layers), ("head_layout", layers)],
+        ),
         ("tiny-llama-gqa", Variant::Contrib, vec![("matmul_nbits", 15), ("gated_mlp", layers)]),
+        ("tiny-gpt2", Variant::Contrib, vec![("matmul_nbits", 13), ("linear_bias", 12), ("gelu_tanh", layers)]),
         (
             "tiny-gpt2",
             Variant::Decomposed,
-            vec![("linear", 13), ("linear_bias", 12), ("layer_norm", 2 * layers + 1), ("attention", layers)],
+            vec![
+                ("causal_mask", 1),
+                ("linear", 13),
+                ("linear_bias", 12),
+                ("layer_norm", 2 * layers + 1),
+                ("gelu_tanh", layers),
+                ("attention", layers),
+                ("head_layout", layers),
+            ],
         ),
         (
             "tiny-llama-f16",
@@ -56,7 +71,7 @@ fn fusions_fire_on_every_export() {
             assert_eq!(plan.stats.fused(kind), n, "{name} {variant:?} {kind}: {:?}", plan.stats.fusions);
         }
         let ops = plan.step_ops();
-        for generic in ["MatMul", "Concat", "Softmax", "MatMulNBits"] {
+        for generic in ["MatMul", "Concat", "Softmax", "MatMulNBits", "Tile", "Tanh"] {
             assert!(!ops.iter().any(|o| o == generic), "{name} {variant:?} still runs a generic {generic}: {ops:?}");
         }
         assert_eq!(ops.iter().filter(|o| *o == "Attention").count(), layers, "{name} {variant:?}");

@@ -39,6 +39,8 @@ pub enum UnOp {
     Erf,
     Relu,
     Not,
+    /// `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))` (fused only).
+    GeluTanh,
 }
 
 impl UnOp {
@@ -266,6 +268,10 @@ pub fn unary(op: UnOp, a: &Value, out: &mut Value) -> Result<(), String> {
                 UnOp::Tanh => x.tanh(),
                 UnOp::Erf => erf(x),
                 UnOp::Relu => x.max(0.0),
+                UnOp::GeluTanh => {
+                    let inner = (2.0 / std::f32::consts::PI).sqrt() * (x + 0.044715 * x * x * x);
+                    0.5 * x * (1.0 + inner.tanh())
+                }
                 UnOp::Not => x,
             };
             o.iter_mut().zip(x).for_each(|(o, x)| *o = f(*x));
