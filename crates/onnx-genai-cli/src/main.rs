@@ -31,7 +31,14 @@ enum Command {
         format: Format,
     },
     /// Build a package from an architecture spec (`packages/<name>/spec.yaml`).
-    Build { spec: PathBuf, out: PathBuf },
+    Build {
+        spec: PathBuf,
+        out: PathBuf,
+        /// Export form: decomposed (standard ops), opset23 (ONNX fused ops) or
+        /// contrib (com.microsoft ops, 4-bit weights).
+        #[arg(long, default_value = "decomposed", value_parser = parse_variant)]
+        variant: onnx_genai_build::Variant,
+    },
     /// Show components, ports, KV geometry, bytes per token and parameter count.
     Inspect { package: PathBuf },
     /// Generate text, streaming it to stdout.
@@ -83,6 +90,10 @@ impl Backend {
     }
 }
 
+fn parse_variant(s: &str) -> Result<onnx_genai_build::Variant, String> {
+    onnx_genai_build::Variant::parse(s).ok_or_else(|| format!("unknown variant `{s}` (decomposed, opset23, contrib)"))
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli) {
@@ -97,10 +108,10 @@ fn main() -> ExitCode {
 fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
         Command::Validate { package, format } => validate(&package, format),
-        Command::Build { spec, out } => {
+        Command::Build { spec, out, variant } => {
             let spec = onnx_genai_build::read_spec(&spec)?;
-            onnx_genai_build::build_package(&spec, &out)?;
-            println!("built {} into {}", spec.name, out.display());
+            onnx_genai_build::build_variant(&spec, variant, &out)?;
+            println!("built {} ({}) into {}", spec.name, variant.name(), out.display());
             Ok(ExitCode::SUCCESS)
         }
         Command::Inspect { package } => inspect(&package),

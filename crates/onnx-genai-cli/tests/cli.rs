@@ -50,6 +50,30 @@ fn generate_is_greedy_deterministic_and_inspect_shows_geometry() {
     assert!(out.contains("past_key_values.{layer}.key"), "{out}");
 }
 
+/// `--backend native-cpu` generates the same greedy text as ONNX Runtime,
+/// on a contrib (4-bit) export; `inspect` reports what the native compiler
+/// made of it.
+#[test]
+fn native_backend_generates_like_ort_and_inspect_shows_the_plan() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packages/tiny-llama-gqa/spec.yaml");
+    let p = dir.path().to_str().unwrap();
+    let out = cli(&["build", spec.to_str().unwrap(), p, "--variant", "contrib"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    let run = |backend| {
+        cli(&["generate", p, "--prompt", "Once upon", "--max-new-tokens", "12", "--show-ids", "--backend", backend])
+    };
+    let (ort, native) = (run("ort"), run("native-cpu"));
+    assert!(native.status.success(), "{:?}", text(&native));
+    assert_eq!(ort.stdout, native.stdout);
+    assert!(text(&native).1.contains("native-cpu"), "{:?}", text(&native));
+    let (inspect, _) = text(&cli(&["inspect", p]));
+    assert!(inspect.contains("native ") && inspect.contains("matmul_nbits x15"), "{inspect}");
+    let bad = cli(&["build", spec.to_str().unwrap(), p, "--variant", "opset99"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(text(&bad).1.contains("unknown variant `opset99`"));
+}
+
 /// Bad input: a clear error and a non-zero exit, never a panic.
 #[test]
 fn bad_input_fails_cleanly() {

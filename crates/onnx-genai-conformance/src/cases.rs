@@ -203,3 +203,68 @@ impl Filter {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn checks() -> Vec<Check> {
+        discover(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")).unwrap()
+    }
+
+    /// Every shipped package is covered by parity in all three variants and
+    /// by goldens on both backends; names are unique.
+    #[test]
+    fn suites_cover_every_package_variant_and_backend() {
+        let all = checks();
+        let names: std::collections::BTreeSet<&str> = all.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(names.len(), all.len(), "duplicate check names");
+        for package in ["tiny-llama-gqa", "tiny-gpt2", "tiny-llama-f16"] {
+            for variant in Variant::ALL {
+                let v = variant.name();
+                assert!(names.contains(format!("golden::{package}::{v}::ort").as_str()));
+                assert!(names.contains(format!("golden::{package}::{v}::native-cpu").as_str()));
+                assert!(names.iter().any(|n| n.starts_with(&format!("parity::{package}::{v}::native-cpu::"))));
+            }
+        }
+    }
+
+    /// Shards partition the selected checks: disjoint, complete, balanced.
+    #[test]
+    fn shards_partition_the_checks() {
+        let all = checks();
+        let n = 4;
+        let mut seen = Vec::new();
+        for k in 1..=n {
+            let shard = Filter { shard: Some((k, n)), ..Filter::default() }.apply(all.clone());
+            assert!(shard.len().abs_diff(all.len() / n) <= 1, "shard {k}/{n} has {}", shard.len());
+            seen.extend(shard.into_iter().map(|c| c.name));
+        }
+        seen.sort();
+        let mut want: Vec<String> = all.iter().map(|c| c.name.clone()).collect();
+        want.sort();
+        assert_eq!(seen, want);
+        assert!(
+            Filter::parse_shard("0/3").is_err()
+                && Filter::parse_shard("4/3").is_err()
+                && Filter::parse_shard("x").is_err()
+        );
+        let only =
+            Filter { package: Some("tiny-gpt2".into()), suite: Some(Suite::Golden), ..Filter::default() }.apply(all);
+        assert!(!only.is_empty() && only.iter().all(|c| c.package == "tiny-gpt2" && c.suite == Suite::Golden));
+    }
+
+    /// A malformed suite file is an error naming the file and field.
+    #[test]
+    fn malformed_suite_files_are_named_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("conformance/parity")).unwrap();
+        std::fs::write(
+            dir.path().join("conformance/parity/bad.yaml"),
+            "package: x\nvariants: [decomposed]\ntier: f64\nsteps: 32\nprompts: []\n",
+        )
+        .unwrap();
+        let err = read_yaml::<ParityFile>(&dir.path().join("conformance/parity/bad.yaml")).unwrap_err().to_string();
+        assert!(err.contains("bad.yaml") && err.contains("tier"), "{err}");
+    }
+}

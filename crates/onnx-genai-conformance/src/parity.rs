@@ -108,3 +108,100 @@ pub fn run(
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A scripted backend: returns the given logits rows in turn (the
+    /// harness logic under test is the comparison, not a model).
+    struct Scripted {
+        rows: Vec<Vec<f32>>,
+        at: usize,
+    }
+
+    impl DecodeBackend for Scripted {
+        fn name(&self) -> &'static str {
+            "scripted"
+        }
+        fn vocab_size(&self) -> usize {
+            self.rows[0].len()
+        }
+        fn kv_len(&self) -> usize {
+            self.at
+        }
+        fn forward(&mut self, _tokens: &[u32]) -> Result<Vec<f32>, BackendError> {
+            self.at += 1;
+            self.rows
+                .get(self.at - 1)
+                .cloned()
+                .ok_or(BackendError::Run { backend: "scripted", reason: "out of rows".into() })
+        }
+        fn truncate(&mut self, len: usize) -> Result<(), BackendError> {
+            self.at = self.at.min(len);
+            Ok(())
+        }
+        fn reset(&mut self) {
+            self.at = 0;
+        }
+    }
+
+    fn run_pair(reference: Vec<Vec<f32>>, candidate: Vec<Vec<f32>>) -> ParityOutcome {
+        let steps = reference.len() - 1;
+        run(&mut Scripted { rows: reference, at: 0 }, &mut Scripted { rows: candidate, at: 0 }, &[1], steps, Tier::F32)
+    }
+
+    #[test]
+    fn identical_logits_pass_and_record_tokens() {
+        let rows = vec![vec![0.0, 2.0, 1.0], vec![3.0, 0.0, 1.0], vec![0.0, 0.0, 5.0]];
+        let out = run_pair(rows.clone(), rows);
+        assert!(out.passed());
+        assert_eq!(out.tokens, vec![1, 0]);
+        assert_eq!(out.steps, 2);
+    }
+
+    /// A token flip with a wide reference gap is a plain mismatch with the
+    /// step, both ids, the gap and max |d|.
+    #[test]
+    fn a_token_flip_reports_step_ids_gap_and_deviation() {
+        let reference = vec![vec![0.0, 2.0, 1.0], vec![3.0, 0.0, 1.0]];
+        let candidate = vec![vec![0.0, 2.0, 1.0], vec![0.0, 3.0, 1.0]];
+        let out = run_pair(reference, candidate);
+        assert_eq!(
+            out.divergence,
+            Some(Divergence::Token {
+                step: 1,
+                reference: 0,
+                candidate: 1,
+                top2_gap: 2.0,
+                max_abs: 3.0,
+                near_tie: false
+            })
+        );
+    }
+
+    /// When the reference's top two are closer than the tolerance, a flip is
+    /// reported as a near-tie — still a divergence, never a pass.
+    #[test]
+    fn a_flip_inside_the_tolerance_is_a_near_tie_not_a_pass() {
+        let reference = vec![vec![1.0, 1.00005, 0.0]];
+        let candidate = vec![vec![1.00005, 1.0, 0.0]];
+        let out = run_pair(reference, candidate);
+        match out.divergence {
+            Some(Divergence::Token { near_tie: true, step: 0, .. }) => {}
+            other => panic!("expected a near-tie, got {other:?}"),
+        }
+    }
+
+    /// Same greedy token but logits beyond the tier: a logits divergence at
+    /// that step.
+    #[test]
+    fn logits_outside_the_tier_fail_even_when_tokens_agree() {
+        let reference = vec![vec![0.0, 5.0, 1.0], vec![0.0, 5.0, 1.0]];
+        let candidate = vec![vec![0.0, 5.0, 1.0], vec![0.01, 5.0, 1.0]];
+        match run_pair(reference, candidate).divergence {
+            Some(Divergence::Logits { step: 1, deviation }) => assert!(deviation.worst_ratio > 1.0),
+            other => panic!("expected a logits divergence, got {other:?}"),
+        }
+    }
+}
