@@ -134,8 +134,11 @@ fn run(cli: Cli) -> Result<ExitCode> {
             } else {
                 Prompt::Text(prompt)
             };
-            let request =
-                GenerateRequest { prompt, max_new_tokens, sampling: Sampling { temperature, top_k, top_p, seed } };
+            let request = GenerateRequest {
+                max_new_tokens,
+                sampling: Sampling { temperature, top_k, top_p, seed },
+                ..GenerateRequest::new(prompt)
+            };
             let mut stdout = std::io::stdout().lock();
             let result = engine.generate(&request, &mut |event| {
                 // A closed stdout (e.g. `| head`) stops generation instead of panicking.

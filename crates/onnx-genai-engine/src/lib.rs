@@ -1,17 +1,24 @@
-//! One request type, one generate path: tokenize, run the decode backend with
-//! its KV cache carried between steps, sample, stream, report.
+//! One request type, one generate path: resolve the session and its carried
+//! tokens, count tokens with the package tokenizer, admit against the KV byte
+//! budget, signal `on_admitted`, run, release, report.
 //!
-//! (Scheduler admission and sessions join this path in later work; see
-//! ARCHITECTURE.md.)
+//! Admission sits before the split between execution kinds, so no entry
+//! point can bypass it (INVARIANTS A1). The reservation is an RAII guard
+//! held for the whole run, so every exit releases it (A4).
 
 mod chat;
+mod request;
 pub mod sampling;
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 pub use chat::ChatMessage;
 use onnx_genai_backend::{BackendError, DecodeBackend};
 use onnx_genai_package::{Package, PackageError};
+use onnx_genai_scheduler::{Admission, AdmissionRequest};
+pub use onnx_genai_scheduler::{AdmissionError, BudgetCap, ConversationId, Scheduler};
+pub use request::{BoundTensor, ComponentOverride, GenerateRequest, Prompt, SessionId, TensorType};
 use sampling::Sampler;
 pub use sampling::Sampling;
 use tokenizers::Tokenizer;
@@ -22,74 +29,19 @@ pub enum EngineError {
     Package(#[from] PackageError),
     #[error(transparent)]
     Backend(#[from] BackendError),
+    /// Refused by the KV byte budget, with the numbers (A2).
+    #[error("scheduler admission failed: {0}")]
+    Admission(#[from] AdmissionError),
     #[error("tokenizer {path}: {reason}")]
     Tokenizer { path: String, reason: String },
     #[error("invalid request: {0}")]
     Request(String),
+    #[error("invalid tensor `{name}`: {reason}")]
+    Tensor { name: String, reason: String },
+    #[error("unknown session {0} (create one first, or it was closed)")]
+    UnknownSession(SessionId),
     #[error("chat template: {0}")]
     ChatTemplate(String),
-}
-
-/// What the request's prompt is.
-#[derive(Clone, Debug)]
-pub enum Prompt {
-    Text(String),
-    /// Rendered with the package's chat template (generation prompt added).
-    Chat(Vec<ChatMessage>),
-    TokenIds(Vec<u32>),
-}
-
-/// The one request type.
-#[derive(Clone, Debug)]
-pub struct GenerateRequest {
-    pub prompt: Prompt,
-    /// `None`: the package's `generation.max_new_tokens`.
-    pub max_new_tokens: Option<u32>,
-    pub sampling: Sampling,
-}
-
-impl GenerateRequest {
-    pub fn text(prompt: impl Into<String>) -> Self {
-        Self { prompt: Prompt::Text(prompt.into()), max_new_tokens: None, sampling: Sampling::default() }
-    }
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FinishReason {
-    /// An end-of-sequence token was produced (it is not part of the output).
-    Eos,
-    /// `max_new_tokens` were produced.
-    Length,
-    /// The token callback asked to stop.
-    Stopped,
-}
-
-#[derive(Clone, Debug)]
-pub struct GenerateResult {
-    pub prompt_tokens: usize,
-    pub token_ids: Vec<u32>,
-    pub text: String,
-    pub finish_reason: FinishReason,
-}
-
-/// One streamed token: its id and the text it completes (possibly empty while
-/// a multi-byte character is still incomplete).
-pub struct TokenEvent<'a> {
-    pub token_id: u32,
-    pub text_delta: &'a str,
-}
-
-/// Whether generation goes on after a token callback.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Flow {
-    Continue,
-    Stop,
-}
-
-pub struct Engine {
-    package: Package,
-    tokenizer: Tokenizer,
-    backend: Box<dyn DecodeBackend>,
 }
 
 /// Which decode backend an engine runs on.
@@ -125,17 +77,107 @@ impl BackendKind {
     }
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence token was produced (it is not part of the output).
+    Eos,
+    /// `max_new_tokens` (possibly clamped by the budget) were produced.
+    Length,
+    /// The token callback asked to stop.
+    Stopped,
+}
+
+#[derive(Clone, Debug)]
+pub struct GenerateResult {
+    /// Tokens admission counted: carried from earlier turns plus new (A5).
+    pub prompt_tokens: usize,
+    pub token_ids: Vec<u32>,
+    pub text: String,
+    pub finish_reason: FinishReason,
+    /// How the budget clamped `max_new_tokens`; `None` when it did not (A6).
+    pub budget_cap: Option<BudgetCap>,
+    pub session: Option<SessionId>,
+}
+
+/// One streamed token: its id and the text it completes (possibly empty while
+/// a multi-byte character is still incomplete).
+pub struct TokenEvent<'a> {
+    pub token_id: u32,
+    pub text_delta: &'a str,
+}
+
+/// What `on_admitted` is told.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Admitted {
+    pub conversation: ConversationId,
+    pub prompt_tokens: u64,
+    pub max_new_tokens: u64,
+    pub reserved_bytes: u64,
+}
+
+/// Whether generation goes on after a token callback.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flow {
+    Continue,
+    Stop,
+}
+
+/// Makes a fresh decode backend (one per session, each with its own KV).
+pub type BackendFactory = Box<dyn Fn() -> Result<Box<dyn DecodeBackend>, BackendError> + Send>;
+
+struct Session {
+    backend: Box<dyn DecodeBackend>,
+    conversation: ConversationId,
+    /// Every token of the conversation so far (prompts and generated); the
+    /// backend's KV holds a prefix of them.
+    tokens: Vec<u32>,
+}
+
+pub struct Engine {
+    package: Package,
+    tokenizer: Tokenizer,
+    factory: BackendFactory,
+    /// Runs requests that name no session.
+    core: Box<dyn DecodeBackend>,
+    scheduler: Scheduler,
+    sessions: BTreeMap<SessionId, Session>,
+    next_id: u64,
+}
+
 impl Engine {
-    /// Validates the package and opens it on `backend`.
+    /// Validates the package and opens it on `backend`, with an unlimited
+    /// budget (see [`Engine::with_scheduler`]).
     pub fn open(dir: &Path, backend: BackendKind, threads: usize) -> Result<Self, EngineError> {
         let package = Package::open(dir)?;
-        let backend = backend.load(&package, threads)?;
-        Self::new(package, backend)
+        let factory_package = package.clone();
+        let factory: BackendFactory = Box::new(move || backend.load(&factory_package, threads));
+        Self::new(package, factory)
     }
 
-    pub fn new(package: Package, backend: Box<dyn DecodeBackend>) -> Result<Self, EngineError> {
+    /// An engine over `package` whose backends `factory` makes.
+    pub fn new(package: Package, factory: BackendFactory) -> Result<Self, EngineError> {
         let tokenizer = package.tokenizer().clone();
-        Ok(Self { package, tokenizer, backend })
+        let core = factory()?;
+        Ok(Self {
+            package,
+            tokenizer,
+            factory,
+            core,
+            scheduler: Scheduler::unlimited(),
+            sessions: BTreeMap::new(),
+            next_id: 1,
+        })
+    }
+
+    /// Admits against `scheduler`'s budget (shared with every engine holding
+    /// a clone of it).
+    pub fn with_scheduler(mut self, scheduler: Scheduler) -> Self {
+        self.scheduler = scheduler;
+        self
+    }
+
+    pub fn scheduler(&self) -> &Scheduler {
+        &self.scheduler
     }
 
     pub fn package(&self) -> &Package {
@@ -143,7 +185,7 @@ impl Engine {
     }
 
     pub fn backend_name(&self) -> &'static str {
-        self.backend.name()
+        self.core.name()
     }
 
     /// Encodes text with the package tokenizer (special tokens are parsed).
@@ -160,80 +202,231 @@ impl Engine {
             .map_err(|e| EngineError::Tokenizer { path: "decode".into(), reason: e.to_string() })
     }
 
-    fn prompt_ids(&self, prompt: &Prompt) -> Result<Vec<u32>, EngineError> {
-        let ids = match prompt {
-            Prompt::Text(text) => self.encode(text)?,
+    fn fresh_id(&mut self) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        id
+    }
+
+    /// Opens a session with its own KV cache.
+    pub fn create_session(&mut self) -> Result<SessionId, EngineError> {
+        let backend = (self.factory)()?;
+        let id = self.fresh_id();
+        self.sessions.insert(SessionId(id), Session { backend, conversation: ConversationId(id), tokens: Vec::new() });
+        Ok(SessionId(id))
+    }
+
+    /// Closes a session and frees its KV cache.
+    pub fn close_session(&mut self, id: SessionId) -> Result<(), EngineError> {
+        self.sessions.remove(&id).map(drop).ok_or(EngineError::UnknownSession(id))
+    }
+
+    /// Tokens a session has carried so far.
+    pub fn session_tokens(&self, id: SessionId) -> Result<&[u32], EngineError> {
+        self.sessions.get(&id).map(|s| s.tokens.as_slice()).ok_or(EngineError::UnknownSession(id))
+    }
+
+    /// The new tokens of a prompt, counted with the one tokenizer the run
+    /// encodes with (A7).
+    fn prompt_ids(&self, prompt: &Prompt) -> Result<Vec<Vec<u32>>, EngineError> {
+        let rows = match prompt {
+            Prompt::Text(text) => vec![self.encode(text)?],
             Prompt::Chat(messages) => {
                 let template = self.package.manifest.chat_template.as_deref().ok_or_else(|| {
                     EngineError::ChatTemplate(format!("package `{}` has no chat_template", self.package.manifest.name))
                 })?;
-                let rendered = chat::render(template, messages, &self.tokenizer, &self.package.manifest)?;
-                self.encode(&rendered)?
+                vec![self.encode(&chat::render(template, messages, &self.tokenizer, &self.package.manifest)?)?]
             }
-            Prompt::TokenIds(ids) => ids.clone(),
+            Prompt::TokenIds(ids) => vec![ids.clone()],
+            Prompt::TokenRows(rows) => rows.clone(),
         };
-        let vocab = self.backend.vocab_size();
-        if let Some(bad) = ids.iter().find(|id| **id as usize >= vocab) {
-            return Err(EngineError::Request(format!("token id {bad} is outside the vocabulary of {vocab}")));
+        let vocab = self.core.vocab_size();
+        for row in &rows {
+            if let Some(bad) = row.iter().find(|id| **id as usize >= vocab) {
+                return Err(EngineError::Request(format!("token id {bad} is outside the vocabulary of {vocab}")));
+            }
         }
-        if ids.is_empty() {
+        if rows.iter().all(Vec::is_empty) {
             return Err(EngineError::Request("the prompt is empty".into()));
         }
-        Ok(ids)
+        Ok(rows)
     }
 
-    /// Generates for `request`, calling `on_token` for each new token.
+    /// [`Engine::generate_with`] without an admission callback.
     pub fn generate(
         &mut self,
         request: &GenerateRequest,
         on_token: &mut dyn FnMut(TokenEvent<'_>) -> Flow,
     ) -> Result<GenerateResult, EngineError> {
-        request.sampling.check().map_err(EngineError::Request)?;
+        self.generate_with(request, &mut |_| {}, on_token)
+    }
+
+    /// The one generate path. `on_admitted` fires exactly once, after the
+    /// scheduler admitted the request and before any backend work; never
+    /// for a refused request (A3).
+    pub fn generate_with(
+        &mut self,
+        request: &GenerateRequest,
+        on_admitted: &mut dyn FnMut(Admitted),
+        on_token: &mut dyn FnMut(TokenEvent<'_>) -> Flow,
+    ) -> Result<GenerateResult, EngineError> {
+        // 1. Resolve the session and what it carries.
+        let (conversation, carried) = match request.session {
+            Some(id) => {
+                let s = self.sessions.get(&id).ok_or(EngineError::UnknownSession(id))?;
+                (s.conversation, s.tokens.len())
+            }
+            None => (ConversationId(self.fresh_id()), 0),
+        };
+        // 2. Count tokens: carried plus new, rows as `rows * longest` (A5, A7).
+        request.check()?;
+        let rows = self.prompt_ids(&request.prompt)?;
+        let longest = rows.iter().map(Vec::len).max().unwrap_or(0);
+        let prompt_tokens = carried + rows.len() * longest;
         let m = &self.package.manifest;
-        let max_new = request.max_new_tokens.unwrap_or(m.generation.max_new_tokens) as usize;
-        if max_new == 0 {
-            return Err(EngineError::Request("max_new_tokens must be at least 1".into()));
-        }
-        let prompt = self.prompt_ids(&request.prompt)?;
         let context = m.architecture.max_sequence_length as usize;
-        if prompt.len() >= context {
+        if prompt_tokens >= context {
             return Err(EngineError::Request(format!(
-                "the prompt has {} tokens; the context holds {context}, leaving no room to generate",
-                prompt.len()
+                "the prompt has {prompt_tokens} tokens ({carried} carried); the context holds {context}, leaving no room to generate"
             )));
         }
-        let max_new = max_new.min(context - prompt.len());
-        let eos = m.generation.eos_token_ids.clone();
+        let requested = request.max_new_tokens.unwrap_or(m.generation.max_new_tokens) as usize;
+        let max_new = requested.min(context - prompt_tokens);
+        // 3. Admit. The guard lives until this function returns or unwinds.
+        let admission = self.scheduler.admit(&AdmissionRequest {
+            conversation,
+            prompt_tokens: prompt_tokens as u64,
+            max_new_tokens: max_new as u64,
+            bytes_per_token: self.package.kv_geometry().map(|g| g.bytes_per_token()),
+            wait_until: None,
+        })?;
+        // 4. Signal, after the decision and before any backend work.
+        on_admitted(Admitted {
+            conversation,
+            prompt_tokens: prompt_tokens as u64,
+            max_new_tokens: admission.max_new_tokens,
+            reserved_bytes: admission.bytes(),
+        });
+        // 5. Run (the split between execution kinds comes after admission).
+        let result = self.run_decode_core(request, &admission, rows, on_token);
+        // 6. Release: the guard drops here on success and on error alike.
+        drop(admission);
+        let mut result = result?;
+        result.prompt_tokens = prompt_tokens;
+        Ok(result)
+    }
+
+    fn run_decode_core(
+        &mut self,
+        request: &GenerateRequest,
+        admission: &Admission,
+        mut rows: Vec<Vec<u32>>,
+        on_token: &mut dyn FnMut(TokenEvent<'_>) -> Flow,
+    ) -> Result<GenerateResult, EngineError> {
+        if let Some(t) = request.inputs.first() {
+            return Err(EngineError::Request(format!(
+                "`{}` is not an application input of package `{}`: it declares no workflow inputs",
+                t.name, self.package.manifest.name
+            )));
+        }
+        if let Some(o) = request.overrides.first() {
+            return Err(EngineError::Request(format!(
+                "component `{}` cannot be overridden: package `{}` runs on a decode core without a workflow",
+                o.component, self.package.manifest.name
+            )));
+        }
+        if rows.len() != 1 {
+            return Err(EngineError::Request(format!(
+                "a decode core runs one token row, the prompt has {}",
+                rows.len()
+            )));
+        }
+        let new = rows.remove(0);
+        let max_new = admission.max_new_tokens as usize;
+        let eos = self.package.manifest.generation.eos_token_ids.clone();
         let mut sampler = Sampler::new(request.sampling.clone());
-        self.backend.reset();
-        let mut logits = self.backend.forward(&prompt)?;
-        let mut generated = Vec::new();
-        let mut emitted = String::new();
-        let mut finish = FinishReason::Length;
-        while generated.len() < max_new {
-            let token = sampler.pick(&logits);
-            if eos.contains(&token) {
-                finish = FinishReason::Eos;
-                break;
+        let (backend, history) = match request.session {
+            Some(id) => {
+                let s = self.sessions.get_mut(&id).ok_or(EngineError::UnknownSession(id))?;
+                (&mut s.backend, Some(&mut s.tokens))
             }
-            generated.push(token);
-            let text = self.decode(&generated)?;
-            // Hold back a trailing incomplete UTF-8 sequence until it completes.
-            let delta = if text.ends_with('\u{FFFD}') || !text.starts_with(&emitted) {
-                String::new()
-            } else {
-                text[emitted.len()..].to_string()
-            };
-            emitted.push_str(&delta);
-            if on_token(TokenEvent { token_id: token, text_delta: &delta }) == Flow::Stop {
-                finish = FinishReason::Stopped;
-                break;
+            None => {
+                self.core.reset();
+                (&mut self.core, None)
             }
-            if generated.len() < max_new {
-                logits = self.backend.forward(&[token])?;
+        };
+        // A continuing turn prefills only what its KV does not hold yet.
+        let kept = backend.kv_len();
+        let mut feed: Vec<u32> = history.as_ref().map(|h| h[kept.min(h.len())..].to_vec()).unwrap_or_default();
+        feed.extend_from_slice(&new);
+        let outcome = decode_loop(backend.as_mut(), &self.tokenizer, &feed, max_new, &eos, &mut sampler, on_token);
+        match outcome {
+            Ok((generated, finish)) => {
+                if let Some(h) = history {
+                    h.extend_from_slice(&new);
+                    h.extend_from_slice(&generated);
+                }
+                let text = self.decode(&generated)?;
+                Ok(GenerateResult {
+                    prompt_tokens: 0,
+                    token_ids: generated,
+                    text,
+                    finish_reason: finish,
+                    budget_cap: admission.budget_cap,
+                    session: request.session,
+                })
+            }
+            Err(e) => {
+                // A failed turn leaves the session as it was before the turn.
+                if let Err(t) = backend.truncate(kept) {
+                    backend.reset();
+                    return Err(t.into());
+                }
+                Err(e)
             }
         }
-        let text = self.decode(&generated)?;
-        Ok(GenerateResult { prompt_tokens: prompt.len(), token_ids: generated, text, finish_reason: finish })
     }
+}
+
+/// Prefill `feed`, then sample up to `max_new` tokens.
+fn decode_loop(
+    backend: &mut dyn DecodeBackend,
+    tokenizer: &Tokenizer,
+    feed: &[u32],
+    max_new: usize,
+    eos: &[u32],
+    sampler: &mut Sampler,
+    on_token: &mut dyn FnMut(TokenEvent<'_>) -> Flow,
+) -> Result<(Vec<u32>, FinishReason), EngineError> {
+    let mut logits = backend.forward(feed)?;
+    let mut generated = Vec::new();
+    let mut emitted = String::new();
+    let mut finish = FinishReason::Length;
+    let decode = |ids: &[u32]| {
+        tokenizer.decode(ids, true).map_err(|e| EngineError::Tokenizer { path: "decode".into(), reason: e.to_string() })
+    };
+    while generated.len() < max_new {
+        let token = sampler.pick(&logits);
+        if eos.contains(&token) {
+            finish = FinishReason::Eos;
+            break;
+        }
+        generated.push(token);
+        let text = decode(&generated)?;
+        // Hold back a trailing incomplete UTF-8 sequence until it completes.
+        let delta = if text.ends_with('\u{FFFD}') || !text.starts_with(&emitted) {
+            String::new()
+        } else {
+            text[emitted.len()..].to_string()
+        };
+        emitted.push_str(&delta);
+        if on_token(TokenEvent { token_id: token, text_delta: &delta }) == Flow::Stop {
+            finish = FinishReason::Stopped;
+            break;
+        }
+        if generated.len() < max_new {
+            logits = backend.forward(&[token])?;
+        }
+    }
+    Ok((generated, finish))
 }

@@ -15,7 +15,7 @@ fn package(name: &str) -> tempfile::TempDir {
 }
 
 fn request(prompt: Prompt, max: u32) -> GenerateRequest {
-    GenerateRequest { prompt, max_new_tokens: Some(max), sampling: Sampling::default() }
+    GenerateRequest { max_new_tokens: Some(max), ..GenerateRequest::new(prompt) }
 }
 
 /// Greedy generation through the engine equals a hand-driven argmax loop on
@@ -86,9 +86,9 @@ fn seeded_sampling_is_reproducible_and_differs_from_greedy_somewhere() {
     let mut engine = Engine::open(dir.path(), BackendKind::Ort, 1).unwrap();
     let sample = |engine: &mut Engine, seed| {
         let req = GenerateRequest {
-            prompt: Prompt::Text("Once upon a time".into()),
             max_new_tokens: Some(16),
             sampling: Sampling { temperature: 1.5, top_k: 50, top_p: 0.95, seed },
+            ..GenerateRequest::text("Once upon a time")
         };
         engine.generate(&req, &mut |_| Flow::Continue).unwrap().token_ids
     };

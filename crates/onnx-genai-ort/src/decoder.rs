@@ -59,7 +59,7 @@ impl OrtDecoder {
         }
         let session = builder.commit_from_file(path).map_err(|e| load_err(e.to_string()))?;
         let m = &package.manifest;
-        let geometry = package.kv_geometry();
+        let geometry = Some(package.kv_tensors());
         let required = |role: Role| {
             component
                 .port(role)

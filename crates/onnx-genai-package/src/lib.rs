@@ -60,8 +60,23 @@ impl Package {
         }
     }
 
+    /// The declared KV geometry; `None` when the manifest declares none
+    /// (admission then reserves nothing).
     pub fn kv_geometry(&self) -> Option<KvGeometry> {
         KvGeometry::from_manifest(&self.manifest)
+    }
+
+    /// The KV tensors a decoder backend must carry: the declared geometry,
+    /// or — when none is declared — the architecture's layers in the weight
+    /// dtype. Only backends use this; admission uses [`Package::kv_geometry`].
+    pub fn kv_tensors(&self) -> KvGeometry {
+        self.kv_geometry().unwrap_or_else(|| {
+            let a = &self.manifest.architecture;
+            KvGeometry {
+                dtype: self.manifest.dtype,
+                layers: vec![LayerKv { kv_heads: a.num_kv_heads, head_dim: a.head_dim }; a.num_layers as usize],
+            }
+        })
     }
 
     /// The package tokenizer, as loaded (and checked) by validation.

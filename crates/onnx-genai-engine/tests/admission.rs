@@ -1,0 +1,366 @@
+//! The admission test matrix on the decode core: every entry path x every
+//! budget position. Each cell asserts the decision and its type, the number
+//! of `on_admitted` calls, that a refusal did no backend work, that the
+//! reservation is released, and the budget cap. Real packages, real ONNX
+//! Runtime; the only wrapper counts and (on request) fails backend calls.
+//!
+//! Workflow paths (a prompt on a workflow engine, a workflow session) join
+//! this matrix with the multimodal package.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use onnx_genai_backend::{BackendError, DecodeBackend};
+use onnx_genai_engine::{
+    AdmissionError, BackendFactory, BackendKind, BoundTensor, ComponentOverride, Engine, EngineError, Flow,
+    GenerateRequest, Prompt, Scheduler,
+};
+use onnx_genai_package::Package;
+
+/// Counts forward calls across every backend an engine makes; fails them
+/// while `fail` is set.
+#[derive(Clone, Default)]
+struct Probe {
+    forwards: Arc<AtomicUsize>,
+    fail: Arc<AtomicBool>,
+    /// Tokens fed per forward call, in order.
+    fed: Arc<std::sync::Mutex<Vec<usize>>>,
+}
+
+struct Probed {
+    inner: Box<dyn DecodeBackend>,
+    probe: Probe,
+}
+
+impl DecodeBackend for Probed {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn kv_len(&self) -> usize {
+        self.inner.kv_len()
+    }
+    fn forward(&mut self, tokens: &[u32]) -> Result<Vec<f32>, BackendError> {
+        self.probe.forwards.fetch_add(1, Ordering::SeqCst);
+        self.probe.fed.lock().unwrap().push(tokens.len());
+        if self.probe.fail.load(Ordering::SeqCst) {
+            return Err(BackendError::Run { backend: "probe", reason: "injected failure".into() });
+        }
+        self.inner.forward(tokens)
+    }
+    fn truncate(&mut self, len: usize) -> Result<(), BackendError> {
+        self.inner.truncate(len)
+    }
+    fn reset(&mut self) {
+        self.inner.reset()
+    }
+}
+
+fn build(dir: &Path, strip_geometry: bool) -> Package {
+    let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packages/tiny-llama-gqa/spec.yaml");
+    onnx_genai_build::build_package(&onnx_genai_build::read_spec(&spec).unwrap(), dir).unwrap();
+    if strip_geometry {
+        let path = dir.join("package.yaml");
+        let mut yaml: serde_yaml_ng::Value = serde_yaml_ng::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        yaml.as_mapping_mut().unwrap().remove("kv_cache").expect("the built manifest declares kv_cache");
+        std::fs::write(&path, serde_yaml_ng::to_string(&yaml).unwrap()).unwrap();
+    }
+    Package::open(dir).unwrap()
+}
+
+fn engine(package: Package, budget: u64, probe: &Probe) -> Engine {
+    engine_on(BackendKind::Ort, package, budget, probe)
+}
+
+fn engine_on(kind: BackendKind, package: Package, budget: u64, probe: &Probe) -> Engine {
+    let (p, pk) = (probe.clone(), package.clone());
+    let factory: BackendFactory =
+        Box::new(
+            move || Ok(Box::new(Probed { inner: kind.load(&pk, 1)?, probe: p.clone() }) as Box<dyn DecodeBackend>),
+        );
+    Engine::new(package, factory).unwrap().with_scheduler(Scheduler::new(budget))
+}
+
+const PROMPT: [u32; 6] = [10, 20, 30, 40, 50, 60];
+const NEW: u32 = 8;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Path_ {
+    DecodeCore,
+    BoundTensor,
+    Override,
+    Session,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Budget {
+    Within,
+    Exact,
+    OneOver,
+    FarOver,
+    NoGeometry,
+}
+
+/// What a cell must observe.
+struct Cell {
+    admitted: bool,
+    clamped: bool,
+    /// Admitted but refused by the path itself (no workflow to bind to).
+    refused_after_admission: bool,
+}
+
+fn request(path: Path_) -> GenerateRequest {
+    let mut r = GenerateRequest::new(Prompt::TokenIds(PROMPT.to_vec()));
+    r.max_new_tokens = Some(NEW);
+    match path {
+        Path_::BoundTensor => r.inputs = vec![BoundTensor::f32("pixel_values", vec![1, 3, 2, 2], &[0.5; 12])],
+        Path_::Override => {
+            r.overrides = vec![ComponentOverride {
+                component: "vision".into(),
+                outputs: vec![BoundTensor::f32("image_embeds", vec![1, 4], &[0.0; 4])],
+            }]
+        }
+        _ => {}
+    }
+    r
+}
+
+/// Pins A1 (every decode-core path is admitted before work), A2 (typed
+/// refusal with numbers, before any backend call), A3 (`on_admitted` exactly
+/// once after the decision, never on refusal), A4 (released on every exit),
+/// A5 (a continuing turn counts its carried tokens and keeps its
+/// conversation), A6 (clamp and cap), A8 (no geometry passes through), A10
+/// (exact boundary).
+#[test]
+fn admission_matrix_on_the_decode_core() {
+    let dir = tempfile::tempdir().unwrap();
+    let no_geo_dir = tempfile::tempdir().unwrap();
+    let package = build(dir.path(), false);
+    let bare = build(no_geo_dir.path(), true);
+    assert!(bare.kv_geometry().is_none(), "the stripped package must lack geometry");
+    let bpt = package.kv_geometry().unwrap().bytes_per_token();
+    for path in [Path_::DecodeCore, Path_::BoundTensor, Path_::Override, Path_::Session] {
+        for budget in [Budget::Within, Budget::Exact, Budget::OneOver, Budget::FarOver, Budget::NoGeometry] {
+            let probe = Probe::default();
+            // A session's second turn carries the first turn's prompt and
+            // output; its budget positions are computed on the whole
+            // conversation (A5).
+            let carried = if path == Path_::Session { PROMPT.len() as u64 + 3 } else { 0 };
+            let need = carried + PROMPT.len() as u64 + u64::from(NEW);
+            let bytes = match budget {
+                Budget::Within => (need + 20) * bpt,
+                Budget::Exact | Budget::NoGeometry => need * bpt,
+                Budget::OneOver => (need - 1) * bpt,
+                // Less than the new tokens alone need, so ignoring the
+                // carried tokens would not rescue it either way.
+                Budget::FarOver => (carried + PROMPT.len() as u64) * bpt,
+            };
+            let pkg = if budget == Budget::NoGeometry { bare.clone() } else { package.clone() };
+            let mut e = engine(pkg, bytes, &probe);
+            let mut req = request(path);
+            if path == Path_::Session {
+                // Turn one runs unbudgeted-small: 3 tokens on a big budget.
+                let big = Scheduler::new(u64::MAX);
+                let mut e1 = std::mem::replace(&mut e, engine(package.clone(), 0, &probe)).with_scheduler(big);
+                let id = e1.create_session().unwrap();
+                let mut first = GenerateRequest::new(Prompt::TokenIds(PROMPT.to_vec()));
+                first.session = Some(id);
+                first.max_new_tokens = Some(3);
+                let r = e1.generate(&first, &mut |_| Flow::Continue).unwrap();
+                assert_eq!(r.token_ids.len(), 3, "turn one must generate its 3 tokens (no EOS in this prompt)");
+                assert_eq!(e1.session_tokens(id).unwrap().len() as u64, carried);
+                e = e1.with_scheduler(Scheduler::new(bytes));
+                req.session = Some(id);
+            }
+            let cell = match (path, budget) {
+                (_, Budget::FarOver) => Cell { admitted: false, clamped: false, refused_after_admission: false },
+                (Path_::BoundTensor | Path_::Override, _) => {
+                    Cell { admitted: true, clamped: budget == Budget::OneOver, refused_after_admission: true }
+                }
+                (_, b) => Cell { admitted: true, clamped: b == Budget::OneOver, refused_after_admission: false },
+            };
+            let forwards_before = probe.forwards.load(Ordering::SeqCst);
+            let mut signals = Vec::new();
+            let out = e.generate_with(&req, &mut |a| signals.push(a), &mut |_| Flow::Continue);
+            let what = format!("{path:?} x {budget:?}");
+            assert_eq!(e.scheduler().reserved_bytes(), 0, "{what}: reservation left behind");
+            match (&out, cell.admitted) {
+                (Err(EngineError::Admission(err)), false) => {
+                    assert!(signals.is_empty(), "{what}: on_admitted fired for a refused request");
+                    assert_eq!(
+                        probe.forwards.load(Ordering::SeqCst),
+                        forwards_before,
+                        "{what}: backend work before refusal"
+                    );
+                    assert!(
+                        matches!(err, AdmissionError::NeverFits { bytes_per_token, .. } if *bytes_per_token == bpt),
+                        "{what}: {err}"
+                    );
+                }
+                (_, true) => {
+                    assert_eq!(signals.len(), 1, "{what}: on_admitted must fire exactly once");
+                    let a = signals[0];
+                    assert_eq!(a.prompt_tokens, carried + PROMPT.len() as u64, "{what}: carried tokens counted");
+                    if budget == Budget::NoGeometry {
+                        assert_eq!(a.reserved_bytes, 0, "{what}: unknown geometry reserves nothing");
+                    }
+                    if cell.refused_after_admission {
+                        assert!(
+                            matches!(&out, Err(EngineError::Request(m)) if m.contains("pixel_values") || m.contains("vision")),
+                            "{what}: {out:?}"
+                        );
+                        assert_eq!(
+                            probe.forwards.load(Ordering::SeqCst),
+                            forwards_before,
+                            "{what}: ran a request it refuses"
+                        );
+                        continue;
+                    }
+                    let r = out.as_ref().unwrap_or_else(|e| panic!("{what}: {e}"));
+                    if cell.clamped {
+                        let cap = r.budget_cap.unwrap_or_else(|| panic!("{what}: clamp without a cap"));
+                        assert_eq!((cap.requested_tokens, cap.admitted_tokens), (need, need - 1), "{what}");
+                        assert_eq!(cap.admitted_bytes, (need - 1) * bpt, "{what}");
+                        assert_eq!(r.token_ids.len(), NEW as usize - 1, "{what}: generates only what was admitted");
+                    } else {
+                        assert_eq!(r.budget_cap, None, "{what}: nothing clamped, no cap");
+                        assert_eq!(r.token_ids.len(), NEW as usize, "{what}");
+                    }
+                    assert_eq!(r.prompt_tokens as u64, carried + PROMPT.len() as u64);
+                }
+                (other, _) => panic!("{what}: unexpected {other:?}"),
+            }
+        }
+    }
+}
+
+/// Pins A4: the reservation is released when the backend fails, when the
+/// token callback stops generation, and when the callback panics.
+#[test]
+fn the_reservation_is_released_on_every_exit() {
+    let dir = tempfile::tempdir().unwrap();
+    let package = build(dir.path(), false);
+    let probe = Probe::default();
+    let mut e = engine(package, u64::MAX / 2, &probe);
+    let req = request(Path_::DecodeCore);
+
+    probe.fail.store(true, Ordering::SeqCst);
+    assert!(matches!(e.generate(&req, &mut |_| Flow::Continue), Err(EngineError::Backend(_))));
+    assert_eq!(e.scheduler().reserved_bytes(), 0, "backend error");
+    probe.fail.store(false, Ordering::SeqCst);
+
+    let r = e.generate(&req, &mut |_| Flow::Stop).unwrap();
+    assert_eq!(r.token_ids.len(), 1);
+    assert_eq!(e.scheduler().reserved_bytes(), 0, "callback abort");
+
+    let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _ = e.generate(&req, &mut |_| panic!("client went away"));
+    }));
+    assert!(unwound.is_err());
+    assert_eq!(e.scheduler().reserved_bytes(), 0, "panic in the callback");
+}
+
+/// Pins A11 through the engine: engines sharing one scheduler never hold
+/// more than the budget together (a second engine is refused while the
+/// first holds the room, and admitted once it is released).
+#[test]
+fn engines_share_one_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let package = build(dir.path(), false);
+    let bpt = package.kv_geometry().unwrap().bytes_per_token();
+    let shared = Scheduler::new((PROMPT.len() as u64 + u64::from(NEW)) * bpt);
+    let probe = Probe::default();
+    let mut a = engine(package.clone(), 0, &probe).with_scheduler(shared.clone());
+    let mut b = engine(package, 0, &probe).with_scheduler(shared.clone());
+    let req = request(Path_::DecodeCore);
+    let mut inner = None;
+    a.generate(&req, &mut |_| {
+        if inner.is_none() {
+            inner = Some(b.generate(&req, &mut |_| Flow::Continue).map(|_| ()));
+        }
+        Flow::Continue
+    })
+    .unwrap();
+    assert!(matches!(inner, Some(Err(EngineError::Admission(AdmissionError::Deferred { .. })))), "{inner:?}");
+    assert_eq!(shared.reserved_bytes(), 0);
+}
+
+/// Bad input gets a typed error and leaves no reservation: malformed
+/// tensors, unknown sessions, empty prompts, zero new tokens, oversized
+/// prompts.
+#[test]
+fn bad_requests_are_typed_errors_with_nothing_reserved() {
+    let dir = tempfile::tempdir().unwrap();
+    let package = build(dir.path(), false);
+    let probe = Probe::default();
+    let mut e = engine(package, u64::MAX / 2, &probe);
+    let mut short = BoundTensor::f32("pixel_values", vec![1, 3, 2, 2], &[0.5; 12]);
+    short.bytes.pop();
+    let cases: Vec<(GenerateRequest, &str)> = vec![
+        (GenerateRequest { inputs: vec![short], ..request(Path_::DecodeCore) }, "needs 48 bytes, the payload has 47"),
+        (
+            GenerateRequest { inputs: vec![BoundTensor::f32("x", vec![], &[])], ..request(Path_::DecodeCore) },
+            "at least one axis",
+        ),
+        (
+            GenerateRequest { session: Some(onnx_genai_engine::SessionId(999)), ..request(Path_::DecodeCore) },
+            "unknown session session-999",
+        ),
+        (GenerateRequest::new(Prompt::TokenIds(vec![])), "empty"),
+        (GenerateRequest { max_new_tokens: Some(0), ..request(Path_::DecodeCore) }, "max_new_tokens"),
+        (GenerateRequest::new(Prompt::TokenIds(vec![1; 300])), "context holds 256"),
+    ];
+    for (req, want) in cases {
+        let mut signalled = false;
+        let err = e.generate_with(&req, &mut |_| signalled = true, &mut |_| Flow::Continue).unwrap_err().to_string();
+        assert!(err.contains(want), "expected `{want}` in: {err}");
+        assert!(!signalled, "{want}: signalled admission");
+        assert_eq!(e.scheduler().reserved_bytes(), 0, "{want}");
+    }
+    assert_eq!(probe.forwards.load(Ordering::SeqCst), 0, "no bad request reached the backend");
+}
+
+/// Sessions: a continuing turn prefills only its new tokens (the KV of
+/// earlier turns is reused) and generates what a single uninterrupted
+/// sequence would; closing frees the session.
+#[test]
+fn a_continuing_turn_reuses_the_kv_of_earlier_turns() {
+    let dir = tempfile::tempdir().unwrap();
+    let package = build(dir.path(), false);
+    for kind in BackendKind::ALL {
+        let probe = Probe::default();
+        let mut e = engine_on(kind, package.clone(), u64::MAX / 2, &probe);
+        let id = e.create_session().unwrap();
+        let turn = |e: &mut Engine, prompt: Vec<u32>, n: u32| {
+            let mut r = GenerateRequest::new(Prompt::TokenIds(prompt));
+            r.session = Some(id);
+            r.max_new_tokens = Some(n);
+            e.generate(&r, &mut |_| Flow::Continue).unwrap()
+        };
+        let one = turn(&mut e, PROMPT.to_vec(), 4);
+        let before = probe.fed.lock().unwrap().len();
+        let two = turn(&mut e, vec![70, 80], 5);
+        // Turn two's prefill feeds turn one's last token (sampled, not yet
+        // run) and the two new ones — not the conversation again.
+        assert_eq!(probe.fed.lock().unwrap()[before], 3, "{}: prefill of a continuing turn", kind.name());
+        assert_eq!(two.prompt_tokens, PROMPT.len() + 4 + 2, "{}: carried + new", kind.name());
+        let history = e.session_tokens(id).unwrap().to_vec();
+        assert_eq!(history.len(), PROMPT.len() + 4 + 2 + 5);
+        // The same conversation in one stateless request.
+        let mut whole = PROMPT.to_vec();
+        whole.extend(&one.token_ids);
+        whole.extend([70, 80]);
+        let mut r = GenerateRequest::new(Prompt::TokenIds(whole));
+        r.max_new_tokens = Some(5);
+        let fresh = e.generate(&r, &mut |_| Flow::Continue).unwrap();
+        assert_eq!(fresh.token_ids, two.token_ids, "{}: session turn == uninterrupted sequence", kind.name());
+        e.close_session(id).unwrap();
+        assert!(matches!(e.close_session(id), Err(EngineError::UnknownSession(_))));
+        let mut after = GenerateRequest::new(Prompt::TokenIds(vec![1]));
+        after.session = Some(id);
+        assert!(matches!(e.generate(&after, &mut |_| Flow::Continue), Err(EngineError::UnknownSession(_))));
+    }
+}

@@ -1,0 +1,239 @@
+//! The scheduler's contract, one invariant per test (ids from
+//! ../shared/docs/INVARIANTS.md).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use onnx_genai_scheduler::{AdmissionError, AdmissionRequest, BudgetCap, ConversationId, Scheduler};
+use proptest::prelude::*;
+
+const BPT: u64 = 512;
+
+fn req(prompt: u64, max_new: u64) -> AdmissionRequest {
+    AdmissionRequest {
+        conversation: ConversationId(1),
+        prompt_tokens: prompt,
+        max_new_tokens: max_new,
+        bytes_per_token: Some(BPT),
+        wait_until: None,
+    }
+}
+
+/// Pins A10: exactly the available bytes is admitted whole; one token more
+/// is clamped (or, with no room for a new token, refused).
+#[test]
+fn the_boundary_is_exact() {
+    let s = Scheduler::new(10 * BPT);
+    let a = s.admit(&req(4, 6)).unwrap();
+    assert_eq!((a.max_new_tokens, a.budget_cap, a.bytes()), (6, None, 10 * BPT));
+    drop(a);
+    let b = s.admit(&req(4, 7)).unwrap();
+    assert_eq!(b.max_new_tokens, 6, "one token over is clamped to the room");
+    assert!(b.budget_cap.is_some());
+    drop(b);
+    assert_eq!(s.admit(&req(9, 1)).unwrap().budget_cap, None, "prompt + 1 exactly at the budget");
+    assert!(
+        matches!(s.admit(&req(10, 1)), Err(AdmissionError::NeverFits { needed_bytes, .. }) if needed_bytes == 11 * BPT)
+    );
+}
+
+/// Pins A6: the clamp reports requested and admitted tokens and bytes and
+/// what was free; nothing clamped means no cap.
+#[test]
+fn a_clamp_reports_the_numbers() {
+    let s = Scheduler::new(100 * BPT);
+    let _held = s.admit(&req(30, 40)).unwrap();
+    let a = s.admit(&req(10, 50)).unwrap();
+    assert_eq!(
+        a.budget_cap,
+        Some(BudgetCap {
+            requested_tokens: 60,
+            admitted_tokens: 30,
+            requested_bytes: 60 * BPT,
+            admitted_bytes: 30 * BPT,
+            available_bytes: 30 * BPT,
+        })
+    );
+    assert_eq!(a.max_new_tokens, 20);
+    assert_eq!(s.available_bytes(), 0);
+}
+
+/// Pins A2: a refusal is typed and carries the numbers; `Deferred` fits an
+/// empty budget, `NeverFits` does not.
+#[test]
+fn refusals_say_deferred_or_never_with_numbers() {
+    let s = Scheduler::new(20 * BPT);
+    let held = s.admit(&req(10, 5)).unwrap();
+    assert_eq!(
+        s.admit(&req(5, 1)).unwrap_err(),
+        AdmissionError::Deferred {
+            needed_bytes: 6 * BPT,
+            available_bytes: 5 * BPT,
+            budget_bytes: 20 * BPT,
+            prompt_tokens: 5,
+            bytes_per_token: BPT,
+        }
+    );
+    let err = s.admit(&req(20, 4)).unwrap_err();
+    assert!(
+        matches!(err, AdmissionError::NeverFits { budget_bytes, prompt_tokens: 20, .. } if budget_bytes == 20 * BPT)
+    );
+    assert!(err.to_string().contains("more than the whole budget"), "{err}");
+    drop(held);
+    assert!(s.admit(&req(5, 1)).is_ok(), "deferred means: fits once room frees");
+}
+
+/// Pins A4: a reservation is released when its guard drops, including
+/// during a panic unwinding through its holder.
+#[test]
+fn reservations_release_on_drop_and_on_panic() {
+    let s = Scheduler::new(10 * BPT);
+    let a = s.admit(&req(2, 3)).unwrap();
+    assert_eq!(s.reserved_bytes(), 5 * BPT);
+    drop(a);
+    assert_eq!(s.reserved_bytes(), 0);
+    let s2 = s.clone();
+    let r = std::thread::spawn(move || {
+        let _a = s2.admit(&req(2, 3)).unwrap();
+        panic!("backend blew up");
+    })
+    .join();
+    assert!(r.is_err());
+    assert_eq!(s.reserved_bytes(), 0, "a panicking holder still released");
+}
+
+/// Pins A8: no geometry reserves nothing, caps nothing, and still admits.
+#[test]
+fn unknown_geometry_passes_through() {
+    let s = Scheduler::new(0);
+    let a = s.admit(&AdmissionRequest { bytes_per_token: None, ..req(1_000_000, 5) }).unwrap();
+    assert_eq!((a.bytes(), a.budget_cap, a.max_new_tokens), (0, None, 5));
+}
+
+#[test]
+fn empty_prompts_and_zero_new_tokens_are_invalid() {
+    let s = Scheduler::new(10 * BPT);
+    assert!(matches!(s.admit(&req(0, 3)), Err(AdmissionError::Invalid(_))));
+    assert!(matches!(s.admit(&req(3, 0)), Err(AdmissionError::Invalid(_))));
+    assert_eq!(s.reserved_bytes(), 0);
+}
+
+/// Waiting is first come, first served, and a deadline ends the wait with a
+/// typed error (and leaves nothing queued).
+#[test]
+fn waiters_are_served_in_arrival_order_until_their_deadline() {
+    let s = Scheduler::new(10 * BPT);
+    let holder = s.admit(&req(5, 5)).unwrap();
+    let order = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let spawn = |name: &'static str, delay_ms: u64| {
+        let (s, order) = (s.clone(), order.clone());
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(delay_ms));
+            let r = AdmissionRequest { wait_until: Some(Instant::now() + Duration::from_secs(10)), ..req(5, 5) };
+            let a = s.admit(&r).unwrap();
+            order.lock().unwrap().push(name);
+            std::thread::sleep(Duration::from_millis(20));
+            drop(a);
+        })
+    };
+    let first = spawn("first", 0);
+    let second = spawn("second", 50);
+    std::thread::sleep(Duration::from_millis(150));
+    // A non-waiting request may not jump the queue.
+    assert!(matches!(s.admit(&req(1, 1)), Err(AdmissionError::Deferred { .. })));
+    drop(holder);
+    first.join().unwrap();
+    second.join().unwrap();
+    assert_eq!(*order.lock().unwrap(), ["first", "second"]);
+
+    let holder = s.admit(&req(5, 5)).unwrap();
+    let started = Instant::now();
+    let r = AdmissionRequest { wait_until: Some(Instant::now() + Duration::from_millis(50)), ..req(5, 5) };
+    assert!(matches!(s.admit(&r), Err(AdmissionError::TimedOut { .. })));
+    assert!(started.elapsed() >= Duration::from_millis(50));
+    drop(holder);
+    assert!(s.admit(&req(5, 5)).is_ok(), "the timed-out waiter left the queue");
+}
+
+#[derive(Clone, Debug)]
+enum Step {
+    Admit { prompt: u64, max_new: u64 },
+    Release(usize),
+}
+
+fn steps() -> impl Strategy<Value = Vec<Step>> {
+    prop::collection::vec(
+        prop_oneof![
+            (1u64..40, 1u64..40).prop_map(|(prompt, max_new)| Step::Admit { prompt, max_new }),
+            (0usize..8).prop_map(Step::Release),
+        ],
+        1..40,
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// Pins A11 (and A10, A6 under contention): threads released together
+    /// run random admits, clamps and releases; the bytes live admissions
+    /// hold never exceed the budget, every admission is either whole or an
+    /// exact clamp, and everything is released at the end.
+    #[test]
+    fn no_overcommit_under_concurrent_interleavings(
+        budget_tokens in 10u64..120,
+        plans in prop::collection::vec(steps(), 2..5),
+    ) {
+        let budget = budget_tokens * BPT;
+        let s = Scheduler::new(budget);
+        let live = Arc::new(AtomicU64::new(0));
+        let barrier = Arc::new(Barrier::new(plans.len()));
+        let handles: Vec<_> = plans.into_iter().map(|plan| {
+            let (s, live, barrier) = (s.clone(), live.clone(), barrier.clone());
+            std::thread::spawn(move || -> Result<(), String> {
+                barrier.wait();
+                let mut held = Vec::new();
+                for step in plan {
+                    match step {
+                        Step::Admit { prompt, max_new } => match s.admit(&req(prompt, max_new)) {
+                            Ok(a) => {
+                                let now = live.fetch_add(a.bytes(), Ordering::SeqCst) + a.bytes();
+                                if now > budget {
+                                    return Err(format!("{now} bytes live over a budget of {budget}"));
+                                }
+                                let whole = (prompt + max_new) * BPT;
+                                match a.budget_cap {
+                                    None if a.bytes() != whole => return Err("unclamped admission of the wrong size".into()),
+                                    Some(c) if c.admitted_bytes != a.bytes() || c.admitted_tokens != prompt + a.max_new_tokens || a.max_new_tokens == 0 || a.max_new_tokens >= max_new => {
+                                        return Err(format!("inconsistent clamp {c:?} for {prompt}+{max_new}"));
+                                    }
+                                    _ => {}
+                                }
+                                held.push(a);
+                            }
+                            Err(AdmissionError::Deferred { needed_bytes, .. }) if needed_bytes == (prompt + 1) * BPT => {}
+                            Err(AdmissionError::NeverFits { .. }) if (prompt + 1) * BPT > budget => {}
+                            Err(e) => return Err(format!("unexpected refusal {e}")),
+                        },
+                        Step::Release(i) => {
+                            if !held.is_empty() {
+                                let a = held.remove(i % held.len());
+                                live.fetch_sub(a.bytes(), Ordering::SeqCst);
+                                drop(a);
+                            }
+                        }
+                    }
+                }
+                for a in held {
+                    live.fetch_sub(a.bytes(), Ordering::SeqCst);
+                }
+                Ok(())
+            })
+        }).collect();
+        for h in handles {
+            let r = h.join().map_err(|_| TestCaseError::fail("a thread panicked"))?;
+            prop_assert!(r.is_ok(), "{:?}", r);
+        }
+        prop_assert_eq!(s.reserved_bytes(), 0);
+    }
+}
