@@ -67,7 +67,8 @@ pub fn run(opts: Options) -> Result<()> {
     let mut rows = Vec::new();
     for spec_path in onnx_genai_build::spec_files(&util::root().join("packages"))? {
         let mut spec = onnx_genai_build::read_spec(&spec_path)?;
-        if opts.package.as_ref().is_some_and(|p| *p != spec.name) {
+        // Workflow (vision-language) packages have no decode core to race.
+        if opts.package.as_ref().is_some_and(|p| *p != spec.name) || spec.vision.is_some() {
             continue;
         }
         // Room for the 1024-token context run.

@@ -10,6 +10,7 @@ use crate::util;
 pub struct Built {
     pub name: String,
     pub dir: PathBuf,
+    pub spec: onnx_genai_build::Spec,
 }
 
 pub fn build_all(bless: bool) -> Result<Vec<Built>> {
@@ -32,7 +33,7 @@ pub fn build_all(bless: bool) -> Result<Vec<Built>> {
         let decomposed = out.join(onnx_genai_build::Variant::Decomposed.name());
         let bytes: u64 = std::fs::read_dir(&decomposed)?.filter_map(|e| e.ok()?.metadata().ok()).map(|m| m.len()).sum();
         println!("built {:<16} {:>9} bytes  {}", spec.name, bytes, out.display());
-        built.push(Built { name: spec.name, dir: out });
+        built.push(Built { name: spec.name.clone(), dir: out, spec });
     }
     if !drift.is_empty() {
         bail!(

@@ -29,6 +29,16 @@ pub trait DecodeBackend: Send {
     /// logits of the last token.
     fn forward(&mut self, tokens: &[u32]) -> Result<Vec<f32>, BackendError>;
 
+    /// [`DecodeBackend::forward`] for a decoder that reads embeddings: `embeds`
+    /// holds `embeds.len() / hidden` rows of `hidden` values.
+    fn forward_embeds(&mut self, embeds: &[f32], hidden: usize) -> Result<Vec<f32>, BackendError> {
+        let _ = (embeds, hidden);
+        Err(BackendError::Run {
+            backend: self.name(),
+            reason: "this backend's decoder does not take input embeddings".into(),
+        })
+    }
+
     /// Keeps the first `len` positions of the KV cache and forgets the rest
     /// (no-op when the cache holds fewer).
     fn truncate(&mut self, len: usize) -> Result<(), BackendError>;

@@ -29,12 +29,16 @@ pub fn package_digest(dir: &Path) -> Result<String, BuildError> {
     Ok(out)
 }
 
-/// The digest of a package built with every variant (`<variant>/<file>
+/// The digest of a package built with every variant it has (`<variant>/<file>
 /// <sha256>` lines, variants in [`crate::Variant::ALL`] order).
 pub fn variants_digest(dir: &Path) -> Result<String, BuildError> {
     let mut out = String::new();
     for variant in crate::Variant::ALL {
-        for line in package_digest(&dir.join(variant.name()))?.lines() {
+        let sub = dir.join(variant.name());
+        if !sub.is_dir() {
+            continue;
+        }
+        for line in package_digest(&sub)?.lines() {
             out.push_str(&format!("{}/{line}\n", variant.name()));
         }
     }

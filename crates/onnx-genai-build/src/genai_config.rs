@@ -7,7 +7,7 @@ use onnx_genai_package::Family;
 
 /// The `genai_config.json` text describing the package [`crate::build_package`] writes.
 pub fn genai_config(spec: &Spec) -> String {
-    let eos = spec.vocab_size - crate::tokenizer::SPECIAL_TOKENS.len() as u32;
+    let eos = spec.eos_token_id();
     let template = |t: &str| t.replace("{layer}", "%d");
     let config = serde_json::json!({
         "model": {

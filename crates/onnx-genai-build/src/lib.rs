@@ -13,7 +13,8 @@ use std::path::{Path, PathBuf};
 
 pub use graph::Variant;
 use onnx_genai_package::manifest::{
-    Architecture, Component, Generation, KvCache, Manifest, Port, Role, TokenizerRef, FORMAT,
+    ApplicationInput, Architecture, Component, Generation, ImageInput, KvCache, Manifest, Port, PortRef, Preprocess,
+    Role, TokenizerRef, Workflow, WorkflowStep, FORMAT,
 };
 pub use spec::Spec;
 
@@ -28,6 +29,8 @@ pub enum BuildError {
 }
 
 pub const MODEL_FILE: &str = "model.onnx";
+pub const VISION_FILE: &str = "vision.onnx";
+pub const EMBED_FILE: &str = "embed.onnx";
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
 
 /// The `<packages_dir>/<name>/spec.yaml` files, sorted by package name.
@@ -56,7 +59,7 @@ pub fn build_package(spec: &Spec, out: &Path) -> Result<(), BuildError> {
 
 /// Builds every export variant of `spec` into `out/<variant>/`.
 pub fn build_all_variants(spec: &Spec, out: &Path) -> Result<(), BuildError> {
-    for variant in Variant::ALL {
+    for variant in spec.variants() {
         build_variant(spec, variant, &out.join(variant.name()))?;
     }
     Ok(())
@@ -69,10 +72,21 @@ pub fn build_variant(spec: &Spec, variant: Variant, out: &Path) -> Result<(), Bu
         move |source| BuildError::Io { path, source }
     };
     std::fs::create_dir_all(out).map_err(io(out))?;
-    let model = graph::build_decoder(spec, variant);
-    let model_path = out.join(MODEL_FILE);
-    std::fs::write(&model_path, onnx_genai_onnx::encode(&model)).map_err(io(&model_path))?;
-    let tokenizer = tokenizer::build(spec.vocab_size)?;
+    if !spec.variants().contains(&variant) {
+        return Err(BuildError::Spec {
+            origin: spec.name.clone(),
+            reason: format!("a vision-language package is built only as {:?}", spec.variants()),
+        });
+    }
+    let models = match graph::vision::build(spec) {
+        Some(vl) => vec![(MODEL_FILE, vl.decoder), (VISION_FILE, vl.vision), (EMBED_FILE, vl.embed)],
+        None => vec![(MODEL_FILE, graph::build_decoder(spec, variant))],
+    };
+    for (file, model) in models {
+        let model_path = out.join(file);
+        std::fs::write(&model_path, onnx_genai_onnx::encode(&model)).map_err(io(&model_path))?;
+    }
+    let tokenizer = tokenizer::build_with(spec.vocab_size, spec.extra_specials())?;
     let json = tokenizer.to_string(true).map_err(|e| BuildError::Tokenizer(e.to_string()))?;
     let tok_path = out.join(TOKENIZER_FILE);
     std::fs::write(&tok_path, json).map_err(io(&tok_path))?;
@@ -84,9 +98,14 @@ pub fn build_variant(spec: &Spec, variant: Variant, out: &Path) -> Result<(), Bu
 /// The manifest describing what [`build_package`] writes.
 pub fn manifest(spec: &Spec) -> Manifest {
     use graph::names;
-    let eos = spec.vocab_size - tokenizer::SPECIAL_TOKENS.len() as u32;
+    let eos = spec.eos_token_id();
+    let first = if spec.vision.is_some() {
+        (Role::InputsEmbeds, names::INPUTS_EMBEDS)
+    } else {
+        (Role::TokenIds, names::INPUT_IDS)
+    };
     let ports = [
-        (Role::TokenIds, names::INPUT_IDS),
+        first,
         (Role::AttentionMask, names::ATTENTION_MASK),
         (Role::PositionIds, names::POSITION_IDS),
         (Role::PastKey, names::PAST_KEY),
@@ -117,8 +136,39 @@ pub fn manifest(spec: &Spec) -> Manifest {
         },
         dtype: spec.dtype,
         kv_cache: Some(KvCache { dtype: spec.dtype, layers: None }),
-        components: vec![Component { name: "decoder".into(), file: MODEL_FILE.into(), ports }],
-        workflow: None,
+        components: {
+            let mut c = vec![Component { name: "decoder".into(), file: MODEL_FILE.into(), ports }];
+            if spec.vision.is_some() {
+                c.push(Component { name: "vision".into(), file: VISION_FILE.into(), ports: Vec::new() });
+                c.push(Component {
+                    name: "embed".into(),
+                    file: EMBED_FILE.into(),
+                    ports: vec![
+                        Port { role: Role::TokenIds, name: names::INPUT_IDS.into() },
+                        Port { role: Role::InputsEmbeds, name: names::INPUTS_EMBEDS.into() },
+                    ],
+                });
+            }
+            c
+        },
+        workflow: spec.vision.as_ref().map(|v| Workflow {
+            application_inputs: vec![ApplicationInput {
+                name: names::PIXEL_VALUES.into(),
+                component: "vision".into(),
+                port: names::PIXEL_VALUES.into(),
+            }],
+            steps: vec![
+                WorkflowStep { component: "vision".into(), overridable: true },
+                WorkflowStep { component: "embed".into(), overridable: false },
+                WorkflowStep { component: "decoder".into(), overridable: false },
+            ],
+            image: Some(ImageInput {
+                placeholder: tokenizer::IMAGE_TOKEN.into(),
+                tokens: v.tokens_per_image(),
+                features: PortRef { component: "vision".into(), port: names::IMAGE_EMBEDS.into() },
+                preprocess: Preprocess { width: v.image_size, height: v.image_size, mean: [0.5; 3], std: [0.5; 3] },
+            }),
+        }),
         tokenizer: TokenizerRef { file: TOKENIZER_FILE.into() },
         chat_template: Some(tokenizer::CHAT_TEMPLATE.into()),
         generation: Generation { bos_token_id: Some(eos), eos_token_ids: vec![eos], max_new_tokens: 32 },

@@ -27,6 +27,28 @@ pub struct Spec {
     pub norm_epsilon: f64,
     /// Share the token embedding with the output projection.
     pub tie_embeddings: bool,
+    /// Makes a vision-language package: a vision encoder, a token-embedding
+    /// component and a decoder that takes `inputs_embeds`, run as a
+    /// declared workflow.
+    #[serde(default)]
+    pub vision: Option<VisionSpec>,
+}
+
+/// A patch-embedding image encoder: a square `image_size` image of
+/// `channels` cut into `patch_size` patches, each projected to one
+/// embedding (so an image is `(image_size / patch_size)^2` tokens).
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VisionSpec {
+    pub image_size: u32,
+    pub patch_size: u32,
+    pub channels: u32,
+}
+
+impl VisionSpec {
+    pub fn tokens_per_image(&self) -> u32 {
+        (self.image_size / self.patch_size).pow(2)
+    }
 }
 
 impl Spec {
@@ -38,6 +60,30 @@ impl Spec {
         })?;
         spec.check(origin)?;
         Ok(spec)
+    }
+
+    /// The export forms this spec is built in (a vision-language package is
+    /// a workflow over decomposed graphs).
+    pub fn variants(&self) -> Vec<crate::Variant> {
+        if self.vision.is_some() {
+            vec![crate::Variant::Decomposed]
+        } else {
+            crate::Variant::ALL.to_vec()
+        }
+    }
+
+    /// Special tokens beyond the standard ones (the image placeholder).
+    pub fn extra_specials(&self) -> &'static [&'static str] {
+        if self.vision.is_some() {
+            &[crate::tokenizer::IMAGE_TOKEN]
+        } else {
+            &[]
+        }
+    }
+
+    /// `<|endoftext|>`: the first special token after the merges.
+    pub fn eos_token_id(&self) -> u32 {
+        self.vocab_size - (crate::tokenizer::SPECIAL_TOKENS.len() + self.extra_specials().len()) as u32
     }
 
     pub fn kv_heads(&self) -> u32 {
@@ -79,6 +125,17 @@ impl Spec {
         let min_vocab = crate::tokenizer::BYTE_TOKENS + crate::tokenizer::SPECIAL_TOKENS.len() as u32;
         if self.vocab_size < min_vocab {
             return fail(format!("vocab_size {} is below the {min_vocab} byte and special tokens", self.vocab_size));
+        }
+        if let Some(v) = &self.vision {
+            if v.patch_size == 0 || v.channels == 0 || !v.image_size.is_multiple_of(v.patch_size) {
+                return fail(format!(
+                    "vision image_size {} is not a positive multiple of patch_size {}",
+                    v.image_size, v.patch_size
+                ));
+            }
+            if self.family != Family::Llama || self.tie_embeddings {
+                return fail("vision packages are llama-family with untied embeddings".into());
+            }
         }
         if self.num_layers == 0 || self.intermediate_size == 0 || self.max_sequence_length == 0 {
             return fail("num_layers, intermediate_size and max_sequence_length must be positive".into());

@@ -39,9 +39,17 @@ pub fn byte_to_char() -> [char; 256] {
     map
 }
 
+/// The placeholder a vision-language prompt marks an image with.
+pub const IMAGE_TOKEN: &str = "<|image|>";
+
 /// Builds the tokenizer with exactly `vocab_size` tokens.
 pub fn build(vocab_size: u32) -> Result<Tokenizer, BuildError> {
-    let merges_wanted = vocab_size - BYTE_TOKENS - SPECIAL_TOKENS.len() as u32;
+    build_with(vocab_size, &[])
+}
+
+/// [`build`] with `extra` special tokens after the standard ones.
+pub fn build_with(vocab_size: u32, extra: &[&str]) -> Result<Tokenizer, BuildError> {
+    let merges_wanted = vocab_size - BYTE_TOKENS - (SPECIAL_TOKENS.len() + extra.len()) as u32;
     let alphabet = byte_to_char();
     let mut vocab: Vec<String> = alphabet.iter().map(|c| c.to_string()).collect();
     let merges = train(merges_wanted as usize)?;
@@ -55,7 +63,7 @@ pub fn build(vocab_size: u32) -> Result<Tokenizer, BuildError> {
     let mut tokenizer = Tokenizer::new(bpe);
     tokenizer.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
     tokenizer.with_decoder(Some(ByteLevel::default()));
-    let specials: Vec<AddedToken> = SPECIAL_TOKENS.iter().map(|t| AddedToken::from(*t, true)).collect();
+    let specials: Vec<AddedToken> = SPECIAL_TOKENS.iter().chain(extra).map(|t| AddedToken::from(*t, true)).collect();
     tokenizer.add_special_tokens(&specials);
     if tokenizer.get_vocab_size(true) != vocab_size as usize {
         return Err(BuildError::Tokenizer(format!(

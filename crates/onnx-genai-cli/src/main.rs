@@ -70,6 +70,11 @@ enum Command {
         /// Print the token ids after the text.
         #[arg(long)]
         show_ids: bool,
+        /// An image (PNG) for a vision-language package: resized and
+        /// normalized as the manifest declares, bound to `pixel_values`. The
+        /// image placeholder is prepended to the prompt unless it has one.
+        #[arg(long)]
+        image: Option<PathBuf>,
     },
 }
 
@@ -127,8 +132,26 @@ fn run(cli: Cli) -> Result<ExitCode> {
             backend,
             threads,
             show_ids,
+            image,
         } => {
             let mut engine = Engine::open(&package, backend.kind(), threads)?;
+            let mut inputs = Vec::new();
+            let mut prompt = prompt;
+            if let Some(path) = &image {
+                let (placeholder, (width, height)) = match (engine.image_placeholder(), engine.image_size()) {
+                    (Some(p), Some(size)) => (p.to_string(), size),
+                    _ => anyhow::bail!(
+                        "package {} takes no images (its workflow declares no image input)",
+                        package.display()
+                    ),
+                };
+                let decoded = image::open(path).with_context(|| format!("cannot read image {}", path.display()))?;
+                let rgb = decoded.resize_exact(width, height, image::imageops::FilterType::Triangle).to_rgb8();
+                inputs.push(engine.pixel_values(rgb.as_raw(), width, height)?);
+                if !prompt.contains(&placeholder) {
+                    prompt = format!("{placeholder}{prompt}");
+                }
+            }
             let prompt = if chat {
                 Prompt::Chat(vec![ChatMessage { role: "user".into(), content: prompt }])
             } else {
@@ -137,6 +160,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             let request = GenerateRequest {
                 max_new_tokens,
                 sampling: Sampling { temperature, top_k, top_p, seed },
+                inputs,
                 ..GenerateRequest::new(prompt)
             };
             let mut stdout = std::io::stdout().lock();

@@ -74,6 +74,54 @@ fn native_backend_generates_like_ort_and_inspect_shows_the_plan() {
     assert!(text(&bad).1.contains("unknown variant `opset99`"));
 }
 
+/// `generate --image`: a PNG is decoded, resized to the declared size,
+/// normalized and bound to `pixel_values`; different images give different
+/// output; images on a package without an image input, or unreadable files,
+/// are clean errors.
+#[test]
+fn generate_with_an_image_on_a_vision_language_package() {
+    let vlm = built("tiny-vlm");
+    let p = vlm.path().to_str().unwrap();
+    let png = |name: &str, seed: u8| {
+        let path = vlm.path().join(name);
+        let img = image::RgbImage::from_fn(16, 12, |x, y| {
+            image::Rgb([(x * 16) as u8 ^ seed, (y * 20) as u8, seed.wrapping_mul(3)])
+        });
+        img.save(&path).unwrap();
+        path
+    };
+    let (a, b) = (png("a.png", 7), png("b.png", 200));
+    let run = |img: &std::path::Path| {
+        let out = cli(&[
+            "generate",
+            p,
+            "--image",
+            img.to_str().unwrap(),
+            "--prompt",
+            " What is it?",
+            "--max-new-tokens",
+            "8",
+            "--show-ids",
+        ]);
+        assert!(out.status.success(), "{:?}", text(&out));
+        text(&out).0
+    };
+    let (out_a, out_b) = (run(&a), run(&b));
+    assert!(out_a.contains("token ids: ["));
+    assert_ne!(out_a, out_b, "the image must reach the decoder");
+    assert_eq!(out_a, run(&a), "deterministic");
+
+    let lm = built("tiny-gpt2");
+    let no_images = cli(&["generate", lm.path().to_str().unwrap(), "--image", a.to_str().unwrap(), "--prompt", "x"]);
+    assert_eq!(no_images.status.code(), Some(1));
+    assert!(text(&no_images).1.contains("takes no images"), "{:?}", text(&no_images));
+    std::fs::write(vlm.path().join("broken.png"), b"not a png").unwrap();
+    let broken = cli(&["generate", p, "--image", vlm.path().join("broken.png").to_str().unwrap(), "--prompt", "x"]);
+    assert_eq!(broken.status.code(), Some(1));
+    assert!(text(&broken).1.contains("cannot read image"), "{:?}", text(&broken));
+    assert!(!text(&broken).1.contains("panicked"));
+}
+
 /// Bad input: a clear error and a non-zero exit, never a panic.
 #[test]
 fn bad_input_fails_cleanly() {

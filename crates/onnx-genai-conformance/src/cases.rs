@@ -157,12 +157,18 @@ pub fn discover(root: &Path) -> Result<Vec<Check>, HarnessError> {
     Ok(checks)
 }
 
+/// Packages the decode-core suites cover (vision-language workflow packages
+/// are covered by the engine's workflow tests).
 fn shipped_packages(root: &Path) -> Result<Vec<String>, HarnessError> {
     let specs = onnx_genai_build::spec_files(&root.join("packages")).map_err(|e| HarnessError::Build(e.to_string()))?;
-    specs
-        .iter()
-        .map(|p| onnx_genai_build::read_spec(p).map(|s| s.name).map_err(|e| HarnessError::Build(e.to_string())))
-        .collect()
+    let mut names = Vec::new();
+    for p in &specs {
+        let spec = onnx_genai_build::read_spec(p).map_err(|e| HarnessError::Build(e.to_string()))?;
+        if spec.vision.is_none() {
+            names.push(spec.name);
+        }
+    }
+    Ok(names)
 }
 
 /// Which checks a run selects.

@@ -9,6 +9,7 @@
 mod chat;
 mod request;
 pub mod sampling;
+mod workflow;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -22,6 +23,7 @@ pub use request::{BoundTensor, ComponentOverride, GenerateRequest, Prompt, Sessi
 use sampling::Sampler;
 pub use sampling::Sampling;
 use tokenizers::Tokenizer;
+use workflow::WorkflowRuntime;
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -142,6 +144,8 @@ pub struct Engine {
     scheduler: Scheduler,
     sessions: BTreeMap<SessionId, Session>,
     next_id: u64,
+    /// Set for packages that declare workflow steps (no decode core).
+    workflow: Option<WorkflowRuntime>,
 }
 
 impl Engine {
@@ -158,6 +162,7 @@ impl Engine {
     pub fn new(package: Package, factory: BackendFactory) -> Result<Self, EngineError> {
         let tokenizer = package.tokenizer().clone();
         let core = factory()?;
+        let workflow = WorkflowRuntime::load(&package)?;
         Ok(Self {
             package,
             tokenizer,
@@ -166,6 +171,7 @@ impl Engine {
             scheduler: Scheduler::unlimited(),
             sessions: BTreeMap::new(),
             next_id: 1,
+            workflow,
         })
     }
 
@@ -186,6 +192,37 @@ impl Engine {
 
     pub fn backend_name(&self) -> &'static str {
         self.core.name()
+    }
+
+    /// Whether this engine interprets a declared workflow (no decode core).
+    pub fn is_workflow(&self) -> bool {
+        self.workflow.is_some()
+    }
+
+    /// Times a workflow's image encoder actually ran (cache misses).
+    pub fn encoder_runs(&self) -> usize {
+        self.workflow.as_ref().map_or(0, |w| w.encoder_runs)
+    }
+
+    /// `pixel_values` from an RGB8 image already resized to the size the
+    /// package's workflow declares.
+    pub fn pixel_values(&self, rgb: &[u8], width: u32, height: u32) -> Result<BoundTensor, EngineError> {
+        let image = self.package.manifest.workflow.as_ref().and_then(|w| w.image.as_ref()).ok_or_else(|| {
+            EngineError::Request(format!("package `{}` declares no image input", self.package.manifest.name))
+        })?;
+        workflow::pixel_values(rgb, width, height, image)
+    }
+
+    /// The token text a prompt marks an image with, if the package takes
+    /// images.
+    pub fn image_placeholder(&self) -> Option<&str> {
+        Some(self.package.manifest.workflow.as_ref()?.image.as_ref()?.placeholder.as_str())
+    }
+
+    /// The image size the workflow's preprocessing expects.
+    pub fn image_size(&self) -> Option<(u32, u32)> {
+        let image = self.package.manifest.workflow.as_ref()?.image.as_ref()?;
+        Some((image.preprocess.width, image.preprocess.height))
     }
 
     /// Encodes text with the package tokenizer (special tokens are parsed).
@@ -280,7 +317,16 @@ impl Engine {
         };
         // 2. Count tokens: carried plus new, rows as `rows * longest` (A5, A7).
         request.check()?;
-        let rows = self.prompt_ids(&request.prompt)?;
+        let mut rows = self.prompt_ids(&request.prompt)?;
+        if let Some(wf) = &self.workflow {
+            if rows.len() != 1 {
+                return Err(EngineError::Request(format!(
+                    "a workflow runs one token row, the prompt has {}",
+                    rows.len()
+                )));
+            }
+            rows[0] = wf.expand(&rows[0], request)?;
+        }
         let longest = rows.iter().map(Vec::len).max().unwrap_or(0);
         let prompt_tokens = carried + rows.len() * longest;
         let m = &self.package.manifest;
@@ -308,7 +354,7 @@ impl Engine {
             reserved_bytes: admission.bytes(),
         });
         // 5. Run (the split between execution kinds comes after admission).
-        let result = self.run_decode_core(request, &admission, rows, on_token);
+        let result = self.run(request, &admission, rows, on_token);
         // 6. Release: the guard drops here on success and on error alike.
         drop(admission);
         let mut result = result?;
@@ -316,24 +362,31 @@ impl Engine {
         Ok(result)
     }
 
-    fn run_decode_core(
+    /// Runs an admitted request: on the decode core, or through the
+    /// workflow (which first refuses undeclared bindings).
+    fn run(
         &mut self,
         request: &GenerateRequest,
         admission: &Admission,
         mut rows: Vec<Vec<u32>>,
         on_token: &mut dyn FnMut(TokenEvent<'_>) -> Flow,
     ) -> Result<GenerateResult, EngineError> {
-        if let Some(t) = request.inputs.first() {
-            return Err(EngineError::Request(format!(
-                "`{}` is not an application input of package `{}`: it declares no workflow inputs",
-                t.name, self.package.manifest.name
-            )));
-        }
-        if let Some(o) = request.overrides.first() {
-            return Err(EngineError::Request(format!(
-                "component `{}` cannot be overridden: package `{}` runs on a decode core without a workflow",
-                o.component, self.package.manifest.name
-            )));
+        match &self.workflow {
+            Some(wf) => wf.check_bindings(request)?,
+            None => {
+                if let Some(t) = request.inputs.first() {
+                    return Err(EngineError::Request(format!(
+                        "`{}` is not an application input of package `{}`: it declares no workflow inputs",
+                        t.name, self.package.manifest.name
+                    )));
+                }
+                if let Some(o) = request.overrides.first() {
+                    return Err(EngineError::Request(format!(
+                        "component `{}` cannot be overridden: package `{}` runs on a decode core without a workflow",
+                        o.component, self.package.manifest.name
+                    )));
+                }
+            }
         }
         if rows.len() != 1 {
             return Err(EngineError::Request(format!(
@@ -358,8 +411,22 @@ impl Engine {
         // A continuing turn prefills only what its KV does not hold yet.
         let kept = backend.kv_len();
         let mut feed: Vec<u32> = history.as_ref().map(|h| h[kept.min(h.len())..].to_vec()).unwrap_or_default();
+        let new_start = feed.len();
         feed.extend_from_slice(&new);
-        let outcome = decode_loop(backend.as_mut(), &self.tokenizer, &feed, max_new, &eos, &mut sampler, on_token);
+        let workflow = &mut self.workflow;
+        let tokenizer = &self.tokenizer;
+        let mut run = || -> Result<(Vec<u32>, FinishReason), EngineError> {
+            let logits = match workflow.as_mut() {
+                Some(wf) => wf.prefill(backend.as_mut(), request, &feed, new_start)?,
+                None => backend.forward(&feed)?,
+            };
+            let mut step = |t: &[u32]| match workflow.as_mut() {
+                Some(wf) => wf.step(backend.as_mut(), t),
+                None => Ok(backend.forward(t)?),
+            };
+            decode_loop(logits, &mut step, tokenizer, max_new, &eos, &mut sampler, on_token)
+        };
+        let outcome = run();
         match outcome {
             Ok((generated, finish)) => {
                 if let Some(h) = history {
@@ -378,6 +445,10 @@ impl Engine {
             }
             Err(e) => {
                 // A failed turn leaves the session as it was before the turn.
+                let backend = match request.session.and_then(|id| self.sessions.get_mut(&id)) {
+                    Some(s) => &mut s.backend,
+                    None => &mut self.core,
+                };
                 if let Err(t) = backend.truncate(kept) {
                     backend.reset();
                     return Err(t.into());
@@ -388,17 +459,20 @@ impl Engine {
     }
 }
 
-/// Prefill `feed`, then sample up to `max_new` tokens.
+/// Runs tokens through the model and returns the last position's logits.
+type Step<'a> = dyn FnMut(&[u32]) -> Result<Vec<f32>, EngineError> + 'a;
+
+/// From the prefill's `logits`, sample up to `max_new` tokens, running each
+/// through `step`.
 fn decode_loop(
-    backend: &mut dyn DecodeBackend,
+    mut logits: Vec<f32>,
+    step: &mut Step<'_>,
     tokenizer: &Tokenizer,
-    feed: &[u32],
     max_new: usize,
     eos: &[u32],
     sampler: &mut Sampler,
     on_token: &mut dyn FnMut(TokenEvent<'_>) -> Flow,
 ) -> Result<(Vec<u32>, FinishReason), EngineError> {
-    let mut logits = backend.forward(feed)?;
     let mut generated = Vec::new();
     let mut emitted = String::new();
     let mut finish = FinishReason::Length;
@@ -425,7 +499,7 @@ fn decode_loop(
             break;
         }
         if generated.len() < max_new {
-            logits = backend.forward(&[token])?;
+            logits = step(&[token])?;
         }
     }
     Ok((generated, finish))

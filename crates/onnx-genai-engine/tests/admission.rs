@@ -4,8 +4,8 @@
 //! reservation is released, and the budget cap. Real packages, real ONNX
 //! Runtime; the only wrapper counts and (on request) fails backend calls.
 //!
-//! Workflow paths (a prompt on a workflow engine, a workflow session) join
-//! this matrix with the multimodal package.
+//! The workflow matrix runs the same cells on the vision-language package,
+//! whose engine interprets its declared workflow (no decode core).
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -51,6 +51,14 @@ impl DecodeBackend for Probed {
         }
         self.inner.forward(tokens)
     }
+    fn forward_embeds(&mut self, embeds: &[f32], hidden: usize) -> Result<Vec<f32>, BackendError> {
+        self.probe.forwards.fetch_add(1, Ordering::SeqCst);
+        self.probe.fed.lock().unwrap().push(embeds.len() / hidden.max(1));
+        if self.probe.fail.load(Ordering::SeqCst) {
+            return Err(BackendError::Run { backend: "probe", reason: "injected failure".into() });
+        }
+        self.inner.forward_embeds(embeds, hidden)
+    }
     fn truncate(&mut self, len: usize) -> Result<(), BackendError> {
         self.inner.truncate(len)
     }
@@ -60,7 +68,11 @@ impl DecodeBackend for Probed {
 }
 
 fn build(dir: &Path, strip_geometry: bool) -> Package {
-    let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packages/tiny-llama-gqa/spec.yaml");
+    build_named("tiny-llama-gqa", dir, strip_geometry)
+}
+
+fn build_named(name: &str, dir: &Path, strip_geometry: bool) -> Package {
+    let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../../packages/{name}/spec.yaml"));
     onnx_genai_build::build_package(&onnx_genai_build::read_spec(&spec).unwrap(), dir).unwrap();
     if strip_geometry {
         let path = dir.join("package.yaml");
@@ -362,5 +374,110 @@ fn a_continuing_turn_reuses_the_kv_of_earlier_turns() {
         let mut after = GenerateRequest::new(Prompt::TokenIds(vec![1]));
         after.session = Some(id);
         assert!(matches!(e.generate(&after, &mut |_| Flow::Continue), Err(EngineError::UnknownSession(_))));
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Flowpath {
+    Prompt,
+    BoundTensor,
+    Override,
+    Session,
+}
+
+/// Pins A1, A2, A3, A4, A5, A6, A8, A10 on the workflow engine: a prompt, a
+/// bound `pixel_values` (image placeholders expand to the image's tokens
+/// and are counted, A7), a precomputed-feature override and a continuing
+/// workflow session, each at every budget position.
+#[test]
+fn admission_matrix_on_workflows() {
+    let (dir, bare_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let package = build_named("tiny-vlm", dir.path(), false);
+    let bare = build_named("tiny-vlm", bare_dir.path(), true);
+    let bpt = package.kv_geometry().unwrap().bytes_per_token();
+    let tokens_per_image = 4u64;
+    let image_id = package.tokenizer().token_to_id("<|image|>").unwrap();
+    let hidden = package.manifest.architecture.hidden_size as usize;
+    for path in [Flowpath::Prompt, Flowpath::BoundTensor, Flowpath::Override, Flowpath::Session] {
+        for budget in [Budget::Within, Budget::Exact, Budget::OneOver, Budget::FarOver, Budget::NoGeometry] {
+            let probe = Probe::default();
+            let with_image = matches!(path, Flowpath::BoundTensor | Flowpath::Override);
+            let mut prompt = PROMPT.to_vec();
+            if with_image {
+                prompt.insert(0, image_id);
+            }
+            let new_tokens = PROMPT.len() as u64 + if with_image { tokens_per_image } else { 0 };
+            let carried = if path == Flowpath::Session { PROMPT.len() as u64 + 3 } else { 0 };
+            let need = carried + new_tokens + u64::from(NEW);
+            let bytes = match budget {
+                Budget::Within => (need + 20) * bpt,
+                Budget::Exact | Budget::NoGeometry => need * bpt,
+                Budget::OneOver => (need - 1) * bpt,
+                Budget::FarOver => (carried + new_tokens) * bpt,
+            };
+            let pkg = if budget == Budget::NoGeometry { bare.clone() } else { package.clone() };
+            let mut e = engine(pkg, bytes, &probe);
+            assert!(e.is_workflow());
+            let mut req = GenerateRequest::new(Prompt::TokenIds(prompt));
+            req.max_new_tokens = Some(NEW);
+            match path {
+                Flowpath::BoundTensor => {
+                    req.inputs = vec![BoundTensor::f32("pixel_values", vec![1, 3, 8, 8], &[0.25; 192])]
+                }
+                Flowpath::Override => {
+                    req.overrides = vec![ComponentOverride {
+                        component: "vision".into(),
+                        outputs: vec![BoundTensor::f32("image_embeds", vec![1, 4, hidden], &vec![0.1; 4 * hidden])],
+                    }]
+                }
+                _ => {}
+            }
+            if path == Flowpath::Session {
+                let saved = std::mem::replace(&mut e, engine(package.clone(), 0, &probe));
+                let mut e1 = saved.with_scheduler(Scheduler::new(u64::MAX));
+                let id = e1.create_session().unwrap();
+                let mut first = GenerateRequest::new(Prompt::TokenIds(PROMPT.to_vec()));
+                first.session = Some(id);
+                first.max_new_tokens = Some(3);
+                assert_eq!(e1.generate(&first, &mut |_| Flow::Continue).unwrap().token_ids.len(), 3);
+                e = e1.with_scheduler(Scheduler::new(bytes));
+                req.session = Some(id);
+            }
+            let what = format!("workflow {path:?} x {budget:?}");
+            let forwards_before = probe.forwards.load(Ordering::SeqCst);
+            let mut signals = Vec::new();
+            let out = e.generate_with(&req, &mut |a| signals.push(a), &mut |_| Flow::Continue);
+            assert_eq!(e.scheduler().reserved_bytes(), 0, "{what}: reservation left behind");
+            if budget == Budget::FarOver {
+                assert!(
+                    matches!(&out, Err(EngineError::Admission(AdmissionError::NeverFits { .. }))),
+                    "{what}: {out:?}"
+                );
+                assert!(signals.is_empty(), "{what}: signalled a refusal");
+                assert_eq!(
+                    probe.forwards.load(Ordering::SeqCst),
+                    forwards_before,
+                    "{what}: backend work before refusal"
+                );
+                assert_eq!(e.encoder_runs(), 0, "{what}: ran the encoder before refusal");
+                continue;
+            }
+            let r = out.unwrap_or_else(|err| panic!("{what}: {err}"));
+            assert_eq!(signals.len(), 1, "{what}");
+            assert_eq!(signals[0].prompt_tokens, carried + new_tokens, "{what}: counted tokens");
+            assert_eq!(r.prompt_tokens as u64, carried + new_tokens);
+            if budget == Budget::OneOver {
+                let cap = r.budget_cap.unwrap_or_else(|| panic!("{what}: no cap"));
+                assert_eq!((cap.requested_tokens, cap.admitted_tokens), (need, need - 1), "{what}");
+                assert_eq!(r.token_ids.len(), NEW as usize - 1, "{what}");
+            } else {
+                assert_eq!(r.budget_cap, None, "{what}");
+                assert_eq!(r.token_ids.len(), NEW as usize, "{what}");
+            }
+            if budget == Budget::NoGeometry {
+                assert_eq!(signals[0].reserved_bytes, 0, "{what}");
+            }
+            assert_eq!(e.encoder_runs(), usize::from(path == Flowpath::BoundTensor), "{what}: encoder runs");
+        }
     }
 }

@@ -24,7 +24,9 @@ struct LayerPorts {
 
 pub struct OrtDecoder {
     session: Session,
-    token_ids: String,
+    /// Exactly one of `token_ids` and `inputs_embeds` is bound.
+    token_ids: Option<String>,
+    inputs_embeds: Option<String>,
     token_ids_i32: bool,
     attention_mask: Option<String>,
     position_ids: Option<String>,
@@ -66,10 +68,17 @@ impl OrtDecoder {
                 .map(str::to_string)
                 .ok_or_else(|| load_err(format!("no `{}` port is bound", role.as_str())))
         };
-        let token_ids = required(Role::TokenIds)?;
-        let token_ids_i32 =
-            session.inputs().iter().find(|o| o.name() == token_ids).and_then(|o| o.dtype().tensor_type())
-                == Some(TensorElementType::Int32);
+        let token_ids = component.port(Role::TokenIds).map(str::to_string);
+        let inputs_embeds = component.port(Role::InputsEmbeds).map(str::to_string);
+        if token_ids.is_none() && inputs_embeds.is_none() {
+            return Err(load_err("neither `token_ids` nor `inputs_embeds` is bound".into()));
+        }
+        let token_ids_i32 = session
+            .inputs()
+            .iter()
+            .find(|o| Some(o.name()) == token_ids.as_deref())
+            .and_then(|o| o.dtype().tensor_type())
+            == Some(TensorElementType::Int32);
         let mut layers = Vec::new();
         if let Some(g) = &geometry {
             for (layer, shape) in g.layers.iter().enumerate() {
@@ -91,6 +100,7 @@ impl OrtDecoder {
         let mut decoder = Self {
             session,
             token_ids,
+            inputs_embeds,
             token_ids_i32,
             attention_mask: component.port(Role::AttentionMask).map(str::to_string),
             position_ids: component.port(Role::PositionIds).map(str::to_string),
@@ -149,6 +159,47 @@ impl OrtDecoder {
         })
     }
 
+    /// One run of `count` new positions whose first input is `first`.
+    fn step(&mut self, first: (String, DynValue), count: usize) -> Result<Vec<f32>, BackendError> {
+        if count == 0 {
+            return Err(run_err("forward needs at least one position"));
+        }
+        let total = self.kv_len + count;
+        if total > self.max_len {
+            return Err(BackendError::Capacity {
+                backend: NAME,
+                have: self.kv_len,
+                reason: format!("{count} more exceed max_sequence_length {}", self.max_len),
+            });
+        }
+        let mut inputs: Vec<(String, DynValue)> = Vec::with_capacity(3 + 2 * self.layers.len());
+        inputs.push(first);
+        if let Some(name) = &self.attention_mask {
+            inputs.push((name.clone(), self.int_input(vec![1; total], false)?));
+        }
+        if let Some(name) = &self.position_ids {
+            inputs.push((name.clone(), self.int_input((self.kv_len as i64..total as i64).collect(), false)?));
+        }
+        let past = std::mem::take(&mut self.past);
+        for (l, (key, value)) in self.layers.iter().zip(past) {
+            inputs.push((l.past_key.clone(), key));
+            inputs.push((l.past_value.clone(), value));
+        }
+        match run_step(&mut self.session, inputs, &self.logits, &self.layers, self.vocab) {
+            Ok((logits, next)) => {
+                self.past = next;
+                self.kv_len = total;
+                Ok(logits)
+            }
+            Err(e) => {
+                // The past values were moved into the failed run; the cache is
+                // no longer coherent, so start over rather than continue wrong.
+                self.reset_cache()?;
+                Err(e)
+            }
+        }
+    }
+
     fn int_input(&self, values: Vec<i64>, as_i32: bool) -> Result<DynValue, BackendError> {
         let shape = [1usize, values.len()];
         Ok(if as_i32 {
@@ -174,44 +225,24 @@ impl DecodeBackend for OrtDecoder {
     }
 
     fn forward(&mut self, tokens: &[u32]) -> Result<Vec<f32>, BackendError> {
-        if tokens.is_empty() {
-            return Err(run_err("forward needs at least one token"));
-        }
-        let total = self.kv_len + tokens.len();
-        if total > self.max_len {
-            return Err(BackendError::Capacity {
-                backend: NAME,
-                have: self.kv_len,
-                reason: format!("{} more exceed max_sequence_length {}", tokens.len(), self.max_len),
-            });
-        }
-        let mut inputs: Vec<(String, DynValue)> = Vec::with_capacity(3 + 2 * self.layers.len());
+        let Some(port) = self.token_ids.clone() else {
+            return Err(run_err("this decoder reads `inputs_embeds`; run it through its workflow"));
+        };
         let ids = tokens.iter().map(|t| i64::from(*t)).collect();
-        inputs.push((self.token_ids.clone(), self.int_input(ids, self.token_ids_i32)?));
-        if let Some(name) = &self.attention_mask {
-            inputs.push((name.clone(), self.int_input(vec![1; total], false)?));
+        let first = (port, self.int_input(ids, self.token_ids_i32)?);
+        self.step(first, tokens.len())
+    }
+
+    fn forward_embeds(&mut self, embeds: &[f32], hidden: usize) -> Result<Vec<f32>, BackendError> {
+        let Some(port) = self.inputs_embeds.clone() else {
+            return Err(run_err("this decoder reads token ids, not `inputs_embeds`"));
+        };
+        if hidden == 0 || !embeds.len().is_multiple_of(hidden) {
+            return Err(run_err(format!("{} embedding values are not rows of {hidden}", embeds.len())));
         }
-        if let Some(name) = &self.position_ids {
-            inputs.push((name.clone(), self.int_input((self.kv_len as i64..total as i64).collect(), false)?));
-        }
-        let past = std::mem::take(&mut self.past);
-        for (l, (key, value)) in self.layers.iter().zip(past) {
-            inputs.push((l.past_key.clone(), key));
-            inputs.push((l.past_value.clone(), value));
-        }
-        match run_step(&mut self.session, inputs, &self.logits, &self.layers, self.vocab) {
-            Ok((logits, next)) => {
-                self.past = next;
-                self.kv_len = total;
-                Ok(logits)
-            }
-            Err(e) => {
-                // The past values were moved into the failed run; the cache is
-                // no longer coherent, so start over rather than continue wrong.
-                self.reset_cache()?;
-                Err(e)
-            }
-        }
+        let rows = embeds.len() / hidden;
+        let value = Tensor::from_array(([1usize, rows, hidden], embeds.to_vec())).map_err(run_err)?.into_dyn();
+        self.step((port, value), rows)
     }
 
     fn truncate(&mut self, len: usize) -> Result<(), BackendError> {

@@ -2,11 +2,13 @@
 //! dynamically from the official `onnxruntime` wheel's shared library (which
 //! `cargo xtask ort` installs under `target/onnxruntime/`).
 
+mod component;
 mod decoder;
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
+pub use component::{ComponentInput, OrtComponent};
 pub use decoder::OrtDecoder;
 
 /// The ONNX Runtime release this crate targets (the `ort` crate's `api-31`).

@@ -18,8 +18,25 @@ fn open(spec: &Path, dir: &Path) -> Package {
     Package::open(dir).expect("package validates")
 }
 
+/// Feeds `tokens` as ids, or — for a decoder that reads embeddings — as
+/// deterministic embedding rows derived from them.
+fn feed(d: &mut OrtDecoder, package: &Package, tokens: &[u32]) -> Result<Vec<f32>, onnx_genai_backend::BackendError> {
+    let h = package.manifest.architecture.hidden_size as usize;
+    let takes_embeds = package.decoder().unwrap().0.port(onnx_genai_package::Role::InputsEmbeds).is_some();
+    if takes_embeds {
+        let rows: Vec<f32> = tokens
+            .iter()
+            .flat_map(|t| (0..h).map(move |i| ((*t as usize * 31 + i * 7) % 17) as f32 / 17.0 - 0.5))
+            .collect();
+        d.forward_embeds(&rows, h)
+    } else {
+        d.forward(tokens)
+    }
+}
+
 /// Carrying the KV cache between steps gives the same logits as running the
-/// whole prefix at once: the cache is fed back, not dropped or duplicated.
+/// whole prefix at once: the cache is fed back, not dropped or duplicated
+/// (token ids, or embeddings for a vision-language decoder).
 #[test]
 fn incremental_decode_matches_full_prefix_on_every_package() {
     for spec in specs() {
@@ -27,15 +44,15 @@ fn incremental_decode_matches_full_prefix_on_every_package() {
         let package = open(&spec, dir.path());
         let tokens = [5u32, 77, 300, 12, 9, 150];
         let mut full = OrtDecoder::load(&package, 1).expect("session loads");
-        let expected = full.forward(&tokens).expect("full prefix runs");
+        let expected = feed(&mut full, &package, &tokens).expect("full prefix runs");
         assert_eq!(expected.len(), package.manifest.architecture.vocab_size as usize);
         assert!(expected.iter().all(|v| v.is_finite()), "{}: non-finite logits", spec.display());
 
         let mut step = OrtDecoder::load(&package, 1).unwrap();
-        step.forward(&tokens[..3]).unwrap();
-        step.forward(&tokens[3..5]).unwrap();
+        feed(&mut step, &package, &tokens[..3]).unwrap();
+        feed(&mut step, &package, &tokens[3..5]).unwrap();
         assert_eq!(step.kv_len(), 5);
-        let got = step.forward(&tokens[5..]).unwrap();
+        let got = feed(&mut step, &package, &tokens[5..]).unwrap();
         assert_eq!(step.kv_len(), 6);
         let max_diff = expected.iter().zip(&got).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
         // f16 packages round the cached KV to f16 in both runs identically.
@@ -46,7 +63,7 @@ fn incremental_decode_matches_full_prefix_on_every_package() {
 
         step.reset();
         assert_eq!(step.kv_len(), 0);
-        let again = step.forward(&tokens).unwrap();
+        let again = feed(&mut step, &package, &tokens).unwrap();
         assert_eq!(again, expected, "{}: reset does not give a fresh sequence", spec.display());
     }
 }

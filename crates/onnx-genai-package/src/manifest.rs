@@ -167,6 +167,53 @@ pub struct Workflow {
     /// Inputs a request may bind directly (e.g. `pixel_values`).
     #[serde(default)]
     pub application_inputs: Vec<ApplicationInput>,
+    /// The components the interpreter runs, in order. Empty: the package
+    /// runs on a decode core.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub steps: Vec<WorkflowStep>,
+    /// How image features enter the token stream.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<ImageInput>,
+}
+
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkflowStep {
+    pub component: String,
+    /// Whether a request may supply this component's outputs instead of
+    /// running it.
+    #[serde(default)]
+    pub overridable: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ImageInput {
+    /// The special token a prompt marks an image with; each occurrence
+    /// expands to `tokens` positions filled with the image's embeddings.
+    pub placeholder: String,
+    pub tokens: u32,
+    /// The component output holding `[1, tokens, hidden]` image embeddings.
+    pub features: PortRef,
+    pub preprocess: Preprocess,
+}
+
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct PortRef {
+    pub component: String,
+    pub port: String,
+}
+
+/// Image preprocessing: resize to `width x height` (RGB), scale to [0, 1],
+/// then `(x - mean) / std` per channel; laid out `[1, 3, height, width]`.
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Preprocess {
+    pub width: u32,
+    pub height: u32,
+    pub mean: [f32; 3],
+    pub std: [f32; 3],
 }
 
 #[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]

@@ -353,6 +353,9 @@ fn check_ports(ctx: &Ctx, m: &Manifest, ci: usize, model: &Model, report: &mut R
             }
             let (found, kind, pool) = if port.role.is_output() {
                 (graph.output(&name), "output", &graph.outputs)
+            } else if port.role == Role::InputsEmbeds && graph.input(&name).is_none() {
+                // A decoder reads embeddings; an embedding component writes them.
+                (graph.output(&name), "output", &graph.outputs)
             } else {
                 (graph.input(&name), "input", &graph.inputs)
             };
@@ -524,6 +527,56 @@ fn check_roles_present(ctx: &Ctx, m: &Manifest, report: &mut Report) {
 
 fn check_workflow(ctx: &Ctx, m: &Manifest, models: &[Option<Model>], report: &mut Report) {
     let Some(workflow) = &m.workflow else { return };
+    let known = |name: &str| m.components.iter().position(|c| c.name == name);
+    for (i, step) in workflow.steps.iter().enumerate() {
+        if known(&step.component).is_none() {
+            report.push(Diagnostic::error(
+                Code::PKG060,
+                ctx.manifest_file(),
+                format!("workflow.steps[{i}].component"),
+                format!("workflow step names unknown component `{}`", step.component),
+                "name one of the package's components",
+            ));
+        }
+    }
+    if let Some(image) = &workflow.image {
+        let field = "workflow.image.features";
+        match known(&image.features.component) {
+            None => report.push(Diagnostic::error(
+                Code::PKG060,
+                ctx.manifest_file(),
+                format!("{field}.component"),
+                format!("image features name unknown component `{}`", image.features.component),
+                "name one of the package's components",
+            )),
+            Some(ci) => {
+                if let Some(model) = &models[ci] {
+                    if model.graph.output(&image.features.port).is_none() {
+                        report.push(Diagnostic::error(
+                            Code::PKG060,
+                            ctx.manifest_file(),
+                            format!("{field}.port"),
+                            format!("`{}` is not an output of {}", image.features.port, m.components[ci].file),
+                            "name a graph output of that component",
+                        ));
+                    }
+                }
+            }
+        }
+        if image.tokens == 0
+            || image.preprocess.width == 0
+            || image.preprocess.height == 0
+            || image.preprocess.std.contains(&0.0)
+        {
+            report.push(Diagnostic::error(
+                Code::PKG060,
+                ctx.manifest_file(),
+                "workflow.image",
+                "image tokens, preprocess size and std must be positive",
+                "fix the declared image geometry",
+            ));
+        }
+    }
     for (i, input) in workflow.application_inputs.iter().enumerate() {
         let field = format!("workflow.application_inputs[{i}]");
         let Some(ci) = m.components.iter().position(|c| c.name == input.component) else {

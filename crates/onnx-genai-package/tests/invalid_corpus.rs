@@ -40,7 +40,10 @@ fn shipped_packages_are_clean_in_both_layouts() {
         };
         let expected_bytes = 2 * u64::from(spec.num_layers * spec.kv_heads() * spec.head_dim()) * dtype_bytes;
         let mut geometries = Vec::new();
-        for layout in [Layout::Native, Layout::Genai] {
+        // ONNX Runtime GenAI's config describes a decode core; a
+        // vision-language workflow package has only the native layout.
+        let layouts = if spec.vision.is_some() { vec![Layout::Native] } else { vec![Layout::Native, Layout::Genai] };
+        for layout in layouts {
             let dir = tempfile::tempdir().unwrap();
             build(&name, layout, dir.path());
             let (report, _) = validate(dir.path());
@@ -52,7 +55,7 @@ fn shipped_packages_are_clean_in_both_layouts() {
         }
         // The genai import reads the KV dtype from the graph; it must land on
         // the same geometry the native manifest declares.
-        assert_eq!(geometries[0], geometries[1], "{name}: native and genai layouts disagree");
+        assert!(geometries.windows(2).all(|w| w[0] == w[1]), "{name}: native and genai layouts disagree");
     }
 }
 

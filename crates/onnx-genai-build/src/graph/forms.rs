@@ -298,9 +298,10 @@ fn gqa_lengths(d: &mut Decoder) -> (String, String) {
 /// The additive attention bias; see [`Decoder::mask_bias`].
 pub fn causal_mask_bias(d: &mut Decoder) -> String {
     let spec = d.spec;
+    let seq_source = if d.embeds_input { names::INPUTS_EMBEDS } else { names::INPUT_IDS };
     let b = &mut d.b;
     b.set_scope("/mask");
-    let ids_shape = b.op("Shape", &[names::INPUT_IDS]);
+    let ids_shape = b.op("Shape", &[seq_source]);
     let mask_shape = b.op("Shape", &[names::ATTENTION_MASK]);
     let one_idx = b.scalar_i64(1);
     let seq = b.op_with("Gather", &[&ids_shape, &one_idx], vec![attr_int("axis", 0)]);

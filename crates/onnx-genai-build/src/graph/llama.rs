@@ -11,8 +11,16 @@ pub(super) fn build(d: &mut Decoder) {
     let (h, heads, kv_heads, hd) = (spec.hidden_size, spec.num_attention_heads, spec.kv_heads(), spec.head_dim());
     d.b.set_scope("/embed");
     let embedding = d.draw("model.embed_tokens.weight", &[spec.vocab_size, h], embedding_scale(d), 0.0);
-    let table = d.store(&embedding);
-    let mut x = d.b.op_with("Gather", &[&table, names::INPUT_IDS], vec![attr_int("axis", 0)]);
+    let (table, mut x) = if d.embeds_input {
+        // The table lives in the embedding component; untied, so the head
+        // does not need it.
+        d.embedding = Some(embedding.clone());
+        (String::new(), names::INPUTS_EMBEDS.to_string())
+    } else {
+        let table = d.store(&embedding);
+        let x = d.b.op_with("Gather", &[&table, names::INPUT_IDS], vec![attr_int("axis", 0)]);
+        (table, x)
+    };
     let rotary = rotary_tables(d);
     d.b.set_scope("/layers.0/attn");
     let mut normed = rms_norm(d, &x, "model.layers.0.input_layernorm.weight");

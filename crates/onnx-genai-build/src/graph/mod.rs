@@ -7,6 +7,7 @@
 mod forms;
 mod gpt2;
 mod llama;
+pub mod vision;
 
 use onnx_genai_onnx::builder::attr_int;
 use onnx_genai_onnx::{DataType, Dim, GraphBuilder, Model, Tensor};
@@ -61,12 +62,17 @@ impl Variant {
 }
 
 pub const MS_DOMAIN: &str = "com.microsoft";
+pub(crate) const OPSET_DECOMPOSED: i64 = 17;
+pub(crate) const IR_VERSION_DECOMPOSED: i64 = 8;
 /// `MatMulNBits` block size of the contrib export.
 pub const NBITS_BLOCK: usize = 32;
 
 /// Tensor names of the graph's I/O, bound to roles by the manifest.
 pub mod names {
     pub const INPUT_IDS: &str = "input_ids";
+    pub const INPUTS_EMBEDS: &str = "inputs_embeds";
+    pub const PIXEL_VALUES: &str = "pixel_values";
+    pub const IMAGE_EMBEDS: &str = "image_embeds";
     pub const ATTENTION_MASK: &str = "attention_mask";
     pub const POSITION_IDS: &str = "position_ids";
     pub const LOGITS: &str = "logits";
@@ -92,6 +98,7 @@ pub fn build_decoder(spec: &Spec, variant: Variant) -> Model {
 /// A weight's values before storage: the f16 package rounds them through
 /// f16 first, so every export (including the 4-bit one) starts from the
 /// same numbers.
+#[derive(Clone)]
 pub(crate) struct WeightValues {
     pub name: String,
     pub dims: Vec<u32>,
@@ -107,6 +114,10 @@ pub(crate) struct Decoder<'s> {
     /// The additive attention bias, made on first use (decomposed and
     /// opset 23; contrib attention is causal by itself).
     mask_bias: Option<String>,
+    /// Vision-language decoders take `inputs_embeds`; the embedding table
+    /// goes to the separate embedding component.
+    pub embeds_input: bool,
+    pub embedding: Option<WeightValues>,
 }
 
 impl<'s> Decoder<'s> {
@@ -117,7 +128,13 @@ impl<'s> Decoder<'s> {
         }
         let kv = spec.dtype.onnx();
         let (batch, seq, total, past) = (dim("batch"), dim("sequence"), dim("total_sequence"), dim("past_sequence"));
-        b.input(names::INPUT_IDS, DataType::Int64, vec![batch.clone(), seq.clone()]);
+        let embeds_input = spec.vision.is_some();
+        if embeds_input {
+            let hidden = Dim::Fixed(spec.hidden_size.into());
+            b.input(names::INPUTS_EMBEDS, DataType::Float, vec![batch.clone(), seq.clone(), hidden]);
+        } else {
+            b.input(names::INPUT_IDS, DataType::Int64, vec![batch.clone(), seq.clone()]);
+        }
         b.input(names::ATTENTION_MASK, DataType::Int64, vec![batch.clone(), total.clone()]);
         b.input(names::POSITION_IDS, DataType::Int64, vec![batch.clone(), seq.clone()]);
         let (kvh, hd) = (Dim::Fixed(spec.kv_heads().into()), Dim::Fixed(spec.head_dim().into()));
@@ -132,7 +149,7 @@ impl<'s> Decoder<'s> {
                 b.output(&names::layer(t, layer), kv, vec![batch.clone(), kvh.clone(), total.clone(), hd.clone()]);
             }
         }
-        Self { spec, variant, b, rng: SplitMix64::new(spec.seed), mask_bias: None }
+        Self { spec, variant, b, rng: SplitMix64::new(spec.seed), mask_bias: None, embeds_input, embedding: None }
     }
 
     /// Draws a weight's values (uniform in `offset ± scale`), rounded through
