@@ -408,6 +408,11 @@ impl Engine {
                 (&mut self.core, None)
             }
         };
+        // A session's KV never holds more than its history (a turn that
+        // unwound mid-way may have left extra positions behind).
+        if let Some(h) = &history {
+            backend.truncate(h.len())?;
+        }
         // A continuing turn prefills only what its KV does not hold yet.
         let kept = backend.kv_len();
         let mut feed: Vec<u32> = history.as_ref().map(|h| h[kept.min(h.len())..].to_vec()).unwrap_or_default();

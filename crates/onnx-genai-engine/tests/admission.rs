@@ -97,6 +97,37 @@ fn engine_on(kind: BackendKind, package: Package, budget: u64, probe: &Probe) ->
 }
 
 const PROMPT: [u32; 6] = [10, 20, 30, 40, 50, 60];
+
+/// Pins A4 for a continuing turn at its budget position: a backend error
+/// releases the reservation and leaves the session's history as it was.
+fn failed_turn_changes_nothing(e: &mut Engine, req: &GenerateRequest, probe: &Probe, carried: u64, what: &str) {
+    let id = req.session.expect("a session request");
+    probe.fail.store(true, Ordering::SeqCst);
+    let failed = e.generate(req, &mut |_| Flow::Continue);
+    probe.fail.store(false, Ordering::SeqCst);
+    assert!(matches!(failed, Err(EngineError::Backend(_))), "{what}: injected failure gave {failed:?}");
+    assert_eq!(e.scheduler().reserved_bytes(), 0, "{what}: after a backend error");
+    assert_eq!(e.session_tokens(id).unwrap().len() as u64, carried, "{what}: a failed turn changed the session");
+}
+
+/// Pins A4 per cell: the same admitted request, ended by a backend error, by
+/// the token callback stopping it and by the callback panicking, leaves
+/// nothing reserved.
+fn every_exit_releases(e: &mut Engine, req: &GenerateRequest, probe: &Probe, what: &str) {
+    probe.fail.store(true, Ordering::SeqCst);
+    let failed = e.generate(req, &mut |_| Flow::Continue);
+    probe.fail.store(false, Ordering::SeqCst);
+    assert!(matches!(failed, Err(EngineError::Backend(_))), "{what}: injected failure gave {failed:?}");
+    assert_eq!(e.scheduler().reserved_bytes(), 0, "{what}: after a backend error");
+    let stopped = e.generate(req, &mut |_| Flow::Stop).unwrap_or_else(|err| panic!("{what}: {err}"));
+    assert_eq!(stopped.token_ids.len(), 1, "{what}");
+    assert_eq!(e.scheduler().reserved_bytes(), 0, "{what}: after a callback abort");
+    let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _ = e.generate(req, &mut |_| panic!("client went away"));
+    }));
+    assert!(unwound.is_err(), "{what}: the callback panic must propagate");
+    assert_eq!(e.scheduler().reserved_bytes(), 0, "{what}: after a panic");
+}
 const NEW: u32 = 8;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -194,10 +225,13 @@ fn admission_matrix_on_the_decode_core() {
                 }
                 (_, b) => Cell { admitted: true, clamped: b == Budget::OneOver, refused_after_admission: false },
             };
+            let what = format!("{path:?} x {budget:?}");
+            if path == Path_::Session && cell.admitted {
+                failed_turn_changes_nothing(&mut e, &req, &probe, carried, &what);
+            }
             let forwards_before = probe.forwards.load(Ordering::SeqCst);
             let mut signals = Vec::new();
             let out = e.generate_with(&req, &mut |a| signals.push(a), &mut |_| Flow::Continue);
-            let what = format!("{path:?} x {budget:?}");
             assert_eq!(e.scheduler().reserved_bytes(), 0, "{what}: reservation left behind");
             match (&out, cell.admitted) {
                 (Err(EngineError::Admission(err)), false) => {
@@ -242,6 +276,11 @@ fn admission_matrix_on_the_decode_core() {
                         assert_eq!(r.token_ids.len(), NEW as usize, "{what}");
                     }
                     assert_eq!(r.prompt_tokens as u64, carried + PROMPT.len() as u64);
+                    // A session's successful turn grew it; repeating fits only
+                    // where the budget has room (or does not bind).
+                    if path != Path_::Session || matches!(budget, Budget::Within | Budget::NoGeometry) {
+                        every_exit_releases(&mut e, &req, &probe, &what);
+                    }
                 }
                 (other, _) => panic!("{what}: unexpected {other:?}"),
             }
@@ -444,6 +483,9 @@ fn admission_matrix_on_workflows() {
                 req.session = Some(id);
             }
             let what = format!("workflow {path:?} x {budget:?}");
+            if path == Flowpath::Session && budget != Budget::FarOver {
+                failed_turn_changes_nothing(&mut e, &req, &probe, carried, &what);
+            }
             let forwards_before = probe.forwards.load(Ordering::SeqCst);
             let mut signals = Vec::new();
             let out = e.generate_with(&req, &mut |a| signals.push(a), &mut |_| Flow::Continue);
@@ -478,6 +520,50 @@ fn admission_matrix_on_workflows() {
                 assert_eq!(signals[0].reserved_bytes, 0, "{what}");
             }
             assert_eq!(e.encoder_runs(), usize::from(path == Flowpath::BoundTensor), "{what}: encoder runs");
+            if path != Flowpath::Session || matches!(budget, Budget::Within | Budget::NoGeometry) {
+                every_exit_releases(&mut e, &req, &probe, &what);
+            }
         }
     }
+}
+
+/// A turn that unwinds (its token callback panicked) leaves the session as
+/// it was: the next turn generates what it would have without the failed
+/// one, and nothing stays reserved.
+#[test]
+fn a_panicked_turn_leaves_the_session_unchanged() {
+    let dir = tempfile::tempdir().unwrap();
+    let package = build(dir.path(), false);
+    let probe = Probe::default();
+    let mut e = engine(package, u64::MAX / 2, &probe);
+    let turn = |id, prompt: Vec<u32>| {
+        let mut r = GenerateRequest::new(Prompt::TokenIds(prompt));
+        r.session = Some(id);
+        r.max_new_tokens = Some(4);
+        r
+    };
+    let (clean, broken) = (e.create_session().unwrap(), e.create_session().unwrap());
+    for id in [clean, broken] {
+        let r = turn(id, PROMPT.to_vec());
+        e.generate(&r, &mut |_| Flow::Continue).unwrap();
+    }
+    let r = turn(broken, vec![1, 2, 3]);
+    let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let mut n = 0;
+        let _ = e.generate(&r, &mut |_| {
+            n += 1;
+            if n == 3 {
+                panic!("client went away mid-turn");
+            }
+            Flow::Continue
+        });
+    }));
+    assert!(unwound.is_err());
+    assert_eq!(e.scheduler().reserved_bytes(), 0);
+    assert_eq!(e.session_tokens(broken).unwrap(), e.session_tokens(clean).unwrap());
+    let next = |e: &mut Engine, id| {
+        let r = turn(id, vec![90, 91]);
+        e.generate(&r, &mut |_| Flow::Continue).unwrap().token_ids
+    };
+    assert_eq!(next(&mut e, broken), next(&mut e, clean));
 }
