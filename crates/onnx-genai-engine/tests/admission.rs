@@ -567,3 +567,29 @@ fn a_panicked_turn_leaves_the_session_unchanged() {
     };
     assert_eq!(next(&mut e, broken), next(&mut e, clean));
 }
+
+/// Pins A7: token rows count as `rows * longest row` (they would run as one
+/// `[rows, cols]` batch), before the decode core refuses more than one row;
+/// a single row runs exactly like token ids.
+#[test]
+fn token_rows_are_counted_as_a_padded_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let package = build(dir.path(), false);
+    let probe = Probe::default();
+    let mut e = engine(package, u64::MAX / 2, &probe);
+    let mut counted = Vec::new();
+    let rows = GenerateRequest {
+        max_new_tokens: Some(4),
+        ..GenerateRequest::new(Prompt::TokenRows(vec![vec![1, 2, 3], vec![4, 5]]))
+    };
+    let err = e.generate_with(&rows, &mut |a| counted.push(a.prompt_tokens), &mut |_| Flow::Continue).unwrap_err();
+    assert_eq!(counted, vec![6]);
+    assert!(err.to_string().contains("runs one token row, the prompt has 2"), "{err}");
+    assert_eq!(e.scheduler().reserved_bytes(), 0);
+    let one =
+        GenerateRequest { max_new_tokens: Some(4), ..GenerateRequest::new(Prompt::TokenRows(vec![PROMPT.to_vec()])) };
+    let ids = GenerateRequest { max_new_tokens: Some(4), ..GenerateRequest::new(Prompt::TokenIds(PROMPT.to_vec())) };
+    let (a, b) =
+        (e.generate(&one, &mut |_| Flow::Continue).unwrap(), e.generate(&ids, &mut |_| Flow::Continue).unwrap());
+    assert_eq!(a.token_ids, b.token_ids);
+}

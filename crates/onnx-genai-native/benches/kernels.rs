@@ -36,6 +36,12 @@ fn projections(c: &mut Criterion) {
         let mut y = Vec::new();
         group.bench_function(name, |b| b.iter(|| linear(&x, 1, weight, None, &mut y, false)));
     }
+    // The same one-row product through matrixmultiply's sgemm (the crate the
+    // prefill path uses), to justify the hand-written decode kernel.
+    let mut y = vec![0.0f32; n];
+    group.bench_function("f32_matrixmultiply_sgemm", |b| {
+        b.iter(|| onnx_genai_native::kernels::math::sgemm(1, k, n, &x, (k, 1), &w, (n, 1), &mut y))
+    });
     group.finish();
 }
 
