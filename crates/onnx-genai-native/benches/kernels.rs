@@ -34,7 +34,7 @@ fn projections(c: &mut Criterion) {
     let mut group = c.benchmark_group("linear_576x1536_decode");
     for (name, weight) in [("f32", &f32w), ("f16", &f16w), ("q4", &q4)] {
         let mut y = Vec::new();
-        group.bench_function(name, |b| b.iter(|| linear(&x, 1, weight, None, &mut y, false)));
+        group.bench_function(name, |b| b.iter(|| linear(&x, 1, weight, None, &mut y, None)));
     }
     // The same one-row product through matrixmultiply's sgemm (the crate the
     // prefill path uses), to justify the hand-written decode kernel.
@@ -66,7 +66,7 @@ fn attention_step(c: &mut Criterion) {
         let mut out = Value::default();
         group.bench_with_input(BenchmarkId::from_parameter(context), &context, |b, &past| {
             b.iter(|| {
-                let inputs = AttentionInputs { q: &q, k: &kv, v: &kv, bias: None, parallel: false };
+                let inputs = AttentionInputs { q: &q, k: &kv, v: &kv, bias: None, pool: None };
                 attention(&spec, &mut cache, past, inputs, &mut out).expect("attention step");
             })
         });

@@ -14,8 +14,10 @@ pub const NAME: &str = "native-cpu";
 pub struct NativeDecoder {
     plan: Arc<Plan>,
     state: State,
-    /// `None` for one thread: steps then run on the caller's thread (handing
-    /// a step to a one-thread pool costs a context switch per token).
+    /// Workers for large kernels; `None` for one thread. Steps always run on
+    /// the caller's thread (handing a whole step to a pool costs a context
+    /// switch per token), and only products big enough to pay for it enter
+    /// the pool.
     pool: Option<rayon::ThreadPool>,
     capacity: usize,
 }
@@ -86,10 +88,7 @@ impl DecodeBackend for NativeDecoder {
             });
         }
         let (plan, state) = (&self.plan, &mut self.state);
-        let result = match &self.pool {
-            Some(pool) => pool.install(|| plan.run(state, tokens, true)),
-            None => plan.run(state, tokens, false),
-        };
+        let result = plan.run(state, tokens, self.pool.as_ref());
         result.map_err(|e| BackendError::Run { backend: NAME, reason: e.to_string() })
     }
 

@@ -14,9 +14,9 @@ use crate::value::Value;
 pub struct KvContext<'a> {
     pub layers: &'a mut [LayerCache],
     pub past: usize,
-    /// Whether kernels may split large work across the thread pool (false
-    /// for one thread: the step then runs entirely on the calling thread).
-    pub parallel: bool,
+    /// Where kernels may split large work (`None`: everything runs on the
+    /// calling thread). Small ops never leave the calling thread.
+    pub pool: crate::kernels::linear::Pool<'a>,
 }
 
 fn arg<'a>(inputs: &[Option<&'a Value>], i: usize) -> Result<&'a Value, String> {
@@ -42,7 +42,7 @@ pub fn run(
         return skip_rms_norm(*eps, inputs, outputs);
     }
     let out = outputs.first_mut().ok_or("no output")?;
-    let parallel = kv.as_ref().is_some_and(|k| k.parallel);
+    let pool = kv.as_ref().and_then(|k| k.pool);
     match op {
         Op::Binary(b) => ew::binary(*b, arg(inputs, 0)?, arg(inputs, 1)?, out),
         Op::Compare(c) => ew::compare(*c, arg(inputs, 0)?, arg(inputs, 1)?, out),
@@ -158,7 +158,7 @@ pub fn run(
             let x = arg(inputs, 0)?;
             let (m, shape) = rows(x, weight.k, weight.n)?;
             let mut y = out.recycle_f32(0);
-            linear(x.as_f32()?, m, weight, bias.as_deref().map(Vec::as_slice), &mut y, parallel);
+            linear(x.as_f32()?, m, weight, bias.as_deref().map(Vec::as_slice), &mut y, pool);
             *out = Value::f32(shape, y);
             Ok(())
         }
@@ -167,7 +167,7 @@ pub fn run(
             let (m, shape) = rows(x, weight.k, weight.n / 2)?;
             let mut y = out.recycle_f32(0);
             let mut scratch = Vec::new();
-            gated(x.as_f32()?, m, weight, &mut scratch, &mut y, parallel);
+            gated(x.as_f32()?, m, weight, &mut scratch, &mut y, pool);
             *out = Value::f32(shape, y);
             Ok(())
         }
@@ -238,7 +238,7 @@ pub fn run(
                 (Some(w), _) => Some(w),
                 (None, b) => b,
             };
-            attention(spec, cache, kv.past, AttentionInputs { q: q32, k: k32, v: v32, bias: b32, parallel }, out)?;
+            attention(spec, cache, kv.past, AttentionInputs { q: q32, k: k32, v: v32, bias: b32, pool }, out)?;
             if q.dtype() == crate::value::DType::F16 {
                 let y = std::mem::take(out);
                 ew::cast(&y, crate::value::DType::F16, out)?;

@@ -197,9 +197,15 @@ impl Plan {
 
     /// Runs `tokens` after what `state` holds; returns the last position's
     /// logits. On error the state's length is unchanged.
-    /// `parallel`: whether kernels may use the current rayon pool.
-    pub fn run(&self, state: &mut State, tokens: &[u32], parallel: bool) -> Result<Vec<f32>, RunError> {
-        self.run_profiled(state, tokens, parallel, None)
+    /// `pool`: where large kernels may run in parallel (`None`: all on
+    /// the calling thread).
+    pub fn run(
+        &self,
+        state: &mut State,
+        tokens: &[u32],
+        pool: Option<&rayon::ThreadPool>,
+    ) -> Result<Vec<f32>, RunError> {
+        self.run_profiled(state, tokens, pool, None)
     }
 
     /// [`Plan::run`], adding each step's wall time to `profile` (indexed
@@ -208,7 +214,7 @@ impl Plan {
         &self,
         state: &mut State,
         tokens: &[u32],
-        parallel: bool,
+        pool: Option<&rayon::ThreadPool>,
         mut profile: Option<&mut Vec<std::time::Duration>>,
     ) -> Result<Vec<f32>, RunError> {
         if let Some(p) = profile.as_deref_mut() {
@@ -229,7 +235,7 @@ impl Plan {
         );
         feed(self.position_ids, Value::i64(vec![1, seq], (past as i64..total as i64).collect()), &mut state.slots);
         feed(self.attention_mask, Value::i64(vec![1, total], vec![1; total]), &mut state.slots);
-        let mut kv = KvContext { layers: &mut state.cache, past, parallel };
+        let mut kv = KvContext { layers: &mut state.cache, past, pool };
         for (index, step) in self.steps.iter().enumerate() {
             let started = profile.is_some().then(std::time::Instant::now);
             let mut outs: Vec<Value> = step.outputs.iter().map(|s| std::mem::take(&mut state.slots[*s])).collect();

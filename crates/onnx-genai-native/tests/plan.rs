@@ -115,3 +115,21 @@ fn kv_cache_is_preallocated_and_fixed() {
     assert!(matches!(err, onnx_genai_backend::BackendError::Capacity { have: 23, .. }), "{err}");
     assert_eq!(b.kv_len(), 23);
 }
+
+/// Threads change where large kernels run, not what they compute: a long
+/// prefill and decode (parallel projections and attention past their size
+/// thresholds) on two threads give the one-thread logits bit for bit.
+#[test]
+fn threaded_kernels_compute_the_same_logits() {
+    let (_d, package) = package("tiny-llama-gqa", Variant::Decomposed);
+    let prompt: Vec<u32> = (0..200).map(|i| (i * 37 + 11) % 380).collect();
+    let run = |threads| {
+        let mut b = NativeDecoder::load(&package, threads).unwrap();
+        let mut all = b.forward(&prompt).unwrap();
+        for t in 0..8 {
+            all.extend(b.forward(&[t * 13]).unwrap());
+        }
+        all
+    };
+    assert_eq!(run(1), run(2));
+}

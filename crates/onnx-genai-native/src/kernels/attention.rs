@@ -145,8 +145,8 @@ pub struct AttentionInputs<'a> {
     pub k: &'a Value,
     pub v: &'a Value,
     pub bias: Option<&'a Value>,
-    /// Whether long contexts may use the thread pool.
-    pub parallel: bool,
+    /// Where long contexts may run in parallel (`None`: on this thread).
+    pub pool: super::linear::Pool<'a>,
 }
 
 /// Appends `k`/`v` (the new tokens) at `past` in `cache`, then attends every
@@ -159,7 +159,7 @@ pub fn attention(
     inputs: AttentionInputs,
     out: &mut Value,
 ) -> Result<(), String> {
-    let AttentionInputs { q, k, v, bias, parallel } = inputs;
+    let AttentionInputs { q, k, v, bias, pool } = inputs;
     let (heads, kvh, hd) = (spec.heads, spec.kv_heads, spec.head_dim);
     if cache.kv_heads != kvh || cache.head_dim != hd {
         return Err(format!(
@@ -246,8 +246,8 @@ pub fn attention(
     };
     // Heads-first output: group g owns heads g*n_rep.. contiguously.
     let mut heads_first = vec![0.0f32; heads * seq * hd];
-    if parallel && heads * seq * total * hd >= PARALLEL_MIN_MACS && kvh > 1 {
-        heads_first.par_chunks_mut(rows * hd).enumerate().for_each(|(g, dst)| group(g, dst));
+    if let (Some(p), true) = (pool, heads * seq * total * hd >= PARALLEL_MIN_MACS && kvh > 1) {
+        p.install(|| heads_first.par_chunks_mut(rows * hd).enumerate().for_each(|(g, dst)| group(g, dst)));
     } else {
         heads_first.chunks_mut(rows * hd).enumerate().for_each(|(g, dst)| group(g, dst));
     }

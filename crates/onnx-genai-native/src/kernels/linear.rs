@@ -14,6 +14,10 @@ use super::math::{dot, sgemm};
 /// handing tiny work to the pool costs more than it saves.
 const PARALLEL_MIN_MACS: usize = 1 << 15;
 
+/// Where parallel kernels may run; `None` keeps everything on the calling
+/// thread.
+pub type Pool<'a> = Option<&'a rayon::ThreadPool>;
+
 #[derive(Clone, Debug)]
 pub enum Packed {
     F32(Vec<f32>),
@@ -141,15 +145,16 @@ impl Weight {
 }
 
 /// `y[m, n] = x[m, :] . W[n, :] + bias[n]` for `m` input rows.
-/// `parallel`: whether large products may use the thread pool.
-pub fn linear(x: &[f32], m: usize, w: &Weight, bias: Option<&[f32]>, y: &mut Vec<f32>, parallel: bool) {
+/// `pool`: where large products may run in parallel (`None`: on this
+/// thread).
+pub fn linear(x: &[f32], m: usize, w: &Weight, bias: Option<&[f32]>, y: &mut Vec<f32>, pool: Pool) {
     let (n, k) = (w.n, w.k);
     y.clear();
     y.resize(m * n, 0.0);
     if let (Packed::F32(wt), true) = (&w.packed, m >= 4) {
         sgemm(m, k, n, x, (k, 1), wt, (1, k), y);
     } else if m == 1 {
-        rows_dot(x, w, y, parallel);
+        rows_dot(x, w, y, pool);
     } else {
         // Row-major output is strided per weight row; compute transposed.
         let mut yt = vec![0.0; n * m];
@@ -159,8 +164,8 @@ pub fn linear(x: &[f32], m: usize, w: &Weight, bias: Option<&[f32]>, y: &mut Vec
                 *o = dot(&x[mi * k..(mi + 1) * k], row);
             }
         };
-        if parallel && m * n * k >= PARALLEL_MIN_MACS {
-            yt.par_chunks_mut(m).enumerate().for_each_init(Vec::new, |s, item| per_row(item, s));
+        if let (Some(p), true) = (pool, m * n * k >= PARALLEL_MIN_MACS) {
+            p.install(|| yt.par_chunks_mut(m).enumerate().for_each_init(Vec::new, |s, item| per_row(item, s)));
         } else {
             let mut s = Vec::new();
             yt.chunks_mut(m).enumerate().for_each(|item| per_row(item, &mut s));
@@ -243,7 +248,7 @@ fn block_sums(x: &[f32], w: &Weight) -> Vec<f32> {
 }
 
 /// One input row against every weight row, split across threads.
-fn rows_dot(x: &[f32], w: &Weight, y: &mut [f32], parallel: bool) {
+fn rows_dot(x: &[f32], w: &Weight, y: &mut [f32], pool: Pool) {
     const CHUNK: usize = 16;
     let xsum = block_sums(x, w);
     let chunk = |(c, out): (usize, &mut [f32])| {
@@ -260,8 +265,8 @@ fn rows_dot(x: &[f32], w: &Weight, y: &mut [f32], parallel: bool) {
             Packed::F16(data) => super::simd::matvec_f16(x, &data[first * w.k..(first + out.len()) * w.k], out),
         }
     };
-    if parallel && w.n * w.k >= PARALLEL_MIN_MACS {
-        y.par_chunks_mut(CHUNK).enumerate().for_each(chunk);
+    if let (Some(p), true) = (pool, w.n * w.k >= PARALLEL_MIN_MACS) {
+        p.install(|| y.par_chunks_mut(CHUNK).enumerate().for_each(chunk));
     } else {
         y.chunks_mut(CHUNK).enumerate().for_each(chunk);
     }
@@ -269,8 +274,8 @@ fn rows_dot(x: &[f32], w: &Weight, y: &mut [f32], parallel: bool) {
 
 /// SiLU-gated MLP input stage: `w` stacks the gate rows over the up rows;
 /// returns `silu(x Wg) * (x Wu)`.
-pub fn gated(x: &[f32], m: usize, w: &Weight, scratch: &mut Vec<f32>, y: &mut Vec<f32>, parallel: bool) {
-    linear(x, m, w, None, scratch, parallel);
+pub fn gated(x: &[f32], m: usize, w: &Weight, scratch: &mut Vec<f32>, y: &mut Vec<f32>, pool: Pool) {
+    linear(x, m, w, None, scratch, pool);
     let inter = w.n / 2;
     y.clear();
     y.resize(m * inter, 0.0);
@@ -305,7 +310,8 @@ mod tests {
             let w: Vec<f32> = (0..k * n).map(|i| ((i * 5) % 13) as f32 * 0.05 - 0.3).collect();
             let packed = Weight::from_kn_f32(&w, k, n);
             let mut y = Vec::new();
-            linear(&x, m, &packed, None, &mut y, true);
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+            linear(&x, m, &packed, None, &mut y, Some(&pool));
             let want = naive(&x, m, &w, k, n);
             for (a, b) in y.iter().zip(&want) {
                 assert!((a - b).abs() < 1e-4, "m={m} k={k} n={n}: {a} vs {b}");
