@@ -17,15 +17,7 @@ use crate::plan::Plan;
 use crate::value::{DType, Value};
 
 /// One layer's KV ports and geometry.
-#[derive(Clone, Debug)]
-pub struct LayerBinding {
-    pub past_key: String,
-    pub past_value: String,
-    pub present_key: String,
-    pub present_value: String,
-    pub kv_heads: usize,
-    pub head_dim: usize,
-}
+pub type LayerBinding = onnx_genai_package::KvPorts;
 
 /// What the manifest says about the decoder's ports: the compiler never
 /// guesses a role from a tensor name.
@@ -51,24 +43,8 @@ impl Binding {
                 .map(str::to_string)
                 .ok_or_else(|| CompileError::Graph(format!("no `{}` port is bound", role.as_str())))
         };
-        let geometry =
-            package.kv_geometry().ok_or_else(|| CompileError::Graph("the package declares no KV cache".into()))?;
-        let mut layers = Vec::new();
-        for (i, l) in geometry.layers.iter().enumerate() {
-            let lp = |role: Role| {
-                component
-                    .layer_port(role, i as u32)
-                    .ok_or_else(|| CompileError::Graph(format!("no `{}` port is bound", role.as_str())))
-            };
-            layers.push(LayerBinding {
-                past_key: lp(Role::PastKey)?,
-                past_value: lp(Role::PastValue)?,
-                present_key: lp(Role::PresentKey)?,
-                present_value: lp(Role::PresentValue)?,
-                kv_heads: l.kv_heads as usize,
-                head_dim: l.head_dim as usize,
-            });
-        }
+        let geometry = package.kv_tensors();
+        let layers = package.kv_ports(component).map_err(|e| CompileError::Graph(e.to_string()))?;
         let a = &package.manifest.architecture;
         let binding = Self {
             token_ids: port(Role::TokenIds)?,

@@ -5,7 +5,6 @@
 //! result more slowly — except for KV-cache attention, which must fuse (the
 //! compiler then refuses the graph, naming the node).
 
-use std::collections::HashSet;
 use std::sync::Arc;
 
 use crate::compile::CompileStats;
@@ -101,6 +100,16 @@ impl<'a> M<'a> {
     pub(crate) fn scalar(&self, v: Vid) -> Option<f32> {
         self.konst(v).and_then(Value::scalar_f32)
     }
+    /// Whether every value `nodes` produce — except `exported` ones, which
+    /// the fused node will produce itself — is read only inside `nodes`.
+    pub(crate) fn private(&self, nodes: &[usize], exported: &[Vid]) -> bool {
+        nodes
+            .iter()
+            .filter_map(|ni| self.g.nodes[*ni].as_ref())
+            .flat_map(|n| n.outputs.iter())
+            .all(|v| exported.contains(v) || self.read_only_by(*v, nodes))
+    }
+
     /// Whether every reader of `v` is one of `nodes`.
     pub(crate) fn read_only_by(&self, v: Vid, nodes: &[usize]) -> bool {
         self.u.consumers[v].iter().all(|c| nodes.contains(c))
@@ -529,14 +538,7 @@ fn attention(g: &Graph, u: &Uses, i: usize) -> Result<Option<Rewrite>, CompileEr
     } else {
         (n.outputs[0], Bias::PerQuery)
     };
-    let interior: Vec<Vid> = nodes
-        .iter()
-        .filter_map(|ni| g.nodes[*ni].as_ref())
-        .flat_map(|n| n.outputs.clone())
-        .filter(|v| *v != out)
-        .collect();
-    let exported: HashSet<Vid> = [present_k, present_v].into();
-    if !interior.iter().all(|v| exported.contains(v) || m.read_only_by(*v, &nodes)) {
+    if !m.private(&nodes, &[out, present_k, present_v]) {
         return Ok(None);
     }
     let _ = s;
@@ -723,13 +725,7 @@ fn gelu_tanh(g: &Graph, u: &Uses, i: usize) -> Result<Option<Rewrite>, CompileEr
                 continue;
             }
             let nodes = vec![hi, oi, ti, si, ii, ci, c3, c2, i];
-            let interior: Vec<Vid> = nodes
-                .iter()
-                .filter_map(|ni| g.nodes[*ni].as_ref())
-                .flat_map(|n| n.outputs.clone())
-                .filter(|v| *v != n.outputs[0])
-                .collect();
-            if interior.iter().all(|v| m.read_only_by(*v, &nodes)) {
+            if m.private(&nodes, &n.outputs) {
                 return Some((x, nodes));
             }
         }

@@ -100,13 +100,7 @@ pub fn causal_mask(g: &Graph, u: &Uses, i: usize) -> Result<Option<Rewrite>, Com
                 }
             }
         }
-        let interior: Vec<Vid> = nodes
-            .iter()
-            .filter_map(|ni| g.nodes[*ni].as_ref())
-            .flat_map(|n| n.outputs.clone())
-            .filter(|v| *v != out)
-            .collect();
-        if !interior.iter().all(|v| m.read_only_by(*v, &nodes)) {
+        if !m.private(&nodes, &[out]) {
             return None;
         }
         nodes.sort_unstable();

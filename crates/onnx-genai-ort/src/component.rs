@@ -25,22 +25,12 @@ pub struct OrtComponent {
 
 impl OrtComponent {
     pub fn load(package: &Package, component: &str, intra_threads: usize) -> Result<Self, BackendError> {
-        let env = crate::environment().map_err(|e| BackendError::Load {
-            backend: NAME,
-            what: "ONNX Runtime".into(),
-            reason: e.to_string(),
-        })?;
         let (_, path) = package.component(component).map_err(|e| BackendError::Load {
             backend: NAME,
             what: format!("component `{component}`"),
             reason: e.to_string(),
         })?;
-        let load_err = |reason: String| BackendError::Load { backend: NAME, what: path.display().to_string(), reason };
-        let mut builder = Session::builder(env).map_err(|e| load_err(e.to_string()))?;
-        if intra_threads > 0 {
-            builder = builder.with_intra_threads(intra_threads).map_err(|e| load_err(e.to_string()))?;
-        }
-        let session = builder.commit_from_file(path).map_err(|e| load_err(e.to_string()))?;
+        let session = crate::open_session(path, intra_threads)?;
         Ok(Self { name: component.into(), session })
     }
 

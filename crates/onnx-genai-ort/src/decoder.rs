@@ -13,14 +13,7 @@ fn run_err(reason: impl std::fmt::Display) -> BackendError {
     BackendError::Run { backend: NAME, reason: reason.to_string() }
 }
 
-struct LayerPorts {
-    past_key: String,
-    past_value: String,
-    present_key: String,
-    present_value: String,
-    kv_heads: usize,
-    head_dim: usize,
-}
+type LayerPorts = onnx_genai_package::KvPorts;
 
 pub struct OrtDecoder {
     session: Session,
@@ -44,24 +37,15 @@ impl OrtDecoder {
     /// Opens the package's decoder in an ONNX Runtime session with
     /// `intra_threads` threads (0 lets ONNX Runtime choose).
     pub fn load(package: &Package, intra_threads: usize) -> Result<Self, BackendError> {
-        let env = crate::environment().map_err(|e| BackendError::Load {
-            backend: NAME,
-            what: "ONNX Runtime".into(),
-            reason: e.to_string(),
-        })?;
         let (component, path) = package.decoder().map_err(|e| BackendError::Load {
             backend: NAME,
             what: "the decoder".into(),
             reason: e.to_string(),
         })?;
         let load_err = |reason: String| BackendError::Load { backend: NAME, what: path.display().to_string(), reason };
-        let mut builder = Session::builder(env).map_err(|e| load_err(e.to_string()))?;
-        if intra_threads > 0 {
-            builder = builder.with_intra_threads(intra_threads).map_err(|e| load_err(e.to_string()))?;
-        }
-        let session = builder.commit_from_file(path).map_err(|e| load_err(e.to_string()))?;
+        let session = crate::open_session(path, intra_threads)?;
         let m = &package.manifest;
-        let geometry = Some(package.kv_tensors());
+        let geometry = package.kv_tensors();
         let required = |role: Role| {
             component
                 .port(role)
@@ -79,24 +63,7 @@ impl OrtDecoder {
             .find(|o| Some(o.name()) == token_ids.as_deref())
             .and_then(|o| o.dtype().tensor_type())
             == Some(TensorElementType::Int32);
-        let mut layers = Vec::new();
-        if let Some(g) = &geometry {
-            for (layer, shape) in g.layers.iter().enumerate() {
-                let port = |role: Role| {
-                    component
-                        .layer_port(role, layer as u32)
-                        .ok_or_else(|| load_err(format!("no `{}` port is bound", role.as_str())))
-                };
-                layers.push(LayerPorts {
-                    past_key: port(Role::PastKey)?,
-                    past_value: port(Role::PastValue)?,
-                    present_key: port(Role::PresentKey)?,
-                    present_value: port(Role::PresentValue)?,
-                    kv_heads: shape.kv_heads as usize,
-                    head_dim: shape.head_dim as usize,
-                });
-            }
-        }
+        let layers = package.kv_ports(component).map_err(|e| load_err(e.to_string()))?;
         let mut decoder = Self {
             session,
             token_ids,
@@ -106,7 +73,7 @@ impl OrtDecoder {
             position_ids: component.port(Role::PositionIds).map(str::to_string),
             logits: required(Role::Logits)?,
             layers,
-            kv_dtype: geometry.map_or(ElementType::F32, |g| g.dtype),
+            kv_dtype: geometry.dtype,
             past: Vec::new(),
             kv_len: 0,
             vocab: m.architecture.vocab_size as usize,

@@ -63,3 +63,20 @@ pub fn environment() -> Result<&'static ort::environment::Environment, RuntimeEr
         .as_ref()
         .map_err(Clone::clone)
 }
+
+/// Opens an ONNX Runtime session on the model at `path` with `intra_threads`
+/// threads (0 lets ONNX Runtime choose).
+pub(crate) fn open_session(
+    path: &Path,
+    intra_threads: usize,
+) -> Result<ort::session::Session, onnx_genai_backend::BackendError> {
+    let load_err =
+        |what: String, reason: String| onnx_genai_backend::BackendError::Load { backend: "ort", what, reason };
+    let env = environment().map_err(|e| load_err("ONNX Runtime".into(), e.to_string()))?;
+    let file = |e: &dyn std::fmt::Display| load_err(path.display().to_string(), e.to_string());
+    let mut builder = ort::session::Session::builder(env).map_err(|e| file(&e))?;
+    if intra_threads > 0 {
+        builder = builder.with_intra_threads(intra_threads).map_err(|e| file(&e))?;
+    }
+    builder.commit_from_file(path).map_err(|e| file(&e))
+}

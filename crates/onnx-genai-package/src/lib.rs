@@ -24,6 +24,19 @@ pub enum PackageError {
     Invalid { root: PathBuf, report: Report },
     #[error("component `{name}` is not in the package (known: {known})")]
     UnknownComponent { name: String, known: String },
+    #[error("component `{component}` binds no `{role}` port")]
+    UnboundRole { component: String, role: &'static str },
+}
+
+/// One layer's KV ports (tensor names) and shape.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvPorts {
+    pub past_key: String,
+    pub past_value: String,
+    pub present_key: String,
+    pub present_value: String,
+    pub kv_heads: usize,
+    pub head_dim: usize,
 }
 
 /// A package that validated without errors.
@@ -82,6 +95,28 @@ impl Package {
     /// The package tokenizer, as loaded (and checked) by validation.
     pub fn tokenizer(&self) -> &tokenizers::Tokenizer {
         &self.tokenizer
+    }
+
+    /// Every layer's KV ports on `component`, with the shapes of
+    /// [`Package::kv_tensors`].
+    pub fn kv_ports(&self, component: &Component) -> Result<Vec<KvPorts>, PackageError> {
+        let mut layers = Vec::new();
+        for (i, shape) in self.kv_tensors().layers.iter().enumerate() {
+            let port = |role: Role| {
+                component
+                    .layer_port(role, i as u32)
+                    .ok_or(PackageError::UnboundRole { component: component.name.clone(), role: role.as_str() })
+            };
+            layers.push(KvPorts {
+                past_key: port(Role::PastKey)?,
+                past_value: port(Role::PastValue)?,
+                present_key: port(Role::PresentKey)?,
+                present_value: port(Role::PresentValue)?,
+                kv_heads: shape.kv_heads as usize,
+                head_dim: shape.head_dim as usize,
+            });
+        }
+        Ok(layers)
     }
 
     pub fn component(&self, name: &str) -> Result<(&Component, &Path), PackageError> {
