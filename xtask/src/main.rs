@@ -4,6 +4,7 @@ mod bench;
 mod conformance;
 mod ort;
 mod packages;
+mod pyclient;
 mod util;
 
 use std::process::ExitCode;
@@ -90,6 +91,8 @@ fn main() -> ExitCode {
 fn test() -> anyhow::Result<()> {
     let started = std::time::Instant::now();
     let lib = ort::provision()?;
+    // The server's real-client test drives it with the official Python client.
+    pyclient::provision()?;
     util::cargo(&["fmt", "--all", "--check"], &lib)?;
     util::cargo(&["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"], &lib)?;
     util::cargo(&["test", "--workspace"], &lib)?;

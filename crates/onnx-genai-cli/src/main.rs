@@ -24,6 +24,25 @@ enum Format {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Serve packages over an OpenAI-compatible HTTP API (one model per package).
+    Serve {
+        #[arg(required = true)]
+        packages: Vec<PathBuf>,
+        #[arg(long, default_value = "127.0.0.1")]
+        host: String,
+        #[arg(long, default_value_t = 8080)]
+        port: u16,
+        /// Sessions bound at once; beyond it the least recently used idle one is evicted.
+        #[arg(long, default_value_t = 64)]
+        max_sessions: usize,
+        /// KV cache bytes all models may reserve together (default: unlimited).
+        #[arg(long)]
+        kv_budget_bytes: Option<u64>,
+        #[arg(long, value_enum, default_value = "ort")]
+        backend: Backend,
+        #[arg(long, default_value_t = 0)]
+        threads: usize,
+    },
     /// Report every problem of a package (exit 1 when any is an error).
     Validate {
         package: PathBuf,
@@ -120,6 +139,20 @@ fn run(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Inspect { package } => inspect(&package),
+        Command::Serve { packages, host, port, max_sessions, kv_budget_bytes, backend, threads } => {
+            let scheduler =
+                kv_budget_bytes.map_or_else(onnx_genai_engine::Scheduler::unlimited, onnx_genai_engine::Scheduler::new);
+            let mut engines = Vec::new();
+            for p in &packages {
+                let engine =
+                    Engine::open(p, backend.kind(), threads).with_context(|| format!("opening {}", p.display()))?;
+                engines.push(engine.with_scheduler(scheduler.clone()));
+            }
+            let server = onnx_genai_server::start(engines, &format!("{host}:{port}"), max_sessions)?;
+            eprintln!("serving on http://{} (Ctrl-C stops)", server.addr);
+            server.wait();
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Generate {
             package,
             prompt,

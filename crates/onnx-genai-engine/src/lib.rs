@@ -253,6 +253,19 @@ impl Engine {
         Ok(SessionId(id))
     }
 
+    /// Opens a session under a caller-chosen id (a server that mints its own
+    /// ids); refused when the id is taken.
+    pub fn open_session(&mut self, id: SessionId) -> Result<(), EngineError> {
+        if self.sessions.contains_key(&id) {
+            return Err(EngineError::Request(format!("{id} already exists")));
+        }
+        let backend = (self.factory)()?;
+        // Keep engine-minted ids clear of caller-chosen ones.
+        self.next_id = self.next_id.max(id.0 + 1);
+        self.sessions.insert(id, Session { backend, conversation: ConversationId(id.0), tokens: Vec::new() });
+        Ok(())
+    }
+
     /// Closes a session and frees its KV cache.
     pub fn close_session(&mut self, id: SessionId) -> Result<(), EngineError> {
         self.sessions.remove(&id).map(drop).ok_or(EngineError::UnknownSession(id))

@@ -1,0 +1,138 @@
+//! The OpenAI wire format: request bodies (parsed leniently about fields we
+//! do not use, strictly about the ones we do) and response bodies.
+
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::error::ApiError;
+
+#[derive(Debug, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: Content,
+}
+
+/// Message content: a string, or OpenAI's list of typed parts (text only).
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct Part {
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub text: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// Fields shared by chat and text completions.
+#[derive(Debug, Deserialize)]
+pub struct Sampling {
+    pub model: String,
+    #[serde(default)]
+    pub max_tokens: Option<u32>,
+    #[serde(default)]
+    pub max_completion_tokens: Option<u32>,
+    #[serde(default)]
+    pub temperature: Option<f32>,
+    #[serde(default)]
+    pub top_p: Option<f32>,
+    #[serde(default)]
+    pub seed: Option<u64>,
+    #[serde(default)]
+    pub stop: Option<Stop>,
+    #[serde(default)]
+    pub stream: bool,
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    pub n: Option<u32>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ChatRequest {
+    pub messages: Vec<ChatMessage>,
+    #[serde(flatten)]
+    pub common: Sampling,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct CompletionRequest {
+    pub prompt: String,
+    #[serde(flatten)]
+    pub common: Sampling,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct SessionRequest {
+    pub model: String,
+}
+
+/// Parses a JSON body into `T`, with an OpenAI-shaped error naming the field.
+pub fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    let value: Value =
+        serde_json::from_slice(body).map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}")))?;
+    serde_json::from_value(value).map_err(|e| ApiError::invalid(format!("invalid request body: {e}")))
+}
+
+impl Sampling {
+    /// Validated sampling options.
+    pub fn check(&self) -> Result<(), ApiError> {
+        if let Some(t) = self.temperature {
+            if !(0.0..=2.0).contains(&t) {
+                return Err(ApiError::param("temperature", format!("temperature must be between 0 and 2, got {t}")));
+            }
+        }
+        if let Some(p) = self.top_p {
+            if !(p > 0.0 && p <= 1.0) {
+                return Err(ApiError::param("top_p", format!("top_p must be in (0, 1], got {p}")));
+            }
+        }
+        if self.n.is_some_and(|n| n != 1) {
+            return Err(ApiError::param("n", "only n = 1 is supported"));
+        }
+        if self.max_new_tokens() == Some(0) {
+            return Err(ApiError::param("max_tokens", "max_tokens must be at least 1"));
+        }
+        Ok(())
+    }
+
+    pub fn max_new_tokens(&self) -> Option<u32> {
+        self.max_completion_tokens.or(self.max_tokens)
+    }
+
+    pub fn stops(&self) -> Vec<String> {
+        match &self.stop {
+            None => Vec::new(),
+            Some(Stop::One(s)) => vec![s.clone()],
+            Some(Stop::Many(v)) => v.clone(),
+        }
+        .into_iter()
+        .filter(|s| !s.is_empty())
+        .collect()
+    }
+}
+
+pub fn usage(prompt: usize, completion: usize) -> Value {
+    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+}
+
+pub fn now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}

@@ -1,0 +1,96 @@
+//! Errors in OpenAI's body shape: `{"error": {"message", "type", "param",
+//! "code"}}`, with the status that says what went wrong. Messages say what
+//! to fix; internal details stay in the server log.
+
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub kind: &'static str,
+    pub message: String,
+    pub param: Option<String>,
+    pub code: Option<&'static str>,
+    /// Seconds for a `Retry-After` header (transient refusals).
+    pub retry_after: Option<u32>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
+        Self { status, kind, message: message.into(), param: None, code: None, retry_after: None }
+    }
+
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
+    }
+
+    pub fn param(param: &str, message: impl Into<String>) -> Self {
+        Self { param: Some(param.into()), ..Self::invalid(message) }
+    }
+
+    pub fn not_found(kind_code: &'static str, message: impl Into<String>) -> Self {
+        Self { code: Some(kind_code), ..Self::new(StatusCode::NOT_FOUND, "invalid_request_error", message) }
+    }
+
+    /// An overlapping turn, a busy session, a session of another model.
+    pub fn conflict(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::CONFLICT, "conflict_error", message)
+    }
+
+    /// Transient: retry after a moment.
+    pub fn busy(message: impl Into<String>) -> Self {
+        Self { retry_after: Some(1), ..Self::new(StatusCode::TOO_MANY_REQUESTS, "resource_limit_error", message) }
+    }
+
+    pub fn too_large(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", message)
+    }
+
+    /// A failure inside the server; the client sees no internal text.
+    pub fn internal() -> Self {
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "the server failed to generate; see its log")
+    }
+
+    pub fn body(&self) -> serde_json::Value {
+        json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut response = (self.status, axum::Json(self.body())).into_response();
+        if let Some(s) = self.retry_after {
+            response.headers_mut().insert("retry-after", HeaderValue::from(s));
+        }
+        response
+    }
+}
+
+/// Maps an engine error to what the client may see.
+pub fn from_engine(err: &onnx_genai_engine::EngineError) -> ApiError {
+    use onnx_genai_engine::{AdmissionError, EngineError};
+    match err {
+        EngineError::Admission(AdmissionError::Deferred { .. } | AdmissionError::TimedOut { .. }) => {
+            ApiError::busy("the server's KV cache budget is full; retry the request shortly")
+        }
+        EngineError::Admission(AdmissionError::NeverFits { needed_bytes, budget_bytes, .. }) => {
+            ApiError::invalid(format!(
+                "the request needs at least {needed_bytes} bytes of KV cache, more than the server's whole budget of \
+             {budget_bytes}; shorten the prompt"
+            ))
+        }
+        EngineError::Admission(AdmissionError::Invalid(m)) | EngineError::Request(m) => ApiError::invalid(m.clone()),
+        EngineError::Tensor { .. } | EngineError::ChatTemplate(_) | EngineError::Tokenizer { .. } => {
+            ApiError::invalid(err.to_string())
+        }
+        EngineError::UnknownSession(_) => {
+            ApiError::not_found("session_not_found", "the session is gone; create a new one")
+        }
+        EngineError::Package(_) | EngineError::Backend(_) => {
+            tracing::error!("generation failed: {err}");
+            ApiError::internal()
+        }
+    }
+}

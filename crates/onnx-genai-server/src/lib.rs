@@ -1,0 +1,152 @@
+//! The OpenAI-compatible HTTP server. One driver thread per model owns its
+//! engine; routes reach it through channels. Sessions are bound to
+//! model-qualified placements and taken by lease for each turn. See
+//! `../shared/docs/INVARIANTS.md` (A9, L1–L9) and ARCHITECTURE.md.
+
+mod api;
+mod driver;
+mod error;
+mod routes;
+mod sessions;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{delete, get, post};
+use axum::Router;
+use onnx_genai_engine::Engine;
+
+pub use driver::Driver;
+pub use error::ApiError;
+pub use routes::SESSION_HEADER;
+use sessions::Registry;
+
+/// Largest request body accepted (413 beyond it).
+pub const BODY_LIMIT: usize = 1 << 20;
+
+pub struct AppState {
+    drivers: BTreeMap<String, Driver>,
+    registry: Arc<Registry>,
+}
+
+/// Gauges that must return to their baseline when the server is idle.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Gauges {
+    pub sessions: usize,
+    pub leases: usize,
+    pub reserved_bytes: u64,
+    pub admitted: u64,
+    pub turns: u64,
+}
+
+/// A server bound to a socket, running on its own runtime thread.
+pub struct RunningServer {
+    pub addr: SocketAddr,
+    state: Arc<AppState>,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl RunningServer {
+    pub fn gauges(&self) -> Gauges {
+        let drivers = self.state.drivers.values();
+        let mut g = Gauges {
+            sessions: self.state.registry.active(),
+            leases: self.state.registry.leased(),
+            reserved_bytes: 0,
+            admitted: 0,
+            turns: 0,
+        };
+        for d in drivers {
+            g.reserved_bytes += d.scheduler.reserved_bytes();
+            g.admitted += d.counters.admitted.load(Ordering::SeqCst);
+            g.turns += d.counters.turns.load(Ordering::SeqCst);
+        }
+        g
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    /// Blocks until the server stops (it stops on [`RunningServer::stop`]).
+    pub fn wait(mut self) {
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+
+    pub fn stop(mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("two packages are both named `{0}`; serve each model once")]
+    DuplicateModel(String),
+    #[error("nothing to serve: give at least one package")]
+    NoModels,
+    #[error("cannot listen on {addr}: {reason}")]
+    Bind { addr: String, reason: String },
+}
+
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/health", get(routes::health))
+        .route("/v1/models", get(routes::models))
+        .route("/v1/chat/completions", post(routes::chat_completions))
+        .route("/v1/completions", post(routes::completions))
+        .route("/v1/sessions", post(routes::create_session))
+        .route("/v1/sessions/{id}", delete(routes::delete_session))
+        .layer(DefaultBodyLimit::max(BODY_LIMIT))
+        .with_state(state)
+}
+
+/// Starts serving `engines` (model name = package name) on `addr`
+/// (`127.0.0.1:0` picks a free port) with at most `max_sessions` sessions.
+pub fn start(engines: Vec<Engine>, addr: &str, max_sessions: usize) -> Result<RunningServer, ServeError> {
+    if engines.is_empty() {
+        return Err(ServeError::NoModels);
+    }
+    let mut drivers = BTreeMap::new();
+    for engine in engines {
+        let name = engine.package().manifest.name.clone();
+        if drivers.contains_key(&name) {
+            return Err(ServeError::DuplicateModel(name));
+        }
+        drivers.insert(name.clone(), Driver::spawn(name, engine));
+    }
+    let state = Arc::new(AppState { drivers, registry: Registry::new(max_sessions.max(1)) });
+    let bind_err = |reason: String| ServeError::Bind { addr: addr.into(), reason };
+    let listener = std::net::TcpListener::bind(addr).map_err(|e| bind_err(e.to_string()))?;
+    listener.set_nonblocking(true).map_err(|e| bind_err(e.to_string()))?;
+    let local = listener.local_addr().map_err(|e| bind_err(e.to_string()))?;
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let app = router(state.clone());
+    let runtime =
+        tokio::runtime::Builder::new_multi_thread().enable_all().build().map_err(|e| bind_err(e.to_string()))?;
+    let thread = std::thread::Builder::new()
+        .name("http".into())
+        .spawn(move || {
+            runtime.block_on(async move {
+                let Ok(listener) = tokio::net::TcpListener::from_std(listener) else { return };
+                let shutdown = async {
+                    let _ = rx.await;
+                };
+                if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(shutdown).await {
+                    tracing::error!("server stopped: {e}");
+                }
+            })
+        })
+        .map_err(|e| bind_err(e.to_string()))?;
+    Ok(RunningServer { addr: local, state, shutdown: Some(tx), thread: Some(thread) })
+}

@@ -1,0 +1,303 @@
+//! The HTTP routes. A turn: parse and check the body, find the model, take
+//! the session's lease (L1), send the command to the model's driver, wait
+//! for the admission promise before any header (A9), then answer as JSON or
+//! as an SSE stream.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::HeaderMap;
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures_util::stream::{self, Stream, StreamExt};
+use onnx_genai_engine::{ChatMessage, FinishReason, GenerateRequest, Prompt, Sampling};
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use crate::api::{self, ChatRequest, CompletionRequest, SessionRequest};
+use crate::driver::{Command, Driver, Event, Promise};
+use crate::error::ApiError;
+use crate::sessions::{mint_id, Placement};
+use crate::AppState;
+
+/// The header a turn names its session with.
+pub const SESSION_HEADER: &str = "x-session-id";
+
+pub async fn health() -> Json<Value> {
+    Json(json!({"status": "ok"}))
+}
+
+pub async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
+    let data: Vec<Value> = state
+        .drivers
+        .keys()
+        .map(|name| json!({"id": name, "object": "model", "created": 0, "owned_by": "onnx-genai"}))
+        .collect();
+    Json(json!({"object": "list", "data": data}))
+}
+
+fn driver<'a>(state: &'a AppState, model: &str) -> Result<&'a Driver, ApiError> {
+    state.drivers.get(model).ok_or_else(|| {
+        let known: Vec<&str> = state.drivers.keys().map(String::as_str).collect();
+        ApiError::not_found("model_not_found", format!("no model `{model}` (served: {})", known.join(", ")))
+    })
+}
+
+pub async fn create_session(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Json<Value>, ApiError> {
+    let req: SessionRequest = api::parse(&body)?;
+    let driver = driver(&state, &req.model)?.clone();
+    let (slot, evicted) = state.registry.reserve()?;
+    if let Some(victim) = evicted {
+        if let Some(d) = state.drivers.get(&victim.model) {
+            let _ = d.send(Command::CloseSession { id: victim.engine });
+        }
+    }
+    let engine = driver.mint_session();
+    let id = mint_id();
+    let placement = Placement { model: req.model.clone(), worker: 0, engine };
+    state.registry.bind(slot, &id, placement)?;
+    // Queued before any turn can name the session, so the driver opens it first.
+    driver.send(Command::OpenSession { id: engine })?;
+    Ok(Json(json!({"id": id, "object": "session", "model": req.model})))
+}
+
+pub async fn delete_session(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let placement = state.registry.close(&id)?;
+    if let Some(d) = state.drivers.get(&placement.model) {
+        let _ = d.send(Command::CloseSession { id: placement.engine });
+    }
+    Ok(Json(json!({"id": id, "object": "session.deleted", "deleted": true})))
+}
+
+/// Which wire format a turn answers in.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Chat,
+    Text,
+}
+
+pub async fn chat_completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    let turn = async {
+        let req: ChatRequest = api::parse(&body)?;
+        let mut messages = Vec::with_capacity(req.messages.len());
+        for (i, m) in req.messages.into_iter().enumerate() {
+            let content = match m.content {
+                api::Content::Text(t) => t,
+                api::Content::Parts(parts) => {
+                    if let Some(p) = parts.iter().find(|p| p.kind != "text") {
+                        return Err(ApiError::param(
+                            &format!("messages[{i}].content"),
+                            format!("content part type `{}` is not supported", p.kind),
+                        ));
+                    }
+                    parts.into_iter().filter_map(|p| p.text).collect::<Vec<_>>().join("")
+                }
+            };
+            messages.push(ChatMessage { role: m.role, content });
+        }
+        if messages.is_empty() {
+            return Err(ApiError::param("messages", "messages must not be empty"));
+        }
+        run_turn(&state, &headers, Prompt::Chat(messages), req.common, Kind::Chat).await
+    };
+    turn.await.unwrap_or_else(IntoResponse::into_response)
+}
+
+pub async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    let turn = async {
+        let req: CompletionRequest = api::parse(&body)?;
+        if req.prompt.is_empty() {
+            return Err(ApiError::param("prompt", "prompt must not be empty"));
+        }
+        run_turn(&state, &headers, Prompt::Text(req.prompt), req.common, Kind::Text).await
+    };
+    turn.await.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn run_turn(
+    state: &AppState,
+    headers: &HeaderMap,
+    prompt: Prompt,
+    opts: api::Sampling,
+    kind: Kind,
+) -> Result<Response, ApiError> {
+    opts.check()?;
+    let driver = driver(state, &opts.model)?;
+    // L1: the lease comes before anything queues; L8: no session, no lease.
+    let lease = match headers.get(SESSION_HEADER) {
+        None => None,
+        Some(v) => {
+            let id = v.to_str().map_err(|_| ApiError::invalid("the X-Session-Id header is not text"))?;
+            Some(state.registry.lease(&opts.model, id)?)
+        }
+    };
+    let mut request = GenerateRequest::new(prompt);
+    request.session = lease.as_ref().map(|l| l.placement.engine);
+    request.max_new_tokens = opts.max_new_tokens();
+    request.sampling = Sampling {
+        temperature: opts.temperature.unwrap_or(1.0),
+        top_k: 0,
+        top_p: opts.top_p.unwrap_or(1.0),
+        seed: opts.seed.unwrap_or(0),
+    };
+    let (admission, admitted) = Promise::new();
+    let (events, rx) = mpsc::channel(16);
+    driver.send(Command::Generate { request: Box::new(request), lease, admission, events })?;
+    // A9: no header before the engine decided.
+    admitted.await.map_err(|_| ApiError::internal())??;
+    let reply = Reply {
+        model: opts.model.clone(),
+        kind,
+        stops: opts.stops(),
+        id: format!("{}-{}", kind.prefix(), crate::sessions::random_hex()),
+    };
+    if opts.stream {
+        let include_usage = opts.stream_options.as_ref().is_some_and(|o| o.include_usage);
+        Ok(Sse::new(stream_events(reply, rx, include_usage)).into_response())
+    } else {
+        collect(reply, rx).await.map(|v| Json(v).into_response())
+    }
+}
+
+impl Kind {
+    fn prefix(self) -> &'static str {
+        match self {
+            Kind::Chat => "chatcmpl",
+            Kind::Text => "cmpl",
+        }
+    }
+}
+
+struct Reply {
+    id: String,
+    model: String,
+    kind: Kind,
+    stops: Vec<String>,
+}
+
+fn finish_reason(r: FinishReason) -> &'static str {
+    match r {
+        FinishReason::Length => "length",
+        FinishReason::Eos | FinishReason::Stopped => "stop",
+    }
+}
+
+/// Cuts `text` at the first stop string; `true` when one was found.
+fn apply_stops(text: &mut String, stops: &[String]) -> bool {
+    let cut = stops.iter().filter_map(|s| text.find(s.as_str())).min();
+    if let Some(at) = cut {
+        text.truncate(at);
+        return true;
+    }
+    false
+}
+
+async fn collect(reply: Reply, mut rx: mpsc::Receiver<Event>) -> Result<Value, ApiError> {
+    let mut text = String::new();
+    while let Some(event) = rx.recv().await {
+        match event {
+            Event::Delta(d) => {
+                text.push_str(&d);
+                if apply_stops(&mut text, &reply.stops) {
+                    // Dropping the receiver stops the generation.
+                    return Ok(body(&reply, &text, "stop", None));
+                }
+            }
+            Event::Finished(result) => {
+                let usage = api::usage(result.prompt_tokens, result.token_ids.len());
+                return Ok(body(&reply, &text, finish_reason(result.finish_reason), Some(usage)));
+            }
+            Event::Failed(e) => return Err(e),
+        }
+    }
+    Err(ApiError::internal())
+}
+
+fn body(reply: &Reply, text: &str, finish: &str, usage: Option<Value>) -> Value {
+    let choice = match reply.kind {
+        Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}),
+        Kind::Text => json!({"index": 0, "text": text, "finish_reason": finish, "logprobs": null}),
+    };
+    let object = if reply.kind == Kind::Chat { "chat.completion" } else { "text_completion" };
+    json!({"id": reply.id, "object": object, "created": api::now(), "model": reply.model, "choices": [choice], "usage": usage})
+}
+
+fn chunk(reply: &Reply, delta: Option<&str>, finish: Option<&str>, first: bool) -> Value {
+    let choice = match reply.kind {
+        Kind::Chat => {
+            let mut d = json!({});
+            if first {
+                d["role"] = json!("assistant");
+            }
+            if let Some(t) = delta {
+                d["content"] = json!(t);
+            }
+            json!({"index": 0, "delta": d, "finish_reason": finish})
+        }
+        Kind::Text => json!({"index": 0, "text": delta.unwrap_or(""), "finish_reason": finish, "logprobs": null}),
+    };
+    let object = if reply.kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
+    json!({"id": reply.id, "object": object, "created": api::now(), "model": reply.model, "choices": [choice]})
+}
+
+enum StreamState {
+    Open { rx: mpsc::Receiver<Event>, text: String, first: bool },
+    Done,
+}
+
+fn stream_events(
+    reply: Reply,
+    rx: mpsc::Receiver<Event>,
+    include_usage: bool,
+) -> impl Stream<Item = Result<SseEvent, Infallible>> {
+    let reply = Arc::new(reply);
+    let start = StreamState::Open { rx, text: String::new(), first: true };
+    stream::unfold(start, move |state| {
+        let reply = reply.clone();
+        async move {
+            let StreamState::Open { mut rx, mut text, first } = state else { return None };
+            let data = |v: Value| SseEvent::default().data(v.to_string());
+            let done = SseEvent::default().data("[DONE]");
+            match rx.recv().await {
+                Some(Event::Delta(d)) => {
+                    let before = text.len();
+                    text.push_str(&d);
+                    if apply_stops(&mut text, &reply.stops) {
+                        let tail = text[before.min(text.len())..].to_string();
+                        let events = vec![
+                            Ok(data(chunk(&reply, Some(&tail), None, first))),
+                            Ok(data(chunk(&reply, None, Some("stop"), false))),
+                            Ok(done),
+                        ];
+                        return Some((stream::iter(events), StreamState::Done));
+                    }
+                    Some((
+                        stream::iter(vec![Ok(data(chunk(&reply, Some(&d), None, first)))]),
+                        StreamState::Open { rx, text, first: false },
+                    ))
+                }
+                Some(Event::Finished(result)) => {
+                    let mut events =
+                        vec![Ok(data(chunk(&reply, None, Some(finish_reason(result.finish_reason)), first)))];
+                    if include_usage {
+                        let mut u = chunk(&reply, None, None, false);
+                        u["choices"] = json!([]);
+                        u["usage"] = api::usage(result.prompt_tokens, result.token_ids.len());
+                        events.push(Ok(data(u)));
+                    }
+                    events.push(Ok(done));
+                    Some((stream::iter(events), StreamState::Done))
+                }
+                Some(Event::Failed(e)) => Some((stream::iter(vec![Ok(data(e.body())), Ok(done)]), StreamState::Done)),
+                None => None,
+            }
+        }
+    })
+    .flat_map(|s| s)
+}

@@ -1,0 +1,190 @@
+//! The routing layer's session registry. A public session id maps to a
+//! model-qualified placement `(model, worker, engine session)`. A turn takes
+//! the session's exclusive lease before anything queues (L1); the lease
+//! travels with the turn and releases on `Drop` (L2). Close, eviction and
+//! capacity decisions are made under the registry's one lock (L4–L7).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use onnx_genai_engine::SessionId;
+
+use crate::error::ApiError;
+
+/// Where a session lives: the key leases are taken on (L3).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Placement {
+    pub model: String,
+    pub worker: usize,
+    pub engine: SessionId,
+}
+
+#[derive(Debug)]
+struct Entry {
+    placement: Placement,
+    leased: bool,
+    last_used: u64,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    sessions: HashMap<String, Entry>,
+    /// Inserts between their capacity decision and their bind.
+    pending: usize,
+    tick: u64,
+}
+
+#[derive(Debug)]
+pub struct Registry {
+    inner: Mutex<Inner>,
+    max_sessions: usize,
+}
+
+/// An exclusive lease on one session; dropping it releases the session.
+#[derive(Debug)]
+pub struct Lease {
+    registry: Arc<Registry>,
+    id: String,
+    pub placement: Placement,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let mut inner = self.registry.lock();
+        inner.tick += 1;
+        let tick = inner.tick;
+        if let Some(e) = inner.sessions.get_mut(&self.id) {
+            e.leased = false;
+            e.last_used = tick;
+        }
+    }
+}
+
+/// A capacity slot for one insert; dropping it without binding gives the
+/// slot back.
+#[derive(Debug)]
+pub struct Slot {
+    registry: Arc<Registry>,
+    bound: bool,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        if !self.bound {
+            self.registry.lock().pending -= 1;
+        }
+    }
+}
+
+impl Registry {
+    pub fn new(max_sessions: usize) -> Arc<Self> {
+        Arc::new(Self { inner: Mutex::default(), max_sessions })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // Every update is a single statement; a poisoned lock holds consistent data.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes the exclusive lease of session `id` for a turn on `model`.
+    pub fn lease(self: &Arc<Self>, model: &str, id: &str) -> Result<Lease, ApiError> {
+        let mut inner = self.lock();
+        let e = inner.sessions.get_mut(id).ok_or_else(|| unknown(id))?;
+        if e.placement.model != model {
+            return Err(ApiError::conflict(format!(
+                "session `{id}` belongs to model `{}`, not `{model}`",
+                e.placement.model
+            )));
+        }
+        if e.leased {
+            return Err(ApiError::conflict(format!("session `{id}` is busy with another turn; wait for it to finish")));
+        }
+        e.leased = true;
+        let placement = e.placement.clone();
+        Ok(Lease { registry: self.clone(), id: id.into(), placement })
+    }
+
+    /// Decides capacity for one new session: a free slot, or the least
+    /// recently used idle session, evicted by taking its lease (L5) and
+    /// unbinding it — returned so its engine session can be closed. Refused
+    /// when every session is mid-turn (L6).
+    pub fn reserve(self: &Arc<Self>) -> Result<(Slot, Option<Placement>), ApiError> {
+        let mut inner = self.lock();
+        let mut evicted = None;
+        if inner.sessions.len() + inner.pending >= self.max_sessions {
+            let victim = inner
+                .sessions
+                .iter()
+                .filter(|(_, e)| !e.leased)
+                .min_by_key(|(_, e)| e.last_used)
+                .map(|(id, _)| id.clone());
+            let Some(victim) = victim else {
+                return Err(ApiError::busy(format!(
+                    "all {} sessions are busy; retry when a turn finishes, or close a session",
+                    self.max_sessions
+                )));
+            };
+            evicted = inner.sessions.remove(&victim).map(|e| e.placement);
+        }
+        inner.pending += 1;
+        drop(inner);
+        Ok((Slot { registry: self.clone(), bound: false }, evicted))
+    }
+
+    /// Binds `id` in a reserved slot (L7: an id is bound once).
+    pub fn bind(&self, mut slot: Slot, id: &str, placement: Placement) -> Result<(), ApiError> {
+        let mut inner = self.lock();
+        if inner.sessions.contains_key(id) {
+            return Err(ApiError::conflict(format!("session `{id}` already exists")));
+        }
+        inner.tick += 1;
+        let last_used = inner.tick;
+        inner.sessions.insert(id.into(), Entry { placement, leased: false, last_used });
+        inner.pending -= 1;
+        slot.bound = true;
+        Ok(())
+    }
+
+    /// Close: finds, checks the lease and unbinds under one lock (L4).
+    pub fn close(&self, id: &str) -> Result<Placement, ApiError> {
+        let mut inner = self.lock();
+        match inner.sessions.get(id) {
+            None => Err(unknown(id)),
+            Some(e) if e.leased => {
+                Err(ApiError::conflict(format!("session `{id}` is busy with a turn; close it after the turn")))
+            }
+            Some(_) => Ok(inner.sessions.remove(id).map(|e| e.placement).ok_or_else(|| unknown(id))?),
+        }
+    }
+
+    /// Bound sessions (the active-session gauge).
+    pub fn active(&self) -> usize {
+        self.lock().sessions.len()
+    }
+
+    /// Leases held right now.
+    pub fn leased(&self) -> usize {
+        self.lock().sessions.values().filter(|e| e.leased).count()
+    }
+}
+
+fn unknown(id: &str) -> ApiError {
+    ApiError::not_found("session_not_found", format!("no session `{id}`: create one with POST /v1/sessions"))
+}
+
+/// A fresh random public session id.
+pub fn mint_id() -> String {
+    format!("sess_{}", random_hex())
+}
+
+/// 32 random hex digits.
+pub fn random_hex() -> String {
+    let mut bytes = [0u8; 16];
+    // The OS random source failing is not recoverable; fall back to time so
+    // ids stay unique within a process.
+    if getrandom::fill(&mut bytes).is_err() {
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+        bytes.copy_from_slice(&t.to_le_bytes());
+    }
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}

@@ -1,0 +1,56 @@
+"""Drives an onnx-genai server with the official OpenAI Python client.
+
+Usage: client.py BASE_URL MODEL. Prints one line per check; exits non-zero on
+the first failure.
+"""
+import json
+import sys
+import urllib.request
+
+import openai
+
+base, model = sys.argv[1], sys.argv[2]
+client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+
+ids = [m.id for m in client.models.list().data]
+assert ids == [model], ids
+print("models ok")
+
+chat = client.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": "Hello"}], max_tokens=6, temperature=0
+)
+assert chat.object == "chat.completion", chat
+assert chat.choices[0].message.role == "assistant"
+assert chat.usage.completion_tokens == 6, chat.usage
+print("chat ok")
+
+parts = []
+for chunk in client.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": "Hello"}], max_tokens=6, temperature=0, stream=True
+):
+    if chunk.choices and chunk.choices[0].delta.content:
+        parts.append(chunk.choices[0].delta.content)
+assert "".join(parts) == chat.choices[0].message.content, (parts, chat.choices[0].message.content)
+print("stream ok")
+
+request = urllib.request.Request(
+    base + "/v1/sessions", data=json.dumps({"model": model}).encode(), headers={"content-type": "application/json"}
+)
+session = json.load(urllib.request.urlopen(request))["id"]
+first = client.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0,
+    extra_headers={"X-Session-Id": session},
+)
+second = client.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": "And?"}], max_tokens=3, temperature=0,
+    extra_headers={"X-Session-Id": session},
+)
+assert second.usage.prompt_tokens > first.usage.total_tokens, (first.usage, second.usage)
+print("session ok")
+
+try:
+    client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+    raise SystemExit("an unknown model was accepted")
+except openai.NotFoundError as e:
+    assert e.status_code == 404 and "no-such-model" in str(e), e
+print("error ok")

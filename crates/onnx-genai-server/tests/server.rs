@@ -1,0 +1,353 @@
+//! The server over real HTTP on loopback, with real concurrency: threads
+//! released together on a barrier. A gate inside the backend holds a turn
+//! mid-flight when a test needs a busy session. Each test names the
+//! invariants it pins (../shared/docs/INVARIANTS.md).
+
+mod support;
+
+use std::sync::{Arc, Barrier};
+use std::time::Duration;
+
+use onnx_genai_engine::Scheduler;
+use onnx_genai_server::{start, RunningServer};
+use serde_json::json;
+use support::{call, engine, eventually, package, post, Gate, Stream};
+
+fn chat(model: &str, text: &str, max: u32) -> serde_json::Value {
+    json!({"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max, "temperature": 0})
+}
+
+fn serve(names: &[&str], gate: &Gate, budget: u64, max_sessions: usize) -> (Vec<tempfile::TempDir>, RunningServer) {
+    let mut dirs = Vec::new();
+    let mut engines = Vec::new();
+    let scheduler = Scheduler::new(budget);
+    for n in names {
+        let (dir, p) = package(n);
+        engines.push(engine(&p, gate, scheduler.clone()));
+        dirs.push(dir);
+    }
+    (dirs, start(engines, "127.0.0.1:0", max_sessions).unwrap())
+}
+
+fn session(s: &RunningServer, model: &str) -> String {
+    let r = post(s.addr, "/v1/sessions", &json!({"model": model}));
+    assert_eq!(r.status, 200, "{}", r.body);
+    r.json()["id"].as_str().unwrap().to_string()
+}
+
+fn turn(s: &RunningServer, model: &str, sid: Option<&str>, text: &str, max: u32) -> support::Reply {
+    let headers: Vec<(&str, &str)> = sid.map(|id| vec![("x-session-id", id)]).unwrap_or_default();
+    call(s.addr, "POST", "/v1/chat/completions", &headers, &chat(model, text, max).to_string())
+}
+
+/// Runs `n` copies of `f` released together; returns their results.
+fn together<T: Send + 'static>(n: usize, f: impl Fn(usize) -> T + Send + Sync + 'static) -> Vec<T> {
+    let barrier = Arc::new(Barrier::new(n));
+    let f = Arc::new(f);
+    let handles: Vec<_> = (0..n)
+        .map(|i| {
+            let (b, f) = (barrier.clone(), f.clone());
+            std::thread::spawn(move || {
+                b.wait();
+                f(i)
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+const M: &str = "tiny-llama-gqa";
+
+/// Pins L1, L2, L8, L9: while one turn holds a session, N overlapping turns
+/// on it are all refused with 409 `conflict_error` naming the session and
+/// are charged no admission; the holder then succeeds, the conversation is
+/// intact (its next turn counts every earlier token), the lease is released
+/// (polled), and distinct sessions and stateless requests are never refused.
+#[test]
+fn overlapping_turns_on_one_session_conflict() {
+    let gate = Gate::default();
+    let (_d, s) = serve(&[M], &gate, u64::MAX, 16);
+    let s = Arc::new(s);
+    let sid = session(&s, M);
+    gate.close();
+    let holder = {
+        let (s, sid) = (s.clone(), sid.clone());
+        std::thread::spawn(move || turn(&s, M, Some(&sid), "Hello there", 6))
+    };
+    gate.wait_held(1);
+    let admitted = s.gauges().admitted;
+    let n = 8;
+    let replies = {
+        let (s, sid) = (s.clone(), sid.clone());
+        together(n, move |_| turn(&s, M, Some(&sid), "me too", 4))
+    };
+    for r in &replies {
+        assert_eq!(r.status, 409, "{}", r.body);
+        assert_eq!(r.error_type(), "conflict_error");
+        assert!(r.json()["error"]["message"].as_str().unwrap().contains(&sid));
+    }
+    assert_eq!(s.gauges().admitted, admitted, "a refused turn was charged an admission");
+    gate.open();
+    let first = holder.join().unwrap();
+    assert_eq!(first.status, 200, "{}", first.body);
+    let used = first.json()["usage"]["total_tokens"].as_u64().unwrap();
+    assert!(eventually(Duration::from_secs(5), || s.gauges().leases == 0), "lease not released");
+    let next = turn(&s, M, Some(&sid), "again", 3);
+    assert_eq!(next.status, 200, "{}", next.body);
+    assert!(next.json()["usage"]["prompt_tokens"].as_u64().unwrap() > used, "the next turn carries the conversation");
+
+    // Distinct sessions never refuse each other; stateless requests take no lease.
+    let ids: Vec<String> = (0..4).map(|_| session(&s, M)).collect();
+    let ids = Arc::new(ids);
+    let replies = {
+        let (s, ids) = (s.clone(), ids.clone());
+        together(8, move |i| if i < 4 { turn(&s, M, Some(&ids[i]), "hi", 4) } else { turn(&s, M, None, "hi", 4) })
+    };
+    assert!(replies.iter().all(|r| r.status == 200), "{:?}", replies.iter().map(|r| r.status).collect::<Vec<_>>());
+    assert!(eventually(Duration::from_secs(5), || s.gauges().leases == 0 && s.gauges().reserved_bytes == 0));
+}
+
+/// Pins L4: a DELETE racing a live turn is refused and the session
+/// survives; racing DELETEs of an idle session unbind it exactly once; the
+/// session gauge moves by exactly one per insert and close (L7).
+#[test]
+fn close_is_one_decision() {
+    let gate = Gate::default();
+    let (_d, s) = serve(&[M], &gate, u64::MAX, 16);
+    let s = Arc::new(s);
+    let base = s.gauges().sessions;
+    let sid = session(&s, M);
+    assert_eq!(s.gauges().sessions, base + 1);
+    gate.close();
+    let holder = {
+        let (s, sid) = (s.clone(), sid.clone());
+        std::thread::spawn(move || turn(&s, M, Some(&sid), "Hello", 4))
+    };
+    gate.wait_held(1);
+    let del = call(s.addr, "DELETE", &format!("/v1/sessions/{sid}"), &[], "");
+    assert_eq!(del.status, 409, "{}", del.body);
+    gate.open();
+    assert_eq!(holder.join().unwrap().status, 200);
+    assert!(eventually(Duration::from_secs(5), || s.gauges().leases == 0));
+    let replies = {
+        let (s, sid) = (s.clone(), sid.clone());
+        together(4, move |_| call(s.addr, "DELETE", &format!("/v1/sessions/{sid}"), &[], "").status)
+    };
+    assert_eq!(replies.iter().filter(|c| **c == 200).count(), 1, "{replies:?}");
+    assert_eq!(replies.iter().filter(|c| **c == 404).count(), 3, "{replies:?}");
+    assert_eq!(s.gauges().sessions, base);
+    assert_eq!(turn(&s, M, Some(&sid), "x", 2).status, 404);
+}
+
+/// Pins L5 and L6: eviction takes the least recently used idle session and
+/// never one mid-turn; when every session is busy a new one is refused with
+/// 429 `resource_limit_error` (and `Retry-After`), and after a release the
+/// next insert evicts instead of growing.
+#[test]
+fn eviction_skips_busy_sessions_and_capacity_is_strict() {
+    let gate = Gate::default();
+    let (_d, s) = serve(&[M], &gate, u64::MAX, 2);
+    let s = Arc::new(s);
+    let (a, b) = (session(&s, M), session(&s, M));
+    // Use b after a, so a would be the LRU victim if it were idle.
+    assert_eq!(turn(&s, M, Some(&b), "b", 2).status, 200);
+    gate.close();
+    let busy = {
+        let (s, a) = (s.clone(), a.clone());
+        std::thread::spawn(move || turn(&s, M, Some(&a), "a", 3))
+    };
+    gate.wait_held(1);
+    let c = session(&s, M);
+    assert_eq!(s.gauges().sessions, 2);
+    let gone = turn(&s, M, Some(&b), "b again", 2);
+    assert_eq!(gone.status, 404, "b (idle) was evicted: {}", gone.body);
+    // Now a (busy) and c (idle): make c busy too. Its turn queues behind
+    // a's on the model's one driver, but its lease is taken first (L1).
+    let busy_c = {
+        let (s, c) = (s.clone(), c.clone());
+        std::thread::spawn(move || turn(&s, M, Some(&c), "c", 3))
+    };
+    assert!(eventually(Duration::from_secs(10), || s.gauges().leases == 2));
+    let full = post(s.addr, "/v1/sessions", &json!({"model": M}));
+    assert_eq!(full.status, 429, "{}", full.body);
+    assert_eq!(full.error_type(), "resource_limit_error");
+    assert!(full.header("retry-after").is_some());
+    gate.open();
+    assert_eq!(busy.join().unwrap().status, 200, "the busy session was not evicted under its turn");
+    assert_eq!(busy_c.join().unwrap().status, 200);
+    assert!(eventually(Duration::from_secs(5), || s.gauges().leases == 0));
+    let _d2 = session(&s, M);
+    assert_eq!(s.gauges().sessions, 2, "after a release the insert evicts rather than grows");
+}
+
+/// Pins L3: two models whose sessions have identical placements (worker 0,
+/// engine session 1) never conflict; a session used on a model that does
+/// not own it is refused with 409.
+#[test]
+fn sessions_are_model_qualified() {
+    let gate = Gate::default();
+    let (_d, s) = serve(&[M, "tiny-gpt2"], &gate, u64::MAX, 8);
+    let s = Arc::new(s);
+    let (a, b) = (session(&s, M), session(&s, "tiny-gpt2"));
+    gate.close();
+    let holder = {
+        let (s, a) = (s.clone(), a.clone());
+        std::thread::spawn(move || turn(&s, M, Some(&a), "hold", 3))
+    };
+    gate.wait_held(1);
+    // tiny-gpt2's driver shares the gate, so its turn is admitted (no
+    // conflict) and then waits at the gate too.
+    let other = {
+        let (s, b) = (s.clone(), b.clone());
+        std::thread::spawn(move || turn(&s, "tiny-gpt2", Some(&b), "other", 3))
+    };
+    gate.wait_held(2);
+    let wrong = turn(&s, "tiny-gpt2", Some(&a), "wrong model", 2);
+    assert_eq!(wrong.status, 409, "{}", wrong.body);
+    assert!(wrong.body.contains("belongs to model"));
+    gate.open();
+    assert_eq!(holder.join().unwrap().status, 200);
+    assert_eq!(other.join().unwrap().status, 200);
+}
+
+/// Pins L2, L9 and A4: a client that disconnects mid-stream stops its turn;
+/// the lease and the KV reservation are released (polled with a bound) and
+/// the session takes the next turn.
+#[test]
+fn a_disconnect_mid_stream_releases_lease_and_reservation() {
+    let gate = Gate::default();
+    let (_d, s) = serve(&[M], &gate, u64::MAX / 2, 8);
+    let sid = session(&s, M);
+    let mut body = chat(M, "Tell me a long story", 200);
+    body["stream"] = json!(true);
+    let mut stream = Stream::open(s.addr, "/v1/chat/completions", &[("x-session-id", &sid)], &body);
+    assert_eq!(stream.status, 200);
+    assert!(stream.next_data().is_some());
+    drop(stream);
+    assert!(eventually(Duration::from_secs(10), || {
+        let g = s.gauges();
+        g.leases == 0 && g.reserved_bytes == 0
+    }));
+    assert_eq!(turn(&s, M, Some(&sid), "still there?", 2).status, 200);
+}
+
+/// Pins A9 (with A2): the route waits for admission before any header; a
+/// request that never fits the budget is 400, one that does not fit now is
+/// 429 `resource_limit_error` with a stable message and `Retry-After`; a
+/// good request is 200 — never a 500. (A model's driver runs its turns one
+/// at a time, so the budget binds across models sharing it.)
+#[test]
+fn the_admission_promise_decides_the_status() {
+    let gate = Gate::default();
+    let (dir, p) = package(M);
+    let bpt = p.kv_geometry().unwrap().bytes_per_token();
+    drop(dir);
+    let (_d, s) = serve(&[M, "tiny-gpt2"], &gate, 60 * bpt, 8);
+    let s = Arc::new(s);
+    // ~100 tokens: inside the context, beyond the 60-token budget.
+    let huge = "word ".repeat(30);
+    let never = turn(&s, M, None, &huge, 4);
+    assert_eq!(never.status, 400, "{}", never.body);
+    assert!(never.body.contains("more than the server's whole budget"), "{}", never.body);
+    gate.close();
+    let holder = {
+        let s = s.clone();
+        std::thread::spawn(move || turn(&s, M, None, "hold the budget", 40))
+    };
+    gate.wait_held(1);
+    let later = turn(&s, "tiny-gpt2", None, "wait", 4);
+    assert_eq!(later.status, 429, "{}", later.body);
+    assert_eq!(later.error_type(), "resource_limit_error");
+    assert!(later.header("retry-after").is_some());
+    // Streaming too: the status comes from the admission decision, not a
+    // 200 followed by an error event.
+    let mut body = chat("tiny-gpt2", "wait", 4);
+    body["stream"] = json!(true);
+    assert_eq!(Stream::open(s.addr, "/v1/chat/completions", &[], &body).status, 429);
+    let mut never_stream = chat("tiny-gpt2", &huge, 4);
+    never_stream["stream"] = json!(true);
+    assert_eq!(Stream::open(s.addr, "/v1/chat/completions", &[], &never_stream).status, 400);
+    gate.open();
+    assert_eq!(holder.join().unwrap().status, 200);
+    assert!(eventually(Duration::from_secs(5), || s.gauges().reserved_bytes == 0));
+    let ok = turn(&s, M, None, "now it fits", 4);
+    assert_eq!(ok.status, 200, "{}", ok.body);
+}
+
+/// Bad input: each error in OpenAI's shape with the right status and a
+/// message that says what to fix; no internal text.
+#[test]
+fn bad_requests_get_openai_errors() {
+    let gate = Gate::default();
+    let (_d, s) = serve(&[M], &gate, u64::MAX, 8);
+    type Case<'a> = (String, &'a [(&'a str, &'a str)], u16, &'a str);
+    let cases: Vec<Case> = vec![
+        ("{not json".into(), &[], 400, "not valid JSON"),
+        (chat("nope", "hi", 2).to_string(), &[], 404, "no model `nope`"),
+        (
+            json!({"model": M, "messages": [{"role": "user", "content": "hi"}], "temperature": 5}).to_string(),
+            &[],
+            400,
+            "temperature must be between 0 and 2",
+        ),
+        (
+            json!({"model": M, "messages": [{"role": "user", "content": "hi"}], "n": 2}).to_string(),
+            &[],
+            400,
+            "only n = 1",
+        ),
+        (
+            json!({"model": M, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}).to_string(),
+            &[],
+            400,
+            "max_tokens must be at least 1",
+        ),
+        (json!({"model": M}).to_string(), &[], 400, "missing field `messages`"),
+        (chat(M, "hi", 2).to_string(), &[("x-session-id", "sess_unknown")], 404, "no session `sess_unknown`"),
+        (format!("{{\"model\": \"{M}\", \"pad\": \"{}\"}}", "x".repeat(2 << 20)), &[], 413, ""),
+    ];
+    for (body, headers, status, want) in cases {
+        let r = call(s.addr, "POST", "/v1/chat/completions", headers, &body);
+        assert_eq!(r.status, status, "{want}: {}", r.body);
+        if status != 413 {
+            let msg = r.json()["error"]["message"].as_str().unwrap().to_string();
+            assert!(msg.contains(want), "expected `{want}` in {msg}");
+            assert!(!msg.contains("panicked") && !msg.contains("src/"), "internal text leaked: {msg}");
+        }
+    }
+    assert_eq!(call(s.addr, "DELETE", "/v1/sessions/sess_nope", &[], "").status, 404);
+}
+
+/// The OpenAI wire format: models, chat (JSON and SSE with usage), text
+/// completions.
+#[test]
+fn wire_format() {
+    let gate = Gate::default();
+    let (_d, s) = serve(&[M], &gate, u64::MAX, 8);
+    let models = call(s.addr, "GET", "/v1/models", &[], "");
+    assert_eq!(models.json()["data"][0]["id"], M);
+    let r = turn(&s, M, None, "Hello", 5).json();
+    assert_eq!(r["object"], "chat.completion");
+    assert_eq!(r["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(r["usage"]["completion_tokens"], 5);
+    assert_eq!(r["choices"][0]["finish_reason"], "length");
+    let mut body = chat(M, "Hello", 5);
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let mut stream = Stream::open(s.addr, "/v1/chat/completions", &[], &body);
+    let mut events = Vec::new();
+    while let Some(d) = stream.next_data() {
+        events.push(d);
+    }
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<serde_json::Value> =
+        events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let streamed: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+    assert_eq!(streamed, r["choices"][0]["message"]["content"].as_str().unwrap(), "stream and JSON agree");
+    assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 5);
+    let text =
+        post(s.addr, "/v1/completions", &json!({"model": M, "prompt": "Once upon", "max_tokens": 3, "temperature": 0}));
+    assert_eq!(text.json()["object"], "text_completion");
+    assert_eq!(call(s.addr, "GET", "/health", &[], "").status, 200);
+}
