@@ -2,6 +2,7 @@
 
 mod bench;
 mod conformance;
+mod load;
 mod ort;
 mod packages;
 mod pyclient;
@@ -62,6 +63,18 @@ enum Command {
         #[arg(long)]
         package: Option<String>,
     },
+    /// Load check: the server on loopback under concurrent clients (throughput, latency, gauges).
+    Load {
+        #[arg(long, default_value_t = 64)]
+        clients: usize,
+        #[arg(long, default_value_t = 20)]
+        turns: usize,
+        #[arg(long, default_value_t = 8)]
+        max_tokens: u32,
+        /// Decode backend (ort, native-cpu).
+        #[arg(long, default_value = "native-cpu")]
+        backend: String,
+    },
     /// Everything CI checks: ONNX Runtime, fmt, clippy, every test.
     Test,
 }
@@ -76,6 +89,9 @@ fn main() -> ExitCode {
         }
         Command::Bench { threads, rounds, steps, package } => {
             bench::run(bench::Options { threads, rounds: rounds.max(1), steps: steps.max(1), package })
+        }
+        Command::Load { clients, turns, max_tokens, backend } => {
+            load::run(load::Options { clients, turns, max_tokens: max_tokens.max(1), backend })
         }
         Command::Test => test(),
     };

@@ -132,6 +132,10 @@ fn run(mut engine: Engine, rx: std_mpsc::Receiver<Command>, counters: &Counters)
                         },
                     )
                 }));
+                // The engine's work is over: release the session before the
+                // client hears the end, so its next turn never meets a stale
+                // lease (L2; L9 allows trailing, but clients should not see it).
+                drop(lease);
                 let failure = match outcome {
                     Ok(Ok(result)) => {
                         let _ = events.blocking_send(Event::Finished(result));
@@ -148,7 +152,6 @@ fn run(mut engine: Engine, rx: std_mpsc::Receiver<Command>, counters: &Counters)
                         let _ = events.blocking_send(Event::Failed(err));
                     }
                 }
-                drop(lease);
             }
             Command::OpenSession { id } => {
                 if let Err(e) = engine.open_session(id) {

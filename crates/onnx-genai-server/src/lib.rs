@@ -4,6 +4,7 @@
 //! `../shared/docs/INVARIANTS.md` (A9, L1–L9) and ARCHITECTURE.md.
 
 mod api;
+pub mod client;
 mod driver;
 mod error;
 mod routes;

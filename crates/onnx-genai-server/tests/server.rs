@@ -11,7 +11,7 @@ use std::time::Duration;
 use onnx_genai_engine::Scheduler;
 use onnx_genai_server::{start, RunningServer};
 use serde_json::json;
-use support::{call, engine, eventually, package, post, Gate, Stream};
+use support::{call, engine, eventually, package, post, stream, Gate};
 
 fn chat(model: &str, text: &str, max: u32) -> serde_json::Value {
     json!({"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max, "temperature": 0})
@@ -220,10 +220,10 @@ fn a_disconnect_mid_stream_releases_lease_and_reservation() {
     let sid = session(&s, M);
     let mut body = chat(M, "Tell me a long story", 200);
     body["stream"] = json!(true);
-    let mut stream = Stream::open(s.addr, "/v1/chat/completions", &[("x-session-id", &sid)], &body);
-    assert_eq!(stream.status, 200);
-    assert!(stream.next_data().is_some());
-    drop(stream);
+    let mut sse = stream(s.addr, "/v1/chat/completions", &[("x-session-id", &sid)], &body);
+    assert_eq!(sse.status, 200);
+    assert!(sse.next_data().is_some());
+    drop(sse);
     assert!(eventually(Duration::from_secs(10), || {
         let g = s.gauges();
         g.leases == 0 && g.reserved_bytes == 0
@@ -263,10 +263,10 @@ fn the_admission_promise_decides_the_status() {
     // 200 followed by an error event.
     let mut body = chat("tiny-gpt2", "wait", 4);
     body["stream"] = json!(true);
-    assert_eq!(Stream::open(s.addr, "/v1/chat/completions", &[], &body).status, 429);
+    assert_eq!(stream(s.addr, "/v1/chat/completions", &[], &body).status, 429);
     let mut never_stream = chat("tiny-gpt2", &huge, 4);
     never_stream["stream"] = json!(true);
-    assert_eq!(Stream::open(s.addr, "/v1/chat/completions", &[], &never_stream).status, 400);
+    assert_eq!(stream(s.addr, "/v1/chat/completions", &[], &never_stream).status, 400);
     gate.open();
     assert_eq!(holder.join().unwrap().status, 200);
     assert!(eventually(Duration::from_secs(5), || s.gauges().reserved_bytes == 0));
@@ -334,9 +334,9 @@ fn wire_format() {
     let mut body = chat(M, "Hello", 5);
     body["stream"] = json!(true);
     body["stream_options"] = json!({"include_usage": true});
-    let mut stream = Stream::open(s.addr, "/v1/chat/completions", &[], &body);
+    let mut sse = stream(s.addr, "/v1/chat/completions", &[], &body);
     let mut events = Vec::new();
-    while let Some(d) = stream.next_data() {
+    while let Some(d) = sse.next_data() {
         events.push(d);
     }
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));

@@ -3,8 +3,6 @@
 
 #![allow(dead_code)]
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -92,118 +90,18 @@ pub fn engine(package: &Package, gate: &Gate, scheduler: Scheduler) -> Engine {
     Engine::new(package.clone(), factory).unwrap().with_scheduler(scheduler)
 }
 
-#[derive(Debug)]
-pub struct Reply {
-    pub status: u16,
-    pub headers: Vec<(String, String)>,
-    pub body: String,
+pub use onnx_genai_server::client::{Reply, Stream};
+
+pub fn call(addr: std::net::SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> Reply {
+    onnx_genai_server::client::call(addr, method, path, headers, body).expect("loopback request")
 }
 
-impl Reply {
-    pub fn json(&self) -> serde_json::Value {
-        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.body))
-    }
-    pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
-    }
-    /// The error type of an OpenAI error body.
-    pub fn error_type(&self) -> String {
-        self.json()["error"]["type"].as_str().unwrap_or_default().to_string()
-    }
-}
-
-fn send(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> TcpStream {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    let mut req = format!("{method} {path} HTTP/1.1\r\nhost: test\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n", body.len());
-    for (k, v) in headers {
-        req.push_str(&format!("{k}: {v}\r\n"));
-    }
-    req.push_str("\r\n");
-    s.write_all(req.as_bytes()).unwrap();
-    s.write_all(body.as_bytes()).unwrap();
-    s
-}
-
-fn head(r: &mut BufReader<TcpStream>) -> (u16, Vec<(String, String)>) {
-    let mut line = String::new();
-    r.read_line(&mut line).unwrap();
-    let status = line.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
-    let mut headers = Vec::new();
-    loop {
-        let mut l = String::new();
-        r.read_line(&mut l).unwrap();
-        let l = l.trim_end();
-        if l.is_empty() {
-            break;
-        }
-        if let Some((k, v)) = l.split_once(':') {
-            headers.push((k.trim().to_lowercase(), v.trim().to_string()));
-        }
-    }
-    (status, headers)
-}
-
-/// Reads a whole body, chunked or not.
-fn body(r: &mut BufReader<TcpStream>, headers: &[(String, String)]) -> String {
-    let chunked = headers.iter().any(|(k, v)| k == "transfer-encoding" && v.contains("chunked"));
-    let mut out = Vec::new();
-    if chunked {
-        loop {
-            let mut size = String::new();
-            if r.read_line(&mut size).unwrap_or(0) == 0 {
-                break;
-            }
-            let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
-            if n == 0 {
-                break;
-            }
-            let mut chunk = vec![0; n + 2];
-            r.read_exact(&mut chunk).unwrap();
-            out.extend_from_slice(&chunk[..n]);
-        }
-    } else {
-        r.read_to_end(&mut out).unwrap();
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
-pub fn call(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body_text: &str) -> Reply {
-    let mut r = BufReader::new(send(addr, method, path, headers, body_text));
-    let (status, headers) = head(&mut r);
-    let body = body(&mut r, &headers);
-    Reply { status, headers, body }
-}
-
-pub fn post(addr: SocketAddr, path: &str, body: &serde_json::Value) -> Reply {
+pub fn post(addr: std::net::SocketAddr, path: &str, body: &serde_json::Value) -> Reply {
     call(addr, "POST", path, &[], &body.to_string())
 }
 
-/// A streaming response read incrementally; dropping it disconnects.
-pub struct Stream {
-    pub status: u16,
-    reader: BufReader<TcpStream>,
-}
-
-impl Stream {
-    pub fn open(addr: SocketAddr, path: &str, headers: &[(&str, &str)], body: &serde_json::Value) -> Self {
-        let mut reader = BufReader::new(send(addr, "POST", path, headers, &body.to_string()));
-        let (status, _) = head(&mut reader);
-        Self { status, reader }
-    }
-
-    /// The next `data:` payload (chunk framing lines are skipped).
-    pub fn next_data(&mut self) -> Option<String> {
-        loop {
-            let mut line = String::new();
-            if self.reader.read_line(&mut line).ok()? == 0 {
-                return None;
-            }
-            if let Some(d) = line.trim_end().strip_prefix("data: ") {
-                return Some(d.to_string());
-            }
-        }
-    }
+pub fn stream(addr: std::net::SocketAddr, path: &str, headers: &[(&str, &str)], body: &serde_json::Value) -> Stream {
+    Stream::open(addr, path, headers, body).expect("loopback stream")
 }
 
 /// Polls `f` until it holds or `limit` passes (L9: releases may trail the

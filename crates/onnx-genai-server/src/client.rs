@@ -1,0 +1,135 @@
+//! A minimal blocking HTTP/1.1 client over `std::net` for loopback use: the
+//! server's tests and `cargo xtask load` drive real sockets with it (JSON
+//! bodies and SSE streams, `connection: close`).
+
+use std::io::{self, BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::Duration;
+
+#[derive(Debug)]
+pub struct Reply {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: String,
+}
+
+impl Reply {
+    /// The body as JSON (`Null` when it is not JSON).
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.body).unwrap_or(serde_json::Value::Null)
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+    }
+
+    /// The `type` of an OpenAI error body.
+    pub fn error_type(&self) -> String {
+        self.json()["error"]["type"].as_str().unwrap_or_default().to_string()
+    }
+}
+
+fn send(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> io::Result<TcpStream> {
+    let mut s = TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(60)))?;
+    let mut req = format!(
+        "{method} {path} HTTP/1.1\r\nhost: onnx-genai\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n",
+        body.len()
+    );
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    s.write_all(req.as_bytes())?;
+    s.write_all(body.as_bytes())?;
+    Ok(s)
+}
+
+fn head(r: &mut BufReader<TcpStream>) -> io::Result<(u16, Vec<(String, String)>)> {
+    let mut line = String::new();
+    r.read_line(&mut line)?;
+    let status = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, format!("bad status line {line:?}")))?;
+    let mut headers = Vec::new();
+    loop {
+        let mut l = String::new();
+        r.read_line(&mut l)?;
+        let l = l.trim_end();
+        if l.is_empty() {
+            break;
+        }
+        if let Some((k, v)) = l.split_once(':') {
+            headers.push((k.trim().to_lowercase(), v.trim().to_string()));
+        }
+    }
+    Ok((status, headers))
+}
+
+/// Reads a whole body, chunked or not.
+fn body(r: &mut BufReader<TcpStream>, headers: &[(String, String)]) -> io::Result<String> {
+    let chunked = headers.iter().any(|(k, v)| k == "transfer-encoding" && v.contains("chunked"));
+    let mut out = Vec::new();
+    if chunked {
+        loop {
+            let mut size = String::new();
+            if r.read_line(&mut size)? == 0 {
+                break;
+            }
+            let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+            if n == 0 {
+                break;
+            }
+            let mut chunk = vec![0; n + 2];
+            r.read_exact(&mut chunk)?;
+            out.extend_from_slice(&chunk[..n]);
+        }
+    } else {
+        r.read_to_end(&mut out)?;
+    }
+    Ok(String::from_utf8_lossy(&out).into_owned())
+}
+
+/// One request, its whole reply.
+pub fn call(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body_text: &str,
+) -> io::Result<Reply> {
+    let mut r = BufReader::new(send(addr, method, path, headers, body_text)?);
+    let (status, headers) = head(&mut r)?;
+    let body = body(&mut r, &headers)?;
+    Ok(Reply { status, headers, body })
+}
+
+/// A streaming reply read incrementally; dropping it disconnects.
+pub struct Stream {
+    pub status: u16,
+    reader: BufReader<TcpStream>,
+}
+
+impl Stream {
+    pub fn open(addr: SocketAddr, path: &str, headers: &[(&str, &str)], body: &serde_json::Value) -> io::Result<Self> {
+        let mut reader = BufReader::new(send(addr, "POST", path, headers, &body.to_string())?);
+        let (status, _) = head(&mut reader)?;
+        Ok(Self { status, reader })
+    }
+
+    /// The next `data:` payload (chunk framing lines are skipped); `None` at
+    /// the end of the stream.
+    pub fn next_data(&mut self) -> Option<String> {
+        loop {
+            let mut line = String::new();
+            if self.reader.read_line(&mut line).ok()? == 0 {
+                return None;
+            }
+            if let Some(d) = line.trim_end().strip_prefix("data: ") {
+                return Some(d.to_string());
+            }
+        }
+    }
+}
