@@ -7,6 +7,7 @@ use std::convert::Infallible;
 use std::sync::Arc;
 
 use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, State};
 use axum::http::HeaderMap;
 use axum::response::sse::{Event as SseEvent, Sse};
@@ -46,8 +47,22 @@ fn driver<'a>(state: &'a AppState, model: &str) -> Result<&'a Driver, ApiError> 
     })
 }
 
-pub async fn create_session(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Json<Value>, ApiError> {
-    let req: SessionRequest = api::parse(&body)?;
+/// The request body, or an OpenAI-shaped error (413 past the size limit).
+fn body_of(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|e| {
+        if e.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::too_large(format!("the request body is larger than {} bytes", crate::BODY_LIMIT))
+        } else {
+            ApiError::invalid(format!("cannot read the request body: {e}"))
+        }
+    })
+}
+
+pub async fn create_session(
+    State(state): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let req: SessionRequest = api::parse(&body_of(body)?)?;
     let driver = driver(&state, &req.model)?.clone();
     let (slot, evicted) = state.registry.reserve()?;
     if let Some(victim) = evicted {
@@ -82,9 +97,13 @@ enum Kind {
     Text,
 }
 
-pub async fn chat_completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+pub async fn chat_completions(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let turn = async {
-        let req: ChatRequest = api::parse(&body)?;
+        let req: ChatRequest = api::parse(&body_of(body)?)?;
         let mut messages = Vec::with_capacity(req.messages.len());
         for (i, m) in req.messages.into_iter().enumerate() {
             let content = match m.content {
@@ -109,9 +128,13 @@ pub async fn chat_completions(State(state): State<Arc<AppState>>, headers: Heade
     turn.await.unwrap_or_else(IntoResponse::into_response)
 }
 
-pub async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+pub async fn completions(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let turn = async {
-        let req: CompletionRequest = api::parse(&body)?;
+        let req: CompletionRequest = api::parse(&body_of(body)?)?;
         if req.prompt.is_empty() {
             return Err(ApiError::param("prompt", "prompt must not be empty"));
         }
