@@ -324,3 +324,19 @@ fn stream_events(
     })
     .flat_map(|s| s)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::apply_stops;
+
+    /// `stop` cuts at the earliest stop string, and only when one occurs.
+    #[test]
+    fn stop_strings_cut_at_the_earliest_match() {
+        let mut t = "one two. three\nfour".to_string();
+        assert!(apply_stops(&mut t, &["\n".into(), ".".into()]));
+        assert_eq!(t, "one two");
+        let mut u = "no stops here".to_string();
+        assert!(!apply_stops(&mut u, &["###".into()]));
+        assert_eq!(u, "no stops here");
+    }
+}
