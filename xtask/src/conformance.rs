@@ -147,7 +147,7 @@ pub fn run(opts: Options) -> Result<()> {
         print_result(i + 1, n, &r);
         results.push(r);
     }
-    let report = Report { commit: commit(), results };
+    let report = Report { commit: util::commit(), results };
     let dir = util::target().join("conformance");
     std::fs::create_dir_all(&dir)?;
     std::fs::write(dir.join("report.md"), report.markdown())?;
@@ -198,15 +198,4 @@ fn native_compile(dir: &std::path::Path) -> Result<String> {
         plan.values,
         plan.slots()
     ))
-}
-
-fn commit() -> String {
-    std::process::Command::new("git")
-        .args(["rev-parse", "HEAD"])
-        .current_dir(util::root())
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_else(|| "unknown".into())
 }

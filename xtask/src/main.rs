@@ -3,6 +3,7 @@
 mod bench;
 mod conformance;
 mod load;
+mod mutants;
 mod ort;
 mod packages;
 mod pyclient;
@@ -75,7 +76,19 @@ enum Command {
         #[arg(long, default_value = "native-cpu")]
         backend: String,
     },
-    /// Everything CI checks: ONNX Runtime, fmt, clippy, every test.
+    /// Mutation batteries over the admission and lease invariants (conformance/mutations).
+    Mutants {
+        /// Only this battery (admission, lease).
+        #[arg(long)]
+        battery: Option<String>,
+        /// Only this mutant id.
+        #[arg(long)]
+        mutant: Option<String>,
+        /// Only the k-th of n shards of each battery's mutants.
+        #[arg(long)]
+        shard: Option<String>,
+    },
+    /// Everything CI checks: ONNX Runtime, fmt, clippy, every test, the mutation batteries.
     Test,
 }
 
@@ -93,6 +106,7 @@ fn main() -> ExitCode {
         Command::Load { clients, turns, max_tokens, backend } => {
             load::run(load::Options { clients, turns, max_tokens: max_tokens.max(1), backend })
         }
+        Command::Mutants { battery, mutant, shard } => mutants::run(mutants::Options { battery, mutant, shard }),
         Command::Test => test(),
     };
     match result {
@@ -112,6 +126,8 @@ fn test() -> anyhow::Result<()> {
     util::cargo(&["fmt", "--all", "--check"], &lib)?;
     util::cargo(&["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"], &lib)?;
     util::cargo(&["test", "--workspace"], &lib)?;
+    // The batteries prove the admission and lease tests catch real bugs.
+    mutants::run(mutants::Options { battery: None, mutant: None, shard: None })?;
     println!("cargo xtask test: all green in {:.0?}", started.elapsed());
     Ok(())
 }

@@ -27,3 +27,15 @@ pub fn cargo(args: &[&str], ort_lib: &Path) -> Result<()> {
     }
     Ok(())
 }
+
+/// The commit HEAD names (`unknown` outside a git checkout).
+pub fn commit() -> String {
+    Command::new("git")
+        .args(["rev-parse", "HEAD"])
+        .current_dir(root())
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_else(|| "unknown".into())
+}

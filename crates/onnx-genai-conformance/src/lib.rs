@@ -5,6 +5,7 @@
 
 pub mod cases;
 pub mod golden;
+pub mod mutants;
 pub mod parity;
 pub mod report;
 pub mod run;

@@ -31,7 +31,7 @@ impl Reply {
 
 fn send(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> io::Result<TcpStream> {
     let mut s = TcpStream::connect(addr)?;
-    s.set_read_timeout(Some(Duration::from_secs(60)))?;
+    s.set_read_timeout(Some(Duration::from_secs(20)))?;
     let mut req = format!(
         "{method} {path} HTTP/1.1\r\nhost: onnx-genai\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n",
         body.len()

@@ -188,3 +188,30 @@ pub fn random_hex() -> String {
     }
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn placement(engine: u64) -> Placement {
+        Placement { model: "m".into(), worker: 0, engine: SessionId(engine) }
+    }
+
+    /// Pins L7: binding an id that is already bound is refused, and the
+    /// gauge moves by exactly one per insert and per close.
+    #[test]
+    fn bind_is_exact() {
+        let r = Registry::new(4);
+        let (slot, evicted) = r.reserve().unwrap();
+        assert!(evicted.is_none());
+        r.bind(slot, "s1", placement(1)).unwrap();
+        assert_eq!(r.active(), 1);
+        let (slot, _) = r.reserve().unwrap();
+        assert_eq!(r.bind(slot, "s1", placement(2)).unwrap_err().status, axum::http::StatusCode::CONFLICT);
+        assert_eq!(r.active(), 1);
+        assert_eq!(r.lease("m", "s1").unwrap().placement, placement(1), "the first binding survives");
+        r.close("s1").unwrap();
+        assert_eq!(r.active(), 0);
+        assert_eq!(r.lock().pending, 0, "a refused bind gives its slot back");
+    }
+}

@@ -105,6 +105,13 @@ fn overlapping_turns_on_one_session_conflict() {
     };
     assert!(replies.iter().all(|r| r.status == 200), "{:?}", replies.iter().map(|r| r.status).collect::<Vec<_>>());
     assert!(eventually(Duration::from_secs(5), || s.gauges().leases == 0 && s.gauges().reserved_bytes == 0));
+
+    // A turn that fails still releases the session (L2): the next turn is
+    // not refused as overlapping.
+    let too_long = turn(&s, M, Some(&sid), &"word ".repeat(200), 4);
+    assert_eq!(too_long.status, 400, "{}", too_long.body);
+    assert!(eventually(Duration::from_secs(5), || s.gauges().leases == 0));
+    assert_eq!(turn(&s, M, Some(&sid), "after the failure", 2).status, 200);
 }
 
 /// Pins L4: a DELETE racing a live turn is refused and the session

@@ -1,0 +1,394 @@
+//! Mutation batteries (INVARIANTS T1, T2): each catalog under
+//! `conformance/mutations/` names a battery's packages, its test filter and
+//! the exact number of tests the filter selects, and mutants (an exact
+//! `find` text that must occur once, its `replace`, the invariants broken,
+//! the tests expected to kill it). The runner works on a scratch copy of
+//! the tree (never the user's), checks the baseline is green and the filter
+//! selects the declared count, applies each mutant by rewriting the file,
+//! restores it by rewriting again (fresh mtime, so the build system cannot
+//! skip the rebuild), and checks the scratch tree ends byte-identical to the
+//! source.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crate::HarnessError;
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Catalog {
+    pub battery: String,
+    pub packages: Vec<String>,
+    #[serde(default)]
+    pub filter: String,
+    /// The exact number of tests `filter` selects (FILTER-DRIFT otherwise).
+    pub tests: usize,
+    pub mutants: Vec<Mutant>,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Mutant {
+    pub id: String,
+    pub breaks: Vec<String>,
+    pub file: String,
+    pub find: String,
+    pub replace: String,
+    pub killers: Vec<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(tag = "verdict", rename_all = "snake_case")]
+pub enum Verdict {
+    /// Some test failed; `by` lists them.
+    Caught {
+        by: Vec<String>,
+    },
+    /// Every test passed under the mutant.
+    Missed,
+    /// The mutant does not build.
+    Unviable {
+        reason: String,
+    },
+    Timeout,
+    /// `find` does not occur exactly once.
+    CatalogDrift {
+        occurrences: usize,
+    },
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct MutantResult {
+    pub battery: String,
+    pub id: String,
+    pub breaks: Vec<String>,
+    pub verdict: Verdict,
+    pub expected_killers: Vec<String>,
+    /// Caught, but not by every declared killer.
+    pub unexpected: bool,
+    pub seconds: f64,
+}
+
+impl MutantResult {
+    /// A result that fails the run: anything but a kill by the declared
+    /// tests.
+    pub fn is_failure(&self) -> bool {
+        !matches!(self.verdict, Verdict::Caught { .. }) || self.unexpected
+    }
+}
+
+pub fn load(root: &Path) -> Result<Vec<Catalog>, HarnessError> {
+    let dir = root.join("conformance/mutations");
+    let err = |path: &Path, reason: String| HarnessError::Suite { path: path.into(), reason };
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .map_err(|e| err(&dir, e.to_string()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
+        .collect();
+    files.sort();
+    let mut catalogs = Vec::new();
+    for path in files {
+        let text = std::fs::read_to_string(&path).map_err(|e| err(&path, e.to_string()))?;
+        let de = serde_yaml_ng::Deserializer::from_str(&text);
+        let c: Catalog = serde_path_to_error::deserialize(de)
+            .map_err(|e| err(&path, format!("{} (at `{}`)", e.inner(), e.path())))?;
+        let mut ids: Vec<&str> = c.mutants.iter().map(|m| m.id.as_str()).collect();
+        ids.sort_unstable();
+        if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
+            return Err(err(&path, format!("mutant id `{}` appears twice", w[0])));
+        }
+        catalogs.push(c);
+    }
+    Ok(catalogs)
+}
+
+/// Occurrences of `find` in `text` (non-overlapping).
+pub fn occurrences(text: &str, find: &str) -> usize {
+    if find.is_empty() {
+        return 0;
+    }
+    text.matches(find).count()
+}
+
+/// Holds `target/mutants/lock` for one run; a second run refuses to start.
+pub struct RunLock(PathBuf);
+
+impl RunLock {
+    pub fn take(dir: &Path) -> Result<Self, String> {
+        std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+        let path = dir.join("lock");
+        match std::fs::OpenOptions::new().write(true).create_new(true).open(&path) {
+            Ok(mut f) => {
+                use std::io::Write;
+                let _ = writeln!(f, "{}", std::process::id());
+                Ok(Self(path))
+            }
+            Err(_) => Err(format!(
+                "another mutation run holds {} (pid {}); wait for it, or delete the file if that run is gone",
+                path.display(),
+                std::fs::read_to_string(&path).unwrap_or_default().trim()
+            )),
+        }
+    }
+}
+
+impl Drop for RunLock {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Outcome of one test run.
+#[derive(Debug, PartialEq, Eq)]
+pub enum TestRun {
+    Passed { count: usize },
+    Failed { tests: Vec<String> },
+    BuildFailed { tail: String },
+    TimedOut,
+}
+
+/// Runs cargo in a scratch tree with a persistent target directory.
+pub struct Runner {
+    pub source: PathBuf,
+    pub scratch: PathBuf,
+    pub target_dir: PathBuf,
+    pub envs: Vec<(String, String)>,
+    /// Directories under the source's `target/` the tests read (installed
+    /// runtimes), linked into the scratch tree.
+    pub shared_target: Vec<String>,
+    /// The tracked files as copied, to verify restores against (the source
+    /// may change while a run is in progress).
+    snapshot: std::collections::BTreeMap<String, Vec<u8>>,
+}
+
+impl Runner {
+    pub fn new(source: PathBuf, scratch: PathBuf, target_dir: PathBuf) -> Self {
+        Self { source, scratch, target_dir, envs: Vec::new(), shared_target: Vec::new(), snapshot: Default::default() }
+    }
+
+    /// Copies every file git tracks (as it is in the working tree) into a
+    /// fresh scratch directory, and remembers the bytes copied.
+    pub fn prepare(&mut self) -> Result<(), String> {
+        let _ = std::fs::remove_dir_all(&self.scratch);
+        self.snapshot.clear();
+        for rel in tracked_files(&self.source)? {
+            let (from, to) = (self.source.join(&rel), self.scratch.join(&rel));
+            if let Some(parent) = to.parent() {
+                std::fs::create_dir_all(parent).map_err(|e| e.to_string())?;
+            }
+            if let Ok(bytes) = std::fs::read(&from) {
+                std::fs::write(&to, &bytes).map_err(|e| format!("{}: {e}", to.display()))?;
+                self.snapshot.insert(rel, bytes);
+            }
+        }
+        for dir in &self.shared_target {
+            let (from, to) = (self.source.join("target").join(dir), self.scratch.join("target").join(dir));
+            if from.is_dir() {
+                std::fs::create_dir_all(self.scratch.join("target")).map_err(|e| e.to_string())?;
+                link_dir(&from, &to)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Files whose scratch copy differs from what was copied (should be none).
+    pub fn differences(&self) -> Vec<String> {
+        self.snapshot
+            .iter()
+            .filter(|(rel, bytes)| std::fs::read(self.scratch.join(rel)).ok().as_ref() != Some(*bytes))
+            .map(|(rel, _)| rel.clone())
+            .collect()
+    }
+
+    fn cargo(&self, catalog: &Catalog, extra: &[&str]) -> Command {
+        let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+        // Every test binary runs even after one fails, so the killers are
+        // complete.
+        c.args(["test", "--no-fail-fast"]).current_dir(&self.scratch).env("CARGO_TARGET_DIR", &self.target_dir);
+        for p in &catalog.packages {
+            c.args(["-p", p]);
+        }
+        c.arg("--").args(extra);
+        if !catalog.filter.is_empty() {
+            c.arg(&catalog.filter);
+        }
+        for (k, v) in &self.envs {
+            c.env(k, v);
+        }
+        c
+    }
+
+    /// Names of the tests the battery's filter selects.
+    pub fn list(&self, catalog: &Catalog) -> Result<Vec<String>, String> {
+        let out = self.cargo(catalog, &["--list"]).output().map_err(|e| e.to_string())?;
+        if !out.status.success() {
+            return Err(tail(&String::from_utf8_lossy(&out.stderr)));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| l.strip_suffix(": test"))
+            .map(|l| l.rsplit("::").next().unwrap_or(l).trim().to_string())
+            .collect())
+    }
+
+    /// Runs the battery's tests with a time limit.
+    pub fn run(&self, catalog: &Catalog, limit: Duration) -> Result<TestRun, String> {
+        let mut child = self
+            .cargo(catalog, &["--test-threads=2"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| e.to_string())?;
+        let (mut out, mut err) = (child.stdout.take(), child.stderr.take());
+        let readers =
+            (std::thread::spawn(move || read_all(out.as_mut())), std::thread::spawn(move || read_all(err.as_mut())));
+        let started = Instant::now();
+        let status = loop {
+            match child.try_wait().map_err(|e| e.to_string())? {
+                Some(s) => break Some(s),
+                None if started.elapsed() > limit => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    break None;
+                }
+                None => std::thread::sleep(Duration::from_millis(50)),
+            }
+        };
+        let stdout = readers.0.join().unwrap_or_default();
+        let stderr = readers.1.join().unwrap_or_default();
+        let Some(status) = status else { return Ok(TestRun::TimedOut) };
+        let failed: Vec<String> = stdout
+            .lines()
+            .filter_map(|l| l.strip_prefix("test ").and_then(|r| r.strip_suffix(" ... FAILED")))
+            .map(|n| n.rsplit("::").next().unwrap_or(n).trim().to_string())
+            .collect();
+        if status.success() {
+            let count = stdout.lines().filter(|l| l.starts_with("test ") && l.ends_with(" ... ok")).count();
+            return Ok(TestRun::Passed { count });
+        }
+        if failed.is_empty() && (stderr.contains("could not compile") || stderr.contains("error[")) {
+            return Ok(TestRun::BuildFailed { tail: tail(&stderr) });
+        }
+        Ok(TestRun::Failed { tests: failed })
+    }
+
+    /// Applies `m`, runs, restores. The file is rewritten both ways (fresh
+    /// mtime), and restoring is checked against the source bytes.
+    pub fn mutant(&self, catalog: &Catalog, m: &Mutant, limit: Duration) -> Result<MutantResult, String> {
+        let started = Instant::now();
+        let path = self.scratch.join(&m.file);
+        let original = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", m.file))?;
+        let n = occurrences(&original, &m.find);
+        let verdict = if n != 1 {
+            Verdict::CatalogDrift { occurrences: n }
+        } else {
+            write_fresh(&path, &original.replacen(&m.find, &m.replace, 1))?;
+            let outcome = self.run(catalog, limit);
+            write_fresh(&path, &original)?;
+            match outcome? {
+                TestRun::Passed { .. } => Verdict::Missed,
+                TestRun::Failed { tests } => Verdict::Caught { by: tests },
+                TestRun::BuildFailed { tail } => Verdict::Unviable { reason: tail },
+                TestRun::TimedOut => Verdict::Timeout,
+            }
+        };
+        if std::fs::read(&path).ok().as_ref() != self.snapshot.get(&m.file) {
+            return Err(format!("{} was not restored byte for byte", m.file));
+        }
+        let unexpected = match &verdict {
+            Verdict::Caught { by } => !m.killers.iter().all(|k| by.contains(k)),
+            _ => false,
+        };
+        Ok(MutantResult {
+            battery: catalog.battery.clone(),
+            id: m.id.clone(),
+            breaks: m.breaks.clone(),
+            verdict,
+            expected_killers: m.killers.clone(),
+            unexpected,
+            seconds: started.elapsed().as_secs_f64(),
+        })
+    }
+}
+
+#[cfg(unix)]
+fn link_dir(from: &Path, to: &Path) -> Result<(), String> {
+    std::os::unix::fs::symlink(from, to).map_err(|e| format!("linking {}: {e}", to.display()))
+}
+
+#[cfg(not(unix))]
+fn link_dir(from: &Path, _to: &Path) -> Result<(), String> {
+    Err(format!("cannot link {} into the scratch tree on this platform", from.display()))
+}
+
+fn read_all(r: Option<&mut impl std::io::Read>) -> String {
+    let mut s = String::new();
+    if let Some(r) = r {
+        let _ = r.read_to_string(&mut s);
+    }
+    s
+}
+
+/// Writes by truncating and rewriting the file, so its mtime is new.
+fn write_fresh(path: &Path, text: &str) -> Result<(), String> {
+    std::fs::write(path, text).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+fn tail(s: &str) -> String {
+    let lines: Vec<&str> = s.lines().collect();
+    lines[lines.len().saturating_sub(8)..].join("\n")
+}
+
+fn tracked_files(root: &Path) -> Result<Vec<String>, String> {
+    let out = Command::new("git").args(["ls-files", "-z"]).current_dir(root).output().map_err(|e| e.to_string())?;
+    if !out.status.success() {
+        return Err("git ls-files failed: the mutation runner needs a git checkout".into());
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).split('\0').filter(|s| !s.is_empty()).map(str::to_string).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn root() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+    }
+
+    /// The shipped catalogs parse, meet the minimum sizes, and every
+    /// `find` occurs exactly once in today's source (no CATALOG-DRIFT).
+    #[test]
+    fn shipped_catalogs_match_the_source() {
+        let catalogs = load(&root()).unwrap();
+        let count = |b: &str| catalogs.iter().find(|c| c.battery == b).map_or(0, |c| c.mutants.len());
+        assert!(count("admission") >= 12 && count("lease") >= 10, "{} / {}", count("admission"), count("lease"));
+        for c in &catalogs {
+            for m in &c.mutants {
+                let text = std::fs::read_to_string(root().join(&m.file)).unwrap();
+                assert_eq!(occurrences(&text, &m.find), 1, "{}/{}: find drifted", c.battery, m.id);
+                assert!(!m.killers.is_empty() && !m.breaks.is_empty(), "{}/{}", c.battery, m.id);
+            }
+        }
+    }
+
+    /// A second run cannot start while the lock is held; it can after.
+    #[test]
+    fn the_lock_refuses_a_nested_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = RunLock::take(dir.path()).unwrap();
+        let second = RunLock::take(dir.path());
+        assert!(second.is_err_and(|e| e.contains("another mutation run holds")));
+        drop(first);
+        assert!(RunLock::take(dir.path()).is_ok());
+    }
+
+    #[test]
+    fn occurrences_count_exact_text() {
+        assert_eq!(occurrences("a b a", "a"), 2);
+        assert_eq!(occurrences("abc", "x"), 0);
+        assert_eq!(occurrences("abc", ""), 0);
+    }
+}
