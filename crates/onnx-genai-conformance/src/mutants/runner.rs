@@ -1,117 +1,10 @@
-//! Mutation batteries (INVARIANTS T1, T2): each catalog under
-//! `conformance/mutations/` names a battery's packages, its test filter and
-//! the exact number of tests the filter selects, and mutants (an exact
-//! `find` text that must occur once, its `replace`, the invariants broken,
-//! the tests expected to kill it). The runner works on a scratch copy of
-//! the tree (never the user's), checks the baseline is green and the filter
-//! selects the declared count, applies each mutant by rewriting the file,
-//! restores it by rewriting again (fresh mtime, so the build system cannot
-//! skip the rebuild), and checks the scratch tree ends byte-identical to the
-//! source.
+//! The scratch tree and the cargo runs of a mutation battery.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
-
-use crate::HarnessError;
-
-#[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Catalog {
-    pub battery: String,
-    pub packages: Vec<String>,
-    #[serde(default)]
-    pub filter: String,
-    /// The exact number of tests `filter` selects (FILTER-DRIFT otherwise).
-    pub tests: usize,
-    pub mutants: Vec<Mutant>,
-}
-
-#[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Mutant {
-    pub id: String,
-    pub breaks: Vec<String>,
-    pub file: String,
-    pub find: String,
-    pub replace: String,
-    pub killers: Vec<String>,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-#[serde(tag = "verdict", rename_all = "snake_case")]
-pub enum Verdict {
-    /// Some test failed; `by` lists them.
-    Caught {
-        by: Vec<String>,
-    },
-    /// Every test passed under the mutant.
-    Missed,
-    /// The mutant does not build.
-    Unviable {
-        reason: String,
-    },
-    Timeout,
-    /// `find` does not occur exactly once.
-    CatalogDrift {
-        occurrences: usize,
-    },
-}
-
-#[derive(Clone, Debug, Serialize)]
-pub struct MutantResult {
-    pub battery: String,
-    pub id: String,
-    pub breaks: Vec<String>,
-    pub verdict: Verdict,
-    pub expected_killers: Vec<String>,
-    /// Caught, but not by every declared killer.
-    pub unexpected: bool,
-    pub seconds: f64,
-}
-
-impl MutantResult {
-    /// A result that fails the run: anything but a kill by the declared
-    /// tests.
-    pub fn is_failure(&self) -> bool {
-        !matches!(self.verdict, Verdict::Caught { .. }) || self.unexpected
-    }
-}
-
-pub fn load(root: &Path) -> Result<Vec<Catalog>, HarnessError> {
-    let dir = root.join("conformance/mutations");
-    let err = |path: &Path, reason: String| HarnessError::Suite { path: path.into(), reason };
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .map_err(|e| err(&dir, e.to_string()))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
-        .collect();
-    files.sort();
-    let mut catalogs = Vec::new();
-    for path in files {
-        let text = std::fs::read_to_string(&path).map_err(|e| err(&path, e.to_string()))?;
-        let de = serde_yaml_ng::Deserializer::from_str(&text);
-        let c: Catalog = serde_path_to_error::deserialize(de)
-            .map_err(|e| err(&path, format!("{} (at `{}`)", e.inner(), e.path())))?;
-        let mut ids: Vec<&str> = c.mutants.iter().map(|m| m.id.as_str()).collect();
-        ids.sort_unstable();
-        if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
-            return Err(err(&path, format!("mutant id `{}` appears twice", w[0])));
-        }
-        catalogs.push(c);
-    }
-    Ok(catalogs)
-}
-
-/// Occurrences of `find` in `text` (non-overlapping).
-pub fn occurrences(text: &str, find: &str) -> usize {
-    if find.is_empty() {
-        return 0;
-    }
-    text.matches(find).count()
-}
+use super::{occurrences, Catalog, Mutant, MutantResult, Verdict};
 
 /// Holds `target/mutants/lock` for one run; a second run refuses to start.
 pub struct RunLock(PathBuf);
@@ -236,12 +129,9 @@ impl Runner {
 
     /// Runs the battery's tests with a time limit.
     pub fn run(&self, catalog: &Catalog, limit: Duration) -> Result<TestRun, String> {
-        let mut child = self
-            .cargo(catalog, &["--test-threads=2"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|e| e.to_string())?;
+        let mut command = self.cargo(catalog, &["--test-threads=2"]);
+        own_process_group(&mut command);
+        let mut child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().map_err(|e| e.to_string())?;
         let (mut out, mut err) = (child.stdout.take(), child.stderr.take());
         let readers =
             (std::thread::spawn(move || read_all(out.as_mut())), std::thread::spawn(move || read_all(err.as_mut())));
@@ -250,16 +140,18 @@ impl Runner {
             match child.try_wait().map_err(|e| e.to_string())? {
                 Some(s) => break Some(s),
                 None if started.elapsed() > limit => {
-                    let _ = child.kill();
-                    let _ = child.wait();
+                    kill_tree(&mut child);
                     break None;
                 }
                 None => std::thread::sleep(Duration::from_millis(50)),
             }
         };
+        // After a timeout the output is not needed, and a survivor of the
+        // kill could hold the pipes open: the readers are left to finish
+        // on their own.
+        let Some(status) = status else { return Ok(TestRun::TimedOut) };
         let stdout = readers.0.join().unwrap_or_default();
         let stderr = readers.1.join().unwrap_or_default();
-        let Some(status) = status else { return Ok(TestRun::TimedOut) };
         let failed: Vec<String> = stdout
             .lines()
             .filter_map(|l| l.strip_prefix("test ").and_then(|r| r.strip_suffix(" ... FAILED")))
@@ -314,6 +206,28 @@ impl Runner {
     }
 }
 
+/// Cargo runs the test binary as its own child: killing cargo alone would
+/// leave a spinning mutant behind, so each run gets a process group and a
+/// timeout kills the whole group.
+#[cfg(unix)]
+fn own_process_group(command: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    command.process_group(0);
+}
+
+#[cfg(not(unix))]
+fn own_process_group(_command: &mut Command) {}
+
+fn kill_tree(child: &mut Child) {
+    #[cfg(unix)]
+    {
+        // The group id is the child's pid (`process_group(0)`).
+        let _ = Command::new("kill").args(["-s", "KILL", "--", &format!("-{}", child.id())]).status();
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
 #[cfg(unix)]
 fn link_dir(from: &Path, to: &Path) -> Result<(), String> {
     std::os::unix::fs::symlink(from, to).map_err(|e| format!("linking {}: {e}", to.display()))
@@ -348,47 +262,4 @@ fn tracked_files(root: &Path) -> Result<Vec<String>, String> {
         return Err("git ls-files failed: the mutation runner needs a git checkout".into());
     }
     Ok(String::from_utf8_lossy(&out.stdout).split('\0').filter(|s| !s.is_empty()).map(str::to_string).collect())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn root() -> PathBuf {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-    }
-
-    /// The shipped catalogs parse, meet the minimum sizes, and every
-    /// `find` occurs exactly once in today's source (no CATALOG-DRIFT).
-    #[test]
-    fn shipped_catalogs_match_the_source() {
-        let catalogs = load(&root()).unwrap();
-        let count = |b: &str| catalogs.iter().find(|c| c.battery == b).map_or(0, |c| c.mutants.len());
-        assert!(count("admission") >= 12 && count("lease") >= 10, "{} / {}", count("admission"), count("lease"));
-        for c in &catalogs {
-            for m in &c.mutants {
-                let text = std::fs::read_to_string(root().join(&m.file)).unwrap();
-                assert_eq!(occurrences(&text, &m.find), 1, "{}/{}: find drifted", c.battery, m.id);
-                assert!(!m.killers.is_empty() && !m.breaks.is_empty(), "{}/{}", c.battery, m.id);
-            }
-        }
-    }
-
-    /// A second run cannot start while the lock is held; it can after.
-    #[test]
-    fn the_lock_refuses_a_nested_run() {
-        let dir = tempfile::tempdir().unwrap();
-        let first = RunLock::take(dir.path()).unwrap();
-        let second = RunLock::take(dir.path());
-        assert!(second.is_err_and(|e| e.contains("another mutation run holds")));
-        drop(first);
-        assert!(RunLock::take(dir.path()).is_ok());
-    }
-
-    #[test]
-    fn occurrences_count_exact_text() {
-        assert_eq!(occurrences("a b a", "a"), 2);
-        assert_eq!(occurrences("abc", "x"), 0);
-        assert_eq!(occurrences("abc", ""), 0);
-    }
 }

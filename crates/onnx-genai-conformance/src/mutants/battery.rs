@@ -1,0 +1,194 @@
+//! Running whole batteries: filter check, green baseline, a per-mutant
+//! time limit derived from the baseline, the restore check, and the report.
+
+use std::fmt;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use super::{Catalog, MutantResult, Runner, TestRun, Verdict};
+
+/// Which mutants of each battery run, and how long they may take.
+#[derive(Clone, Debug)]
+pub struct Selection {
+    pub battery: Option<String>,
+    pub mutant: Option<String>,
+    /// `(k, n)`: only the k-th (1-based) of n shards of each battery.
+    pub shard: Option<(usize, usize)>,
+    /// The floor of the per-mutant limit; the limit is otherwise four
+    /// times the baseline run (a mutant may have to rebuild).
+    pub min_limit: Duration,
+    pub baseline_limit: Duration,
+}
+
+impl Default for Selection {
+    fn default() -> Self {
+        Self {
+            battery: None,
+            mutant: None,
+            shard: None,
+            min_limit: Duration::from_secs(120),
+            baseline_limit: Duration::from_secs(1800),
+        }
+    }
+}
+
+/// Something that makes the whole run untrustworthy, beyond one mutant.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(tag = "problem", rename_all = "kebab-case")]
+pub enum Problem {
+    /// The filter selects another number of tests than the catalog
+    /// declares (a filter that drifts to zero measures nothing).
+    FilterDrift { battery: String, selected: usize, declared: usize },
+    /// The unmutated tests do not pass, so a failure would prove nothing.
+    BaselineRed { battery: String, detail: String },
+    /// The scratch tree differs from the source after restoring.
+    NotRestored { files: Vec<String> },
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Problem::FilterDrift { battery, selected, declared } => {
+                write!(
+                    f,
+                    "FILTER-DRIFT {battery}: the filter selects {selected} tests, the catalog declares {declared}"
+                )
+            }
+            Problem::BaselineRed { battery, detail } => write!(f, "BASELINE-RED {battery}: {detail}"),
+            Problem::NotRestored { files } => {
+                write!(f, "NOT-RESTORED: the scratch tree differs from the source after restoring: {files:?}")
+            }
+        }
+    }
+}
+
+/// Everything one run of the batteries found.
+#[derive(Debug, Default, Serialize)]
+pub struct Report {
+    pub results: Vec<MutantResult>,
+    pub problems: Vec<Problem>,
+    pub seconds: f64,
+}
+
+impl Report {
+    pub fn failures(&self) -> usize {
+        self.results.iter().filter(|r| r.is_failure()).count()
+    }
+
+    pub fn passed(&self) -> bool {
+        self.failures() == 0 && self.problems.is_empty()
+    }
+
+    pub fn result(&self, id: &str) -> Option<&MutantResult> {
+        self.results.iter().find(|r| r.id == id)
+    }
+
+    /// Writes `report.md` and `report.json` (with the commit) into `dir`.
+    pub fn write(&self, dir: &Path, commit: &str) -> std::io::Result<()> {
+        std::fs::create_dir_all(dir)?;
+        let mut md = format!(
+            "# Mutation batteries\n\ncommit `{commit}`, {:.0} s\n\n| battery | mutant | breaks | verdict | seconds |\n|---|---|---|---|---:|\n",
+            self.seconds
+        );
+        for r in &self.results {
+            md.push_str(&format!(
+                "| {} | {} | {} | {} | {:.1} |\n",
+                r.battery,
+                r.id,
+                r.breaks.join(" "),
+                r.describe(),
+                r.seconds
+            ));
+        }
+        for p in &self.problems {
+            md.push_str(&format!("\n**{p}**\n"));
+        }
+        std::fs::write(dir.join("report.md"), md)?;
+        let json = serde_json::json!({
+            "commit": commit,
+            "seconds": self.seconds,
+            "results": self.results,
+            "problems": self.problems,
+        });
+        let text = serde_json::to_string_pretty(&json).map_err(std::io::Error::other)?;
+        std::fs::write(dir.join("report.json"), text)
+    }
+}
+
+impl MutantResult {
+    /// One line for people: the verdict, and the killers when they differ
+    /// from the declared ones.
+    pub fn describe(&self) -> String {
+        match &self.verdict {
+            Verdict::Caught { by } if self.unexpected => {
+                format!("caught by {by:?}, but the catalog expects {:?}", self.expected_killers)
+            }
+            Verdict::Caught { by } => format!("caught by {}", by.join(", ")),
+            Verdict::Missed => "MISSED: every test passed".into(),
+            Verdict::Unviable { reason } => {
+                format!("unviable (does not build): {}", reason.lines().last().unwrap_or(""))
+            }
+            Verdict::Timeout => "TIMEOUT".into(),
+            Verdict::CatalogDrift { occurrences } => {
+                format!("CATALOG-DRIFT: `find` occurs {occurrences} times, not once")
+            }
+        }
+    }
+}
+
+/// Runs every selected battery of `catalogs` in the prepared scratch tree
+/// of `runner`; `on_result` sees each mutant's result as it lands.
+pub fn run_all(
+    runner: &Runner,
+    catalogs: &[Catalog],
+    selection: &Selection,
+    mut on_result: impl FnMut(&MutantResult),
+) -> Result<Report, String> {
+    let started = Instant::now();
+    let mut report = Report::default();
+    for catalog in catalogs {
+        if selection.battery.as_ref().is_some_and(|b| *b != catalog.battery) {
+            continue;
+        }
+        let listed = runner.list(catalog).map_err(|e| format!("listing the tests of {}: {e}", catalog.battery))?;
+        if listed.len() != catalog.tests {
+            report.problems.push(Problem::FilterDrift {
+                battery: catalog.battery.clone(),
+                selected: listed.len(),
+                declared: catalog.tests,
+            });
+            continue;
+        }
+        let baseline_started = Instant::now();
+        match runner.run(catalog, selection.baseline_limit)? {
+            TestRun::Passed { .. } => {}
+            other => {
+                report
+                    .problems
+                    .push(Problem::BaselineRed { battery: catalog.battery.clone(), detail: format!("{other:?}") });
+                continue;
+            }
+        }
+        let limit = selection.min_limit.max(baseline_started.elapsed() * 4);
+        let selected = catalog
+            .mutants
+            .iter()
+            .filter(|m| selection.mutant.as_ref().is_none_or(|id| *id == m.id))
+            .enumerate()
+            .filter(|(i, _)| selection.shard.is_none_or(|(k, n)| i % n == k - 1))
+            .map(|(_, m)| m);
+        for m in selected {
+            let result = runner.mutant(catalog, m, limit)?;
+            on_result(&result);
+            report.results.push(result);
+        }
+    }
+    let files = runner.differences();
+    if !files.is_empty() {
+        report.problems.push(Problem::NotRestored { files });
+    }
+    report.seconds = started.elapsed().as_secs_f64();
+    Ok(report)
+}
