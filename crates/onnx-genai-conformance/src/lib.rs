@@ -7,6 +7,7 @@ pub mod cases;
 pub mod golden;
 pub mod mutants;
 pub mod parity;
+pub mod real;
 pub mod report;
 pub mod run;
 pub mod tolerance;

@@ -29,6 +29,45 @@ pub struct ParityOutcome {
     pub min_top2_gap: f32,
     pub tokens: Vec<u32>,
     pub divergence: Option<Divergence>,
+    /// For a near-tie in a reduced-precision export: what the f32 export
+    /// of the same model picks at that step.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub arbitration: Option<Arbitration>,
+}
+
+/// The f32 export's verdict on a near-tie flip.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Arbitration {
+    /// The f32 greedy choice at the diverging step.
+    pub choice: u32,
+    /// `reference`, `candidate`, or `neither`.
+    pub sides_with: &'static str,
+    /// f32 logit of the reference's token minus the candidate's.
+    pub margin: f32,
+}
+
+/// Runs the f32 export over the prompt and the tokens both sides agreed on,
+/// and says which of the two diverging tokens it prefers.
+pub fn arbitrate(
+    f32_backend: &mut dyn DecodeBackend,
+    prompt: &[u32],
+    agreed: &[u32],
+    reference: u32,
+    candidate: u32,
+) -> Result<Arbitration, BackendError> {
+    f32_backend.reset();
+    let input: Vec<u32> = prompt.iter().chain(agreed).copied().collect();
+    let logits = f32_backend.forward(&input)?;
+    let at = |t: u32| logits.get(t as usize).copied().unwrap_or(f32::NEG_INFINITY);
+    let (choice, _) = top2(&logits);
+    let sides_with = if choice == reference {
+        "reference"
+    } else if choice == candidate {
+        "candidate"
+    } else {
+        "neither"
+    };
+    Ok(Arbitration { choice, sides_with, margin: at(reference) - at(candidate) })
 }
 
 impl ParityOutcome {
@@ -58,6 +97,7 @@ pub fn run(
         min_top2_gap: f32::INFINITY,
         tokens: Vec::new(),
         divergence: None,
+        arbitration: None,
     };
     let mut input: Vec<u32> = prompt.to_vec();
     for step in 0..=steps {
@@ -191,6 +231,19 @@ mod tests {
             Some(Divergence::Token { near_tie: true, step: 0, .. }) => {}
             other => panic!("expected a near-tie, got {other:?}"),
         }
+    }
+
+    /// The arbiter names the side whose token the f32 run prefers, with the
+    /// f32 margin between the two tokens.
+    #[test]
+    fn arbitration_names_the_side_f32_prefers() {
+        let mut f32_run = Scripted { rows: vec![vec![0.0, 2.0, 2.5]], at: 0 };
+        let a = arbitrate(&mut f32_run, &[1], &[], 1, 2).unwrap();
+        assert_eq!((a.choice, a.sides_with, a.margin), (2, "candidate", -0.5));
+        let mut f32_run = Scripted { rows: vec![vec![0.0, 2.0, 2.5]], at: 0 };
+        assert_eq!(arbitrate(&mut f32_run, &[1], &[], 2, 0).unwrap().sides_with, "reference");
+        let mut f32_run = Scripted { rows: vec![vec![3.0, 2.0, 2.5]], at: 0 };
+        assert_eq!(arbitrate(&mut f32_run, &[1], &[], 1, 2).unwrap().sides_with, "neither");
     }
 
     /// Same greedy token but logits beyond the tier: a logits divergence at

@@ -7,16 +7,18 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use onnx_genai_backend::{BackendError, DecodeBackend};
-use onnx_genai_build::Variant;
-use onnx_genai_package::Package;
+use onnx_genai_build::{Spec, Variant};
+use onnx_genai_package::{ElementType, Package};
 use serde::Serialize;
 
 use crate::cases::{Check, CheckKind, GoldenFile, PromptDef, Suite};
 use crate::parity::{self, Divergence};
+use crate::real::RealModel;
 use crate::tolerance::Tier;
 use crate::HarnessError;
 
 type Built = Arc<OnceLock<Result<PathBuf, String>>>;
+type RealSpec = Arc<OnceLock<Result<Spec, String>>>;
 
 /// Where packages are built and how many threads backends use.
 pub struct Context {
@@ -24,30 +26,87 @@ pub struct Context {
     pub packages_dir: PathBuf,
     pub threads: usize,
     built: Mutex<HashMap<(String, Variant), Built>>,
+    real: Vec<RealModel>,
+    /// Real models' weights, read once per process (by model name).
+    real_specs: Mutex<HashMap<String, RealSpec>>,
 }
 
 impl Context {
     pub fn new(root: &Path, packages_dir: &Path, threads: usize) -> Self {
-        Self { root: root.into(), packages_dir: packages_dir.into(), threads, built: Mutex::new(HashMap::new()) }
+        Self {
+            root: root.into(),
+            packages_dir: packages_dir.into(),
+            threads,
+            built: Mutex::new(HashMap::new()),
+            real: RealModel::load_all(root).unwrap_or_default(),
+            real_specs: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// For a real model's reduced-precision export, the f32 decomposed
+    /// export of the same model (the arbiter of near-ties).
+    pub fn f32_sibling(&self, package: &str) -> Option<(String, Variant)> {
+        let model = self.real.iter().find(|m| m.export_for(package).is_some())?;
+        let export = model.export_for(package)?;
+        let f32 = model.exports.iter().find(|e| e.dtype == ElementType::F32 && e.variant == Variant::Decomposed)?;
+        (export.name != f32.name).then(|| (model.package(f32), f32.variant))
+    }
+
+    pub fn is_real(&self, package: &str) -> bool {
+        self.real.iter().any(|m| m.export_for(package).is_some())
+    }
+
+    /// Builds `package` (a shipped spec, or an export of a real model) in
+    /// `variant` into `dir`.
+    fn build(&self, package: &str, variant: Variant, dir: &Path) -> Result<(), String> {
+        let spec_path = self.root.join("packages").join(package).join("spec.yaml");
+        if spec_path.is_file() {
+            let spec = onnx_genai_build::read_spec(&spec_path).map_err(|e| e.to_string())?;
+            return onnx_genai_build::build_variant(&spec, variant, dir).map_err(|e| e.to_string());
+        }
+        let (model, export) = self
+            .real
+            .iter()
+            .find_map(|m| m.export_for(package).map(|e| (m, e)))
+            .filter(|(_, e)| e.variant == variant)
+            .ok_or_else(|| {
+                format!("no package `{package}` ({}) under packages/ or conformance/real/", variant.name())
+            })?;
+        let cell = {
+            let mut map = self.real_specs.lock().unwrap_or_else(|p| p.into_inner());
+            map.entry(model.name.clone()).or_default().clone()
+        };
+        let base = cell.get_or_init(|| model.load_spec(&self.root.join("target")).map_err(|e| e.to_string()));
+        let base = base.as_ref().map_err(Clone::clone)?;
+        model.build(base, export, dir).map_err(|e| e.to_string())
     }
 
     /// Builds (once per process) and opens `package` in `variant`.
     pub fn package(&self, package: &str, variant: Variant) -> Result<Package, HarnessError> {
+        let dir = self.package_dir(package, variant)?;
+        Package::open(&dir).map_err(|e| HarnessError::Build(e.to_string()))
+    }
+
+    /// Builds (once per process) `package` in `variant`; its directory.
+    pub fn package_dir(&self, package: &str, variant: Variant) -> Result<PathBuf, HarnessError> {
         let cell = {
             let mut map = self.built.lock().unwrap_or_else(|p| p.into_inner());
             map.entry((package.to_string(), variant)).or_default().clone()
         };
         let dir = cell
             .get_or_init(|| {
-                let spec = onnx_genai_build::read_spec(&self.root.join("packages").join(package).join("spec.yaml"))
-                    .map_err(|e| e.to_string())?;
-                let dir = self.packages_dir.join(package).join(variant.name());
-                onnx_genai_build::build_variant(&spec, variant, &dir).map_err(|e| e.to_string())?;
+                // A real model's export is one package of one variant.
+                let dir = if self.is_real(package) {
+                    self.packages_dir.join(package)
+                } else {
+                    self.packages_dir.join(package).join(variant.name())
+                };
+                self.build(package, variant, &dir)?;
                 Ok(dir)
             })
             .clone()
             .map_err(HarnessError::Build)?;
-        Package::open(&dir).map_err(|e| HarnessError::Build(e.to_string()))
+        Ok(dir)
     }
 }
 
@@ -133,7 +192,14 @@ fn run_parity(
     let tokens = encode(&package, &prompt.text)?;
     let mut reference = open_backend(crate::cases::REFERENCE, &package, ctx.threads)?;
     let mut candidate = open_backend(&check.backend, &package, ctx.threads)?;
-    let out = parity::run(reference.as_mut(), candidate.as_mut(), &tokens, steps, tier);
+    let mut out = parity::run(reference.as_mut(), candidate.as_mut(), &tokens, steps, tier);
+    if let (Some(Divergence::Token { reference: r, candidate: c, near_tie: true, .. }), Some((f32_package, variant))) =
+        (&out.divergence, ctx.f32_sibling(&check.package))
+    {
+        let f32_package = ctx.package(&f32_package, variant)?;
+        let mut f32_backend = open_backend(crate::cases::REFERENCE, &f32_package, ctx.threads)?;
+        out.arbitration = Some(parity::arbitrate(f32_backend.as_mut(), &tokens, &out.tokens, *r, *c)?);
+    }
     result.summary = match &out.divergence {
         None => {
             result.status = Status::Passed;
@@ -154,9 +220,18 @@ fn run_parity(
             deviation.worst_ratio
         ),
         Some(Divergence::Token { step, reference, candidate, top2_gap, max_abs, near_tie }) => format!(
-            "{}greedy token differs at step {step}: ort {reference}, {} {candidate}; reference top-2 gap {top2_gap:.3e}, max |d| {max_abs:.3e}",
+            "{}greedy token differs at step {step}: ort {reference}, {} {candidate}; reference top-2 gap {top2_gap:.3e}, max |d| {max_abs:.3e}{}",
             if *near_tie { "NEAR-TIE: " } else { "" },
-            check.backend
+            check.backend,
+            match &out.arbitration {
+                Some(a) => format!(
+                    "; the f32 export decides: it picks {} (sides with {}; f32 margin {:.3e})",
+                    a.choice,
+                    if a.sides_with == "reference" { "ort" } else if a.sides_with == "candidate" { check.backend.as_str() } else { "neither" },
+                    a.margin
+                ),
+                None => String::new(),
+            }
         ),
         Some(Divergence::Error { step, backend, message }) => format!("{backend} failed at step {step}: {message}"),
     };
@@ -182,5 +257,24 @@ impl Suite {
             Suite::Parity => 0,
             Suite::Golden => 1,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Near-ties in a real model's f16 or int4 export are arbitrated by its
+    /// f32 export; the f32 export itself and tiny packages have no arbiter.
+    #[test]
+    fn reduced_precision_real_exports_have_an_f32_arbiter() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let ctx = Context::new(&root, Path::new("unused"), 1);
+        let f32 = Some(("smollm2-135m-instruct-f32".to_string(), Variant::Decomposed));
+        assert_eq!(ctx.f32_sibling("smollm2-135m-instruct-int4"), f32);
+        assert_eq!(ctx.f32_sibling("smollm2-135m-instruct-f16"), f32);
+        assert_eq!(ctx.f32_sibling("smollm2-135m-instruct-f32"), None);
+        assert_eq!(ctx.f32_sibling("tiny-llama-gqa"), None);
+        assert!(ctx.is_real("smollm2-135m-instruct-int4") && !ctx.is_real("tiny-llama-gqa"));
     }
 }

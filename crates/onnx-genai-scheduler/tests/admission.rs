@@ -156,6 +156,89 @@ fn waiters_are_served_in_arrival_order_until_their_deadline() {
     assert!(s.admit(&req(5, 5)).is_ok(), "the timed-out waiter left the queue");
 }
 
+/// Pins A2 for waiters: a wait that ends at its deadline is refused with
+/// the numbers as they stood (needed for prompt + 1, what was free, the
+/// budget), and a request that finds someone queued is refused with what
+/// is free now. (Found by cargo-mutants: these numbers were unasserted.)
+#[test]
+fn timed_out_and_queued_refusals_carry_the_numbers() {
+    let s = Scheduler::new(20 * BPT);
+    let holder = s.admit(&req(12, 3)).unwrap();
+    let r = AdmissionRequest { wait_until: Some(Instant::now() + Duration::from_millis(30)), ..req(7, 2) };
+    assert_eq!(
+        s.admit(&r).unwrap_err(),
+        AdmissionError::TimedOut { needed_bytes: 8 * BPT, available_bytes: 5 * BPT, budget_bytes: 20 * BPT }
+    );
+    let waiter = {
+        let s = s.clone();
+        std::thread::spawn(move || {
+            let r = AdmissionRequest { wait_until: Some(Instant::now() + Duration::from_secs(10)), ..req(10, 1) };
+            s.admit(&r).map(|a| a.bytes())
+        })
+    };
+    while s.admit(&req(1, 1)).is_ok() {
+        // Until the waiter is queued, a small request still fits.
+        std::thread::yield_now();
+    }
+    assert_eq!(
+        s.admit(&req(1, 1)).unwrap_err(),
+        AdmissionError::Deferred {
+            needed_bytes: 2 * BPT,
+            available_bytes: 5 * BPT,
+            budget_bytes: 20 * BPT,
+            prompt_tokens: 1,
+            bytes_per_token: BPT,
+        }
+    );
+    drop(holder);
+    assert_eq!(waiter.join().unwrap(), Ok(11 * BPT));
+}
+
+/// Pins A11's gauges: the budget, what live admissions hold, and what is
+/// left, before, during and after an admission. (Found by cargo-mutants:
+/// `budget_bytes` and `available_bytes` were unasserted.)
+#[test]
+fn gauges_report_budget_reserved_and_available() {
+    let s = Scheduler::new(20 * BPT);
+    assert_eq!((s.budget_bytes(), s.reserved_bytes(), s.available_bytes()), (20 * BPT, 0, 20 * BPT));
+    let a = s.admit(&req(4, 3)).unwrap();
+    assert_eq!((s.budget_bytes(), s.reserved_bytes(), s.available_bytes()), (20 * BPT, 7 * BPT, 13 * BPT));
+    drop(a);
+    assert_eq!(s.available_bytes(), 20 * BPT);
+}
+
+/// Pins first come, first served among waiters: a small waiter that would
+/// fit now stays behind a large one that came first. (Found by
+/// cargo-mutants: with every ticket equal, the small one jumped the queue.)
+#[test]
+fn a_small_waiter_does_not_overtake_a_large_one() {
+    let s = Scheduler::new(20 * BPT);
+    let holder = s.admit(&req(10, 5)).unwrap();
+    let order = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let wait = |name: &'static str, prompt: u64| {
+        let (s, order) = (s.clone(), order.clone());
+        std::thread::spawn(move || {
+            let r = AdmissionRequest { wait_until: Some(Instant::now() + Duration::from_secs(10)), ..req(prompt, 1) };
+            let a = s.admit(&r).unwrap();
+            order.lock().unwrap().push(name);
+            a
+        })
+    };
+    let large = wait("large", 15);
+    // The large waiter is queued once a small non-waiting request is refused.
+    while let Ok(a) = s.admit(&req(1, 1)) {
+        drop(a);
+        std::thread::yield_now();
+    }
+    let small = wait("small", 2);
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(order.lock().unwrap().is_empty(), "the small waiter overtook: {:?}", order.lock().unwrap());
+    drop(holder);
+    let (large, small) = (large.join().unwrap(), small.join().unwrap());
+    assert_eq!(*order.lock().unwrap(), ["large", "small"]);
+    drop((large, small));
+}
+
 #[derive(Clone, Debug)]
 enum Step {
     Admit { prompt: u64, max_new: u64 },

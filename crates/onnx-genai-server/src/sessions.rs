@@ -214,4 +214,47 @@ mod tests {
         assert_eq!(r.active(), 0);
         assert_eq!(r.lock().pending, 0, "a refused bind gives its slot back");
     }
+
+    /// Pins L6: slots reserved but not yet bound count against
+    /// `max_sessions`, so concurrent creates cannot overshoot it; a slot
+    /// dropped unbound is given back. (Found by cargo-mutants.)
+    #[test]
+    fn pending_inserts_count_against_capacity() {
+        let r = Registry::new(2);
+        let (a, _) = r.reserve().unwrap();
+        let (b, _) = r.reserve().unwrap();
+        assert_eq!(r.reserve().unwrap_err().status, axum::http::StatusCode::TOO_MANY_REQUESTS);
+        drop(a);
+        let (c, _) = r.reserve().unwrap();
+        r.bind(b, "b", placement(1)).unwrap();
+        r.bind(c, "c", placement(2)).unwrap();
+        assert_eq!((r.active(), r.lock().pending), (2, 0));
+    }
+
+    /// Eviction takes the least recently used idle session: binding and
+    /// finishing a turn both count as use. Repeated on fresh registries
+    /// because a tie would be broken by hash order. (Found by cargo-mutants:
+    /// a clock that stopped on bind or release went unnoticed.)
+    #[test]
+    fn eviction_takes_the_least_recently_used() {
+        for _ in 0..32 {
+            let r = Registry::new(2);
+            for (id, engine) in [("old", 1), ("new", 2)] {
+                let (slot, _) = r.reserve().unwrap();
+                r.bind(slot, id, placement(engine)).unwrap();
+            }
+            let (_slot, evicted) = r.reserve().unwrap();
+            assert_eq!(evicted, Some(placement(1)), "the older binding goes first");
+
+            let r = Registry::new(2);
+            for (id, engine) in [("a", 1), ("b", 2)] {
+                let (slot, _) = r.reserve().unwrap();
+                r.bind(slot, id, placement(engine)).unwrap();
+            }
+            drop(r.lease("m", "b").unwrap());
+            drop(r.lease("m", "a").unwrap());
+            let (_slot, evicted) = r.reserve().unwrap();
+            assert_eq!(evicted, Some(placement(2)), "a finished turn makes its session the most recent");
+        }
+    }
 }

@@ -154,9 +154,21 @@ impl<'s> Decoder<'s> {
 
     /// Draws a weight's values (uniform in `offset ± scale`), rounded through
     /// f16 for f16 packages.
+    /// A pretrained spec takes the weight of that name instead; its loader
+    /// has checked that every weight the graph asks for is there.
     pub fn draw(&mut self, name: &str, dims: &[u32], scale: f32, offset: f32) -> WeightValues {
         let n: usize = dims.iter().map(|d| *d as usize).product();
-        let mut values: Vec<f32> = self.rng.fill(n, scale).into_iter().map(|v| v + offset).collect();
+        let mut values: Vec<f32> = match &self.spec.pretrained {
+            Some(p) => match p.weights.get(name) {
+                Some(w) if w.dims == dims => w.values.clone(),
+                found => panic!(
+                    "{}: the loader must provide weight `{name}` {dims:?}, found {:?}",
+                    p.origin,
+                    found.map(|w| &w.dims)
+                ),
+            },
+            None => self.rng.fill(n, scale).into_iter().map(|v| v + offset).collect(),
+        };
         if self.spec.dtype == ElementType::F16 {
             values.iter_mut().for_each(|v| *v = half::f16::from_f32(*v).to_f32());
         }

@@ -19,7 +19,7 @@ mod battery;
 mod runner;
 
 pub use battery::{run_all, Problem, Report, Selection};
-pub use runner::{RunLock, Runner, TestRun};
+pub use runner::{run_limited, RunLock, Runner, TestRun};
 
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]

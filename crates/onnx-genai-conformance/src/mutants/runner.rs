@@ -206,6 +206,24 @@ impl Runner {
     }
 }
 
+/// Runs `command` in its own process group for at most `limit`: its exit
+/// status, or `None` when the limit killed the whole group.
+pub fn run_limited(mut command: Command, limit: Duration) -> Result<Option<std::process::ExitStatus>, String> {
+    own_process_group(&mut command);
+    let mut child = command.spawn().map_err(|e| e.to_string())?;
+    let started = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().map_err(|e| e.to_string())? {
+            return Ok(Some(status));
+        }
+        if started.elapsed() > limit {
+            kill_tree(&mut child);
+            return Ok(None);
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 /// Cargo runs the test binary as its own child: killing cargo alone would
 /// leave a spinning mutant behind, so each run gets a process group and a
 /// timeout kills the whole group.

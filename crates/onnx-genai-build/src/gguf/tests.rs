@@ -1,0 +1,223 @@
+//! GGUF reading against files written byte by byte here, and
+//! dequantization against blocks computed by hand.
+
+use half::f16;
+
+use super::quant::{dequantize, TensorType};
+use super::*;
+
+/// Writes a GGUF v3 file the way the format describes it.
+#[derive(Default)]
+pub(crate) struct Writer {
+    kvs: Vec<(String, u32, Vec<u8>)>,
+    tensors: Vec<(String, Vec<u64>, u32, Vec<u8>)>,
+}
+
+fn string(s: &str) -> Vec<u8> {
+    let mut b = (s.len() as u64).to_le_bytes().to_vec();
+    b.extend_from_slice(s.as_bytes());
+    b
+}
+
+impl Writer {
+    pub fn kv(&mut self, key: &str, ty: u32, payload: Vec<u8>) -> &mut Self {
+        self.kvs.push((key.into(), ty, payload));
+        self
+    }
+
+    pub fn str(&mut self, key: &str, v: &str) -> &mut Self {
+        self.kv(key, 8, string(v))
+    }
+
+    pub fn u32(&mut self, key: &str, v: u32) -> &mut Self {
+        self.kv(key, 4, v.to_le_bytes().to_vec())
+    }
+
+    pub fn tensor(&mut self, name: &str, dims: &[u64], ty: u32, data: Vec<u8>) -> &mut Self {
+        self.tensors.push((name.into(), dims.to_vec(), ty, data));
+        self
+    }
+
+    pub fn bytes(&self) -> Vec<u8> {
+        let mut b = b"GGUF".to_vec();
+        b.extend(3u32.to_le_bytes());
+        b.extend((self.tensors.len() as u64).to_le_bytes());
+        b.extend((self.kvs.len() as u64).to_le_bytes());
+        for (k, ty, payload) in &self.kvs {
+            b.extend(string(k));
+            b.extend(ty.to_le_bytes());
+            b.extend(payload);
+        }
+        let mut offset = 0u64;
+        let mut offsets = Vec::new();
+        for (name, dims, ty, data) in &self.tensors {
+            b.extend(string(name));
+            b.extend((dims.len() as u32).to_le_bytes());
+            dims.iter().for_each(|d| b.extend(d.to_le_bytes()));
+            b.extend(ty.to_le_bytes());
+            b.extend(offset.to_le_bytes());
+            offsets.push(offset);
+            offset = (offset + data.len() as u64).div_ceil(32) * 32;
+        }
+        b.resize(b.len().div_ceil(32) * 32, 0);
+        let start = b.len();
+        for ((_, _, _, data), off) in self.tensors.iter().zip(offsets) {
+            b.resize(start + off as usize, 0);
+            b.extend(data);
+        }
+        b
+    }
+}
+
+fn f16_bytes(v: f32) -> [u8; 2] {
+    f16::from_f32(v).to_le_bytes()
+}
+
+fn sample() -> Writer {
+    let mut w = Writer::default();
+    w.str("general.architecture", "llama")
+        .kv("k.u8", 0, vec![200])
+        .kv("k.i8", 1, vec![0xFE])
+        .kv("k.u16", 2, 513u16.to_le_bytes().to_vec())
+        .kv("k.i16", 3, (-3i16).to_le_bytes().to_vec())
+        .u32("k.u32", 70_000)
+        .kv("k.i32", 5, (-70_000i32).to_le_bytes().to_vec())
+        .kv("k.f32", 6, 0.5f32.to_le_bytes().to_vec())
+        .kv("k.bool", 7, vec![1])
+        .kv("k.u64", 10, (1u64 << 40).to_le_bytes().to_vec())
+        .kv("k.i64", 11, (-5i64).to_le_bytes().to_vec())
+        .kv("k.f64", 12, 0.25f64.to_le_bytes().to_vec())
+        .kv("k.array", 9, {
+            let mut p = 8u32.to_le_bytes().to_vec();
+            p.extend(2u64.to_le_bytes());
+            p.extend(string("a b"));
+            p.extend(string("ü"));
+            p
+        })
+        .tensor("v", &[3], 0, [1.0f32, -2.0, 3.5].iter().flat_map(|x| x.to_le_bytes()).collect())
+        .tensor("h", &[2], 1, [f16_bytes(0.5), f16_bytes(-4.0)].concat());
+    w
+}
+
+/// Every metadata type reads back with its value; tensor infos land at
+/// aligned absolute offsets.
+#[test]
+fn header_metadata_and_tensor_infos() {
+    let g = Gguf::parse(sample().bytes()).unwrap();
+    assert_eq!(g.version, 3);
+    assert_eq!(g.alignment, 32);
+    let m = |k: &str| g.get(k).unwrap().clone();
+    assert_eq!(m("k.u8"), Value::U8(200));
+    assert_eq!(m("k.i8"), Value::I8(-2));
+    assert_eq!(m("k.u16"), Value::U16(513));
+    assert_eq!(m("k.i16"), Value::I16(-3));
+    assert_eq!(m("k.u32"), Value::U32(70_000));
+    assert_eq!(m("k.i32"), Value::I32(-70_000));
+    assert_eq!(m("k.f32"), Value::F32(0.5));
+    assert_eq!(m("k.bool"), Value::Bool(true));
+    assert_eq!(m("k.u64"), Value::U64(1 << 40));
+    assert_eq!(m("k.i64"), Value::I64(-5));
+    assert_eq!(m("k.f64"), Value::F64(0.25));
+    assert_eq!(m("k.array"), Value::Array(vec![Value::String("a b".into()), Value::String("ü".into())]));
+    assert_eq!(m("general.architecture").as_str(), Some("llama"));
+    let v = g.tensor("v").unwrap();
+    assert_eq!((v.dims.clone(), v.ty, v.bytes), (vec![3], TensorType::F32, 12));
+    assert_eq!(v.offset % 32, 0);
+    assert_eq!(g.dequantize(v), [1.0, -2.0, 3.5]);
+    let h = g.tensor("h").unwrap();
+    assert_eq!(h.offset, v.offset + 32);
+    assert_eq!(g.dequantize(h), [0.5, -4.0]);
+}
+
+/// Every cut of a valid file is an error that names an offset and field,
+/// never a panic; a cut inside the tensor data names that tensor.
+#[test]
+fn truncated_files_name_offset_and_field() {
+    let bytes = sample().bytes();
+    for len in 0..bytes.len() {
+        let err = Gguf::parse(bytes[..len].to_vec()).unwrap_err();
+        let text = err.to_string();
+        assert!(matches!(err, GgufError::Truncated { .. } | GgufError::Magic { .. }), "cut at {len}: {text}");
+        if len >= 4 {
+            assert!(text.contains("at byte") && text.contains("while reading"), "cut at {len}: {text}");
+        }
+    }
+    let cut = Gguf::parse(bytes[..bytes.len() - 1].to_vec()).unwrap_err().to_string();
+    assert!(cut.contains("data of tensor `h`"), "{cut}");
+}
+
+#[test]
+fn corrupt_headers_are_named() {
+    let mut bytes = sample().bytes();
+    bytes[0] = b'X';
+    assert!(matches!(Gguf::parse(bytes).unwrap_err(), GgufError::Magic { .. }));
+    let mut bytes = sample().bytes();
+    bytes[4] = 9;
+    assert_eq!(Gguf::parse(bytes).unwrap_err().to_string(), "GGUF version 9 is not supported (versions 2 and 3 are)");
+    let mut w = Writer::default();
+    w.kv("bad", 13, vec![0; 8]);
+    let err = Gguf::parse(w.bytes()).unwrap_err().to_string();
+    assert!(err.contains("unknown value type 13") && err.contains("bad"), "{err}");
+    let mut w = Writer::default();
+    w.kv("huge", 9, {
+        let mut p = 8u32.to_le_bytes().to_vec();
+        p.extend(u64::MAX.to_le_bytes());
+        p
+    });
+    let err = Gguf::parse(w.bytes()).unwrap_err().to_string();
+    assert!(err.contains("array elements"), "{err}");
+    let mut w = Writer::default();
+    w.tensor("q", &[32], 12, vec![0; 144]);
+    let err = Gguf::parse(w.bytes()).unwrap_err().to_string();
+    assert!(err.contains("tensor `q` has type Q4_K (ggml type 12), which is not supported"), "{err}");
+    let mut w = Writer::default();
+    w.tensor("odd", &[31], 8, vec![0; 34]);
+    let err = Gguf::parse(w.bytes()).unwrap_err().to_string();
+    assert!(err.contains("not a whole number of Q8_0 blocks"), "{err}");
+}
+
+/// Q8_0: d = 0.5; q = -128, -1, 0, 1, 127, then zeros.
+#[test]
+fn q8_0_block_by_hand() {
+    let mut block = f16_bytes(0.5).to_vec();
+    let qs: [i8; 32] = std::array::from_fn(|i| [-128, -1, 0, 1, 127].get(i).copied().unwrap_or(0));
+    block.extend(qs.iter().map(|q| *q as u8));
+    let v = dequantize(TensorType::Q8_0, &block);
+    assert_eq!(v.len(), 32);
+    assert_eq!(&v[..5], &[-64.0, -0.5, 0.0, 0.5, 63.5]);
+    assert!(v[5..].iter().all(|x| *x == 0.0));
+}
+
+/// Q4_0: d = 2; byte j holds value j (low nibble) and value j + 16 (high
+/// nibble); stored q means d·(q − 8).
+#[test]
+fn q4_0_block_by_hand() {
+    let mut block = f16_bytes(2.0).to_vec();
+    block.extend((0..16u8).map(|j| (j % 16) | ((15 - j) << 4)));
+    let v = dequantize(TensorType::Q4_0, &block);
+    assert_eq!(v[0], 2.0 * (0.0 - 8.0));
+    assert_eq!(v[15], 2.0 * (15.0 - 8.0));
+    assert_eq!(v[16], 2.0 * (15.0 - 8.0));
+    assert_eq!(v[31], 2.0 * (0.0 - 8.0));
+    assert_eq!(v[9], 2.0);
+}
+
+/// Q4_1: d = 0.25, m = -1; value = d·q + m.
+#[test]
+fn q4_1_block_by_hand() {
+    let mut block = f16_bytes(0.25).to_vec();
+    block.extend(f16_bytes(-1.0));
+    block.extend((0..16u8).map(|j| j | (3 << 4)));
+    let v = dequantize(TensorType::Q4_1, &block);
+    assert_eq!(v[0], -1.0);
+    assert_eq!(v[4], 0.0);
+    assert_eq!(v[15], 0.25 * 15.0 - 1.0);
+    assert!(v[16..].iter().all(|x| *x == 0.25 * 3.0 - 1.0));
+}
+
+#[test]
+fn f16_and_bf16_by_hand() {
+    assert_eq!(dequantize(TensorType::F16, &[f16_bytes(1.5), f16_bytes(-0.125)].concat()), [1.5, -0.125]);
+    let bf = [half::bf16::from_f32(3.0).to_le_bytes(), half::bf16::from_f32(-2.0).to_le_bytes()].concat();
+    assert_eq!(dequantize(TensorType::BF16, &bf), [3.0, -2.0]);
+}

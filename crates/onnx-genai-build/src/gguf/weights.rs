@@ -1,0 +1,195 @@
+//! A llama-architecture GGUF → a [`Spec`] carrying its weights in the
+//! builder's layout: GGML `[out, in]` matrices transposed to `[in, out]`,
+//! and the query/key rows put back in the rotate-half order the graphs use
+//! (llama.cpp's converter interleaves each head's two rotary halves).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use onnx_genai_package::{ElementType, Family};
+
+use super::{Gguf, GgufError, TensorInfo, Value};
+use crate::pretrained::{Pretrained, PretrainedRef, Weight};
+use crate::spec::Spec;
+
+/// The spec (f32) and weights of a llama-architecture GGUF, named `name`.
+pub fn spec_from_gguf(g: &Gguf, name: &str, origin: &str) -> Result<Spec, GgufError> {
+    let arch = g.require("general.architecture", "a string", |v| v.as_str().map(str::to_string))?;
+    if arch != "llama" {
+        return Err(GgufError::Unsupported(format!(
+            "architecture `{arch}` is not supported (general.architecture must be `llama`)"
+        )));
+    }
+    let int = |key: &str| g.require(&format!("llama.{key}"), "an integer", |v| v.as_u64()?.try_into().ok());
+    let layers: u32 = int("block_count")?;
+    let hidden: u32 = int("embedding_length")?;
+    let ffn: u32 = int("feed_forward_length")?;
+    let heads: u32 = int("attention.head_count")?;
+    let kv_heads: u32 = match g.get("llama.attention.head_count_kv") {
+        Some(_) => int("attention.head_count_kv")?,
+        None => heads,
+    };
+    let context: u32 = int("context_length")?;
+    let float = |key: &str, default: f64| match g.get(&format!("llama.{key}")) {
+        None => Ok(default),
+        Some(_) => g.require(&format!("llama.{key}"), "a number", Value::as_f64),
+    };
+    let theta = float("rope.freq_base", 10_000.0)?;
+    let eps = float("attention.layer_norm_rms_epsilon", 1e-5)?;
+    let embed = tensor(g, "token_embd.weight")?;
+    let vocab = embed.dims.get(1).copied().unwrap_or(0) as u32;
+    if heads == 0 || kv_heads == 0 || !hidden.is_multiple_of(heads) {
+        return Err(GgufError::Unsupported(format!("{heads} heads ({kv_heads} KV heads) for hidden size {hidden}")));
+    }
+    let head_dim = hidden / heads;
+    if let Some(v) = g.get("llama.rope.dimension_count") {
+        if v.as_u64() != Some(head_dim.into()) {
+            return Err(GgufError::Unsupported(format!(
+                "llama.rope.dimension_count {v:?} differs from the head size {head_dim} (partial rotary is not supported)"
+            )));
+        }
+    }
+    let tied = g.tensor("output.weight").is_none();
+    let mut weights = HashMap::new();
+    let mut put = |hf: String, w: Weight| {
+        weights.insert(hf, w);
+    };
+    put("model.embed_tokens.weight".into(), rows(g, "token_embd.weight", &[hidden, vocab])?);
+    for l in 0..layers {
+        let (p, b) = (format!("model.layers.{l}"), format!("blk.{l}"));
+        put(format!("{p}.input_layernorm.weight"), vector(g, &format!("{b}.attn_norm.weight"), hidden)?);
+        put(format!("{p}.post_attention_layernorm.weight"), vector(g, &format!("{b}.ffn_norm.weight"), hidden)?);
+        let q = unpermute(matrix(g, &format!("{b}.attn_q.weight"), hidden, hidden)?, heads, head_dim);
+        put(format!("{p}.self_attn.q_proj.weight"), transpose(q));
+        let k = unpermute(matrix(g, &format!("{b}.attn_k.weight"), hidden, kv_heads * head_dim)?, kv_heads, head_dim);
+        put(format!("{p}.self_attn.k_proj.weight"), transpose(k));
+        let v = matrix(g, &format!("{b}.attn_v.weight"), hidden, kv_heads * head_dim)?;
+        put(format!("{p}.self_attn.v_proj.weight"), transpose(v));
+        put(
+            format!("{p}.self_attn.o_proj.weight"),
+            transpose(matrix(g, &format!("{b}.attn_output.weight"), hidden, hidden)?),
+        );
+        put(format!("{p}.mlp.gate_proj.weight"), transpose(matrix(g, &format!("{b}.ffn_gate.weight"), hidden, ffn)?));
+        put(format!("{p}.mlp.up_proj.weight"), transpose(matrix(g, &format!("{b}.ffn_up.weight"), hidden, ffn)?));
+        put(format!("{p}.mlp.down_proj.weight"), transpose(matrix(g, &format!("{b}.ffn_down.weight"), ffn, hidden)?));
+    }
+    put("model.norm.weight".into(), vector(g, "output_norm.weight", hidden)?);
+    if !tied {
+        put("lm_head.weight".into(), transpose(matrix(g, "output.weight", hidden, vocab)?));
+    }
+    let id = |key: &str| g.get(key).and_then(Value::as_u64).and_then(|v| u32::try_from(v).ok());
+    let pretrained = Pretrained {
+        weights,
+        tokenizer_json: super::tokenizer::tokenizer_json(g)?,
+        chat_template: g.get("tokenizer.chat_template").and_then(Value::as_str).map(str::to_string),
+        bos_token_id: id("tokenizer.ggml.bos_token_id"),
+        eos_token_ids: id("tokenizer.ggml.eos_token_id").into_iter().collect(),
+        origin: origin.into(),
+    };
+    Ok(Spec {
+        name: name.into(),
+        seed: 0,
+        family: Family::Llama,
+        dtype: ElementType::F32,
+        hidden_size: hidden,
+        num_layers: layers,
+        num_attention_heads: heads,
+        num_kv_heads: Some(kv_heads),
+        intermediate_size: ffn,
+        vocab_size: vocab,
+        max_sequence_length: context,
+        rope_theta: Some(theta),
+        norm_epsilon: eps,
+        tie_embeddings: tied,
+        vision: None,
+        pretrained: Some(PretrainedRef(Arc::new(pretrained))),
+    })
+}
+
+fn tensor<'g>(g: &'g Gguf, name: &str) -> Result<&'g TensorInfo, GgufError> {
+    g.tensor(name).ok_or_else(|| GgufError::Unsupported(format!("tensor `{name}` is missing")))
+}
+
+/// A tensor whose GGML dims must be exactly `dims`, as row-major values
+/// (`dims` reversed).
+fn rows(g: &Gguf, name: &str, dims: &[u32]) -> Result<Weight, GgufError> {
+    let t = tensor(g, name)?;
+    let want: Vec<u64> = dims.iter().map(|d| u64::from(*d)).collect();
+    if t.dims != want {
+        return Err(GgufError::Unsupported(format!("tensor `{name}` has dims {:?}, expected {want:?}", t.dims)));
+    }
+    Ok(Weight { dims: dims.iter().rev().copied().collect(), values: g.dequantize(t) })
+}
+
+fn vector(g: &Gguf, name: &str, n: u32) -> Result<Weight, GgufError> {
+    rows(g, name, &[n])
+}
+
+/// A GGML `[inputs, outputs]` matrix: row-major `[outputs][inputs]`.
+fn matrix(g: &Gguf, name: &str, inputs: u32, outputs: u32) -> Result<Weight, GgufError> {
+    rows(g, name, &[inputs, outputs])
+}
+
+/// `[rows][cols]` → `[cols][rows]`.
+fn transpose(w: Weight) -> Weight {
+    let (r, c) = (w.dims[0] as usize, w.dims[1] as usize);
+    let mut out = vec![0.0; w.values.len()];
+    for (i, row) in w.values.chunks_exact(c).enumerate() {
+        for (j, v) in row.iter().enumerate() {
+            out[j * r + i] = *v;
+        }
+    }
+    Weight { dims: vec![w.dims[1], w.dims[0]], values: out }
+}
+
+/// Undoes llama.cpp's query/key permutation on `[heads·head_dim][inputs]`
+/// rows: within a head, GGUF row `2i + j` holds the original row
+/// `j·head_dim/2 + i` (j = 0, 1 picks the rotary half).
+fn unpermute(w: Weight, heads: u32, head_dim: u32) -> Weight {
+    let cols = w.dims[1] as usize;
+    let (hd, half) = (head_dim as usize, head_dim as usize / 2);
+    let mut out = vec![0.0; w.values.len()];
+    for h in 0..heads as usize {
+        for i in 0..half {
+            for j in 0..2 {
+                let from = (h * hd + 2 * i + j) * cols;
+                let to = (h * hd + j * half + i) * cols;
+                out[to..to + cols].copy_from_slice(&w.values[from..from + cols]);
+            }
+        }
+    }
+    Weight { dims: w.dims, values: out }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// llama.cpp's permutation (`reshape(h, 2, hd/2).swapaxes(1, 2)`)
+    /// followed by [`unpermute`] is the identity.
+    #[test]
+    fn unpermute_inverts_the_converter_permutation() {
+        let (heads, hd, cols) = (2usize, 4usize, 3usize);
+        let original: Vec<f32> = (0..heads * hd * cols).map(|x| x as f32).collect();
+        let mut permuted = vec![0.0; original.len()];
+        for h in 0..heads {
+            for j in 0..2 {
+                for i in 0..hd / 2 {
+                    let src = (h * hd + j * hd / 2 + i) * cols;
+                    let dst = (h * hd + 2 * i + j) * cols;
+                    permuted[dst..dst + cols].copy_from_slice(&original[src..src + cols]);
+                }
+            }
+        }
+        assert_ne!(permuted, original);
+        let back = unpermute(Weight { dims: vec![(heads * hd) as u32, cols as u32], values: permuted }, 2, 4);
+        assert_eq!(back.values, original);
+    }
+
+    #[test]
+    fn transpose_swaps_axes() {
+        let t = transpose(Weight { dims: vec![2, 3], values: vec![1., 2., 3., 4., 5., 6.] });
+        assert_eq!(t.dims, [3, 2]);
+        assert_eq!(t.values, [1., 4., 2., 5., 3., 6.]);
+    }
+}

@@ -1,0 +1,82 @@
+//! The real model (conformance/real/smollm2-135m-instruct.yaml) read from its
+//! published GGUF: tokenizer and chat template from the metadata, and a
+//! chat turn that answers. Needs the GGUF that `cargo xtask packages --real`
+//! (or `cargo xtask test`) fetches; without it every test here fails with
+//! that command in the message.
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use onnx_genai_build::gguf::{tokenizer::tokenizer_json, Gguf};
+use onnx_genai_conformance::real::RealModel;
+use onnx_genai_engine::{BackendKind, ChatMessage, Engine, Flow, GenerateRequest, Prompt};
+use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer, Tokenizer};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn model() -> RealModel {
+    RealModel::load_all(&root()).unwrap().into_iter().find(|m| m.name == "smollm2-135m-instruct").unwrap()
+}
+
+fn tokenizer() -> &'static Tokenizer {
+    static TOKENIZER: OnceLock<Tokenizer> = OnceLock::new();
+    TOKENIZER.get_or_init(|| {
+        let path = model().gguf_path(&root().join("target"));
+        let g = Gguf::open(&path).unwrap_or_else(|e| panic!("{e}: run `cargo xtask packages --real` first"));
+        Tokenizer::from_bytes(tokenizer_json(&g).unwrap().as_bytes()).unwrap()
+    })
+}
+
+fn tokens(text: &str) -> Vec<String> {
+    tokenizer().encode(text, false).unwrap().get_tokens().to_vec()
+}
+
+/// The `smollm` pre-tokenizer: every digit alone, then GPT-2's split
+/// (a whitespace run leaves its last space to the next word).
+#[test]
+fn pre_tokenization_splits_digits_and_whitespace_runs() {
+    let pre = tokenizer().get_pre_tokenizer().unwrap();
+    let mut s = PreTokenizedString::from("Hello world 123  end\n");
+    pre.pre_tokenize(&mut s).unwrap();
+    let splits: Vec<String> = s
+        .get_splits(OffsetReferential::Original, OffsetType::Char)
+        .into_iter()
+        .map(|(text, _, _)| text.to_string())
+        .collect();
+    assert_eq!(splits, ["Hello", "Ġworld", "Ġ", "1", "2", "3", "Ġ", "Ġend", "Ċ"]);
+}
+
+#[test]
+fn encodings_of_tricky_strings() {
+    assert_eq!(tokens("The capital of France is"), ["The", "Ġcapital", "Ġof", "ĠFrance", "Ġis"]);
+    assert_eq!(tokens("2024"), ["2", "0", "2", "4"]);
+    assert_eq!(tokens("x=3.14"), ["x", "=", "3", ".", "1", "4"]);
+    let ids = tokenizer().encode("<|im_start|>user\nHi<|im_end|>", false).unwrap().get_ids().to_vec();
+    assert_eq!((ids[0], *ids.last().unwrap()), (1, 2), "{ids:?}");
+    assert_eq!(tokenizer().token_to_id("<|endoftext|>"), Some(0));
+    for text in ["café 日本語", "tabs\tand\r\nnewlines", "emoji 🦀🚀", "   leading", "trailing   ", "naïve—dash"]
+    {
+        let ids = tokenizer().encode(text, false).unwrap().get_ids().to_vec();
+        assert_eq!(tokenizer().decode(&ids, false).unwrap(), text, "{ids:?}");
+    }
+}
+
+/// The chat template from the GGUF renders through the engine, and the
+/// f32 export answers on native-cpu (it talks).
+#[test]
+fn a_chat_turn_answers() {
+    let m = model();
+    let base = m.load_spec(&root().join("target")).unwrap();
+    let export = m.exports.iter().find(|e| e.name == "f32").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    m.build(&base, export, dir.path()).unwrap();
+    let mut engine = Engine::open(dir.path(), BackendKind::NativeCpu, 1).unwrap();
+    let messages = vec![ChatMessage { role: "user".into(), content: "What is the capital of France?".into() }];
+    let request = GenerateRequest { max_new_tokens: Some(16), ..GenerateRequest::new(Prompt::Chat(messages)) };
+    let out = engine.generate(&request, &mut |_| Flow::Continue).unwrap();
+    // The template's default system prompt, and the turn markers.
+    assert!(out.prompt_tokens > 30, "{}", out.prompt_tokens);
+    assert!(out.text.contains("Paris"), "{:?}", out.text);
+}

@@ -1,0 +1,200 @@
+//! `cargo xtask bench --real`: prefill and decode tokens/s of native-cpu and
+//! ONNX Runtime on every export of the real models, side by side in one
+//! run; this machine's streaming read bandwidth and the roofline bound it
+//! puts on decoding (bandwidth / bytes read per token); and the error of
+//! the 4-bit export against f32.
+
+use std::fmt::Write as _;
+use std::time::Instant;
+
+use anyhow::{Context as _, Result};
+use onnx_genai_backend::DecodeBackend;
+use onnx_genai_engine::BackendKind;
+use onnx_genai_package::{ElementType, Package};
+
+use crate::{ort, real, util};
+
+const PREFILL: usize = 128;
+const CONTEXT: usize = 64;
+
+/// `(min, median)` of `v`.
+fn min_median(mut v: Vec<f64>) -> (f64, f64) {
+    v.sort_by(f64::total_cmp);
+    (v[0], v[v.len() / 2])
+}
+
+/// Streaming read bandwidth of one thread (bytes/s), `(min, median)` over
+/// passes of a 512 MiB buffer: the bound a single-threaded decoder that
+/// reads every weight once per token cannot beat.
+fn read_bandwidth(passes: usize) -> (f64, f64) {
+    let words = 512 << 20 >> 3;
+    let buffer: Vec<u64> = (0..words as u64).collect();
+    let mut rates = Vec::new();
+    let mut sink = 0u64;
+    for _ in 0..passes {
+        let t = Instant::now();
+        // Four independent sums keep the loop bound by memory, not by the
+        // add latency.
+        let mut acc = [0u64; 4];
+        for c in buffer.chunks_exact(4) {
+            acc[0] = acc[0].wrapping_add(c[0]);
+            acc[1] = acc[1].wrapping_add(c[1]);
+            acc[2] = acc[2].wrapping_add(c[2]);
+            acc[3] = acc[3].wrapping_add(c[3]);
+        }
+        sink = sink.wrapping_add(acc.iter().fold(0, |a, b| a.wrapping_add(*b)));
+        rates.push((words * 8) as f64 / t.elapsed().as_secs_f64());
+    }
+    std::hint::black_box(sink);
+    let (lo, med) = min_median(rates);
+    (lo, med)
+}
+
+struct Speed {
+    /// Prefill tokens/s `(min, median)` and decode tokens/s `(min, median)`.
+    prefill: (f64, f64),
+    decode: (f64, f64),
+}
+
+fn measure(b: &mut dyn DecodeBackend, rounds: usize, steps: usize) -> Result<Speed> {
+    let vocab = b.vocab_size() as u32;
+    let prompt: Vec<u32> = (0..PREFILL as u32).map(|i| (i * 7919 + 13) % vocab).collect();
+    b.reset();
+    b.forward(&prompt[..8])?;
+    let (mut prefill, mut decode) = (Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        b.reset();
+        let t = Instant::now();
+        b.forward(&prompt)?;
+        prefill.push(PREFILL as f64 / t.elapsed().as_secs_f64());
+        b.reset();
+        let mut logits = b.forward(&prompt[..CONTEXT])?;
+        let mut per_step = Vec::new();
+        for _ in 0..steps {
+            let next = onnx_genai_engine::sampling::argmax(&logits);
+            let t = Instant::now();
+            logits = b.forward(&[next])?;
+            per_step.push(t.elapsed().as_secs_f64());
+        }
+        decode.push(1.0 / min_median(per_step).1);
+    }
+    // Reported as (min, median) of rates: the min is the slowest round.
+    Ok(Speed { prefill: min_median(prefill), decode: min_median(decode) })
+}
+
+/// Bytes a decode step reads: every weight once (the model files) plus the
+/// KV cache at `CONTEXT`.
+fn bytes_per_token(package: &Package, dir: &std::path::Path) -> Result<f64> {
+    let weights: u64 = std::fs::read_dir(dir)?
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().extension().is_some_and(|x| x == "onnx"))
+        .filter_map(|e| e.metadata().ok())
+        .map(|m| m.len())
+        .sum();
+    let kv = package.kv_geometry().map(|g| g.bytes_per_token()).unwrap_or(0) * CONTEXT as u64;
+    Ok((weights + kv) as f64)
+}
+
+/// Largest |logit difference| of `b` against `a` over greedy decoding
+/// driven by `a`, and how many of the greedy choices agree.
+fn logit_error(
+    a: &mut dyn DecodeBackend,
+    b: &mut dyn DecodeBackend,
+    prompt: &[u32],
+    steps: usize,
+) -> Result<(f32, usize)> {
+    a.reset();
+    b.reset();
+    let (mut la, mut lb) = (a.forward(prompt)?, b.forward(prompt)?);
+    let (mut worst, mut agree) = (0f32, 0);
+    for _ in 0..steps {
+        worst = la.iter().zip(&lb).map(|(x, y)| (x - y).abs()).fold(worst, f32::max);
+        let next = onnx_genai_engine::sampling::argmax(&la);
+        agree += usize::from(next == onnx_genai_engine::sampling::argmax(&lb));
+        la = a.forward(&[next])?;
+        lb = b.forward(&[next])?;
+    }
+    Ok((worst, agree))
+}
+
+pub fn run(threads: usize, rounds: usize, steps: usize) -> Result<()> {
+    let lib = ort::provision()?;
+    std::env::set_var("ORT_DYLIB_PATH", &lib);
+    let (bw_min, bw_med) = read_bandwidth(5);
+    println!("streaming read bandwidth (1 thread): min {:.1} GB/s, median {:.1} GB/s", bw_min / 1e9, bw_med / 1e9);
+    let mut md = format!(
+        "# Real-model benchmark\n\n{threads} thread(s) per backend, both backends in this run; prefill of {PREFILL} \
+         tokens, decode of {steps} steps after a {CONTEXT}-token context, {rounds} rounds (min / median tokens/s). \
+         Streaming read bandwidth, 1 thread: min {:.1} / median {:.1} GB/s. Roofline = median bandwidth / bytes \
+         read per decoded token (weights once + KV at context {CONTEXT}).\n\n\
+         | export | bytes/token | roofline tok/s | ORT decode tok/s | native decode tok/s | decode ratio | \
+         ORT % roofline | native % roofline | ORT prefill tok/s | native prefill tok/s | prefill ratio |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        bw_min / 1e9,
+        bw_med / 1e9
+    );
+    for model in real::models()? {
+        let dirs = real::ensure_built(&model)?;
+        for (export, dir) in &dirs {
+            let package = Package::open(dir)?;
+            let per_token = bytes_per_token(&package, dir)?;
+            let roofline = bw_med / per_token;
+            let mut speeds = Vec::new();
+            for kind in [BackendKind::Ort, BackendKind::NativeCpu] {
+                let mut b =
+                    kind.load(&package, threads).with_context(|| format!("{} on {}", kind.name(), dir.display()))?;
+                speeds.push(measure(b.as_mut(), rounds, steps)?);
+            }
+            let (o, n) = (&speeds[0], &speeds[1]);
+            let name = model.package(export);
+            println!(
+                "{name:<28} decode ort {:>6.1} native {:>6.1} tok/s ({:.2}x); prefill ort {:>6.0} native {:>6.0} tok/s ({:.2}x); roofline {:.1}",
+                o.decode.1, n.decode.1, n.decode.1 / o.decode.1, o.prefill.1, n.prefill.1, n.prefill.1 / o.prefill.1, roofline
+            );
+            let _ = writeln!(
+                md,
+                "| {name} | {:.0} MB | {roofline:.1} | {:.1} / {:.1} | {:.1} / {:.1} | {:.2}x | {:.0}% | {:.0}% | {:.0} / {:.0} | {:.0} / {:.0} | {:.2}x |",
+                per_token / 1e6,
+                o.decode.0,
+                o.decode.1,
+                n.decode.0,
+                n.decode.1,
+                n.decode.1 / o.decode.1,
+                100.0 * o.decode.1 / roofline,
+                100.0 * n.decode.1 / roofline,
+                o.prefill.0,
+                o.prefill.1,
+                n.prefill.0,
+                n.prefill.1,
+                n.prefill.1 / o.prefill.1
+            );
+        }
+        // The 4-bit export against f32, both on ONNX Runtime.
+        let f32_dir = dirs
+            .iter()
+            .find(|(e, _)| e.dtype == ElementType::F32 && e.variant == onnx_genai_build::Variant::Decomposed);
+        let int4_dir = dirs.iter().find(|(e, _)| e.variant == onnx_genai_build::Variant::Contrib);
+        if let (Some((_, f)), Some((int4, q))) = (f32_dir, int4_dir) {
+            let (pf, pq) = (Package::open(f)?, Package::open(q)?);
+            let mut a = BackendKind::Ort.load(&pf, threads)?;
+            let mut b = BackendKind::Ort.load(&pq, threads)?;
+            let _ = writeln!(md, "\n4-bit export ({}) against f32, ONNX Runtime, 32 greedy steps driven by f32:\n\n| prompt | max abs logit error | greedy agreement |\n|---|---:|---:|", model.package(int4));
+            for p in &model.prompts {
+                let ids = pf
+                    .tokenizer()
+                    .encode(p.text.as_str(), false)
+                    .map_err(|e| anyhow::anyhow!("{e}"))?
+                    .get_ids()
+                    .to_vec();
+                let (worst, agree) = logit_error(a.as_mut(), b.as_mut(), &ids, 32)?;
+                println!("int4 vs f32 on `{}`: max |d| {worst:.3}, greedy agreement {agree}/32", p.name);
+                let _ = writeln!(md, "| {} | {worst:.3} | {agree}/32 |", p.name);
+            }
+        }
+    }
+    let dir = util::target().join("bench");
+    std::fs::create_dir_all(&dir)?;
+    std::fs::write(dir.join("real.md"), &md)?;
+    println!("\n{md}\nreport: {}", dir.join("real.md").display());
+    Ok(())
+}

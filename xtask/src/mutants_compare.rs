@@ -1,0 +1,188 @@
+//! `cargo xtask mutants --compare`: runs cargo-mutants (installed with
+//! `cargo install`, the version pinned in
+//! `conformance/cargo-mutants.yaml`) time-boxed on the scheduler
+//! crate and the server's lease module, and reports its caught / missed /
+//! unviable / timeout counts beside the batteries' last report. Each miss
+//! is either listed as equivalent (with the reason) in that file or
+//! reported as a GAP, which fails the command.
+
+use std::fmt::Write as _;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use serde::Deserialize;
+
+use crate::{ort, util};
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Config {
+    version: String,
+    targets: Vec<Target>,
+    equivalent: Vec<Equivalent>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Target {
+    name: String,
+    args: Vec<String>,
+    #[serde(default)]
+    skip_tests: Vec<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Equivalent {
+    mutant: String,
+    why: String,
+}
+
+/// `file:line:col: description` → `file: description` (stable when lines
+/// move).
+fn without_position(name: &str) -> String {
+    let mut parts = name.splitn(4, ':');
+    match (parts.next(), parts.next(), parts.next(), parts.next()) {
+        (Some(file), Some(_line), Some(_col), Some(rest)) => format!("{file}:{rest}"),
+        _ => name.to_string(),
+    }
+}
+
+fn lines(path: &Path) -> Vec<String> {
+    std::fs::read_to_string(path).unwrap_or_default().lines().map(str::to_string).collect()
+}
+
+/// Installs the pinned cargo-mutants under `target/tools` unless present.
+fn install(version: &str) -> Result<std::path::PathBuf> {
+    let root = util::target().join("tools");
+    let bin = root.join("bin/cargo-mutants");
+    let installed = Command::new(&bin).arg("--version").output().ok().filter(|o| o.status.success());
+    if installed.is_some_and(|o| String::from_utf8_lossy(&o.stdout).trim() == format!("cargo-mutants {version}")) {
+        return Ok(bin);
+    }
+    println!("==> cargo install cargo-mutants {version} (--locked) into {}", root.display());
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let status = Command::new(cargo)
+        .args(["install", "cargo-mutants", "--locked", "--version", version, "--root"])
+        .arg(&root)
+        .status()
+        .context("cannot run cargo install")?;
+    if !status.success() {
+        bail!("cargo install cargo-mutants {version} failed");
+    }
+    Ok(bin)
+}
+
+pub fn run(minutes_per_target: u64) -> Result<()> {
+    let root = util::root();
+    let text = std::fs::read_to_string(root.join("conformance/cargo-mutants.yaml"))?;
+    let config: Config = serde_yaml_ng::from_str(&text).context("conformance/cargo-mutants.yaml")?;
+    let lib = ort::provision()?;
+    let bin = install(&config.version)?;
+    let out = util::target().join("mutants/compare");
+    let mut md = format!(
+        "# cargo-mutants {} beside the batteries\n\ncommit `{}`; each target time-boxed to {minutes_per_target} min.\n\n\
+         | tool | target | mutants | caught | missed | unviable | timeout | complete |\n|---|---|---:|---:|---:|---:|---:|---|\n",
+        config.version,
+        util::commit()
+    );
+    let mut gaps = Vec::new();
+    let mut misses_md = String::new();
+    for t in &config.targets {
+        let dir = out.join(&t.name);
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir)?;
+        let mut c = Command::new(&bin);
+        c.arg("mutants")
+            .args(&t.args)
+            .args(["--no-shuffle", "--cap-lints", "true", "--minimum-test-timeout", "60", "--output"])
+            .arg(&dir)
+            .current_dir(&root)
+            .env("ORT_DYLIB_PATH", &lib)
+            // The batteries' build directory: dependencies are already built.
+            .env("CARGO_TARGET_DIR", util::target().join("mutants/target"));
+        if !t.skip_tests.is_empty() {
+            c.args(["--", "--"]);
+            for s in &t.skip_tests {
+                c.args(["--skip", s]);
+            }
+        }
+        println!("==> cargo-mutants on {} (at most {minutes_per_target} min)", t.name);
+        let finished = onnx_genai_conformance::mutants::run_limited(c, Duration::from_secs(minutes_per_target * 60))
+            .map_err(anyhow::Error::msg)?;
+        let result = |f: &str| lines(&dir.join("mutants.out").join(f));
+        let (caught, missed, unviable, timeout) =
+            (result("caught.txt"), result("missed.txt"), result("unviable.txt"), result("timeout.txt"));
+        let total = caught.len() + missed.len() + unviable.len() + timeout.len();
+        let _ = writeln!(
+            md,
+            "| cargo-mutants | {} | {total} | {} | {} | {} | {} | {} |",
+            t.name,
+            caught.len(),
+            missed.len(),
+            unviable.len(),
+            timeout.len(),
+            if finished.is_some() { "yes" } else { "time box reached" }
+        );
+        for m in &missed {
+            let key = without_position(m);
+            match config.equivalent.iter().find(|e| e.mutant == key) {
+                Some(e) => {
+                    let _ = writeln!(misses_md, "- equivalent: `{m}` — {}", e.why);
+                }
+                None => {
+                    let _ = writeln!(misses_md, "- **GAP**: `{m}`");
+                    gaps.push(m.clone());
+                }
+            }
+        }
+    }
+    match std::fs::read_to_string(util::target().join("mutants/report.json")) {
+        Ok(text) => {
+            let report: serde_json::Value = serde_json::from_str(&text)?;
+            let results = report["results"].as_array().cloned().unwrap_or_default();
+            for battery in ["admission", "lease"] {
+                let of = |verdict: &str| {
+                    results.iter().filter(|r| r["battery"] == battery && r["verdict"]["verdict"] == verdict).count()
+                };
+                let total = results.iter().filter(|r| r["battery"] == battery).count();
+                let _ = writeln!(
+                    md,
+                    "| batteries (commit {}) | {battery} | {total} | {} | {} | {} | {} | yes |",
+                    report["commit"].as_str().unwrap_or("?").chars().take(10).collect::<String>(),
+                    of("caught"),
+                    of("missed"),
+                    of("unviable"),
+                    of("timeout")
+                );
+            }
+        }
+        Err(_) => md.push_str("\n(no battery report yet: run `cargo xtask mutants` for the batteries' row)\n"),
+    }
+    let _ = write!(md, "\n## cargo-mutants misses\n\n{}", if misses_md.is_empty() { "none\n" } else { &misses_md });
+    std::fs::write(out.join("report.md"), &md)?;
+    println!("\n{md}\nreport: {}", out.join("report.md").display());
+    if !gaps.is_empty() {
+        bail!(
+            "{} missed mutants are neither killed nor listed as equivalent in conformance/cargo-mutants.yaml",
+            gaps.len()
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::without_position;
+
+    #[test]
+    fn positions_are_dropped_from_names() {
+        assert_eq!(
+            without_position("crates/a/src/lib.rs:127:23: replace > with >= in f"),
+            "crates/a/src/lib.rs: replace > with >= in f"
+        );
+        assert_eq!(without_position("odd"), "odd");
+    }
+}
