@@ -3,6 +3,7 @@
 mod bench;
 mod bench_real;
 mod conformance;
+mod lanes;
 mod load;
 mod mutants;
 mod mutants_compare;
@@ -110,8 +111,22 @@ enum Command {
         #[arg(long, default_value_t = 20)]
         minutes: u64,
     },
-    /// Everything CI checks: ONNX Runtime, fmt, clippy, every test, the mutation batteries.
+    /// Everything CI checks: `cargo xtask ci` (the lane audit, then every lane this machine can run).
     Test,
+    /// The lane audit, then every lane of conformance/lanes.yaml this machine can run, with a summary table.
+    Ci,
+    /// Run one lane of conformance/lanes.yaml (what each generated CI job runs).
+    Lane {
+        /// The lane's name (lint, unit, parity-cpu, real-model, server-client, mutation, gpu).
+        name: String,
+    },
+    /// The lanes: --audit proves every test runs in some lane; --emit-workflow writes .github/workflows/ci.yml.
+    Lanes {
+        #[arg(long)]
+        audit: bool,
+        #[arg(long)]
+        emit_workflow: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -135,7 +150,9 @@ fn main() -> ExitCode {
         }
         Command::Mutants { compare: true, minutes, .. } => mutants_compare::run(minutes.max(1)),
         Command::Mutants { battery, mutant, shard, .. } => mutants::run(mutants::Options { battery, mutant, shard }),
-        Command::Test => test(),
+        Command::Test | Command::Ci => lanes::ci(),
+        Command::Lane { name } => lane(&name),
+        Command::Lanes { audit, emit_workflow } => lanes_command(audit, emit_workflow),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -146,21 +163,35 @@ fn main() -> ExitCode {
     }
 }
 
-fn test() -> anyhow::Result<()> {
-    let started = std::time::Instant::now();
-    let lib = ort::provision()?;
-    // The server's real-client test drives it with the official Python client.
-    pyclient::provision()?;
-    // The real-model lane (conformance/real/) is part of the test command:
-    // its wheel is required here, not skipped.
-    for model in real::models()? {
-        real::fetch(&model)?;
+/// `cargo xtask lane NAME`.
+fn lane(name: &str) -> anyhow::Result<()> {
+    let file = lanes::load()?;
+    let Some(lane) = file.lanes.iter().find(|l| l.name == name) else {
+        let names: Vec<&str> = file.lanes.iter().map(|l| l.name.as_str()).collect();
+        anyhow::bail!("no lane `{name}` in conformance/lanes.yaml ({})", names.join(", "));
+    };
+    let run = lanes::run_lane(lane)?;
+    println!("lane {}: {} tests, {:.0} s, {}", run.lane, run.tests, run.seconds, run.result);
+    if !run.ok {
+        anyhow::bail!("lane {} failed: {}", run.lane, run.result);
     }
-    util::cargo(&["fmt", "--all", "--check"], &lib)?;
-    util::cargo(&["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"], &lib)?;
-    util::cargo(&["test", "--workspace"], &lib)?;
-    // The batteries prove the admission and lease tests catch real bugs.
-    mutants::run(mutants::Options { battery: None, mutant: None, shard: None })?;
-    println!("cargo xtask test: all green in {:.0?}", started.elapsed());
+    Ok(())
+}
+
+/// `cargo xtask lanes [--audit] [--emit-workflow]`.
+fn lanes_command(audit: bool, emit_workflow: bool) -> anyhow::Result<()> {
+    let file = lanes::load()?;
+    if emit_workflow {
+        let path = util::root().join(lanes::workflow::PATH);
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        std::fs::write(&path, lanes::workflow::render(&file))?;
+        println!("wrote {}", path.display());
+    }
+    if audit || !emit_workflow {
+        ort::provision()?;
+        println!("{}", lanes::audit::run(&file)?);
+    }
     Ok(())
 }

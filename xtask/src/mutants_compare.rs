@@ -58,14 +58,14 @@ fn lines(path: &Path) -> Vec<String> {
 fn install(version: &str) -> Result<std::path::PathBuf> {
     let root = util::target().join("tools");
     let bin = root.join("bin/cargo-mutants");
-    let installed = Command::new(&bin).arg("--version").output().ok().filter(|o| o.status.success());
+    let installed = Command::new(&bin).args(["mutants", "--version"]).output().ok().filter(|o| o.status.success());
     if installed.is_some_and(|o| String::from_utf8_lossy(&o.stdout).trim() == format!("cargo-mutants {version}")) {
         return Ok(bin);
     }
     println!("==> cargo install cargo-mutants {version} (--locked) into {}", root.display());
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let status = Command::new(cargo)
-        .args(["install", "cargo-mutants", "--locked", "--version", version, "--root"])
+        .args(["install", "cargo-mutants", "--locked", "--force", "--version", version, "--root"])
         .arg(&root)
         .status()
         .context("cannot run cargo install")?;

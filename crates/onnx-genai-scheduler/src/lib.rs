@@ -158,6 +158,11 @@ impl Scheduler {
         self.inner.lock().reserved
     }
 
+    /// Requests waiting their turn (FCFS) for room to free.
+    pub fn waiting(&self) -> usize {
+        self.inner.lock().queue.len()
+    }
+
     pub fn available_bytes(&self) -> u64 {
         self.inner.budget - self.reserved_bytes()
     }

@@ -208,34 +208,44 @@ fn gauges_report_budget_reserved_and_available() {
 }
 
 /// Pins first come, first served among waiters: a small waiter that would
-/// fit now stays behind a large one that came first. (Found by
-/// cargo-mutants: with every ticket equal, the small one jumped the queue.)
+/// fit stays behind a large one that came first, even when room frees that
+/// is enough for the small one only. (Found by cargo-mutants: with every
+/// ticket equal, the small one jumped the queue; the older FCFS test only
+/// caught that when the threads woke in one of two orders.)
 #[test]
 fn a_small_waiter_does_not_overtake_a_large_one() {
     let s = Scheduler::new(20 * BPT);
-    let holder = s.admit(&req(10, 5)).unwrap();
+    let holder = s.admit(&req(10, 3)).unwrap();
+    let spare = s.admit(&req(1, 1)).unwrap();
     let order = Arc::new(std::sync::Mutex::new(Vec::new()));
     let wait = |name: &'static str, prompt: u64| {
         let (s, order) = (s.clone(), order.clone());
         std::thread::spawn(move || {
-            let r = AdmissionRequest { wait_until: Some(Instant::now() + Duration::from_secs(10)), ..req(prompt, 1) };
+            let r = AdmissionRequest { wait_until: Some(Instant::now() + Duration::from_secs(20)), ..req(prompt, 1) };
             let a = s.admit(&r).unwrap();
             order.lock().unwrap().push(name);
             a
         })
     };
+    let queued = |n: usize| {
+        while s.waiting() < n {
+            std::thread::yield_now();
+        }
+    };
     let large = wait("large", 15);
-    // The large waiter is queued once a small non-waiting request is refused.
-    while let Ok(a) = s.admit(&req(1, 1)) {
-        drop(a);
-        std::thread::yield_now();
-    }
+    queued(1);
     let small = wait("small", 2);
+    queued(2);
+    // 7 free: enough for the small waiter (3), not the large one (16);
+    // the release wakes both.
+    drop(spare);
     std::thread::sleep(Duration::from_millis(100));
     assert!(order.lock().unwrap().is_empty(), "the small waiter overtook: {:?}", order.lock().unwrap());
+    assert_eq!(s.waiting(), 2);
     drop(holder);
     let (large, small) = (large.join().unwrap(), small.join().unwrap());
     assert_eq!(*order.lock().unwrap(), ["large", "small"]);
+    assert_eq!(s.waiting(), 0);
     drop((large, small));
 }
 

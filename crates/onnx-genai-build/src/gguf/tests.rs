@@ -221,3 +221,76 @@ fn f16_and_bf16_by_hand() {
     let bf = [half::bf16::from_f32(3.0).to_le_bytes(), half::bf16::from_f32(-2.0).to_le_bytes()].concat();
     assert_eq!(dequantize(TensorType::BF16, &bf), [3.0, -2.0]);
 }
+
+/// Bad input names what is unsupported: the architecture, the tokenizer
+/// model, the pre-tokenizer, and a missing tensor.
+#[test]
+fn unsupported_models_are_named() {
+    let load = |w: &Writer| {
+        let g = Gguf::parse(w.bytes()).unwrap();
+        super::weights::spec_from_gguf(&g, "m", "test.gguf").unwrap_err().to_string()
+    };
+    let mut w = Writer::default();
+    w.str("general.architecture", "gpt2");
+    assert_eq!(load(&w), "architecture `gpt2` is not supported (general.architecture must be `llama`)");
+
+    let mut w = Writer::default();
+    w.str("general.architecture", "llama");
+    for (k, v) in
+        [("block_count", 1), ("embedding_length", 64), ("feed_forward_length", 128), ("attention.head_count", 2)]
+    {
+        w.u32(&format!("llama.{k}"), v);
+    }
+    w.u32("llama.context_length", 256);
+    assert_eq!(load(&w), "tensor `token_embd.weight` is missing");
+
+    let tokenizer_error = |model: &str, pre: &str| {
+        let mut w = Writer::default();
+        w.str("tokenizer.ggml.model", model).str("tokenizer.ggml.pre", pre);
+        let g = Gguf::parse(w.bytes()).unwrap();
+        super::tokenizer::tokenizer_json(&g).unwrap_err().to_string()
+    };
+    assert!(tokenizer_error("llama", "default").contains("tokenizer model `llama` is not supported"));
+    let mut w = Writer::default();
+    let array = |items: &[&str]| {
+        let mut p = 8u32.to_le_bytes().to_vec();
+        p.extend((items.len() as u64).to_le_bytes());
+        items.iter().for_each(|s| p.extend(string(s)));
+        p
+    };
+    w.str("tokenizer.ggml.model", "gpt2")
+        .str("tokenizer.ggml.pre", "qwen2")
+        .kv("tokenizer.ggml.tokens", 9, array(&["a", "b", "ab"]))
+        .kv("tokenizer.ggml.merges", 9, array(&["a b"]));
+    let g = Gguf::parse(w.bytes()).unwrap();
+    let err = super::tokenizer::tokenizer_json(&g).unwrap_err().to_string();
+    assert!(err.contains("pre-tokenizer `qwen2` is not supported"), "{err}");
+}
+
+/// A minimal byte-level vocabulary builds a tokenizer that loads and
+/// encodes with its merge.
+#[test]
+fn a_small_vocabulary_becomes_a_tokenizer() {
+    let array = |items: &[&str]| {
+        let mut p = 8u32.to_le_bytes().to_vec();
+        p.extend((items.len() as u64).to_le_bytes());
+        items.iter().for_each(|s| p.extend(string(s)));
+        p
+    };
+    let mut w = Writer::default();
+    w.str("tokenizer.ggml.model", "gpt2")
+        .str("tokenizer.ggml.pre", "smollm")
+        .kv("tokenizer.ggml.tokens", 9, array(&["<|end|>", "a", "b", "ab", "1", "2"]))
+        .kv("tokenizer.ggml.token_type", 9, {
+            let mut p = 5u32.to_le_bytes().to_vec();
+            p.extend(6u64.to_le_bytes());
+            [3i32, 1, 1, 1, 1, 1].iter().for_each(|t| p.extend(t.to_le_bytes()));
+            p
+        })
+        .kv("tokenizer.ggml.merges", 9, array(&["a b"]));
+    let g = Gguf::parse(w.bytes()).unwrap();
+    let t = tokenizers::Tokenizer::from_bytes(super::tokenizer::tokenizer_json(&g).unwrap().as_bytes()).unwrap();
+    let enc = t.encode("ab12<|end|>", false).unwrap();
+    assert_eq!(enc.get_tokens(), ["ab", "1", "2", "<|end|>"]);
+    assert_eq!(enc.get_ids(), [3, 4, 5, 0]);
+}
