@@ -89,6 +89,7 @@ pub fn run(minutes_per_target: u64) -> Result<()> {
         util::commit()
     );
     let mut gaps = Vec::new();
+    let mut problems: Vec<String> = Vec::new();
     let mut misses_md = String::new();
     for t in &config.targets {
         let dir = out.join(&t.name);
@@ -116,6 +117,16 @@ pub fn run(minutes_per_target: u64) -> Result<()> {
         let (caught, missed, unviable, timeout) =
             (result("caught.txt"), result("missed.txt"), result("unviable.txt"), result("timeout.txt"));
         let total = caught.len() + missed.len() + unviable.len() + timeout.len();
+        // cargo-mutants exits 0 (all caught), 2 (missed), 3 (timeouts);
+        // anything else — 4 is a red baseline — means it measured nothing.
+        match finished.and_then(|s| s.code()) {
+            Some(0 | 2 | 3) | None if total > 0 => {}
+            code => problems.push(format!(
+                "cargo-mutants on {} tested {total} mutants and exited {code:?} (4 = the unmutated tests failed); see {}",
+                t.name,
+                dir.join("mutants.out/log/baseline.log").display()
+            )),
+        }
         let _ = writeln!(
             md,
             "| cargo-mutants | {} | {total} | {} | {} | {} | {} | {} |",
@@ -162,8 +173,17 @@ pub fn run(minutes_per_target: u64) -> Result<()> {
         Err(_) => md.push_str("\n(no battery report yet: run `cargo xtask mutants` for the batteries' row)\n"),
     }
     let _ = write!(md, "\n## cargo-mutants misses\n\n{}", if misses_md.is_empty() { "none\n" } else { &misses_md });
+    for p in &problems {
+        let _ = write!(md, "\n**{p}**\n");
+    }
     std::fs::write(out.join("report.md"), &md)?;
     println!("\n{md}\nreport: {}", out.join("report.md").display());
+    for p in &problems {
+        eprintln!("{p}");
+    }
+    if !problems.is_empty() {
+        bail!("the comparison measured nothing for some targets");
+    }
     if !gaps.is_empty() {
         bail!(
             "{} missed mutants are neither killed nor listed as equivalent in conformance/cargo-mutants.yaml",

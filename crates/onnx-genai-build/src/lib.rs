@@ -30,12 +30,19 @@ pub enum BuildError {
     Gguf(#[from] gguf::GgufError),
     #[error("cannot write {}: {source}", path.display())]
     Io { path: PathBuf, source: std::io::Error },
+    #[error(transparent)]
+    Onnx(#[from] onnx_genai_onnx::OnnxError),
 }
 
 pub const MODEL_FILE: &str = "model.onnx";
 pub const VISION_FILE: &str = "vision.onnx";
 pub const EMBED_FILE: &str = "embed.onnx";
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
+/// Exports whose weights pass this many bytes keep them in `<file>.data`
+/// (ONNX external data), as ONNX Runtime GenAI's builder does.
+pub const EXTERNAL_DATA_OVER: usize = 100 << 20;
+/// Initializers smaller than this stay inside the model file.
+pub const EXTERNAL_TENSOR_MIN: usize = 1024;
 
 /// The `<packages_dir>/<name>/spec.yaml` files, sorted by package name.
 pub fn spec_files(packages_dir: &Path) -> Result<Vec<PathBuf>, BuildError> {
@@ -88,7 +95,16 @@ pub fn build_variant(spec: &Spec, variant: Variant, out: &Path) -> Result<(), Bu
     };
     for (file, model) in models {
         let model_path = out.join(file);
-        std::fs::write(&model_path, onnx_genai_onnx::encode(&model)).map_err(io(&model_path))?;
+        let data_path = out.join(format!("{file}.data"));
+        let weight_bytes: usize = model.graph.initializers.iter().map(|t| t.raw.len()).sum();
+        if weight_bytes > EXTERNAL_DATA_OVER {
+            onnx_genai_onnx::write_model_external(&model_path, &model, EXTERNAL_TENSOR_MIN)?;
+        } else {
+            std::fs::write(&model_path, onnx_genai_onnx::encode(&model)).map_err(io(&model_path))?;
+            if data_path.exists() {
+                std::fs::remove_file(&data_path).map_err(io(&data_path))?;
+            }
+        }
     }
     let json = match &spec.pretrained {
         Some(p) => p.tokenizer_json.clone(),

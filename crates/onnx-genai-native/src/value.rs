@@ -173,7 +173,7 @@ impl Value {
                 Data::I64(t.raw.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8]))).collect())
             }
             D::Bool => Data::Bool(t.raw.iter().map(|b| *b != 0).collect()),
-            D::Uint8 => Data::U8(t.raw.clone()),
+            D::Uint8 => Data::U8(t.raw.to_vec()),
             other => return Err(format!("{other} tensors are not supported by native-cpu")),
         };
         Ok(Self { shape, data })

@@ -3,6 +3,7 @@
 //! checks what the IR relies on (known element types, tensor payload sizes,
 //! attribute kinds) and reports the node or tensor at fault.
 
+use crate::data::{Resolver, TensorData};
 use crate::proto;
 use crate::OnnxError;
 
@@ -124,13 +125,14 @@ impl ValueInfo {
     }
 }
 
-/// A constant tensor, always held as little-endian raw bytes.
+/// A constant tensor, always held as little-endian raw bytes (inline, or
+/// mapped from an external data file).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Tensor {
     pub name: String,
     pub dtype: DataType,
     pub dims: Vec<i64>,
-    pub raw: Vec<u8>,
+    pub raw: TensorData,
 }
 
 impl Tensor {
@@ -139,17 +141,17 @@ impl Tensor {
     }
 
     pub fn from_f32(name: impl Into<String>, dims: Vec<i64>, values: &[f32]) -> Self {
-        let raw = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let raw = values.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>().into();
         Self { name: name.into(), dtype: DataType::Float, dims, raw }
     }
 
     pub fn from_f16(name: impl Into<String>, dims: Vec<i64>, values: &[half::f16]) -> Self {
-        let raw = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let raw = values.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>().into();
         Self { name: name.into(), dtype: DataType::Float16, dims, raw }
     }
 
     pub fn from_i64(name: impl Into<String>, dims: Vec<i64>, values: &[i64]) -> Self {
-        let raw = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let raw = values.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>().into();
         Self { name: name.into(), dtype: DataType::Int64, dims, raw }
     }
 
@@ -288,7 +290,17 @@ impl Model {
 impl TryFrom<proto::ModelProto> for Model {
     type Error = OnnxError;
 
+    /// Without a directory: external data is an error (use
+    /// [`Model::from_proto_in`]).
     fn try_from(m: proto::ModelProto) -> Result<Self, OnnxError> {
+        Model::from_proto_in(m, None)
+    }
+}
+
+impl Model {
+    /// Converts `m`, resolving external data with `resolver` (relative to
+    /// the model's directory).
+    pub fn from_proto_in(m: proto::ModelProto, mut resolver: Option<&mut Resolver>) -> Result<Self, OnnxError> {
         let graph = m
             .graph
             .ok_or_else(|| OnnxError::Invalid { location: "model".into(), reason: "the model has no graph".into() })?;
@@ -304,21 +316,23 @@ impl TryFrom<proto::ModelProto> for Model {
                 .collect(),
             producer_name: m.producer_name,
             producer_version: m.producer_version,
-            graph: graph_from_proto(graph)?,
+            graph: graph_from_proto(graph, &mut resolver)?,
         })
     }
 }
 
-fn graph_from_proto(g: proto::GraphProto) -> Result<Graph, OnnxError> {
+type Ctx<'a, 'r> = &'a mut Option<&'r mut Resolver>;
+
+fn graph_from_proto(g: proto::GraphProto, ctx: Ctx) -> Result<Graph, OnnxError> {
     let value_infos = |list: Vec<proto::ValueInfoProto>| -> Result<Vec<ValueInfo>, OnnxError> {
         list.into_iter().map(value_info_from_proto).collect()
     };
     Ok(Graph {
-        nodes: g.node.into_iter().enumerate().map(|(i, n)| node_from_proto(i, n)).collect::<Result<_, _>>()?,
+        nodes: g.node.into_iter().enumerate().map(|(i, n)| node_from_proto(i, n, ctx)).collect::<Result<_, _>>()?,
         inputs: value_infos(g.input)?,
         outputs: value_infos(g.output)?,
         value_infos: value_infos(g.value_info)?,
-        initializers: g.initializer.into_iter().map(tensor_from_proto).collect::<Result<_, _>>()?,
+        initializers: g.initializer.into_iter().map(|t| tensor_from_proto(t, ctx)).collect::<Result<_, _>>()?,
         name: g.name,
     })
 }
@@ -343,11 +357,8 @@ fn value_info_from_proto(v: proto::ValueInfoProto) -> Result<ValueInfo, OnnxErro
     Ok(ValueInfo { name: v.name, dtype, shape })
 }
 
-fn tensor_from_proto(t: proto::TensorProto) -> Result<Tensor, OnnxError> {
+fn tensor_from_proto(t: proto::TensorProto, ctx: Ctx) -> Result<Tensor, OnnxError> {
     let location = format!("initializer '{}'", t.name);
-    if t.data_location == proto::data_location::EXTERNAL {
-        return Err(OnnxError::Unsupported { what: format!("{location}: external data") });
-    }
     let dtype = DataType::from_onnx(t.data_type)
         .ok_or_else(|| OnnxError::Unsupported { what: format!("{location}: element type {}", t.data_type) })?;
     if let Some(d) = t.dims.iter().find(|d| **d < 0) {
@@ -358,8 +369,18 @@ fn tensor_from_proto(t: proto::TensorProto) -> Result<Tensor, OnnxError> {
         .iter()
         .try_fold(1usize, |acc, d| acc.checked_mul(*d as usize))
         .ok_or_else(|| OnnxError::Invalid { location: location.clone(), reason: "element count overflows".into() })?;
-    let raw = if !t.raw_data.is_empty() { t.raw_data } else { typed_payload_to_raw(dtype, &t) };
     let expected = count.checked_mul(dtype.size_bytes());
+    if t.data_location == proto::data_location::EXTERNAL {
+        let Some(resolver) = ctx.as_deref_mut() else {
+            return Err(OnnxError::Unsupported {
+                what: format!("{location}: external data needs the model's directory (read the model from its file)"),
+            });
+        };
+        let expected = expected.ok_or_else(|| OnnxError::Invalid { location, reason: "too many bytes".into() })?;
+        let raw = resolver.resolve(&t.name, &t.external_data, expected)?;
+        return Ok(Tensor { name: t.name, dtype, dims: t.dims, raw });
+    }
+    let raw = if !t.raw_data.is_empty() { t.raw_data } else { typed_payload_to_raw(dtype, &t) };
     if expected != Some(raw.len()) {
         return Err(OnnxError::Invalid {
             location,
@@ -371,7 +392,7 @@ fn tensor_from_proto(t: proto::TensorProto) -> Result<Tensor, OnnxError> {
             ),
         });
     }
-    Ok(Tensor { name: t.name, dtype, dims: t.dims, raw })
+    Ok(Tensor { name: t.name, dtype, dims: t.dims, raw: raw.into() })
 }
 
 /// ONNX stores small tensors in typed repeated fields instead of `raw_data`;
@@ -387,9 +408,9 @@ fn typed_payload_to_raw(dtype: DataType, t: &proto::TensorProto) -> Vec<u8> {
     }
 }
 
-fn node_from_proto(index: usize, n: proto::NodeProto) -> Result<Node, OnnxError> {
+fn node_from_proto(index: usize, n: proto::NodeProto, ctx: Ctx) -> Result<Node, OnnxError> {
     let label = if n.name.is_empty() { format!("#{index} ({})", n.op_type) } else { format!("'{}'", n.name) };
-    let attributes = n.attribute.into_iter().map(|a| attribute_from_proto(&label, a)).collect::<Result<_, _>>()?;
+    let attributes = n.attribute.into_iter().map(|a| attribute_from_proto(&label, a, ctx)).collect::<Result<_, _>>()?;
     Ok(Node {
         name: n.name,
         op_type: n.op_type,
@@ -400,7 +421,7 @@ fn node_from_proto(index: usize, n: proto::NodeProto) -> Result<Node, OnnxError>
     })
 }
 
-fn attribute_from_proto(node: &str, a: proto::AttributeProto) -> Result<Attribute, OnnxError> {
+fn attribute_from_proto(node: &str, a: proto::AttributeProto, ctx: Ctx) -> Result<Attribute, OnnxError> {
     use proto::attribute_type as ty;
     let utf8 = |bytes: Vec<u8>| {
         String::from_utf8(bytes).map_err(|_| OnnxError::Invalid {
@@ -413,7 +434,7 @@ fn attribute_from_proto(node: &str, a: proto::AttributeProto) -> Result<Attribut
         ty::INT => AttrValue::Int(a.i),
         ty::STRING => AttrValue::String(utf8(a.s.clone())?),
         ty::TENSOR => match a.t.clone() {
-            Some(t) => AttrValue::Tensor(tensor_from_proto(t)?),
+            Some(t) => AttrValue::Tensor(tensor_from_proto(t, ctx)?),
             None => {
                 return Err(OnnxError::Invalid {
                     location: format!("node {node} attribute '{}'", a.name),
@@ -497,7 +518,7 @@ fn tensor_to_proto(t: &Tensor) -> proto::TensorProto {
         dims: t.dims.clone(),
         data_type: t.dtype.onnx_code(),
         name: t.name.clone(),
-        raw_data: t.raw.clone(),
+        raw_data: t.raw.to_vec(),
         ..Default::default()
     }
 }

@@ -47,6 +47,8 @@ pub enum Code {
     PKG025,
     /// A graph input that no port binds (the runtime could not feed it).
     PKG026,
+    /// External data that is missing, short, or outside the package.
+    PKG027,
     /// KV geometry disagrees with the graph's KV tensor shapes.
     PKG030,
     /// Inconsistent architecture numbers (heads vs KV heads, zero sizes).

@@ -268,8 +268,18 @@ fn load_model(relative: &str, path: &Path, report: &mut Report) -> Option<Model>
             return None;
         }
     };
-    match onnx_genai_onnx::decode(&bytes) {
+    match onnx_genai_onnx::decode_in(&bytes, path.parent().unwrap_or(Path::new("."))) {
         Ok(model) => Some(model),
+        Err(e @ onnx_genai_onnx::OnnxError::External { .. }) => {
+            report.push(Diagnostic::error(
+                Code::PKG027,
+                relative,
+                "",
+                e.to_string(),
+                "external data must lie inside the package, whole, where the model's offsets say; re-export the package",
+            ));
+            None
+        }
         Err(e) => {
             report.push(Diagnostic::error(
                 Code::PKG020,

@@ -234,19 +234,22 @@ fn a_small_waiter_does_not_overtake_a_large_one() {
     };
     let large = wait("large", 15);
     queued(1);
-    let small = wait("small", 2);
+    let small = wait("small", 4);
     queued(2);
-    // 7 free: enough for the small waiter (3), not the large one (16);
+    // 7 free: enough for the small waiter (5), not the large one (16);
     // the release wakes both.
     drop(spare);
     std::thread::sleep(Duration::from_millis(100));
     assert!(order.lock().unwrap().is_empty(), "the small waiter overtook: {:?}", order.lock().unwrap());
     assert_eq!(s.waiting(), 2);
+    // The large one goes first; the small one (16 + 5 > 20) only after it.
     drop(holder);
-    let (large, small) = (large.join().unwrap(), small.join().unwrap());
+    let large = large.join().unwrap();
+    assert_eq!(*order.lock().unwrap(), ["large"]);
+    drop(large);
+    drop(small.join().unwrap());
     assert_eq!(*order.lock().unwrap(), ["large", "small"]);
     assert_eq!(s.waiting(), 0);
-    drop((large, small));
 }
 
 #[derive(Clone, Debug)]

@@ -359,7 +359,7 @@ pub fn matmul_nbits(d: &mut Decoder, x: &str, w: &WeightValues) -> String {
         name: format!("{}.q4", w.name),
         dtype: DataType::Uint8,
         dims: vec![n as i64, blocks as i64, (NBITS_BLOCK / 2) as i64],
-        raw: packed,
+        raw: packed.into(),
     });
     let sname = d.b.initializer(Tensor::from_f32(format!("{}.scales", w.name), vec![(n * blocks) as i64], &scales));
     let out = d.b.fresh("MatMulNBits");

@@ -88,6 +88,16 @@ pub enum Mutation {
     SymlinkOutside {
         file: String,
     },
+    /// Rewrite the ONNX `file` with its initializers in `<file>.data`
+    /// (external data).
+    Externalize {
+        file: String,
+    },
+    /// Point every external initializer of the ONNX `file` at `location`.
+    ExternalLocation {
+        file: String,
+        location: String,
+    },
 }
 
 pub fn load_case(path: &Path) -> Case {
@@ -128,6 +138,22 @@ pub fn apply(dir: &Path, mutation: &Mutation) {
         Mutation::Truncate { file, bytes } => {
             let data = std::fs::read(dir.join(file)).unwrap();
             std::fs::write(dir.join(file), &data[..*bytes.min(&data.len())]).unwrap();
+        }
+        Mutation::Externalize { file } => {
+            let model = onnx_genai_onnx::read_model(&dir.join(file)).unwrap();
+            onnx_genai_onnx::write_model_external(&dir.join(file), &model, 1024).unwrap();
+        }
+        Mutation::ExternalLocation { file, location } => {
+            use prost::Message;
+            let path = dir.join(file);
+            let mut proto =
+                onnx_genai_onnx::proto::ModelProto::decode(std::fs::read(&path).unwrap().as_slice()).unwrap();
+            for t in &mut proto.graph.as_mut().unwrap().initializer {
+                for e in t.external_data.iter_mut().filter(|e| e.key == "location") {
+                    e.value = location.clone();
+                }
+            }
+            std::fs::write(&path, proto.encode_to_vec()).unwrap();
         }
         Mutation::SymlinkOutside { file } => {
             let outside = dir.parent().unwrap().join(format!("outside-{file}"));
