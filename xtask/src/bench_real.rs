@@ -14,11 +14,11 @@ use onnx_genai_package::{ElementType, Package};
 
 use crate::{ort, real, util};
 
-const PREFILL: usize = 128;
-const CONTEXT: usize = 64;
+pub(crate) const PREFILL: usize = 128;
+pub(crate) const CONTEXT: usize = 64;
 
 /// `(min, median)` of `v`.
-fn min_median(mut v: Vec<f64>) -> (f64, f64) {
+pub(crate) fn min_median(mut v: Vec<f64>) -> (f64, f64) {
     v.sort_by(f64::total_cmp);
     (v[0], v[v.len() / 2])
 }
@@ -50,13 +50,13 @@ fn read_bandwidth(passes: usize) -> (f64, f64) {
     (lo, med)
 }
 
-struct Speed {
+pub(crate) struct Speed {
     /// Prefill tokens/s `(min, median)` and decode tokens/s `(min, median)`.
-    prefill: (f64, f64),
-    decode: (f64, f64),
+    pub prefill: (f64, f64),
+    pub decode: (f64, f64),
 }
 
-fn measure(b: &mut dyn DecodeBackend, rounds: usize, steps: usize) -> Result<Speed> {
+pub(crate) fn measure(b: &mut dyn DecodeBackend, rounds: usize, steps: usize) -> Result<Speed> {
     let vocab = b.vocab_size() as u32;
     let prompt: Vec<u32> = (0..PREFILL as u32).map(|i| (i * 7919 + 13) % vocab).collect();
     b.reset();

@@ -1,6 +1,7 @@
 //! `cargo xtask <command>`: the project's automation. See README.md.
 
 mod bench;
+mod bench_peer;
 mod bench_real;
 mod conformance;
 mod lanes;
@@ -79,6 +80,10 @@ enum Command {
         /// machine's read bandwidth and the roofline, 4-bit error against f32).
         #[arg(long)]
         real: bool,
+        /// Instead: race native-cpu against a peer runtime on the same contrib packages
+        /// (ort-genai: ONNX Runtime GenAI, pinned, installed with pip into target/genai).
+        #[arg(long)]
+        peer: Option<String>,
     },
     /// Load check: the server on loopback under concurrent clients (throughput, latency, gauges).
     Load {
@@ -139,10 +144,13 @@ fn main() -> ExitCode {
         Command::Conformance { package, backend, suite, shard, threads, no_real } => {
             conformance::run(conformance::Options { package, backend, suite, shard, threads, no_real })
         }
-        Command::Bench { threads, rounds, steps, package: _, real: true } => {
+        Command::Bench { threads, rounds, steps, peer: Some(peer), .. } => {
+            bench_peer::run(&peer, threads, rounds.clamp(1, 5), steps.clamp(1, 32))
+        }
+        Command::Bench { threads, rounds, steps, real: true, .. } => {
             bench_real::run(threads, rounds.clamp(1, 5), steps.clamp(1, 32))
         }
-        Command::Bench { threads, rounds, steps, package, real: false } => {
+        Command::Bench { threads, rounds, steps, package, .. } => {
             bench::run(bench::Options { threads, rounds: rounds.max(1), steps: steps.max(1), package })
         }
         Command::Load { clients, turns, max_tokens, backend } => {

@@ -1,5 +1,7 @@
-//! Installs the official Python `openai` client (pinned) with pip into
-//! `target/python`, for the server's real-client test.
+//! Pinned Python packages installed with pip into folders under `target/`:
+//! the official `openai` client (`target/python`, for the server's
+//! real-client test) and ONNX Runtime GenAI (`target/genai`, the peer
+//! runtime of the interop lane and `cargo xtask bench --peer ort-genai`).
 
 use std::process::Command;
 
@@ -8,15 +10,29 @@ use anyhow::{bail, Context, Result};
 use crate::util;
 
 pub const OPENAI_VERSION: &str = "3.57.0";
+pub const ORT_GENAI_VERSION: &str = "0.18.0";
 
 /// Ensures `target/python` holds `openai==OPENAI_VERSION`; idempotent.
 pub fn provision() -> Result<()> {
-    let dir = util::target().join("python");
-    let marker = dir.join(format!(".openai-{OPENAI_VERSION}"));
+    install("python", &[&format!("openai=={OPENAI_VERSION}")])
+}
+
+/// Ensures `target/genai` holds `onnxruntime-genai==ORT_GENAI_VERSION` with
+/// the `onnxruntime` wheel the rest of the project uses; idempotent.
+pub fn provision_ort_genai() -> Result<()> {
+    install(
+        "genai",
+        &[&format!("onnxruntime-genai=={ORT_GENAI_VERSION}"), &format!("onnxruntime=={}", crate::ort::VERSION)],
+    )
+}
+
+fn install(dir_name: &str, requirements: &[&str]) -> Result<()> {
+    let dir = util::target().join(dir_name);
+    let marker = dir.join(format!(".installed-{}", requirements.join("-")));
     if marker.is_file() {
         return Ok(());
     }
-    println!("==> pip install openai=={OPENAI_VERSION} into {}", dir.display());
+    println!("==> pip install {} into {}", requirements.join(" "), dir.display());
     let status = Command::new(crate::ort::python())
         .args([
             "-m",
@@ -30,11 +46,11 @@ pub fn provision() -> Result<()> {
             "--target",
         ])
         .arg(&dir)
-        .arg(format!("openai=={OPENAI_VERSION}"))
+        .args(requirements)
         .status()
         .context("cannot run python3 -m pip (is Python with pip installed?)")?;
     if !status.success() {
-        bail!("pip could not install openai=={OPENAI_VERSION}; check access to the Python package index");
+        bail!("pip could not install {}; check access to the Python package index", requirements.join(" "));
     }
     std::fs::write(&marker, "")?;
     Ok(())

@@ -8,10 +8,11 @@ use onnx_genai_package::Family;
 /// The `genai_config.json` text describing the package [`crate::build_package`] writes.
 pub fn genai_config(spec: &Spec) -> String {
     let eos = spec.eos_token_id();
+    let bos = spec.pretrained.as_ref().and_then(|p| p.bos_token_id).unwrap_or(eos);
     let template = |t: &str| t.replace("{layer}", "%d");
     let config = serde_json::json!({
         "model": {
-            "bos_token_id": eos,
+            "bos_token_id": bos,
             "context_length": spec.max_sequence_length,
             "decoder": {
                 "session_options": { "log_id": "onnxruntime-genai", "provider_options": [] },
@@ -36,7 +37,10 @@ pub fn genai_config(spec: &Spec) -> String {
             },
             "eos_token_id": eos,
             "pad_token_id": eos,
-            "type": match spec.family { Family::Llama => "llama", Family::Gpt2 => "gpt2" },
+            // ONNX Runtime GenAI's `gpt2` type is its combined-KV GPT-2
+            // pipeline; our exports keep K and V apart per layer, which its
+            // generic `decoder` type runs.
+            "type": match spec.family { Family::Llama => "llama", Family::Gpt2 | Family::Decoder => "decoder" },
             "vocab_size": spec.vocab_size,
         },
         "search": {

@@ -91,7 +91,7 @@ pub fn build_variant(spec: &Spec, variant: Variant, out: &Path) -> Result<(), Bu
     }
     let models = match graph::vision::build(spec) {
         Some(vl) => vec![(MODEL_FILE, vl.decoder), (VISION_FILE, vl.vision), (EMBED_FILE, vl.embed)],
-        None => vec![(MODEL_FILE, graph::build_decoder(spec, variant))],
+        None => vec![(MODEL_FILE, graph::build_decoder(spec, variant)?)],
     };
     for (file, model) in models {
         let model_path = out.join(file);
@@ -117,6 +117,14 @@ pub fn build_variant(spec: &Spec, variant: Variant, out: &Path) -> Result<(), Bu
     std::fs::write(&tok_path, json).map_err(io(&tok_path))?;
     let manifest_path = out.join(onnx_genai_package::MANIFEST_FILE);
     std::fs::write(&manifest_path, manifest(spec).to_yaml()).map_err(io(&manifest_path))?;
+    // The contrib export is ONNX Runtime GenAI's own op set: its runtime
+    // loads the package unchanged from this file.
+    let genai_path = out.join(onnx_genai_package::genai::CONFIG_FILE);
+    if variant == Variant::Contrib {
+        std::fs::write(&genai_path, genai_config::genai_config(spec)).map_err(io(&genai_path))?;
+    } else if genai_path.exists() {
+        std::fs::remove_file(&genai_path).map_err(io(&genai_path))?;
+    }
     Ok(())
 }
 

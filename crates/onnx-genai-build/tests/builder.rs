@@ -41,7 +41,7 @@ fn variants_use_their_op_sets() {
     let spec =
         read_spec(&spec_paths().into_iter().find(|p| p.to_string_lossy().contains("tiny-llama-gqa")).unwrap()).unwrap();
     let ops = |v: Variant| -> Vec<String> {
-        let model = onnx_genai_build::graph::build_decoder(&spec, v);
+        let model = onnx_genai_build::graph::build_decoder(&spec, v).unwrap();
         model.graph.nodes.iter().map(|n| format!("{}:{}", n.domain, n.op_type)).collect()
     };
     let decomposed = ops(Variant::Decomposed);

@@ -21,7 +21,7 @@ fn binding() -> Binding {
 }
 
 fn model(variant: Variant) -> Model {
-    build_decoder(&spec(), variant)
+    build_decoder(&spec(), variant).unwrap()
 }
 
 fn first(m: &mut Model, op: &str) -> usize {

@@ -203,6 +203,7 @@ pub fn import(text: &str, report: &mut Report) -> Option<Manifest> {
     let family = match m.model_type.as_str() {
         "llama" | "mistral" | "qwen2" | "qwen3" | "smollm" | "granite" | "olmo" => Family::Llama,
         "gpt2" => Family::Gpt2,
+        "decoder" => Family::Decoder,
         other => {
             report.push(unsupported("model.type", &format!("model type `{other}`")));
             return None;

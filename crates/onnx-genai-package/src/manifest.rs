@@ -33,6 +33,9 @@ pub struct Manifest {
 pub enum Family {
     Llama,
     Gpt2,
+    /// A decoder-only transformer described only by its graph (ONNX
+    /// Runtime GenAI's generic `decoder` type); imported, never built.
+    Decoder,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]

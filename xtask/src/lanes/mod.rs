@@ -45,6 +45,7 @@ pub struct Lane {
 pub enum Need {
     Ort,
     PythonClient,
+    OrtGenai,
     RealModels,
 }
 
@@ -193,6 +194,9 @@ fn provision(lane: &Lane) -> Result<PathBuf> {
     let lib = ort::provision()?;
     if lane.needs.contains(&Need::PythonClient) {
         pyclient::provision()?;
+    }
+    if lane.needs.contains(&Need::OrtGenai) {
+        pyclient::provision_ort_genai()?;
     }
     if lane.needs.contains(&Need::RealModels) {
         for model in real::models()? {

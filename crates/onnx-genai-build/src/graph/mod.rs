@@ -86,13 +86,20 @@ pub mod names {
     }
 }
 
-pub fn build_decoder(spec: &Spec, variant: Variant) -> Model {
+pub fn build_decoder(spec: &Spec, variant: Variant) -> Result<Model, crate::BuildError> {
     let mut d = Decoder::new(spec, variant);
     match spec.family {
         Family::Llama => llama::build(&mut d),
         Family::Gpt2 => gpt2::build(&mut d),
+        Family::Decoder => {
+            return Err(crate::BuildError::Spec {
+                origin: spec.name.clone(),
+                reason: "the `decoder` family is what imported packages of a generic type get; build `llama` or `gpt2`"
+                    .into(),
+            })
+        }
     }
-    d.b.finish(variant.ir_version(), env!("CARGO_PKG_VERSION"))
+    Ok(d.b.finish(variant.ir_version(), env!("CARGO_PKG_VERSION")))
 }
 
 /// A weight's values before storage: the f16 package rounds them through

@@ -1,0 +1,87 @@
+//! ONNX Runtime GenAI runs our contrib exports unchanged (their
+//! `genai_config.json` is written by the builder), and its greedy tokens
+//! equal ours on ONNX Runtime and on native-cpu for 32 steps. Needs
+//! `onnxruntime-genai` in `target/genai` and the real model's GGUF, which
+//! `cargo xtask lane ort-genai` installs and fetches.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use onnx_genai_build::Variant;
+use onnx_genai_conformance::real::RealModel;
+use onnx_genai_engine::{BackendKind, Engine, Flow, GenerateRequest, Prompt};
+
+const STEPS: usize = 32;
+const PROMPT: &str = "The capital of France is";
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn ort_genai(dir: &Path, ids: &[u32]) -> Vec<u32> {
+    let site = root().join("target/genai");
+    assert!(site.is_dir(), "{} is missing: run `cargo xtask lane ort-genai`", site.display());
+    let ids: Vec<String> = ids.iter().map(u32::to_string).collect();
+    let out = Command::new("python3")
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/ort_genai.py"))
+        .args(["generate", &dir.display().to_string(), &ids.join(","), &STEPS.to_string()])
+        .env("PYTHONPATH", &site)
+        .output()
+        .expect("python3 runs");
+    assert!(out.status.success(), "onnxruntime-genai failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).trim().split(',').map(|t| t.parse().unwrap()).collect()
+}
+
+fn ours(dir: &Path, backend: BackendKind, ids: &[u32]) -> Vec<u32> {
+    let mut engine = Engine::open(dir, backend, 1).unwrap();
+    let request =
+        GenerateRequest { max_new_tokens: Some(STEPS as u32), ..GenerateRequest::new(Prompt::TokenIds(ids.to_vec())) };
+    engine.generate(&request, &mut |_| Flow::Continue).unwrap().token_ids
+}
+
+fn same_tokens(dir: &Path) {
+    let package = onnx_genai_package::Package::open(dir).unwrap();
+    let ids = package.tokenizer().encode(PROMPT, false).unwrap().get_ids().to_vec();
+    let theirs = ort_genai(dir, &ids);
+    assert!(!theirs.is_empty());
+    assert_eq!(ours(dir, BackendKind::Ort, &ids), theirs, "ORT backend vs ONNX Runtime GenAI");
+    assert_eq!(ours(dir, BackendKind::NativeCpu, &ids), theirs, "native-cpu vs ONNX Runtime GenAI");
+    if theirs.len() < STEPS {
+        // Only an end-of-sequence token may stop a run early.
+        assert!(package.manifest.generation.eos_token_ids.contains(theirs.last().unwrap()), "{theirs:?}");
+    }
+}
+
+fn tiny(name: &str) {
+    let spec = onnx_genai_build::read_spec(&root().join("packages").join(name).join("spec.yaml")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    onnx_genai_build::build_variant(&spec, Variant::Contrib, dir.path()).unwrap();
+    assert!(dir.path().join("genai_config.json").is_file());
+    same_tokens(dir.path());
+}
+
+#[test]
+fn tiny_llama_gqa_contrib() {
+    tiny("tiny-llama-gqa");
+}
+
+#[test]
+fn tiny_gpt2_contrib() {
+    tiny("tiny-gpt2");
+}
+
+#[test]
+fn tiny_llama_f16_contrib() {
+    tiny("tiny-llama-f16");
+}
+
+/// SmolLM2-135M's int4 export, 32 greedy steps.
+#[test]
+fn smollm2_int4_contrib() {
+    let model = RealModel::load_all(&root()).unwrap().into_iter().find(|m| m.name == "smollm2-135m-instruct").unwrap();
+    let base = model.load_spec(&root().join("target")).unwrap();
+    let export = model.exports.iter().find(|e| e.variant == Variant::Contrib).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    model.build(&base, export, dir.path()).unwrap();
+    same_tokens(dir.path());
+}
