@@ -87,7 +87,8 @@ pub(crate) fn measure(b: &mut dyn DecodeBackend, rounds: usize, steps: usize) ->
 fn bytes_per_token(package: &Package, dir: &std::path::Path) -> Result<f64> {
     let weights: u64 = std::fs::read_dir(dir)?
         .filter_map(|e| e.ok())
-        .filter(|e| e.path().extension().is_some_and(|x| x == "onnx"))
+        // Model files and their external data.
+        .filter(|e| e.path().extension().is_some_and(|x| x == "onnx" || x == "data"))
         .filter_map(|e| e.metadata().ok())
         .map(|m| m.len())
         .sum();
