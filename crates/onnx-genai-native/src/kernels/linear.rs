@@ -153,6 +153,8 @@ pub fn linear(x: &[f32], m: usize, w: &Weight, bias: Option<&[f32]>, y: &mut Vec
     y.resize(m * n, 0.0);
     if let (Packed::F32(wt), true) = (&w.packed, m >= 4) {
         sgemm(m, k, n, x, (k, 1), wt, (1, k), y);
+    } else if m >= 4 {
+        widened_panels(x, m, w, y, pool);
     } else if m == 1 {
         rows_dot(x, w, y, pool);
     } else {
@@ -179,6 +181,36 @@ pub fn linear(x: &[f32], m: usize, w: &Weight, bias: Option<&[f32]>, y: &mut Vec
     if let Some(b) = bias {
         for row in y.chunks_exact_mut(n) {
             row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
+        }
+    }
+}
+
+/// Several input rows against an f16 or 4-bit weight: widens `PANEL` weight
+/// rows at a time to f32 and multiplies them with the blocked sgemm, so a
+/// weight row is converted once per call rather than once per input row
+/// (prefill), and the product runs register-blocked.
+fn widened_panels(x: &[f32], m: usize, w: &Weight, y: &mut [f32], pool: Pool) {
+    const PANEL: usize = 64;
+    let (n, k) = (w.n, w.k);
+    let panel = |p: usize| -> Vec<f32> {
+        let (r0, rows) = (p * PANEL, PANEL.min(n - p * PANEL));
+        let (mut wide, mut scratch) = (vec![0.0; rows * k], Vec::new());
+        for (i, dst) in wide.chunks_exact_mut(k).enumerate() {
+            dst.copy_from_slice(w.row(r0 + i, &mut scratch));
+        }
+        let mut out = vec![0.0; m * rows];
+        sgemm(m, k, rows, x, (k, 1), &wide, (1, k), &mut out);
+        out
+    };
+    let panels = n.div_ceil(PANEL);
+    let products: Vec<Vec<f32>> = match pool {
+        Some(p) if m * n * k >= PARALLEL_MIN_MACS => p.install(|| (0..panels).into_par_iter().map(panel).collect()),
+        _ => (0..panels).map(panel).collect(),
+    };
+    for (p, out) in products.iter().enumerate() {
+        let (r0, rows) = (p * PANEL, PANEL.min(n - p * PANEL));
+        for (mi, src) in out.chunks_exact(rows).enumerate() {
+            y[mi * n + r0..mi * n + r0 + rows].copy_from_slice(src);
         }
     }
 }
@@ -315,6 +347,39 @@ mod tests {
             let want = naive(&x, m, &w, k, n);
             for (a, b) in y.iter().zip(&want) {
                 assert!((a - b).abs() < 1e-4, "m={m} k={k} n={n}: {a} vs {b}");
+            }
+        }
+    }
+
+    /// f16 and 4-bit weights give the product with their widened rows on
+    /// every path: one row, a few rows, and the widened panels of prefill
+    /// (more rows than a panel has columns, threaded or not).
+    #[test]
+    fn f16_and_q4_paths_match_the_widened_product() {
+        let (k, n) = (64, 150);
+        let halves: Vec<f16> = (0..n * k).map(|i| f16::from_f32(((i * 5) % 13) as f32 * 0.05 - 0.3)).collect();
+        let f16w = Weight { n, k, packed: Packed::F16(halves) };
+        let data: Vec<u8> = (0..n * 2 * 16).map(|i| (i * 37 % 256) as u8).collect();
+        let scales: Vec<f32> = (0..n * 2).map(|i| 0.01 * (i % 7 + 1) as f32).collect();
+        let zeros = Some((0..n).map(|i| (i * 29 % 256) as u8).collect::<Vec<_>>());
+        let q4w = Weight { n, k, packed: Packed::Q4 { data, scales, zeros, block: 32, blocks: 2 } };
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        for w in [&f16w, &q4w] {
+            let mut scratch = Vec::new();
+            let widened: Vec<f32> = (0..n).flat_map(|r| w.row(r, &mut scratch).to_vec()).collect();
+            for m in [1, 2, 5, 70] {
+                let x: Vec<f32> = (0..m * k).map(|i| ((i * 7) % 11) as f32 * 0.1 - 0.5).collect();
+                for threads in [None, Some(&pool)] {
+                    let mut y = Vec::new();
+                    linear(&x, m, w, None, &mut y, threads);
+                    for mi in 0..m {
+                        for r in 0..n {
+                            let want = dot(&x[mi * k..(mi + 1) * k], &widened[r * k..(r + 1) * k]);
+                            let got = y[mi * n + r];
+                            assert!((got - want).abs() < 1e-3 * (1.0 + want.abs()), "m={m} r={r}: {got} vs {want}");
+                        }
+                    }
+                }
             }
         }
     }
