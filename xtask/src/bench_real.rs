@@ -188,8 +188,8 @@ pub fn run(threads: usize, rounds: usize, steps: usize) -> Result<()> {
                     .get_ids()
                     .to_vec();
                 let (worst, agree) = logit_error(a.as_mut(), b.as_mut(), &ids, 32)?;
-                println!("int4 vs f32 on `{}`: max |d| {worst:.3}, greedy agreement {agree}/32", p.name);
-                let _ = writeln!(md, "| {} | {worst:.3} | {agree}/32 |", p.name);
+                println!("int4 vs f32 on `{}`: max |d| {worst:.2e}, greedy agreement {agree}/32", p.name);
+                let _ = writeln!(md, "| {} | {worst:.2e} | {agree}/32 |", p.name);
             }
         }
     }

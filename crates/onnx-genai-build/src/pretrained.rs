@@ -10,6 +10,22 @@ use std::sync::Arc;
 pub struct Weight {
     pub dims: Vec<u32>,
     pub values: Vec<f32>,
+    /// The file's own 4-bit blocks of a projection, when it stored them as
+    /// `value = d·q + m` (GGUF Q4_1): the 4-bit export uses them as they
+    /// are instead of quantizing `values` again.
+    pub q4: Option<Arc<Q4Blocks>>,
+}
+
+/// 4-bit blocks of 32 along the inputs, per output row `n`: `value =
+/// scales[n·blocks + b] · q + mins[n·blocks + b]`, the nibbles packed as
+/// `MatMulNBits` reads them (element `2i` in the low nibble of byte `i`).
+#[derive(Debug)]
+pub struct Q4Blocks {
+    pub n: usize,
+    pub blocks: usize,
+    pub packed: Vec<u8>,
+    pub scales: Vec<f32>,
+    pub mins: Vec<f32>,
 }
 
 #[derive(Debug, Default)]

@@ -8,8 +8,9 @@ use std::sync::Arc;
 
 use onnx_genai_package::{ElementType, Family};
 
+use super::quant::TensorType;
 use super::{Gguf, GgufError, TensorInfo, Value};
-use crate::pretrained::{Pretrained, PretrainedRef, Weight};
+use crate::pretrained::{Pretrained, PretrainedRef, Q4Blocks, Weight};
 use crate::spec::Spec;
 
 /// The spec (f32) and weights of a llama-architecture GGUF, named `name`.
@@ -118,7 +119,23 @@ fn rows(g: &Gguf, name: &str, dims: &[u32]) -> Result<Weight, GgufError> {
     if t.dims != want {
         return Err(GgufError::Unsupported(format!("tensor `{name}` has dims {:?}, expected {want:?}", t.dims)));
     }
-    Ok(Weight { dims: dims.iter().rev().copied().collect(), values: g.dequantize(t) })
+    let q4 = (t.ty == TensorType::Q4_1 && dims.len() == 2)
+        .then(|| Arc::new(q4_1_blocks(g.raw(t), dims[1] as usize, dims[0] as usize)));
+    Ok(Weight { dims: dims.iter().rev().copied().collect(), values: g.dequantize(t), q4 })
+}
+
+/// Q4_1 rows (`d`, `m`, then 16 bytes: low nibbles hold elements 0–15,
+/// high nibbles 16–31) → [`Q4Blocks`] in `MatMulNBits` nibble order.
+fn q4_1_blocks(raw: &[u8], n: usize, k: usize) -> Q4Blocks {
+    let blocks = k / 32;
+    let (mut packed, mut scales, mut mins) = (Vec::with_capacity(n * blocks * 16), Vec::new(), Vec::new());
+    for b in raw.chunks_exact(20) {
+        scales.push(half::f16::from_le_bytes([b[0], b[1]]).to_f32());
+        mins.push(half::f16::from_le_bytes([b[2], b[3]]).to_f32());
+        let q = |e: usize| if e < 16 { b[4 + e] & 0x0F } else { b[4 + e - 16] >> 4 };
+        packed.extend((0..16).map(|i| q(2 * i) | (q(2 * i + 1) << 4)));
+    }
+    Q4Blocks { n, blocks, packed, scales, mins }
 }
 
 fn vector(g: &Gguf, name: &str, n: u32) -> Result<Weight, GgufError> {
@@ -132,6 +149,7 @@ fn matrix(g: &Gguf, name: &str, inputs: u32, outputs: u32) -> Result<Weight, Ggu
 
 /// `[rows][cols]` → `[cols][rows]`.
 fn transpose(w: Weight) -> Weight {
+    // The 4-bit blocks stay per output row: only the f32 view turns.
     let (r, c) = (w.dims[0] as usize, w.dims[1] as usize);
     let mut out = vec![0.0; w.values.len()];
     for (i, row) in w.values.chunks_exact(c).enumerate() {
@@ -139,26 +157,42 @@ fn transpose(w: Weight) -> Weight {
             out[j * r + i] = *v;
         }
     }
-    Weight { dims: vec![w.dims[1], w.dims[0]], values: out }
+    Weight { dims: vec![w.dims[1], w.dims[0]], values: out, q4: w.q4 }
 }
 
 /// Undoes llama.cpp's query/key permutation on `[heads·head_dim][inputs]`
 /// rows: within a head, GGUF row `2i + j` holds the original row
 /// `j·head_dim/2 + i` (j = 0, 1 picks the rotary half).
 fn unpermute(w: Weight, heads: u32, head_dim: u32) -> Weight {
-    let cols = w.dims[1] as usize;
+    let rows = (heads * head_dim) as usize;
+    let values = unpermute_rows(&w.values, rows, heads, head_dim);
+    let q4 = w.q4.map(|q| {
+        Arc::new(Q4Blocks {
+            n: q.n,
+            blocks: q.blocks,
+            packed: unpermute_rows(&q.packed, rows, heads, head_dim),
+            scales: unpermute_rows(&q.scales, rows, heads, head_dim),
+            mins: unpermute_rows(&q.mins, rows, heads, head_dim),
+        })
+    });
+    Weight { dims: w.dims, values, q4 }
+}
+
+/// Rows of `data` (`rows` equal rows) in rotate-half order.
+fn unpermute_rows<T: Copy + Default>(data: &[T], rows: usize, heads: u32, head_dim: u32) -> Vec<T> {
+    let cols = data.len() / rows;
     let (hd, half) = (head_dim as usize, head_dim as usize / 2);
-    let mut out = vec![0.0; w.values.len()];
+    let mut out = vec![T::default(); data.len()];
     for h in 0..heads as usize {
         for i in 0..half {
             for j in 0..2 {
                 let from = (h * hd + 2 * i + j) * cols;
                 let to = (h * hd + j * half + i) * cols;
-                out[to..to + cols].copy_from_slice(&w.values[from..from + cols]);
+                out[to..to + cols].copy_from_slice(&data[from..from + cols]);
             }
         }
     }
-    Weight { dims: w.dims, values: out }
+    out
 }
 
 #[cfg(test)]
@@ -182,13 +216,36 @@ mod tests {
             }
         }
         assert_ne!(permuted, original);
-        let back = unpermute(Weight { dims: vec![(heads * hd) as u32, cols as u32], values: permuted }, 2, 4);
+        let back = unpermute(Weight { dims: vec![(heads * hd) as u32, cols as u32], values: permuted, q4: None }, 2, 4);
         assert_eq!(back.values, original);
+    }
+
+    /// Q4_1 rows repacked for `MatMulNBits` (element `2i` in the low nibble
+    /// of byte `i`) give back, with `scale · q + min`, exactly the values
+    /// the GGUF dequantizes to.
+    #[test]
+    fn q4_1_blocks_repack_to_the_same_values() {
+        let mut raw = Vec::new();
+        for (d, m) in [(0.5f32, -1.0f32), (0.25, 2.0), (1.0, 0.0), (0.125, -0.5)] {
+            raw.extend(half::f16::from_f32(d).to_le_bytes());
+            raw.extend(half::f16::from_f32(m).to_le_bytes());
+            raw.extend((0..16u8).map(|j| (j * 7 % 16) | ((15 - j) << 4)));
+        }
+        let want = super::super::quant::dequantize(TensorType::Q4_1, &raw);
+        let q = q4_1_blocks(&raw, 2, 64);
+        assert_eq!((q.n, q.blocks, q.packed.len()), (2, 2, 64));
+        for (i, v) in want.iter().enumerate() {
+            let (row, block, e) = (i / 64, (i % 64) / 32, i % 32);
+            let byte = q.packed[(row * 2 + block) * 16 + e / 2];
+            let nibble = if e % 2 == 0 { byte & 0x0F } else { byte >> 4 };
+            let at = row * 2 + block;
+            assert_eq!(q.scales[at] * f32::from(nibble) + q.mins[at], *v, "element {i}");
+        }
     }
 
     #[test]
     fn transpose_swaps_axes() {
-        let t = transpose(Weight { dims: vec![2, 3], values: vec![1., 2., 3., 4., 5., 6.] });
+        let t = transpose(Weight { dims: vec![2, 3], values: vec![1., 2., 3., 4., 5., 6.], q4: None });
         assert_eq!(t.dims, [3, 2]);
         assert_eq!(t.values, [1., 4., 2., 5., 3., 6.]);
     }

@@ -339,6 +339,9 @@ pub fn causal_mask_bias(d: &mut Decoder) -> String {
 /// stored as `q + 8` (the op's default zero point), low nibble first.
 pub fn matmul_nbits(d: &mut Decoder, x: &str, w: &WeightValues) -> String {
     let (k, n) = (w.dims[0] as usize, w.dims[1] as usize);
+    if let Some(q) = w.q4.as_deref().filter(|q| q.n == n && q.blocks * NBITS_BLOCK == k) {
+        return matmul_q4_blocks(d, x, w, q);
+    }
     let blocks = k.div_ceil(NBITS_BLOCK);
     let mut packed = vec![0u8; n * blocks * NBITS_BLOCK / 2];
     let mut scales = vec![0f32; n * blocks];
@@ -371,4 +374,45 @@ pub fn matmul_nbits(d: &mut Decoder, x: &str, w: &WeightValues) -> String {
     ];
     d.b.node_in(MS_DOMAIN, "MatMulNBits", &[x, &bname, &sname], &[&out], attrs);
     out
+}
+
+/// A pretrained projection's own 4-bit blocks (`value = d·q + m`), used as
+/// they are: `MatMulNBits` with the default zero point 8 gives
+/// `Σ d·(q − 8)·x` per block, and the rest, `Σ_b (m_b + 8·d_b) · Σ_{k∈b} x_k`,
+/// is the block sums of `x` (one shared `[K, blocks]` 0/1 matrix) times a
+/// small `[blocks, N]` matrix. Nothing is quantized twice.
+fn matmul_q4_blocks(d: &mut Decoder, x: &str, w: &WeightValues, q: &crate::pretrained::Q4Blocks) -> String {
+    let (k, n, blocks) = (w.dims[0] as usize, w.dims[1] as usize, q.blocks);
+    let bname = d.b.initializer(Tensor {
+        name: format!("{}.q4", w.name),
+        dtype: DataType::Uint8,
+        dims: vec![n as i64, blocks as i64, (NBITS_BLOCK / 2) as i64],
+        raw: q.packed.clone().into(),
+    });
+    let sname = d.b.initializer(Tensor::from_f32(format!("{}.scales", w.name), vec![(n * blocks) as i64], &q.scales));
+    let quantized = d.b.fresh("MatMulNBits");
+    let attrs = vec![
+        attr_int("K", k as i64),
+        attr_int("N", n as i64),
+        attr_int("bits", 4),
+        attr_int("block_size", NBITS_BLOCK as i64),
+    ];
+    d.b.node_in(MS_DOMAIN, "MatMulNBits", &[x, &bname, &sname], &[&quantized], attrs);
+    let sums = format!("q4.block_sums.{k}");
+    if !d.b.has_value(&sums) {
+        let ones: Vec<f32> =
+            (0..k * blocks).map(|i| if (i / blocks) / NBITS_BLOCK == i % blocks { 1.0 } else { 0.0 }).collect();
+        d.b.initializer(Tensor::from_f32(&sums, vec![k as i64, blocks as i64], &ones));
+    }
+    let mut offsets = vec![0f32; blocks * n];
+    for col in 0..n {
+        for b in 0..blocks {
+            offsets[b * n + col] = q.mins[col * blocks + b] + 8.0 * q.scales[col * blocks + b];
+        }
+    }
+    let oname =
+        d.b.initializer(Tensor::from_f32(format!("{}.block_offsets", w.name), vec![blocks as i64, n as i64], &offsets));
+    let block_sums = d.b.op("MatMul", &[x, &sums]);
+    let offset = d.b.op("MatMul", &[&block_sums, &oname]);
+    d.b.op("Add", &[&quantized, &offset])
 }

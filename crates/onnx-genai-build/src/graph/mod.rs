@@ -110,6 +110,8 @@ pub(crate) struct WeightValues {
     pub name: String,
     pub dims: Vec<u32>,
     pub values: Vec<f32>,
+    /// A pretrained projection's own 4-bit blocks (see [`crate::pretrained::Q4Blocks`]).
+    pub q4: Option<std::sync::Arc<crate::pretrained::Q4Blocks>>,
 }
 
 /// Shared state while one decoder graph is built.
@@ -165,21 +167,21 @@ impl<'s> Decoder<'s> {
     /// has checked that every weight the graph asks for is there.
     pub fn draw(&mut self, name: &str, dims: &[u32], scale: f32, offset: f32) -> WeightValues {
         let n: usize = dims.iter().map(|d| *d as usize).product();
-        let mut values: Vec<f32> = match &self.spec.pretrained {
+        let (mut values, q4): (Vec<f32>, _) = match &self.spec.pretrained {
             Some(p) => match p.weights.get(name) {
-                Some(w) if w.dims == dims => w.values.clone(),
+                Some(w) if w.dims == dims => (w.values.clone(), w.q4.clone()),
                 found => panic!(
                     "{}: the loader must provide weight `{name}` {dims:?}, found {:?}",
                     p.origin,
                     found.map(|w| &w.dims)
                 ),
             },
-            None => self.rng.fill(n, scale).into_iter().map(|v| v + offset).collect(),
+            None => (self.rng.fill(n, scale).into_iter().map(|v| v + offset).collect(), None),
         };
         if self.spec.dtype == ElementType::F16 {
             values.iter_mut().for_each(|v| *v = half::f16::from_f32(*v).to_f32());
         }
-        WeightValues { name: name.into(), dims: dims.to_vec(), values }
+        WeightValues { name: name.into(), dims: dims.to_vec(), values, q4 }
     }
 
     /// Stores a weight in the package dtype; returns an f32 value.
@@ -257,7 +259,10 @@ impl<'s> Decoder<'s> {
         let spec = self.spec;
         let logits = if spec.tie_embeddings {
             match self.variant {
-                Variant::Contrib => {
+                // A pretrained table keeps its own precision: quantizing the
+                // output projection to 4 bits costs more accuracy than any
+                // other weight.
+                Variant::Contrib if spec.pretrained.is_none() => {
                     // MatMulNBits wants [K, N] semantics; the tied weight is
                     // the embedding transposed.
                     let (v, h) = (spec.vocab_size as usize, spec.hidden_size as usize);
@@ -271,6 +276,7 @@ impl<'s> Decoder<'s> {
                         name: "lm_head.tied".into(),
                         dims: vec![spec.hidden_size, spec.vocab_size],
                         values: t,
+                        q4: None,
                     };
                     forms::matmul_nbits(self, x, &w)
                 }
