@@ -45,6 +45,8 @@ fn processes_mentioning(needle: &str) -> Vec<String> {
 ///   that is reported as a failure;
 /// - `spins` (an endless loop) times out, and the timeout kills the test
 ///   binary, not only cargo;
+/// - `dirties-the-tree` is caught by a test that writes a tracked file
+///   (as proptest does), and the runner puts that file back;
 /// - battery `drifted` is FILTER-DRIFT and battery `baseline-red` is
 ///   BASELINE-RED, and neither judges a mutant;
 /// - the scratch tree is byte-identical to the source afterwards, the
@@ -74,6 +76,11 @@ fn the_runner_reports_each_known_verdict() {
     assert!(matches!(&wrong.verdict, Verdict::Caught { by } if by == &["ok_clamp_caps_at_budget"]));
     assert!(wrong.unexpected && wrong.is_failure());
     assert_eq!(verdict("spins"), Verdict::Timeout);
+    let dirty = report.result("dirties-the-tree").unwrap();
+    assert!(matches!(&dirty.verdict, Verdict::Caught { by } if by.contains(&"ok_fits_leaves_no_trace".to_string())));
+    assert!(!dirty.is_failure());
+    assert_eq!(dirty.restored, ["state.txt"]);
+    assert!(report.results.iter().filter(|r| r.id != "dirties-the-tree").all(|r| r.restored.is_empty()));
     let target = work.path().join("target");
     let left = processes_mentioning(&target.display().to_string());
     assert!(left.is_empty(), "the timed-out test binary is still running: {left:?}");
@@ -85,7 +92,7 @@ fn the_runner_reports_each_known_verdict() {
         .any(|p| matches!(p, Problem::BaselineRed { battery, .. } if battery == "baseline-red")));
     assert!(!report.problems.iter().any(|p| matches!(p, Problem::NotRestored { .. })), "{:?}", report.problems);
     assert!(report.result("never-run").is_none() && report.result("never-judged").is_none());
-    assert_eq!(seen.len(), 6);
+    assert_eq!(seen.len(), 7);
     assert_eq!(report.failures(), 5);
     assert!(!report.passed());
     assert!(runner.differences().is_empty());
@@ -95,7 +102,7 @@ fn the_runner_reports_each_known_verdict() {
     report.write(&out, "0123abc").unwrap();
     let json: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
     assert_eq!(json["commit"], "0123abc");
-    assert_eq!(json["results"].as_array().unwrap().len(), 6);
+    assert_eq!(json["results"].as_array().unwrap().len(), 7);
     assert_eq!(json["problems"].as_array().unwrap().len(), 2);
     let md = std::fs::read_to_string(out.join("report.md")).unwrap();
     assert!(md.contains("MISSED") && md.contains("CATALOG-DRIFT") && md.contains("FILTER-DRIFT"), "{md}");
@@ -118,7 +125,7 @@ fn selection_narrows_the_run() {
     };
     let report = mutants::run_all(&runner, &catalogs, &selection, |_| {}).unwrap();
     let ids: Vec<&str> = report.results.iter().map(|r| r.id.as_str()).collect();
-    assert_eq!(ids, ["killed", "drifted-find"]);
+    assert_eq!(ids, ["killed", "drifted-find", "dirties-the-tree"]);
     assert!(report.problems.is_empty(), "{:?}", report.problems);
     let one = Selection { mutant: Some("killed".into()), ..selection };
     let report = mutants::run_all(&runner, &catalogs, &one, |_| {}).unwrap();

@@ -74,6 +74,10 @@ pub struct MutantResult {
     /// Caught, but not by every declared killer.
     pub unexpected: bool,
     pub seconds: f64,
+    /// Tracked files the tests themselves wrote under this mutant (e.g.
+    /// proptest's regression file), put back before the next one.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub restored: Vec<String>,
 }
 
 impl MutantResult {

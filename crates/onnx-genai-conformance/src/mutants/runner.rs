@@ -190,6 +190,14 @@ impl Runner {
         if std::fs::read(&path).ok().as_ref() != self.snapshot.get(&m.file) {
             return Err(format!("{} was not restored byte for byte", m.file));
         }
+        // A failing test may write into the tree (proptest records its
+        // failing case): the next mutant must start from the source again.
+        let restored = self.differences();
+        for rel in &restored {
+            if let Some(bytes) = self.snapshot.get(rel) {
+                std::fs::write(self.scratch.join(rel), bytes).map_err(|e| format!("{rel}: {e}"))?;
+            }
+        }
         let unexpected = match &verdict {
             Verdict::Caught { by } => !m.killers.iter().all(|k| by.contains(k)),
             _ => false,
@@ -202,6 +210,7 @@ impl Runner {
             expected_killers: m.killers.clone(),
             unexpected,
             seconds: started.elapsed().as_secs_f64(),
+            restored,
         })
     }
 }
