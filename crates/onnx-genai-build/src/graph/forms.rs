@@ -358,13 +358,26 @@ pub fn matmul_nbits(d: &mut Decoder, x: &str, w: &WeightValues) -> String {
             }
         }
     }
+    nbits_node(d, x, &w.name, (k, n, blocks), packed, &scales)
+}
+
+/// One `MatMulNBits` (4 bits, blocks of [`NBITS_BLOCK`], default zero
+/// point) over `packed` `[N, blocks, 16]` nibbles and one scale per block.
+fn nbits_node(
+    d: &mut Decoder,
+    x: &str,
+    name: &str,
+    (k, n, blocks): (usize, usize, usize),
+    packed: Vec<u8>,
+    scales: &[f32],
+) -> String {
     let bname = d.b.initializer(Tensor {
-        name: format!("{}.q4", w.name),
+        name: format!("{name}.q4"),
         dtype: DataType::Uint8,
         dims: vec![n as i64, blocks as i64, (NBITS_BLOCK / 2) as i64],
         raw: packed.into(),
     });
-    let sname = d.b.initializer(Tensor::from_f32(format!("{}.scales", w.name), vec![(n * blocks) as i64], &scales));
+    let sname = d.b.initializer(Tensor::from_f32(format!("{name}.scales"), vec![(n * blocks) as i64], scales));
     let out = d.b.fresh("MatMulNBits");
     let attrs = vec![
         attr_int("K", k as i64),
@@ -383,21 +396,7 @@ pub fn matmul_nbits(d: &mut Decoder, x: &str, w: &WeightValues) -> String {
 /// small `[blocks, N]` matrix. Nothing is quantized twice.
 fn matmul_q4_blocks(d: &mut Decoder, x: &str, w: &WeightValues, q: &crate::pretrained::Q4Blocks) -> String {
     let (k, n, blocks) = (w.dims[0] as usize, w.dims[1] as usize, q.blocks);
-    let bname = d.b.initializer(Tensor {
-        name: format!("{}.q4", w.name),
-        dtype: DataType::Uint8,
-        dims: vec![n as i64, blocks as i64, (NBITS_BLOCK / 2) as i64],
-        raw: q.packed.clone().into(),
-    });
-    let sname = d.b.initializer(Tensor::from_f32(format!("{}.scales", w.name), vec![(n * blocks) as i64], &q.scales));
-    let quantized = d.b.fresh("MatMulNBits");
-    let attrs = vec![
-        attr_int("K", k as i64),
-        attr_int("N", n as i64),
-        attr_int("bits", 4),
-        attr_int("block_size", NBITS_BLOCK as i64),
-    ];
-    d.b.node_in(MS_DOMAIN, "MatMulNBits", &[x, &bname, &sname], &[&quantized], attrs);
+    let quantized = nbits_node(d, x, &w.name, (k, n, blocks), q.packed.clone(), &q.scales);
     let sums = format!("q4.block_sums.{k}");
     if !d.b.has_value(&sums) {
         let ones: Vec<f32> =
