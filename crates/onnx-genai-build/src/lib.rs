@@ -86,7 +86,7 @@ pub fn build_variant(spec: &Spec, variant: Variant, out: &Path) -> Result<(), Bu
     if !spec.variants().contains(&variant) {
         return Err(BuildError::Spec {
             origin: spec.name.clone(),
-            reason: format!("a vision-language package is built only as {:?}", spec.variants()),
+            reason: format!("`{}` is built only as {:?}", variant.name(), spec.variants()),
         });
     }
     let models = match graph::vision::build(spec) {
@@ -97,13 +97,12 @@ pub fn build_variant(spec: &Spec, variant: Variant, out: &Path) -> Result<(), Bu
         let model_path = out.join(file);
         let data_path = out.join(format!("{file}.data"));
         let weight_bytes: usize = model.graph.initializers.iter().map(|t| t.raw.len()).sum();
-        if weight_bytes > EXTERNAL_DATA_OVER {
+        // ONNX Runtime GenAI's builder always keeps weights in `model.onnx.data`.
+        if weight_bytes > EXTERNAL_DATA_OVER || variant == Variant::Genai {
             onnx_genai_onnx::write_model_external(&model_path, &model, EXTERNAL_TENSOR_MIN)?;
         } else {
             std::fs::write(&model_path, onnx_genai_onnx::encode(&model)).map_err(io(&model_path))?;
-            if data_path.exists() {
-                std::fs::remove_file(&data_path).map_err(io(&data_path))?;
-            }
+            remove_if_present(&data_path)?;
         }
     }
     let json = match &spec.pretrained {
@@ -115,15 +114,31 @@ pub fn build_variant(spec: &Spec, variant: Variant, out: &Path) -> Result<(), Bu
     };
     let tok_path = out.join(TOKENIZER_FILE);
     std::fs::write(&tok_path, json).map_err(io(&tok_path))?;
+    // The genai export is in ONNX Runtime GenAI's layout only: it loads
+    // through the `genai_config.json` import, as their packages do.
     let manifest_path = out.join(onnx_genai_package::MANIFEST_FILE);
-    std::fs::write(&manifest_path, manifest(spec).to_yaml()).map_err(io(&manifest_path))?;
+    let tok_config_path = out.join(genai_config::TOKENIZER_CONFIG_FILE);
+    if variant == Variant::Genai {
+        remove_if_present(&manifest_path)?;
+        std::fs::write(&tok_config_path, genai_config::tokenizer_config(spec)).map_err(io(&tok_config_path))?;
+    } else {
+        std::fs::write(&manifest_path, manifest(spec).to_yaml()).map_err(io(&manifest_path))?;
+        remove_if_present(&tok_config_path)?;
+    }
     // The contrib export is ONNX Runtime GenAI's own op set: its runtime
     // loads the package unchanged from this file.
     let genai_path = out.join(onnx_genai_package::genai::CONFIG_FILE);
-    if variant == Variant::Contrib {
-        std::fs::write(&genai_path, genai_config::genai_config(spec)).map_err(io(&genai_path))?;
-    } else if genai_path.exists() {
-        std::fs::remove_file(&genai_path).map_err(io(&genai_path))?;
+    if variant.contrib_ops() {
+        std::fs::write(&genai_path, genai_config::genai_config(spec, variant)).map_err(io(&genai_path))?;
+    } else {
+        remove_if_present(&genai_path)?;
+    }
+    Ok(())
+}
+
+fn remove_if_present(path: &Path) -> Result<(), BuildError> {
+    if path.exists() {
+        std::fs::remove_file(path).map_err(|source| BuildError::Io { path: path.into(), source })?;
     }
     Ok(())
 }

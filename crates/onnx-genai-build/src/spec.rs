@@ -32,6 +32,10 @@ pub struct Spec {
     /// declared workflow.
     #[serde(default)]
     pub vision: Option<VisionSpec>,
+    /// How the `genai` export (ONNX Runtime GenAI's own layout, llama
+    /// family) quantizes; absent means its model builder's CPU defaults.
+    #[serde(default)]
+    pub genai: GenaiExport,
     /// Trained weights and tokenizer (from a GGUF), never from YAML: the
     /// seed is then unused.
     #[serde(skip)]
@@ -47,6 +51,39 @@ pub struct VisionSpec {
     pub image_size: u32,
     pub patch_size: u32,
     pub channels: u32,
+}
+
+/// The choices ONNX Runtime GenAI's model builder offers for an int4 CPU
+/// export (`-p int4 -e cpu`), with its defaults.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GenaiExport {
+    /// Symmetric blocks use `MatMulNBits`' default zero point 8; asymmetric
+    /// ones carry packed `uint8` zero points.
+    #[serde(default = "yes")]
+    pub symmetric: bool,
+    /// `MatMulNBits`' `accuracy_level` (0–4): how ONNX Runtime may compute
+    /// (4 quantizes activations to int8 blocks).
+    #[serde(default = "cpu_accuracy_level")]
+    pub accuracy_level: u8,
+    /// One 4-bit table for the output projection and, through
+    /// `GatherBlockQuantized`, the token embedding (needs tied embeddings).
+    #[serde(default)]
+    pub shared_embeddings: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn cpu_accuracy_level() -> u8 {
+    4
+}
+
+impl Default for GenaiExport {
+    fn default() -> Self {
+        Self { symmetric: true, accuracy_level: cpu_accuracy_level(), shared_embeddings: false }
+    }
 }
 
 impl VisionSpec {
@@ -71,8 +108,11 @@ impl Spec {
     pub fn variants(&self) -> Vec<crate::Variant> {
         if self.vision.is_some() {
             vec![crate::Variant::Decomposed]
-        } else {
+        } else if self.family == Family::Llama {
             crate::Variant::ALL.to_vec()
+        } else {
+            // ONNX Runtime GenAI's builder has no llama-form GPT-2.
+            crate::Variant::ALL.into_iter().filter(|v| *v != crate::Variant::Genai).collect()
         }
     }
 
@@ -143,6 +183,12 @@ impl Spec {
             if self.family != Family::Llama || self.tie_embeddings {
                 return fail("vision packages are llama-family with untied embeddings".into());
             }
+        }
+        if self.genai.accuracy_level > 4 {
+            return fail(format!("genai.accuracy_level {} is not 0–4", self.genai.accuracy_level));
+        }
+        if self.genai.shared_embeddings && !self.tie_embeddings {
+            return fail("genai.shared_embeddings needs tie_embeddings: true".into());
         }
         if self.num_layers == 0 || self.intermediate_size == 0 || self.max_sequence_length == 0 {
             return fail("num_layers, intermediate_size and max_sequence_length must be positive".into());

@@ -101,9 +101,90 @@ fn invalid_specs_are_refused_with_the_reason() {
         (text.replace("seed: 1", "seed: 1\nsead: 2"), "unknown field `sead`"),
         (text.replace("vocab_size: 384", "vocab_size: 100"), "below the 259"),
         (text.replace("hidden_size: 64", "hidden_size: sixty"), "hidden_size"),
+        (format!("{text}genai:\n  accuracy_level: 5\n"), "genai.accuracy_level 5 is not 0–4"),
+        (format!("{text}genai:\n  shared_embeddings: true\n"), "needs tie_embeddings: true"),
+        (format!("{text}genai:\n  symetric: false\n"), "unknown field `symetric`"),
     ];
     for (spec, want) in cases {
         let err = Spec::parse(&spec, "test").unwrap_err().to_string();
         assert!(err.contains(want), "expected `{want}` in: {err}");
     }
+}
+
+fn spec_named(name: &str) -> Spec {
+    read_spec(&spec_paths().into_iter().find(|p| p.to_string_lossy().contains(name)).unwrap()).unwrap()
+}
+
+/// The genai export is what ONNX Runtime GenAI's model builder writes for
+/// an int4 CPU llama: its directory layout (no `package.yaml`, weights in
+/// `model.onnx.data`, `tokenizer_config.json`), no `position_ids` input,
+/// packed QKV into `GroupQueryAttention` with rotary inside, the builder's
+/// `accuracy_level`, and `past_present_share_buffer: true`.
+#[test]
+fn genai_export_is_in_their_layout() {
+    let dir = tempfile::tempdir().unwrap();
+    build_all_variants(&spec_named("tiny-llama-gqa"), dir.path()).unwrap();
+    let genai = dir.path().join("genai");
+    let mut files: Vec<String> =
+        std::fs::read_dir(&genai).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    files.sort();
+    assert_eq!(
+        files,
+        ["genai_config.json", "model.onnx", "model.onnx.data", "tokenizer.json", "tokenizer_config.json"]
+    );
+    let size = |f: &str| std::fs::metadata(genai.join(f)).unwrap().len();
+    assert!(size("model.onnx.data") > 10 * size("model.onnx"), "the weights live in model.onnx.data");
+
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(genai.join("genai_config.json")).unwrap()).unwrap();
+    assert_eq!(config["search"]["past_present_share_buffer"], true);
+    assert!(config["model"]["decoder"]["inputs"].get("position_ids").is_none());
+
+    let model = onnx_genai_onnx::read_model(&genai.join("model.onnx")).unwrap();
+    assert!(model.graph.inputs.iter().all(|i| i.name != "position_ids"));
+    fn nodes<'m>(
+        model: &'m onnx_genai_onnx::ir::Model,
+        op: &'m str,
+    ) -> impl Iterator<Item = &'m onnx_genai_onnx::ir::Node> {
+        model.graph.nodes.iter().filter(move |n| n.op_type == op)
+    }
+    let int = |n: &onnx_genai_onnx::ir::Node, a: &str| match n.attr(a) {
+        Some(onnx_genai_onnx::ir::AttrValue::Int(v)) => *v,
+        other => panic!("{}: {a} = {other:?}", n.name),
+    };
+    assert_eq!(nodes(&model, "GroupQueryAttention").count(), 2);
+    for gqa in nodes(&model, "GroupQueryAttention") {
+        assert_eq!(int(gqa, "do_rotary"), 1);
+        assert!(gqa.inputs[1].is_empty() && gqa.inputs[2].is_empty(), "Q, K and V come packed");
+        assert!(!gqa.inputs[7].is_empty() && !gqa.inputs[8].is_empty(), "cos/sin caches");
+    }
+    for mm in nodes(&model, "MatMulNBits") {
+        assert_eq!(int(mm, "accuracy_level"), 4);
+        assert_eq!(mm.inputs.len(), 3, "symmetric blocks carry no zero points");
+    }
+    assert_eq!(nodes(&model, "SkipSimplifiedLayerNormalization").count(), 4);
+    assert_eq!(nodes(&model, "Gather").filter(|g| g.inputs[1] == "input_ids").count(), 1, "a plain embedding lookup");
+    assert!(dir.path().join("contrib/package.yaml").is_file() && !genai.join("package.yaml").exists());
+    let package = onnx_genai_package::Package::open(&genai).unwrap();
+    assert_eq!(package.dialect, onnx_genai_package::validate::Dialect::GenaiConfig);
+}
+
+/// The builder's other choices (tiny-llama-f16's `genai:` block): zero
+/// points, `accuracy_level` 0, and one 4-bit table for the embedding
+/// (`GatherBlockQuantized`) and the output projection.
+#[test]
+fn genai_export_can_share_a_quantized_embedding() {
+    let dir = tempfile::tempdir().unwrap();
+    onnx_genai_build::build_variant(&spec_named("tiny-llama-f16"), Variant::Genai, dir.path()).unwrap();
+    let model = onnx_genai_onnx::read_model(&dir.path().join("model.onnx")).unwrap();
+    let gather = model.graph.nodes.iter().find(|n| n.op_type == "GatherBlockQuantized").expect("quantized lookup");
+    let head = model.graph.nodes.iter().rfind(|n| n.op_type == "MatMulNBits").unwrap();
+    assert_eq!(head.inputs.len(), 4, "zero points");
+    let reshaped = model.graph.nodes.iter().find(|n| n.outputs[0] == gather.inputs[0]).expect("a Reshape");
+    assert_eq!(reshaped.inputs[0], head.inputs[1], "one table for the embedding and the head");
+    assert!(!model
+        .graph
+        .nodes
+        .iter()
+        .any(|n| n.op_type == "Gather" && n.inputs.get(1).is_some_and(|i| i == "input_ids")));
 }

@@ -115,7 +115,8 @@ impl Backend {
 }
 
 fn parse_variant(s: &str) -> Result<onnx_genai_build::Variant, String> {
-    onnx_genai_build::Variant::parse(s).ok_or_else(|| format!("unknown variant `{s}` (decomposed, opset23, contrib)"))
+    onnx_genai_build::Variant::parse(s)
+        .ok_or_else(|| format!("unknown variant `{s}` (decomposed, opset23, contrib, genai)"))
 }
 
 fn main() -> ExitCode {

@@ -1,6 +1,10 @@
 //! ONNX Runtime GenAI runs our contrib exports unchanged (their
 //! `genai_config.json` is written by the builder), and its greedy tokens
-//! equal ours on ONNX Runtime and on native-cpu for 32 steps. Needs
+//! equal ours on ONNX Runtime and on native-cpu for 32 steps. The same
+//! holds for the genai exports — packages in the form its own model
+//! builder writes (no `position_ids`, rotary inside `GroupQueryAttention`,
+//! `past_present_share_buffer: true`), which we load through the
+//! `genai_config.json` import. Needs
 //! `onnxruntime-genai` in `target/genai` and the real model's GGUF, which
 //! `cargo xtask lane ort-genai` installs and fetches.
 
@@ -58,27 +62,39 @@ fn same_tokens(dir: &Path) {
     assert_eq!(ours(dir, BackendKind::NativeCpu, &ids), (expected, ended), "native-cpu vs ONNX Runtime GenAI");
 }
 
-fn tiny(name: &str) {
+fn tiny(name: &str, variant: Variant) {
     let spec = onnx_genai_build::read_spec(&root().join("packages").join(name).join("spec.yaml")).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    onnx_genai_build::build_variant(&spec, Variant::Contrib, dir.path()).unwrap();
+    onnx_genai_build::build_variant(&spec, variant, dir.path()).unwrap();
     assert!(dir.path().join("genai_config.json").is_file());
     same_tokens(dir.path());
 }
 
 #[test]
 fn tiny_llama_gqa_contrib() {
-    tiny("tiny-llama-gqa");
+    tiny("tiny-llama-gqa", Variant::Contrib);
 }
 
 #[test]
 fn tiny_gpt2_contrib() {
-    tiny("tiny-gpt2");
+    tiny("tiny-gpt2", Variant::Contrib);
 }
 
 #[test]
 fn tiny_llama_f16_contrib() {
-    tiny("tiny-llama-f16");
+    tiny("tiny-llama-f16", Variant::Contrib);
+}
+
+/// Their builder's defaults: symmetric blocks, `accuracy_level` 4.
+#[test]
+fn tiny_llama_gqa_genai_layout() {
+    tiny("tiny-llama-gqa", Variant::Genai);
+}
+
+/// Zero points, `accuracy_level` 0, a shared `GatherBlockQuantized` embedding.
+#[test]
+fn tiny_llama_f16_genai_layout() {
+    tiny("tiny-llama-f16", Variant::Genai);
 }
 
 /// SmolLM2-135M's int4 export, 32 greedy steps.

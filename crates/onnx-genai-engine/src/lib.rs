@@ -346,7 +346,9 @@ impl Engine {
         let context = m.architecture.max_sequence_length as usize;
         if prompt_tokens >= context {
             return Err(EngineError::Request(format!(
-                "the prompt has {prompt_tokens} tokens ({carried} carried); the context holds {context}, leaving no room to generate"
+                "the prompt has {prompt_tokens} tokens ({carried} carried) but the context length is {context} ({}), \
+                 leaving no room to generate: shorten the prompt, or raise the context length if the model supports it",
+                self.package.context_length_key()
             )));
         }
         let requested = request.max_new_tokens.unwrap_or(m.generation.max_new_tokens) as usize;

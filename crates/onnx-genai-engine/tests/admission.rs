@@ -362,7 +362,7 @@ fn bad_requests_are_typed_errors_with_nothing_reserved() {
         ),
         (GenerateRequest::new(Prompt::TokenIds(vec![])), "empty"),
         (GenerateRequest { max_new_tokens: Some(0), ..request(Path_::DecodeCore) }, "max_new_tokens"),
-        (GenerateRequest::new(Prompt::TokenIds(vec![1; 300])), "context holds 256"),
+        (GenerateRequest::new(Prompt::TokenIds(vec![1; 300])), "context length is 256"),
     ];
     for (req, want) in cases {
         let mut signalled = false;

@@ -116,7 +116,10 @@ fn bad_requests_are_refused_with_a_reason() {
         (request(Prompt::Text(String::new()), 4), "empty"),
         (request(Prompt::Text("hi".into()), 0), "max_new_tokens"),
         (request(Prompt::TokenIds(vec![1, 9999]), 4), "outside the vocabulary"),
-        (request(Prompt::TokenIds(vec![1; 256]), 4), "context holds 256"),
+        (
+            request(Prompt::TokenIds(vec![1; 256]), 4),
+            "context length is 256 (`architecture.max_sequence_length` in package.yaml)",
+        ),
         (
             GenerateRequest {
                 sampling: Sampling { temperature: -1.0, ..Sampling::default() },
@@ -136,6 +139,34 @@ fn bad_requests_are_refused_with_a_reason() {
             other => panic!("expected a request error containing {want}, got {other:?}"),
         }
         assert!(!called);
+    }
+}
+
+/// A package in ONNX Runtime GenAI's layout: a prompt that fills its
+/// context is refused naming `model.context_length` in its
+/// `genai_config.json` (the key the user edits), before anything is
+/// admitted or run; a prompt that fits generates on both backends alike.
+#[test]
+fn genai_layout_context_errors_name_their_key() {
+    let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packages/tiny-llama-gqa/spec.yaml");
+    let dir = tempfile::tempdir().unwrap();
+    let spec = onnx_genai_build::read_spec(&spec).unwrap();
+    onnx_genai_build::build_variant(&spec, onnx_genai_build::Variant::Genai, dir.path()).unwrap();
+    let config_path = dir.path().join("genai_config.json");
+    let config = std::fs::read_to_string(&config_path).unwrap();
+    std::fs::write(&config_path, config.replace("\"context_length\": 256", "\"context_length\": 12")).unwrap();
+    for kind in [BackendKind::Ort, BackendKind::NativeCpu] {
+        let mut engine = Engine::open(dir.path(), kind, 1).unwrap();
+        let long = request(Prompt::TokenIds((1..=12).collect()), 4);
+        match engine.generate(&long, &mut |_| Flow::Continue) {
+            Err(EngineError::Request(msg)) => {
+                assert!(msg.contains("context length is 12 (`model.context_length` in genai_config.json)"), "{msg}")
+            }
+            other => panic!("expected a request error, got {other:?}"),
+        }
+        assert_eq!(engine.scheduler().reserved_bytes(), 0, "nothing stays reserved");
+        let fits = engine.generate(&request(Prompt::TokenIds((1..=8).collect()), 8), &mut |_| Flow::Continue).unwrap();
+        assert_eq!(fits.token_ids.len() + fits.prompt_tokens, 12, "{kind:?} stops at the context length");
     }
 }
 

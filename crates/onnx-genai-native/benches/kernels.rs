@@ -29,6 +29,7 @@ fn projections(c: &mut Criterion) {
             zeros: None,
             block: 32,
             blocks,
+            int8_input: false,
         },
     };
     let mut group = c.benchmark_group("linear_576x1536_decode");

@@ -333,7 +333,11 @@ fn bind_kv(g: &mut Graph, binding: &Binding) -> Result<(), CompileError> {
             spec.resolved = Some(resolved);
             *slot = Some(layer);
         }
+        // The past inputs (4 and 5) and present outputs become the cache;
+        // rotary caches after them stay inputs.
+        let caches: Vec<Option<Vid>> = node.inputs.iter().skip(6).copied().collect();
         node.inputs.truncate(4);
+        node.inputs.extend(caches);
         node.outputs.truncate(1);
     }
     Ok(())

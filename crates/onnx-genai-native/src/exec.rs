@@ -1,7 +1,9 @@
 //! Kernel dispatch: runs one op on its input values. Used both by constant
 //! folding (no KV cache) and by the plan at run time.
 
-use crate::kernels::attention::{attention, AttentionInputs, LayerCache};
+use std::borrow::Cow;
+
+use crate::kernels::attention::{attention, AttentionInputs, AttentionSpec, LayerCache};
 use crate::kernels::elementwise as ew;
 use crate::kernels::layout as ly;
 use crate::kernels::linear::{gated, linear};
@@ -191,6 +193,10 @@ pub fn run(
             *out = Value::f32(vec![1, 1, reps * seq, total], o);
             Ok(())
         }
+        Op::GatherQ4 { block } => {
+            let (data, ids, scales) = (arg(inputs, 0)?, arg(inputs, 1)?, arg(inputs, 2)?);
+            crate::kernels::gather_q4::gather_q4(data, ids, scales, opt(inputs, 3), *block, out)
+        }
         Op::MatMulNBits { .. } => Err("MatMulNBits weights must be constant (they are packed at compile time)".into()),
         Op::Rotary { layout, cached } => {
             let x = arg(inputs, 0)?;
@@ -206,8 +212,8 @@ pub fn run(
                 rotary(x, hd, *layout, &Angles::Gathered { cos: cos.as_f32()?, sin: sin.as_f32()? }, out)
             }
         }
-        Op::Attention { spec, layer } => {
-            let (spec, layer) = match (&spec.resolved, layer) {
+        Op::Attention { spec: partial, layer } => {
+            let (spec, layer) = match (&partial.resolved, layer) {
                 (Some(s), Some(l)) => (s, *l),
                 _ => return Err("attention is not bound to a KV cache layer".into()),
             };
@@ -216,36 +222,73 @@ pub fn run(
             // Fused ops may run attention in f16 (an f16 KV cache keeps Q, K
             // and V in one type); compute stays f32 and the result is
             // rounded back to the query's type.
-            let widen = |v: &Value| -> Result<Option<Value>, String> {
-                if v.dtype() == crate::value::DType::F16 {
-                    let mut w = Value::default();
-                    ew::cast(v, crate::value::DType::F32, &mut w)?;
-                    Ok(Some(w))
-                } else {
-                    Ok(None)
+            let query = arg(inputs, 0)?;
+            let mut parts: Vec<Cow<Value>> = Vec::new();
+            let take = |i: usize| -> Result<Cow<Value>, String> { widened(arg(inputs, i)?) };
+            if partial.packed_qkv {
+                parts.extend(split_qkv(take(0)?.as_ref(), spec)?.map(Cow::Owned));
+            } else {
+                parts.extend([take(0)?, take(1)?, take(2)?]);
+            }
+            if partial.rotary {
+                let (cos, sin) = (arg(inputs, 4)?, arg(inputs, 5)?);
+                let half = *cos.shape.last().ok_or("cos cache has no axes")?;
+                let start = [kv.past as i64];
+                let angles = Angles::Cached { cos: cos.as_f32()?, sin: sin.as_f32()?, positions: &start };
+                for part in parts.iter_mut().take(2) {
+                    let mut rotated = Value::default();
+                    rotary(part, 2 * half, spec.q_layout, &angles, &mut rotated)?;
+                    *part = Cow::Owned(rotated);
                 }
-            };
-            let (q, k, v) = (arg(inputs, 0)?, arg(inputs, 1)?, arg(inputs, 2)?);
-            let bias = opt(inputs, 3);
-            let wide: Vec<Option<Value>> = [Some(q), Some(k), Some(v), bias]
-                .iter()
-                .map(|x| x.map(widen).transpose().map(Option::flatten))
-                .collect::<Result<_, _>>()?;
-            let q32 = wide[0].as_ref().unwrap_or(q);
-            let k32 = wide[1].as_ref().unwrap_or(k);
-            let v32 = wide[2].as_ref().unwrap_or(v);
-            let b32 = match (&wide[3], bias) {
-                (Some(w), _) => Some(w),
-                (None, b) => b,
-            };
-            attention(spec, cache, kv.past, AttentionInputs { q: q32, k: k32, v: v32, bias: b32, pool }, out)?;
-            if q.dtype() == crate::value::DType::F16 {
+            }
+            let bias = opt(inputs, 3).map(widened).transpose()?;
+            let [q, k, v] = &parts[..] else { return Err("attention needs Q, K and V".into()) };
+            let inputs = AttentionInputs { q, k, v, bias: bias.as_deref(), pool };
+            attention(spec, cache, kv.past, inputs, out)?;
+            if query.dtype() == crate::value::DType::F16 {
                 let y = std::mem::take(out);
                 ew::cast(&y, crate::value::DType::F16, out)?;
             }
             Ok(())
         }
     }
+}
+
+/// `v` in f32: widened from f16, or borrowed.
+fn widened(v: &Value) -> Result<Cow<'_, Value>, String> {
+    if v.dtype() == crate::value::DType::F16 {
+        let mut w = Value::default();
+        ew::cast(v, crate::value::DType::F32, &mut w)?;
+        Ok(Cow::Owned(w))
+    } else {
+        Ok(Cow::Borrowed(v))
+    }
+}
+
+/// Splits a packed `[1, seq, (heads + 2 * kv_heads) * head_dim]` projection
+/// into Q, K and V in the seq-first layout.
+fn split_qkv(x: &Value, spec: &AttentionSpec) -> Result<[Value; 3], String> {
+    let widths = [spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim, spec.kv_heads * spec.head_dim];
+    let row: usize = widths.iter().sum();
+    let data = x.as_f32()?;
+    if x.shape.len() != 3 || x.shape[0] != 1 || x.shape[2] != row {
+        return Err(format!("packed QKV {:?} is not [1, seq, {row}]", x.shape));
+    }
+    let seq = x.shape[1];
+    let mut parts = widths.map(|w| Vec::with_capacity(seq * w));
+    for r in data.chunks_exact(row) {
+        let mut at = 0;
+        for (part, w) in parts.iter_mut().zip(widths) {
+            part.extend_from_slice(&r[at..at + w]);
+            at += w;
+        }
+    }
+    let [q, k, v] = parts;
+    Ok([
+        Value::f32(vec![1, seq, widths[0]], q),
+        Value::f32(vec![1, seq, widths[1]], k),
+        Value::f32(vec![1, seq, widths[2]], v),
+    ])
 }
 
 /// Rows of a projection input `[.., k]` and the output shape `[.., n]`.

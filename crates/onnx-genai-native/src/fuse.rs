@@ -153,7 +153,10 @@ fn pack_linear(g: &Graph, u: &Uses, i: usize) -> Result<Option<Rewrite>, Compile
 /// com.microsoft `MatMulNBits` with constant blocks, scales and zero points.
 fn pack_nbits(g: &Graph, _u: &Uses, i: usize) -> Result<Option<Rewrite>, CompileError> {
     let Some(n) = &g.nodes[i] else { return Ok(None) };
-    let Op::MatMulNBits { k, n: outs, block } = n.op else { return Ok(None) };
+    let Op::MatMulNBits { k, n: outs, block, accuracy_level } = n.op else { return Ok(None) };
+    // Level 4 lets ONNX Runtime quantize the input to int8; its CPU kernel
+    // does so for blocks of 16 and up, and native-cpu computes as it does.
+    let int8_input = accuracy_level == 4;
     let err = |reason: String| CompileError::node(&n.name, &n.origin, reason);
     let konst = |idx: usize| M::input(n, idx).and_then(|v| g.konst(v));
     let (Some(b), Some(scales)) = (konst(1), konst(2)) else {
@@ -200,7 +203,7 @@ fn pack_nbits(g: &Graph, _u: &Uses, i: usize) -> Result<Option<Rewrite>, Compile
     let weight = Weight {
         n: outs,
         k,
-        packed: Packed::Q4 { data: data.to_vec(), scales: scales.to_vec(), zeros, block, blocks },
+        packed: Packed::Q4 { data: data.to_vec(), scales: scales.to_vec(), zeros, block, blocks, int8_input },
     };
     let op = Op::Linear { weight: Arc::new(weight), bias };
     Ok(Some(Rewrite {
@@ -550,6 +553,8 @@ fn attention(g: &Graph, u: &Uses, i: usize) -> Result<Option<Rewrite>, CompileEr
         kv_layout: Layout::HeadsFirst,
         out_layout: Layout::HeadsFirst,
         bias: bias_mode,
+        packed_qkv: false,
+        rotary: false,
         resolved: None,
     };
     let op = Op::Attention { spec, layer: None };

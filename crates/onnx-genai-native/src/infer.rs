@@ -220,18 +220,46 @@ pub fn infer(op: &Op, inputs: &[Option<&Meta>], outputs: usize) -> Result<Vec<Ou
         Op::Linear { weight, .. } => linear_out(&d(0), t(0), weight.k, weight.n),
         Op::GatedMlp { weight } => linear_out(&d(0), t(0), weight.k, weight.n / 2),
         Op::MatMulNBits { k, n, .. } => linear_out(&d(0), t(0), *k, *n),
+        Op::GatherQ4 { .. } => {
+            if t(0).is_some_and(|t| t != DType::U8) || t(1).is_some_and(|t| t != DType::I64) {
+                return Err(format!("data must be u8 and indices i64, found {:?} and {:?}", t(0), t(1)));
+            }
+            let dims = match (d(0), d(1)) {
+                (Some(data), Some(mut ids)) if data.len() == 2 => {
+                    ids.push(data[1].map(|b| b * 2));
+                    Some(ids)
+                }
+                _ => None,
+            };
+            single((Some(DType::F32), dims))
+        }
         Op::Rotary { .. } => {
             require_float("the input", t(0))?;
             single((Some(DType::F32), d(0)))
         }
         Op::CausalBias { .. } => single((Some(DType::F32), None)),
-        Op::Attention { .. } => {
+        Op::Attention { spec, .. } => {
             for (i, what) in [(0, "query"), (1, "key"), (2, "value")] {
                 if t(i) != Some(DType::F16) {
                     require_float(what, t(i))?;
                 }
             }
-            let mut outs = vec![(t(0).or(Some(DType::F32)), d(0))];
+            // A packed projection holds `heads + 2 * kv_heads` heads; the
+            // output keeps the query's.
+            let dims = match (spec.packed_qkv, spec.heads, spec.kv_heads, d(0)) {
+                (false, ..) => d(0),
+                (true, Some(h), Some(kv), Some(mut dims)) => {
+                    if let Some(Some(last)) = dims.last_mut() {
+                        if *last % (h + 2 * kv) != 0 {
+                            return Err(format!("packed QKV width {last} is not {} heads wide", h + 2 * kv));
+                        }
+                        *last = *last / (h + 2 * kv) * h;
+                    }
+                    Some(dims)
+                }
+                (true, ..) => None,
+            };
+            let mut outs = vec![(t(0).or(Some(DType::F32)), dims)];
             outs.extend((1..outputs).map(|i| (t(3 + i), None)));
             Ok(outs)
         }

@@ -216,6 +216,8 @@ pub fn lower(node: &Node, opset: i64) -> Result<(Op, Vec<usize>), CompileError> 
                         kv_layout: layout,
                         out_layout: layout,
                         bias,
+                        packed_qkv: false,
+                        rotary: false,
                         resolved: None,
                     },
                     layer: None,
@@ -239,25 +241,40 @@ pub fn lower(node: &Node, opset: i64) -> Result<(Op, Vec<usize>), CompileError> 
                 Op::Rotary { layout: Layout::SeqFirst, cached: true }
             }
             "GroupQueryAttention" => {
-                a.require("do_rotary", 0, "fused rotary inside attention is not supported; use RotaryEmbedding")?;
                 a.require("local_window_size", -1, "sliding-window attention is not supported")?;
                 a.require("smooth_softmax", 0, "smooth softmax is not supported")?;
+                a.require("rotary_interleaved", 0, "interleaved rotary is not supported")?;
                 if a.float("softcap")?.is_some_and(|s| s != 0.0) {
                     return Err(a.unsupported("softcap is not supported"));
                 }
-                if node.inputs.get(1).is_none_or(|n| n.is_empty()) {
-                    return Err(a.unsupported("packed QKV (no key input) is not supported"));
+                let filled = |i: usize| node.inputs.get(i).is_some_and(|n| !n.is_empty());
+                let packed_qkv = !filled(1);
+                if packed_qkv == filled(2) {
+                    return Err(a.unsupported("key without value (or value without key) is not supported"));
                 }
-                for (i, what) in [(10, "attention_bias"), (11, "head_sink")] {
+                let rotary = match a.int_or("do_rotary", 0)? {
+                    0 => false,
+                    1 if filled(7) && filled(8) => true,
+                    1 => return Err(a.err("do_rotary=1 needs the cos_cache and sin_cache inputs (7 and 8)")),
+                    v => return Err(a.err(format!("do_rotary={v}: expected 0 or 1"))),
+                };
+                for (i, what) in [(9, "position_ids"), (10, "attention_bias"), (11, "head_sink")] {
                     a.input_absent(i, what)?;
+                }
+                if node.inputs.len() > 12 {
+                    return Err(a.unsupported("quantized KV scales and Q/K norm inputs (12 and up) are not supported"));
                 }
                 let heads = a.int("num_heads")?.ok_or_else(|| a.err("missing attribute `num_heads`"))?;
                 let kv_heads = a.int("kv_num_heads")?.ok_or_else(|| a.err("missing attribute `kv_num_heads`"))?;
                 let scale = a.float("scale")?.filter(|s| *s != 0.0);
                 // Inputs 5 and 6 (seqlens_k, total_sequence_length) describe
-                // batch padding; a native sequence is batch 1 and its cache
-                // knows its own length, so they are not read.
-                let used = vec![0, 1, 2, ABSENT, 3, 4];
+                // batch padding and, with rotary inside, positions; a native
+                // sequence is batch 1 and its cache knows its own length, so
+                // they are not read.
+                let mut used = vec![0, 1, 2, ABSENT, 3, 4];
+                if rotary {
+                    used.extend([7, 8]);
+                }
                 let spec = PartialAttention {
                     heads: Some(heads as usize),
                     kv_heads: Some(kv_heads as usize),
@@ -266,9 +283,24 @@ pub fn lower(node: &Node, opset: i64) -> Result<(Op, Vec<usize>), CompileError> 
                     kv_layout: Layout::SeqFirst,
                     out_layout: Layout::SeqFirst,
                     bias: Bias::Causal,
+                    packed_qkv,
+                    rotary,
                     resolved: None,
                 };
                 return Ok((Op::Attention { spec, layer: None }, used));
+            }
+            "GatherBlockQuantized" => {
+                let bits = a.int_or("bits", 4)?;
+                if bits != 4 {
+                    return Err(a.unsupported(format!("bits={bits}: only 4-bit blocks are supported")));
+                }
+                a.require("gather_axis", 0, "only rows (axis 0) are gathered")?;
+                a.require("quantize_axis", 1, "only blocks along the row (axis 1) are supported")?;
+                let block = a.int("block_size")?.ok_or_else(|| a.err("missing attribute `block_size`"))?;
+                if block < 16 || (block & (block - 1)) != 0 {
+                    return Err(a.err(format!("block_size={block} must be a power of two, at least 16")));
+                }
+                Op::GatherQ4 { block: block as usize }
             }
             "MatMulNBits" => {
                 let bits = a.int_or("bits", 4)?;
@@ -282,7 +314,11 @@ pub fn lower(node: &Node, opset: i64) -> Result<(Op, Vec<usize>), CompileError> 
                 if k <= 0 || n <= 0 || block < 2 || block % 2 != 0 {
                     return Err(a.err(format!("invalid K={k}, N={n}, block_size={block}")));
                 }
-                Op::MatMulNBits { k: k as usize, n: n as usize, block: block as usize }
+                let accuracy_level = match a.int_or("accuracy_level", 0)? {
+                    level @ 0..=4 => level as u8,
+                    other => return Err(a.err(format!("accuracy_level={other}: expected 0 to 4"))),
+                };
+                Op::MatMulNBits { k: k as usize, n: n as usize, block: block as usize, accuracy_level }
             }
             other => return Err(a.unsupported(format!("`{other}` has no native-cpu kernel"))),
         },

@@ -69,11 +69,18 @@ pub enum Op {
     GatedMlp {
         weight: Arc<Weight>,
     },
+    /// com.microsoft GatherBlockQuantized (4-bit): inputs `data, indices,
+    /// scales[, zero_points]`.
+    GatherQ4 {
+        block: usize,
+    },
     /// com.microsoft MatMulNBits before its constants are packed.
     MatMulNBits {
         k: usize,
         n: usize,
         block: usize,
+        /// 0–4; 4 means int8 inputs (see `kernels::linear_int8`).
+        accuracy_level: u8,
     },
     /// Inputs `x, cos, sin` (gathered tables) or, with `cached`,
     /// `x, position_ids, cos_cache, sin_cache`.
@@ -88,9 +95,10 @@ pub enum Op {
         closed: f32,
         reps: usize,
     },
-    /// Inputs `q, k, v[, bias][, past_key, past_value]`; outputs
-    /// `y[, present_key, present_value]`. Until the KV binding pass, `layer`
-    /// is `None` and the past/present tensors are still graph edges.
+    /// Inputs `q, k, v[, bias][, past_key, past_value][, cos_cache,
+    /// sin_cache]`; outputs `y[, present_key, present_value]`. Until the KV
+    /// binding pass, `layer` is `None` and the past/present tensors are
+    /// still graph edges; binding removes them.
     Attention {
         spec: PartialAttention,
         layer: Option<usize>,
@@ -108,6 +116,14 @@ pub struct PartialAttention {
     pub kv_layout: Layout,
     pub out_layout: Layout,
     pub bias: crate::kernels::attention::Bias,
+    /// Q, K and V arrive as one `[batch, seq, (heads + 2 * kv_heads) *
+    /// head_dim]` projection (com.microsoft `GroupQueryAttention` with
+    /// empty key and value inputs).
+    pub packed_qkv: bool,
+    /// Rotary is applied to Q and K inside the op, from cos/sin caches at
+    /// the positions after the cached past (`do_rotary`); the caches are the
+    /// op's last two inputs.
+    pub rotary: bool,
     /// Set by the binding pass.
     pub resolved: Option<AttentionSpec>,
 }
@@ -142,6 +158,7 @@ impl Op {
             }
             Op::GatedMlp { .. } => "GatedMlp".into(),
             Op::MatMulNBits { .. } => "MatMulNBits".into(),
+            Op::GatherQ4 { .. } => "GatherQ4".into(),
             Op::Rotary { .. } => "Rotary".into(),
             Op::Attention { .. } => "Attention".into(),
             Op::CausalBias { .. } => "CausalBias".into(),

@@ -97,6 +97,9 @@ impl Value {
     pub fn bool(shape: Vec<usize>, v: Vec<bool>) -> Self {
         Self { shape, data: Data::Bool(v) }
     }
+    pub fn u8(shape: Vec<usize>, v: Vec<u8>) -> Self {
+        Self { shape, data: Data::U8(v) }
+    }
 
     pub fn dtype(&self) -> DType {
         match self.data {

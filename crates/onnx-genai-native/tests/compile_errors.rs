@@ -189,6 +189,9 @@ fn unsupported_fused_op_settings_are_errors() {
         (Variant::Contrib, "RotaryEmbedding", "interleaved", AttrValue::Int(1), "interleaved rotary"),
         (Variant::Opset23, "Attention", "softcap", AttrValue::Int(1), "softcap"),
         (Variant::Opset23, "RMSNormalization", "axis", AttrValue::Int(1), "axis=1"),
+        (Variant::Genai, "GroupQueryAttention", "rotary_interleaved", AttrValue::Int(1), "interleaved rotary"),
+        (Variant::Genai, "GroupQueryAttention", "do_rotary", AttrValue::Int(2), "do_rotary=2"),
+        (Variant::Genai, "MatMulNBits", "accuracy_level", AttrValue::Int(7), "accuracy_level=7"),
     ];
     for (variant, op, attr, value, want) in cases {
         let mut m = model(variant);
@@ -198,5 +201,47 @@ fn unsupported_fused_op_settings_are_errors() {
         let name = m.graph.nodes[i].name.clone();
         let err = compile_err(&m, &b, op).to_string();
         assert!(err.contains(want) && err.contains(&name), "{variant:?} {op}.{attr}: {err}");
+    }
+}
+
+/// ONNX Runtime GenAI's forms: rotary inside attention needs its caches,
+/// and `GatherBlockQuantized` is supported for 4-bit rows only.
+#[test]
+fn genai_layout_ops_refuse_what_they_cannot_run() {
+    let b = binding();
+    let mut m = model(Variant::Genai);
+    let i = first(&mut m, "GroupQueryAttention");
+    m.graph.nodes[i].inputs[7] = String::new();
+    let err = compile_err(&m, &b, "rotary without caches").to_string();
+    assert!(err.contains("needs the cos_cache and sin_cache") && err.contains(&m.graph.nodes[i].name), "{err}");
+
+    let mut m = model(Variant::Genai);
+    let i = first(&mut m, "GroupQueryAttention");
+    m.graph.nodes[i].inputs[2] = "past_key_values.0.value".into();
+    let err = compile_err(&m, &b, "value without key").to_string();
+    assert!(err.contains("key without value"), "{err}");
+
+    // The f16 spec's genai export shares its 4-bit table with the embedding.
+    let shared =
+        read_spec(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packages/tiny-llama-f16/spec.yaml")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    build_variant(&shared, Variant::Genai, dir.path()).unwrap();
+    let package = onnx_genai_package::Package::open(dir.path()).unwrap();
+    let shared_binding = Binding::from_package(&package).unwrap().0;
+    let base = build_decoder(&shared, Variant::Genai).unwrap();
+    compile(&base, &shared_binding).unwrap();
+    for (attr, value, want) in [
+        ("bits", 8, "bits=8: only 4-bit blocks are supported"),
+        ("quantize_axis", 0, "quantize_axis=0"),
+        ("block_size", 24, "block_size=24"),
+    ] {
+        let mut m = base.clone();
+        let i = first(&mut m, "GatherBlockQuantized");
+        m.graph.nodes[i].attributes.retain(|a| a.name != attr);
+        m.graph.nodes[i]
+            .attributes
+            .push(onnx_genai_onnx::ir::Attribute { name: attr.into(), value: AttrValue::Int(value) });
+        let err = compile_err(&m, &shared_binding, attr).to_string();
+        assert!(err.contains(want) && err.contains(&m.graph.nodes[i].name), "{attr}: {err}");
     }
 }

@@ -44,6 +44,9 @@ fn fusions_fire_on_every_export() {
             vec![("causal_mask", 1), ("linear", 15), ("gated_mlp", layers), ("head_layout", layers)],
         ),
         ("tiny-llama-gqa", Variant::Contrib, vec![("matmul_nbits", 15), ("gated_mlp", layers)]),
+        // One packed QKV projection per layer: 5 per layer plus the head.
+        ("tiny-llama-gqa", Variant::Genai, vec![("matmul_nbits", 5 * layers + 1), ("gated_mlp", layers)]),
+        ("tiny-llama-f16", Variant::Genai, vec![("matmul_nbits", 5 * layers + 1), ("gated_mlp", layers)]),
         ("tiny-gpt2", Variant::Contrib, vec![("matmul_nbits", 13), ("linear_bias", 12), ("gelu_tanh", layers)]),
         (
             "tiny-gpt2",

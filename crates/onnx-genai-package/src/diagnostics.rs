@@ -53,6 +53,8 @@ pub enum Code {
     PKG030,
     /// Inconsistent architecture numbers (heads vs KV heads, zero sizes).
     PKG031,
+    /// The context length exceeds the positions the graph's rotary cache holds.
+    PKG032,
     /// Logits width differs from the architecture's vocabulary size.
     PKG040,
     /// The tokenizer's vocabulary does not fit the model's.

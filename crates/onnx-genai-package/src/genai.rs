@@ -23,7 +23,7 @@ struct GenaiConfig {
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(untagged)]
+#[serde(untagged, expecting = "expected a token id (a number) or a list of token ids")]
 enum OneOrMany {
     One(u32),
     Many(Vec<u32>),
@@ -43,6 +43,16 @@ struct GenaiModel {
     sep_token_id: Option<u32>,
     #[serde(default)]
     decoder_start_token_id: Option<u32>,
+    // Reasoning and tool-call markers some of their exports carry; not
+    // used for decoding.
+    #[serde(default)]
+    bot_token_id: Option<u32>,
+    #[serde(default)]
+    eot_token_id: Option<u32>,
+    #[serde(default)]
+    bor_token_id: Option<u32>,
+    #[serde(default)]
+    eor_token_id: Option<u32>,
     #[serde(rename = "type")]
     model_type: String,
     vocab_size: u32,
@@ -131,6 +141,11 @@ struct GenaiSearch {
     num_beams: Option<u32>,
     #[serde(default)]
     num_return_sequences: Option<u32>,
+    /// Their runtime then hands `GroupQueryAttention` one max-length
+    /// buffer as both past and present; the graph is the same either way,
+    /// and ONNX Runtime's kernel also accepts separate past and present,
+    /// which is how the `ort` backend runs it (native-cpu keeps its own
+    /// preallocated cache).
     #[serde(default)]
     past_present_share_buffer: Option<bool>,
     #[serde(default)]
@@ -141,6 +156,9 @@ struct GenaiSearch {
     top_k: Option<u32>,
     #[serde(default)]
     top_p: Option<f64>,
+    /// Prefill chunk length (their paged-attention exports).
+    #[serde(default)]
+    chunk_size: Option<u32>,
 }
 
 /// Where a port of an imported manifest came from, so diagnostics point at
@@ -210,6 +228,7 @@ pub fn import(text: &str, report: &mut Report) -> Option<Manifest> {
         }
     };
     let _ = (&d.session_options, m.pad_token_id, m.sep_token_id, m.decoder_start_token_id);
+    let _ = (m.bot_token_id, m.eot_token_id, m.bor_token_id, m.eor_token_id);
     let mut ports = Vec::new();
     let mut bind = |role: Role, name: &Option<String>| {
         if let Some(name) = name {

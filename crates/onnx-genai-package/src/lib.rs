@@ -92,6 +92,15 @@ impl Package {
         })
     }
 
+    /// Where the context length is set, for messages: the key and file the
+    /// user edits.
+    pub fn context_length_key(&self) -> String {
+        match self.dialect {
+            Dialect::Native => format!("`architecture.max_sequence_length` in {MANIFEST_FILE}"),
+            Dialect::GenaiConfig => format!("`model.context_length` in {}", genai::CONFIG_FILE),
+        }
+    }
+
     /// The package tokenizer, as loaded (and checked) by validation.
     pub fn tokenizer(&self) -> &tokenizers::Tokenizer {
         &self.tokenizer

@@ -79,6 +79,7 @@ pub fn validate(root: &Path) -> (Report, Checked) {
     for (ci, model) in models.iter().enumerate() {
         if let Some(model) = model {
             check_ports(&ctx, m, ci, model, &mut report);
+            check_rotary_positions(&ctx, m, ci, model, &mut report);
         }
     }
     check_roles_present(&ctx, m, &mut report);
@@ -127,6 +128,7 @@ impl Ctx<'_> {
                 "num_attention_heads" => "model.decoder.num_attention_heads".into(),
                 "head_dim" => "model.decoder.head_size".into(),
                 "hidden_size" => "model.decoder.hidden_size".into(),
+                "max_sequence_length" => "model.context_length".into(),
                 other => format!("model.{other}"),
             },
         }
@@ -250,6 +252,36 @@ fn check_architecture(ctx: &Ctx, m: &Manifest, report: &mut Report) {
                 format!("{} per-layer KV entries for {} layers", layers.len(), a.num_layers),
                 "give one entry per layer, or drop `layers` when all layers are alike",
             ));
+        }
+    }
+}
+
+/// Positions past a rotary cos/sin cache have no angle: a context length
+/// beyond the cache would fail (or read garbage) mid-generation, so it is
+/// refused up front, naming the key that sets it.
+fn check_rotary_positions(ctx: &Ctx, m: &Manifest, ci: usize, model: &Model, report: &mut Report) {
+    let context = u64::from(m.architecture.max_sequence_length);
+    for node in &model.graph.nodes {
+        let cos_input = match (node.domain.as_str(), node.op_type.as_str()) {
+            ("com.microsoft", "GroupQueryAttention") => 7,
+            ("com.microsoft", "RotaryEmbedding") => 2,
+            ("" | "ai.onnx", "RotaryEmbedding") => 1,
+            _ => continue,
+        };
+        let Some(cache) = node.inputs.get(cos_input).and_then(|name| model.graph.initializer(name)) else { continue };
+        let Some(rows) = cache.dims.first().and_then(|r| u64::try_from(*r).ok()) else { continue };
+        if context > rows {
+            report.push(Diagnostic::error(
+                Code::PKG032,
+                ctx.manifest_file(),
+                ctx.arch_field("max_sequence_length"),
+                format!(
+                    "the context length {context} exceeds the {rows} positions of rotary cache `{}` (node `{}` in {})",
+                    cache.name, node.name, m.components[ci].file
+                ),
+                format!("set it to at most {rows}, or re-export the model with a longer rotary cache"),
+            ));
+            return;
         }
     }
 }

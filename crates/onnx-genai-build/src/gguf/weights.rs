@@ -103,6 +103,7 @@ pub fn spec_from_gguf(g: &Gguf, name: &str, origin: &str) -> Result<Spec, GgufEr
         norm_epsilon: eps,
         tie_embeddings: tied,
         vision: None,
+        genai: Default::default(),
         pretrained: Some(PretrainedRef(Arc::new(pretrained))),
     })
 }

@@ -27,7 +27,7 @@ pub fn rms_norm(d: &mut Decoder, x: &str, weight_name: &str) -> String {
         Variant::Opset23 => {
             d.b.op_with("RMSNormalization", &[x, &w], vec![attr_int("axis", -1), attr_float("epsilon", eps)])
         }
-        Variant::Contrib => {
+        Variant::Contrib | Variant::Genai => {
             let out = d.b.fresh("SimplifiedLayerNormalization");
             let attrs = vec![attr_int("axis", -1), attr_float("epsilon", eps)];
             d.b.node_in("", "SimplifiedLayerNormalization", &[x, &w], &[&out], attrs);
@@ -40,7 +40,7 @@ pub fn rms_norm(d: &mut Decoder, x: &str, weight_name: &str) -> String {
 /// rms_norm(x + delta))`. Contrib fuses both into
 /// `SkipSimplifiedLayerNormalization`.
 pub fn residual_rms_norm(d: &mut Decoder, x: &str, delta: &str, weight_name: &str) -> (String, String) {
-    if d.variant != Variant::Contrib {
+    if !d.variant.contrib_ops() {
         let sum = d.b.op("Add", &[x, delta]);
         let normed = rms_norm(d, &sum, weight_name);
         return (sum, normed);
@@ -141,7 +141,7 @@ pub fn rotate(d: &mut Decoder, x: &str, r: &Rotary, heads: u32) -> String {
         Variant::Opset23 => {
             d.b.op_with("RotaryEmbedding", &[x, &r.cos, &r.sin, names::POSITION_IDS], vec![attr_int("interleaved", 0)])
         }
-        Variant::Contrib => {
+        Variant::Contrib | Variant::Genai => {
             let out = d.b.fresh("RotaryEmbedding");
             let attrs = vec![attr_int("interleaved", 0), attr_int("num_heads", heads.into())];
             d.b.node_in(MS_DOMAIN, "RotaryEmbedding", &[x, names::POSITION_IDS, &r.cos, &r.sin], &[&out], attrs);
@@ -172,7 +172,7 @@ pub fn self_attention(d: &mut Decoder, layer: u32, q: &str, k: &str, v: &str, ro
             };
             d.merge_heads(&ctx)
         }
-        Variant::Contrib => {
+        Variant::Contrib | Variant::Genai => {
             let (q, k) = match rotary {
                 Some(r) => (rotate(d, q, r, heads), rotate(d, k, r, kv_heads)),
                 None => (q.to_string(), k.to_string()),
@@ -182,7 +182,7 @@ pub fn self_attention(d: &mut Decoder, layer: u32, q: &str, k: &str, v: &str, ro
     }
 }
 
-fn present_names(layer: u32) -> (String, String, String, String) {
+pub(super) fn present_names(layer: u32) -> (String, String, String, String) {
     (
         names::layer(names::PAST_KEY, layer),
         names::layer(names::PAST_VALUE, layer),
@@ -250,7 +250,7 @@ fn group_query_attention(d: &mut Decoder, layer: u32, q: &str, k: &str, v: &str)
     let spec = d.spec;
     let (past_k, past_v, present_k, present_v) = present_names(layer);
     let (seqlens, total) = gqa_lengths(d);
-    let kv_dtype = spec.dtype.onnx();
+    let kv_dtype = super::io_dtype(spec, d.variant).onnx();
     let half = kv_dtype != DataType::Float;
     let to_kv = |d: &mut Decoder, x: &str| if half { cast(d, x, kv_dtype) } else { x.to_string() };
     let (q, k, v) = (to_kv(d, q), to_kv(d, k), to_kv(d, v));
@@ -276,7 +276,7 @@ fn group_query_attention(d: &mut Decoder, layer: u32, q: &str, k: &str, v: &str)
 
 /// `seqlens_k = sum(mask) - 1` (int32 `[batch]`) and `total_sequence_length`
 /// (int32 scalar), shared by every layer.
-fn gqa_lengths(d: &mut Decoder) -> (String, String) {
+pub(super) fn gqa_lengths(d: &mut Decoder) -> (String, String) {
     let scope = "/gqa_lengths";
     let seqlens = format!("{scope}/seqlens_k");
     let total = format!("{scope}/total_sequence_length");
@@ -334,58 +334,117 @@ pub fn causal_mask_bias(d: &mut Decoder) -> String {
     bias
 }
 
-/// com.microsoft `MatMulNBits`: symmetric 4-bit quantization of `w`
-/// (`[K, N]`) in blocks of [`NBITS_BLOCK`] along K, scale `max|w| / 7`,
-/// stored as `q + 8` (the op's default zero point), low nibble first.
-pub fn matmul_nbits(d: &mut Decoder, x: &str, w: &WeightValues) -> String {
-    let (k, n) = (w.dims[0] as usize, w.dims[1] as usize);
-    if let Some(q) = w.q4.as_deref().filter(|q| q.n == n && q.blocks * NBITS_BLOCK == k) {
-        return matmul_q4_blocks(d, x, w, q);
-    }
+/// 4-bit blocks of a `[K, N]` weight in `MatMulNBits` order: per output
+/// column, `blocks` blocks of [`NBITS_BLOCK`] along K, low nibble first.
+pub(crate) struct Q4 {
+    pub packed: Vec<u8>,
+    pub scales: Vec<f32>,
+    /// Asymmetric blocks: one zero point per block, two per byte (`[N,
+    /// ceil(blocks / 2)]`); symmetric ones use the op's default, 8.
+    pub zeros: Option<Vec<u8>>,
+    pub blocks: usize,
+}
+
+/// Quantizes `w` (`[K, N]` values). Symmetric: scale `max|w| / 7`, stored
+/// as `q + 8`. Asymmetric: the block's range (widened to hold 0) over 15
+/// steps, with the zero point that puts 0 on a step.
+pub(crate) fn quantize_q4(values: &[f32], k: usize, n: usize, symmetric: bool) -> Q4 {
     let blocks = k.div_ceil(NBITS_BLOCK);
     let mut packed = vec![0u8; n * blocks * NBITS_BLOCK / 2];
     let mut scales = vec![0f32; n * blocks];
+    let zero_bytes = blocks.div_ceil(2);
+    let mut zeros = (!symmetric).then(|| vec![0u8; n * zero_bytes]);
     for col in 0..n {
         for b in 0..blocks {
             let rows = b * NBITS_BLOCK..((b + 1) * NBITS_BLOCK).min(k);
-            let max = rows.clone().map(|r| w.values[r * n + col].abs()).fold(0.0f32, f32::max);
-            let scale = if max > 0.0 { max / 7.0 } else { 1.0 };
+            let column = rows.clone().map(|r| values[r * n + col]);
+            let (scale, zero) = if symmetric {
+                let max = column.fold(0.0f32, |m, v| m.max(v.abs()));
+                (if max > 0.0 { max / 7.0 } else { 1.0 }, 8u8)
+            } else {
+                let (lo, hi) = column.fold((0.0f32, 0.0f32), |(lo, hi), v| (lo.min(v), hi.max(v)));
+                let scale = if hi > lo { (hi - lo) / 15.0 } else { 1.0 };
+                (scale, (-lo / scale).round().clamp(0.0, 15.0) as u8)
+            };
             scales[col * blocks + b] = scale;
+            if let Some(z) = zeros.as_mut() {
+                z[col * zero_bytes + b / 2] |= if b % 2 == 0 { zero } else { zero << 4 };
+            }
             for (j, r) in rows.enumerate() {
-                let q = ((w.values[r * n + col] / scale).round() as i32 + 8).clamp(0, 15) as u8;
+                let q = ((values[r * n + col] / scale).round() as i32 + i32::from(zero)).clamp(0, 15) as u8;
                 let byte = &mut packed[(col * blocks + b) * NBITS_BLOCK / 2 + j / 2];
                 *byte |= if j % 2 == 0 { q } else { q << 4 };
             }
         }
     }
-    nbits_node(d, x, &w.name, (k, n, blocks), packed, &scales)
+    Q4 { packed, scales, zeros, blocks }
 }
 
-/// One `MatMulNBits` (4 bits, blocks of [`NBITS_BLOCK`], default zero
-/// point) over `packed` `[N, blocks, 16]` nibbles and one scale per block.
-fn nbits_node(
-    d: &mut Decoder,
-    x: &str,
-    name: &str,
-    (k, n, blocks): (usize, usize, usize),
-    packed: Vec<u8>,
-    scales: &[f32],
-) -> String {
-    let bname = d.b.initializer(Tensor {
+/// A 4-bit `[K, N]` weight stored as initializers: the `[N, blocks, 16]`
+/// nibbles, `N * blocks` scales and, when asymmetric, the zero points.
+#[derive(Clone, Debug)]
+pub struct StoredQ4 {
+    pub weight: String,
+    pub scales: String,
+    pub zeros: Option<String>,
+    pub k: usize,
+    pub n: usize,
+    pub blocks: usize,
+}
+
+/// com.microsoft `MatMulNBits` of `x` and `w` (`[K, N]`): a pretrained
+/// projection keeps its own blocks (contrib); otherwise 4-bit quantization,
+/// symmetric except where the genai export asks for zero points.
+pub fn matmul_nbits(d: &mut Decoder, x: &str, w: &WeightValues) -> String {
+    let (k, n) = (w.dims[0] as usize, w.dims[1] as usize);
+    if let Some(q) =
+        w.q4.as_deref().filter(|q| q.n == n && q.blocks * NBITS_BLOCK == k && d.variant == Variant::Contrib)
+    {
+        return matmul_q4_blocks(d, x, w, q);
+    }
+    let symmetric = d.variant != Variant::Genai || d.spec.genai.symmetric;
+    let q = quantize_q4(&w.values, k, n, symmetric);
+    let stored = store_q4(d, &w.name, k, n, q);
+    nbits_apply(d, x, &stored)
+}
+
+pub(crate) fn store_q4(d: &mut Decoder, name: &str, k: usize, n: usize, q: Q4) -> StoredQ4 {
+    let weight = d.b.initializer(Tensor {
         name: format!("{name}.q4"),
         dtype: DataType::Uint8,
-        dims: vec![n as i64, blocks as i64, (NBITS_BLOCK / 2) as i64],
-        raw: packed.into(),
+        dims: vec![n as i64, q.blocks as i64, (NBITS_BLOCK / 2) as i64],
+        raw: q.packed.into(),
     });
-    let sname = d.b.initializer(Tensor::from_f32(format!("{name}.scales"), vec![(n * blocks) as i64], scales));
+    let scales = d.b.initializer(Tensor::from_f32(format!("{name}.scales"), vec![(n * q.blocks) as i64], &q.scales));
+    let zeros = q.zeros.map(|z| {
+        d.b.initializer(Tensor {
+            name: format!("{name}.zero_points"),
+            dtype: DataType::Uint8,
+            dims: vec![(z.len()) as i64],
+            raw: z.into(),
+        })
+    });
+    StoredQ4 { weight, scales, zeros, k, n, blocks: q.blocks }
+}
+
+/// One `MatMulNBits` (4 bits, blocks of [`NBITS_BLOCK`]) over a stored
+/// weight; the genai export also states its `accuracy_level`.
+pub(crate) fn nbits_apply(d: &mut Decoder, x: &str, w: &StoredQ4) -> String {
     let out = d.b.fresh("MatMulNBits");
-    let attrs = vec![
-        attr_int("K", k as i64),
-        attr_int("N", n as i64),
+    let mut attrs = vec![
+        attr_int("K", w.k as i64),
+        attr_int("N", w.n as i64),
         attr_int("bits", 4),
         attr_int("block_size", NBITS_BLOCK as i64),
     ];
-    d.b.node_in(MS_DOMAIN, "MatMulNBits", &[x, &bname, &sname], &[&out], attrs);
+    if d.variant == Variant::Genai {
+        attrs.push(attr_int("accuracy_level", d.spec.genai.accuracy_level.into()));
+    }
+    let mut inputs = vec![x, w.weight.as_str(), w.scales.as_str()];
+    if let Some(z) = &w.zeros {
+        inputs.push(z);
+    }
+    d.b.node_in(MS_DOMAIN, "MatMulNBits", &inputs, &[&out], attrs);
     out
 }
 
@@ -396,7 +455,9 @@ fn nbits_node(
 /// small `[blocks, N]` matrix. Nothing is quantized twice.
 fn matmul_q4_blocks(d: &mut Decoder, x: &str, w: &WeightValues, q: &crate::pretrained::Q4Blocks) -> String {
     let (k, n, blocks) = (w.dims[0] as usize, w.dims[1] as usize, q.blocks);
-    let quantized = nbits_node(d, x, &w.name, (k, n, blocks), q.packed.clone(), &q.scales);
+    let blocks4 = Q4 { packed: q.packed.clone(), scales: q.scales.clone(), zeros: None, blocks };
+    let stored = store_q4(d, &w.name, k, n, blocks4);
+    let quantized = nbits_apply(d, x, &stored);
     let sums = format!("q4.block_sums.{k}");
     if !d.b.has_value(&sums) {
         let ones: Vec<f32> =

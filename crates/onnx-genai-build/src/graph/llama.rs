@@ -4,7 +4,7 @@
 use onnx_genai_onnx::builder::attr_int;
 
 use super::forms::{residual_rms_norm, rms_norm, rotary_tables, self_attention};
-use super::{names, Decoder};
+use super::{genai, names, Decoder, Variant};
 
 pub(super) fn build(d: &mut Decoder) {
     let spec = d.spec;
@@ -16,6 +16,8 @@ pub(super) fn build(d: &mut Decoder) {
         // does not need it.
         d.embedding = Some(embedding.clone());
         (String::new(), names::INPUTS_EMBEDS.to_string())
+    } else if d.variant == Variant::Genai {
+        (String::new(), genai::embed(d, &embedding))
     } else {
         let table = d.store(&embedding);
         let x = d.b.op_with("Gather", &[&table, names::INPUT_IDS], vec![attr_int("axis", 0)]);
@@ -27,10 +29,17 @@ pub(super) fn build(d: &mut Decoder) {
     for layer in 0..spec.num_layers {
         let p = format!("model.layers.{layer}");
         d.b.set_scope(&format!("/layers.{layer}/attn"));
-        let q = d.project(&normed, &format!("{p}.self_attn.q_proj.weight"), h, heads * hd);
-        let k = d.project(&normed, &format!("{p}.self_attn.k_proj.weight"), h, kv_heads * hd);
-        let v = d.project(&normed, &format!("{p}.self_attn.v_proj.weight"), h, kv_heads * hd);
-        let ctx = self_attention(d, layer, &q, &k, &v, Some(&rotary));
+        let wq = d.draw_projection(&format!("{p}.self_attn.q_proj.weight"), h, heads * hd);
+        let wk = d.draw_projection(&format!("{p}.self_attn.k_proj.weight"), h, kv_heads * hd);
+        let wv = d.draw_projection(&format!("{p}.self_attn.v_proj.weight"), h, kv_heads * hd);
+        let ctx = if d.variant == Variant::Genai {
+            genai::packed_attention(d, layer, &normed, [&wq, &wk, &wv], &rotary)
+        } else {
+            let q = d.apply_weight(&normed, &wq);
+            let k = d.apply_weight(&normed, &wk);
+            let v = d.apply_weight(&normed, &wv);
+            self_attention(d, layer, &q, &k, &v, Some(&rotary))
+        };
         let attn_out = d.project(&ctx, &format!("{p}.self_attn.o_proj.weight"), heads * hd, h);
         (x, normed) = residual_rms_norm(d, &x, &attn_out, &format!("{p}.post_attention_layernorm.weight"));
 

@@ -1,10 +1,12 @@
-//! Decoder graphs. One spec is exported in three forms from the same
+//! Decoder graphs. One spec is exported in up to four forms from the same
 //! weights ([`Variant`]): standard decomposed ops (opset 17), the fused
-//! ONNX opset-23 ops, and the com.microsoft contrib ops with 4-bit weights.
+//! ONNX opset-23 ops, the com.microsoft contrib ops with 4-bit weights, and
+//! (llama family) the graph ONNX Runtime GenAI's own model builder emits.
 //! Weights may be f16; compute is f32; the KV cache is stored in the
 //! package's KV dtype.
 
 mod forms;
+mod genai;
 mod gpt2;
 mod llama;
 pub mod vision;
@@ -29,16 +31,25 @@ pub enum Variant {
     /// `SkipSimplifiedLayerNormalization`, `RotaryEmbedding`,
     /// `GroupQueryAttention`, and `MatMulNBits` (4-bit, blocks of 32).
     Contrib,
+    /// What ONNX Runtime GenAI's model builder emits for an int4 CPU llama
+    /// (`-p int4 -e cpu`), in its directory layout (`genai_config.json`, no
+    /// `package.yaml`): no `position_ids` input (positions and GQA sequence
+    /// lengths come from `attention_mask` inside the graph), one packed QKV
+    /// `MatMulNBits` per layer feeding `GroupQueryAttention` with rotary
+    /// inside, `SkipSimplifiedLayerNormalization`, f32 I/O and KV, and
+    /// weights in `model.onnx.data`. Quantization follows [`crate::spec::GenaiExport`].
+    Genai,
 }
 
 impl Variant {
-    pub const ALL: [Variant; 3] = [Variant::Decomposed, Variant::Opset23, Variant::Contrib];
+    pub const ALL: [Variant; 4] = [Variant::Decomposed, Variant::Opset23, Variant::Contrib, Variant::Genai];
 
     pub fn name(self) -> &'static str {
         match self {
             Variant::Decomposed => "decomposed",
             Variant::Opset23 => "opset23",
             Variant::Contrib => "contrib",
+            Variant::Genai => "genai",
         }
     }
 
@@ -49,6 +60,7 @@ impl Variant {
     fn opset(self) -> i64 {
         match self {
             Variant::Opset23 => 23,
+            Variant::Genai => 21,
             _ => 17,
         }
     }
@@ -56,8 +68,14 @@ impl Variant {
     fn ir_version(self) -> i64 {
         match self {
             Variant::Opset23 => 11,
+            Variant::Genai => 10,
             _ => 8,
         }
+    }
+
+    /// Whether the graph uses the com.microsoft fused ops.
+    pub fn contrib_ops(self) -> bool {
+        matches!(self, Variant::Contrib | Variant::Genai)
     }
 }
 
@@ -127,15 +145,29 @@ pub(crate) struct Decoder<'s> {
     /// goes to the separate embedding component.
     pub embeds_input: bool,
     pub embedding: Option<WeightValues>,
+    /// The genai export's shared 4-bit table (`[vocab, blocks, 16]`
+    /// nibbles and its scales): the embedding gathers from it, the output
+    /// projection multiplies by it.
+    pub tied_q4: Option<forms::StoredQ4>,
+}
+
+/// The element type of activations, KV cache and stored float weights: the
+/// genai export is f32 throughout, as ONNX Runtime GenAI's int4 CPU export is.
+pub(crate) fn io_dtype(spec: &Spec, variant: Variant) -> ElementType {
+    if variant == Variant::Genai {
+        ElementType::F32
+    } else {
+        spec.dtype
+    }
 }
 
 impl<'s> Decoder<'s> {
     fn new(spec: &'s Spec, variant: Variant) -> Self {
         let mut b = GraphBuilder::new(&spec.name, variant.opset());
-        if variant == Variant::Contrib {
+        if variant.contrib_ops() {
             b.opset(MS_DOMAIN, 1);
         }
-        let kv = spec.dtype.onnx();
+        let kv = io_dtype(spec, variant).onnx();
         let (batch, seq, total, past) = (dim("batch"), dim("sequence"), dim("total_sequence"), dim("past_sequence"));
         let embeds_input = spec.vision.is_some();
         if embeds_input {
@@ -145,7 +177,9 @@ impl<'s> Decoder<'s> {
             b.input(names::INPUT_IDS, DataType::Int64, vec![batch.clone(), seq.clone()]);
         }
         b.input(names::ATTENTION_MASK, DataType::Int64, vec![batch.clone(), total.clone()]);
-        b.input(names::POSITION_IDS, DataType::Int64, vec![batch.clone(), seq.clone()]);
+        if variant != Variant::Genai {
+            b.input(names::POSITION_IDS, DataType::Int64, vec![batch.clone(), seq.clone()]);
+        }
         let (kvh, hd) = (Dim::Fixed(spec.kv_heads().into()), Dim::Fixed(spec.head_dim().into()));
         for layer in 0..spec.num_layers {
             for t in [names::PAST_KEY, names::PAST_VALUE] {
@@ -158,7 +192,16 @@ impl<'s> Decoder<'s> {
                 b.output(&names::layer(t, layer), kv, vec![batch.clone(), kvh.clone(), total.clone(), hd.clone()]);
             }
         }
-        Self { spec, variant, b, rng: SplitMix64::new(spec.seed), mask_bias: None, embeds_input, embedding: None }
+        Self {
+            spec,
+            variant,
+            b,
+            rng: SplitMix64::new(spec.seed),
+            mask_bias: None,
+            embeds_input,
+            embedding: None,
+            tied_q4: None,
+        }
     }
 
     /// Draws a weight's values (uniform in `offset ± scale`), rounded through
@@ -187,7 +230,7 @@ impl<'s> Decoder<'s> {
     /// Stores a weight in the package dtype; returns an f32 value.
     pub fn store(&mut self, w: &WeightValues) -> String {
         let dims: Vec<i64> = w.dims.iter().map(|d| i64::from(*d)).collect();
-        match self.spec.dtype {
+        match io_dtype(self.spec, self.variant) {
             ElementType::F32 => self.b.initializer(Tensor::from_f32(&w.name, dims, &w.values)),
             ElementType::F16 => {
                 let halves: Vec<half::f16> = w.values.iter().map(|v| half::f16::from_f32(*v)).collect();
@@ -205,14 +248,18 @@ impl<'s> Decoder<'s> {
 
     /// `x @ W` for a `[inputs, outputs]` weight with fan-in scaling.
     pub fn project(&mut self, x: &str, name: &str, inputs: u32, outputs: u32) -> String {
-        let scale = 1.0 / (inputs as f32).sqrt();
-        let w = self.draw(name, &[inputs, outputs], scale, 0.0);
+        let w = self.draw_projection(name, inputs, outputs);
         self.apply_weight(x, &w)
+    }
+
+    /// A `[inputs, outputs]` projection weight with fan-in scaling.
+    pub fn draw_projection(&mut self, name: &str, inputs: u32, outputs: u32) -> WeightValues {
+        self.draw(name, &[inputs, outputs], 1.0 / (inputs as f32).sqrt(), 0.0)
     }
 
     /// `x @ W` in the variant's form: MatMul, or MatMulNBits for contrib.
     pub fn apply_weight(&mut self, x: &str, w: &WeightValues) -> String {
-        if self.variant == Variant::Contrib {
+        if self.variant.contrib_ops() {
             forms::matmul_nbits(self, x, w)
         } else {
             let stored = self.store(w);
@@ -262,22 +309,17 @@ impl<'s> Decoder<'s> {
                 // A pretrained table keeps its own precision: quantizing the
                 // output projection to 4 bits costs more accuracy than any
                 // other weight.
-                Variant::Contrib if spec.pretrained.is_none() => {
-                    // MatMulNBits wants [K, N] semantics; the tied weight is
-                    // the embedding transposed.
-                    let (v, h) = (spec.vocab_size as usize, spec.hidden_size as usize);
-                    let mut t = vec![0.0; v * h];
-                    for (tok, row) in embedding.values.chunks_exact(h).enumerate() {
-                        for (j, x) in row.iter().enumerate() {
-                            t[j * v + tok] = *x;
-                        }
+                // ONNX Runtime GenAI's builder quantizes the output
+                // projection too, pretrained or not.
+                Variant::Genai => match self.tied_q4.clone() {
+                    Some(tied) => forms::nbits_apply(self, x, &tied),
+                    None => {
+                        let w = transposed_embedding(spec, embedding);
+                        forms::matmul_nbits(self, x, &w)
                     }
-                    let w = WeightValues {
-                        name: "lm_head.tied".into(),
-                        dims: vec![spec.hidden_size, spec.vocab_size],
-                        values: t,
-                        q4: None,
-                    };
+                },
+                Variant::Contrib if spec.pretrained.is_none() => {
+                    let w = transposed_embedding(spec, embedding);
                     forms::matmul_nbits(self, x, &w)
                 }
                 _ => {
@@ -299,6 +341,19 @@ impl<'s> Decoder<'s> {
     pub fn table(&mut self, name: &str, dims: Vec<i64>, values: &[f32]) -> String {
         self.b.initializer(Tensor::from_f32(name, dims, values))
     }
+}
+
+/// The tied output projection as a `[hidden, vocab]` weight: `MatMulNBits`
+/// wants `[K, N]` semantics, and the tied weight is the embedding transposed.
+pub(crate) fn transposed_embedding(spec: &Spec, embedding: &WeightValues) -> WeightValues {
+    let (v, h) = (spec.vocab_size as usize, spec.hidden_size as usize);
+    let mut t = vec![0.0; v * h];
+    for (tok, row) in embedding.values.chunks_exact(h).enumerate() {
+        for (j, x) in row.iter().enumerate() {
+            t[j * v + tok] = *x;
+        }
+    }
+    WeightValues { name: "lm_head.tied".into(), dims: vec![spec.hidden_size, spec.vocab_size], values: t, q4: None }
 }
 
 fn dim(name: &str) -> Dim {

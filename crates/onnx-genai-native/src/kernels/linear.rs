@@ -31,6 +31,10 @@ pub enum Packed {
         zeros: Option<Vec<u8>>,
         block: usize,
         blocks: usize,
+        /// `accuracy_level` 4: the input is quantized to int8 per block and
+        /// multiplied in integers, as ONNX Runtime computes it (see
+        /// [`super::linear_int8`]).
+        int8_input: bool,
     },
 }
 
@@ -79,16 +83,16 @@ impl Weight {
                 Packed::F16(x)
             }
             (
-                Packed::Q4 { data: mut d1, scales: mut s1, zeros: z1, block, blocks },
-                Packed::Q4 { data: d2, scales: s2, zeros: z2, block: block2, blocks: blocks2 },
-            ) if block == block2 && blocks == blocks2 && z1.is_some() == z2.is_some() => {
+                Packed::Q4 { data: mut d1, scales: mut s1, zeros: z1, block, blocks, int8_input },
+                Packed::Q4 { data: d2, scales: s2, zeros: z2, block: block2, blocks: blocks2, int8_input: i2 },
+            ) if block == block2 && blocks == blocks2 && z1.is_some() == z2.is_some() && int8_input == i2 => {
                 d1.extend(d2);
                 s1.extend(s2);
                 let zeros = z1.zip(z2).map(|(mut a, b)| {
                     a.extend(b);
                     a
                 });
-                Packed::Q4 { data: d1, scales: s1, zeros, block, blocks }
+                Packed::Q4 { data: d1, scales: s1, zeros, block, blocks, int8_input }
             }
             _ => return Err("cannot stack weights of different storage".into()),
         };
@@ -106,7 +110,7 @@ impl Weight {
                 w[r * k..(r + 1) * k].convert_to_f32_slice(scratch);
                 scratch
             }
-            Packed::Q4 { data, scales, zeros, block, blocks } => {
+            Packed::Q4 { data, scales, zeros, block, blocks, .. } => {
                 scratch.resize(k, 0.0);
                 let bytes_per_block = block / 2;
                 let row = &data[r * blocks * bytes_per_block..(r + 1) * blocks * bytes_per_block];
@@ -151,7 +155,9 @@ pub fn linear(x: &[f32], m: usize, w: &Weight, bias: Option<&[f32]>, y: &mut Vec
     let (n, k) = (w.n, w.k);
     y.clear();
     y.resize(m * n, 0.0);
-    if let (Packed::F32(wt), true) = (&w.packed, m >= 4) {
+    if let Packed::Q4 { int8_input: true, .. } = &w.packed {
+        super::linear_int8::linear_q4_int8(x, m, w, y, pool);
+    } else if let (Packed::F32(wt), true) = (&w.packed, m >= 4) {
         sgemm(m, k, n, x, (k, 1), wt, (1, k), y);
     } else if m >= 4 {
         widened_panels(x, m, w, y, pool);
@@ -219,7 +225,7 @@ fn widened_panels(x: &[f32], m: usize, w: &Weight, y: &mut [f32], pool: Pool) {
 /// per block, `scale * (sum(q * x) - zero * sum(x))`, with the block sums of
 /// `x` computed once per input row (`xsum`).
 fn dot_q4(x: &[f32], xsum: &[f32], w: &Weight, r: usize) -> f32 {
-    let Packed::Q4 { data, scales, zeros, block, blocks } = &w.packed else { return 0.0 };
+    let Packed::Q4 { data, scales, zeros, block, blocks, .. } = &w.packed else { return 0.0 };
     let (block, blocks) = (*block, *blocks);
     let half = block / 2;
     let row = &data[r * blocks * half..(r + 1) * blocks * half];
@@ -287,7 +293,7 @@ fn rows_dot(x: &[f32], w: &Weight, y: &mut [f32], pool: Pool) {
         let first = c * CHUNK;
         match &w.packed {
             Packed::F32(data) => super::simd::matvec(x, &data[first * w.k..(first + out.len()) * w.k], out),
-            Packed::Q4 { data, scales, zeros: None, block: 32, blocks } if x.len() == 32 * blocks => {
+            Packed::Q4 { data, scales, zeros: None, block: 32, blocks, .. } if x.len() == 32 * blocks => {
                 let (b, rows) = (*blocks, out.len());
                 let (bytes, sc) =
                     (&data[first * 16 * b..(first + rows) * 16 * b], &scales[first * b..(first + rows) * b]);
@@ -362,7 +368,7 @@ mod tests {
         let data: Vec<u8> = (0..n * 2 * 16).map(|i| (i * 37 % 256) as u8).collect();
         let scales: Vec<f32> = (0..n * 2).map(|i| 0.01 * (i % 7 + 1) as f32).collect();
         let zeros = Some((0..n).map(|i| (i * 29 % 256) as u8).collect::<Vec<_>>());
-        let q4w = Weight { n, k, packed: Packed::Q4 { data, scales, zeros, block: 32, blocks: 2 } };
+        let q4w = Weight { n, k, packed: Packed::Q4 { data, scales, zeros, block: 32, blocks: 2, int8_input: false } };
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
         for w in [&f16w, &q4w] {
             let mut scratch = Vec::new();
@@ -396,7 +402,14 @@ mod tests {
             let w = Weight {
                 n,
                 k,
-                packed: Packed::Q4 { data: data.clone(), scales: scales.clone(), zeros, block, blocks },
+                packed: Packed::Q4 {
+                    data: data.clone(),
+                    scales: scales.clone(),
+                    zeros,
+                    block,
+                    blocks,
+                    int8_input: false,
+                },
             };
             let x: Vec<f32> = (0..k).map(|i| (i as f32 * 0.37).sin()).collect();
             let xsum = block_sums(&x, &w);
@@ -415,7 +428,14 @@ mod tests {
         let w = Weight {
             n: 1,
             k: 4,
-            packed: Packed::Q4 { data: vec![0x21, 0xf0], scales: vec![0.5], zeros: None, block: 4, blocks: 1 },
+            packed: Packed::Q4 {
+                data: vec![0x21, 0xf0],
+                scales: vec![0.5],
+                zeros: None,
+                block: 4,
+                blocks: 1,
+                int8_input: false,
+            },
         };
         let mut s = Vec::new();
         assert_eq!(w.row(0, &mut s), &[(1.0 - 8.0) * 0.5, (2.0 - 8.0) * 0.5, -4.0, (15.0 - 8.0) * 0.5]);

@@ -3,8 +3,10 @@
 
 pub mod attention;
 pub mod elementwise;
+pub mod gather_q4;
 pub mod layout;
 pub mod linear;
+pub mod linear_int8;
 pub mod math;
 pub mod rotary;
 pub mod simd;

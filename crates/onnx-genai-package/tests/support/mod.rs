@@ -27,15 +27,24 @@ pub fn shipped_packages() -> Vec<String> {
 #[serde(rename_all = "lowercase")]
 pub enum Layout {
     Native,
+    /// The decomposed graph described by a `genai_config.json` only.
     Genai,
+    /// The builder's `genai` export: what ONNX Runtime GenAI's own model
+    /// builder writes.
+    OrtGenai,
 }
 
 /// Builds `name` into `dir` in the given layout.
 pub fn build(name: &str, layout: Layout, dir: &Path) {
     let spec = onnx_genai_build::read_spec(&spec_path(name)).unwrap();
+    if layout == Layout::OrtGenai {
+        onnx_genai_build::build_variant(&spec, onnx_genai_build::Variant::Genai, dir).unwrap();
+        return;
+    }
     onnx_genai_build::build_package(&spec, dir).unwrap();
     if layout == Layout::Genai {
-        std::fs::write(dir.join("genai_config.json"), onnx_genai_build::genai_config::genai_config(&spec)).unwrap();
+        let config = onnx_genai_build::genai_config::genai_config(&spec, onnx_genai_build::Variant::Contrib);
+        std::fs::write(dir.join("genai_config.json"), config).unwrap();
         std::fs::remove_file(dir.join("package.yaml")).unwrap();
     }
 }
