@@ -33,19 +33,23 @@ fn ort_genai(dir: &Path, threads: usize, rounds: usize, steps: usize) -> Result<
     Ok(Speed { prefill: min_median(series("prefill")), decode: min_median(series("decode")) })
 }
 
-/// The contrib packages raced: the tiny llama and every real model's
-/// contrib export, built fresh under `target/bench/peer/`.
+/// The packages raced, built fresh under `target/bench/peer/`: the tiny
+/// llama's contrib export and its genai export (ONNX Runtime GenAI's own
+/// form, `accuracy_level` 4), and every real model's contrib and genai
+/// exports.
 fn packages() -> Result<Vec<(String, PathBuf)>> {
     let out = util::target().join("bench/peer");
     let mut list = Vec::new();
     let spec = onnx_genai_build::read_spec(&util::root().join("packages/tiny-llama-gqa/spec.yaml"))?;
-    let dir = out.join("tiny-llama-gqa-contrib");
-    onnx_genai_build::build_variant(&spec, Variant::Contrib, &dir)?;
-    list.push(("tiny-llama-gqa (contrib)".to_string(), dir));
+    for variant in [Variant::Contrib, Variant::Genai] {
+        let dir = out.join(format!("tiny-llama-gqa-{}", variant.name()));
+        onnx_genai_build::build_variant(&spec, variant, &dir)?;
+        list.push((format!("tiny-llama-gqa ({})", variant.name()), dir));
+    }
     for model in real::models()? {
         real::fetch(&model)?;
         let base = model.load_spec(&util::target())?;
-        for export in model.exports.iter().filter(|e| e.variant == Variant::Contrib) {
+        for export in model.exports.iter().filter(|e| e.variant.contrib_ops()) {
             let dir = out.join(model.package(export));
             model.build(&base, export, &dir)?;
             list.push((model.package(export), dir));

@@ -62,7 +62,12 @@ pub fn fetch(model: &RealModel) -> Result<()> {
 pub fn ensure_built(model: &RealModel) -> Result<Vec<(Export, PathBuf)>> {
     let dirs: Vec<(Export, PathBuf)> =
         model.exports.iter().map(|e| (e.clone(), util::target().join("packages").join(model.package(e)))).collect();
-    if dirs.iter().any(|(_, d)| !d.join(onnx_genai_package::MANIFEST_FILE).is_file()) {
+    // A built export has its manifest: `package.yaml`, or `genai_config.json`
+    // for ONNX Runtime GenAI's layout.
+    let built = |d: &PathBuf| {
+        d.join(onnx_genai_package::MANIFEST_FILE).is_file() || d.join(onnx_genai_package::genai::CONFIG_FILE).is_file()
+    };
+    if !dirs.iter().all(|(_, d)| built(d)) {
         fetch(model)?;
         let base = model.load_spec(&util::target())?;
         for (export, dir) in &dirs {

@@ -33,6 +33,10 @@ pub struct Export {
     pub dtype: ElementType,
     pub variant: Variant,
     pub tier: Tier,
+    /// The `genai` export's builder options (default: ONNX Runtime GenAI's
+    /// CPU defaults).
+    #[serde(default)]
+    pub genai: Option<onnx_genai_build::spec::GenaiExport>,
 }
 
 impl RealModel {
@@ -82,7 +86,8 @@ impl RealModel {
 
     /// Builds `export` of `base` (from [`Self::load_spec`]) into `out`.
     pub fn build(&self, base: &Spec, export: &Export, out: &Path) -> Result<(), HarnessError> {
-        let spec = Spec { name: self.package(export), dtype: export.dtype, ..base.clone() };
+        let genai = export.genai.unwrap_or(base.genai);
+        let spec = Spec { name: self.package(export), dtype: export.dtype, genai, ..base.clone() };
         onnx_genai_build::build_variant(&spec, export.variant, out).map_err(|e| HarnessError::Build(e.to_string()))
     }
 }

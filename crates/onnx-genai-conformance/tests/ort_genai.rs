@@ -97,13 +97,16 @@ fn tiny_llama_f16_genai_layout() {
     tiny("tiny-llama-f16", Variant::Genai);
 }
 
-/// SmolLM2-135M's int4 export, 32 greedy steps.
+/// SmolLM2-135M's int4 exports, 32 greedy steps each: ours (contrib) and
+/// ONNX Runtime GenAI's own form (genai).
 #[test]
-fn smollm2_int4_contrib() {
+fn smollm2_int4_contrib_and_genai_layout() {
     let model = RealModel::load_all(&root()).unwrap().into_iter().find(|m| m.name == "smollm2-135m-instruct").unwrap();
     let base = model.load_spec(&root().join("target")).unwrap();
-    let export = model.exports.iter().find(|e| e.variant == Variant::Contrib).unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    model.build(&base, export, dir.path()).unwrap();
-    same_tokens(dir.path());
+    for variant in [Variant::Contrib, Variant::Genai] {
+        let export = model.exports.iter().find(|e| e.variant == variant).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        model.build(&base, export, dir.path()).unwrap();
+        same_tokens(dir.path());
+    }
 }

@@ -29,11 +29,12 @@ fn projections(c: &mut Criterion) {
             zeros: None,
             block: 32,
             blocks,
-            int8_input: false,
         },
     };
+    // `accuracy_level` 4: int8 inputs, integer block products.
+    let q4i8 = q4.clone().into_int8_products();
     let mut group = c.benchmark_group("linear_576x1536_decode");
-    for (name, weight) in [("f32", &f32w), ("f16", &f16w), ("q4", &q4)] {
+    for (name, weight) in [("f32", &f32w), ("f16", &f16w), ("q4", &q4), ("q4_int8_inputs", &q4i8)] {
         let mut y = Vec::new();
         group.bench_function(name, |b| b.iter(|| linear(&x, 1, weight, None, &mut y, None)));
     }

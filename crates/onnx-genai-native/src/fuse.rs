@@ -154,9 +154,6 @@ fn pack_linear(g: &Graph, u: &Uses, i: usize) -> Result<Option<Rewrite>, Compile
 fn pack_nbits(g: &Graph, _u: &Uses, i: usize) -> Result<Option<Rewrite>, CompileError> {
     let Some(n) = &g.nodes[i] else { return Ok(None) };
     let Op::MatMulNBits { k, n: outs, block, accuracy_level } = n.op else { return Ok(None) };
-    // Level 4 lets ONNX Runtime quantize the input to int8; its CPU kernel
-    // does so for blocks of 16 and up, and native-cpu computes as it does.
-    let int8_input = accuracy_level == 4;
     let err = |reason: String| CompileError::node(&n.name, &n.origin, reason);
     let konst = |idx: usize| M::input(n, idx).and_then(|v| g.konst(v));
     let (Some(b), Some(scales)) = (konst(1), konst(2)) else {
@@ -203,8 +200,11 @@ fn pack_nbits(g: &Graph, _u: &Uses, i: usize) -> Result<Option<Rewrite>, Compile
     let weight = Weight {
         n: outs,
         k,
-        packed: Packed::Q4 { data: data.to_vec(), scales: scales.to_vec(), zeros, block, blocks, int8_input },
+        packed: Packed::Q4 { data: data.to_vec(), scales: scales.to_vec(), zeros, block, blocks },
     };
+    // Level 4 lets ONNX Runtime quantize the input to int8, and its CPU
+    // kernel does; native-cpu computes as it does.
+    let weight = if accuracy_level == 4 { weight.into_int8_products() } else { weight };
     let op = Op::Linear { weight: Arc::new(weight), bias };
     Ok(Some(Rewrite {
         root: i,

@@ -153,6 +153,7 @@ impl Op {
                     crate::kernels::linear::Packed::F32(_) => "f32",
                     crate::kernels::linear::Packed::F16(_) => "f16",
                     crate::kernels::linear::Packed::Q4 { .. } => "q4",
+                    crate::kernels::linear::Packed::Q4Int8 { .. } => "q4i8",
                 };
                 format!("Linear[{kind}{}]", if bias.is_some() { "+bias" } else { "" })
             }

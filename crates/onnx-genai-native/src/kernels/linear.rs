@@ -31,10 +31,16 @@ pub enum Packed {
         zeros: Option<Vec<u8>>,
         block: usize,
         blocks: usize,
-        /// `accuracy_level` 4: the input is quantized to int8 per block and
-        /// multiplied in integers, as ONNX Runtime computes it (see
-        /// [`super::linear_int8`]).
-        int8_input: bool,
+    },
+    /// `MatMulNBits` at `accuracy_level` 4, multiplied with int8 inputs in
+    /// integers as ONNX Runtime computes it ([`super::linear_int8`]): the
+    /// 4-bit values unpacked to `q - zero` (−15..=15), one per byte, each
+    /// row padded to whole blocks, and one scale per block.
+    Q4Int8 {
+        values: Vec<i8>,
+        scales: Vec<f32>,
+        block: usize,
+        blocks: usize,
     },
 }
 
@@ -83,16 +89,24 @@ impl Weight {
                 Packed::F16(x)
             }
             (
-                Packed::Q4 { data: mut d1, scales: mut s1, zeros: z1, block, blocks, int8_input },
-                Packed::Q4 { data: d2, scales: s2, zeros: z2, block: block2, blocks: blocks2, int8_input: i2 },
-            ) if block == block2 && blocks == blocks2 && z1.is_some() == z2.is_some() && int8_input == i2 => {
+                Packed::Q4 { data: mut d1, scales: mut s1, zeros: z1, block, blocks },
+                Packed::Q4 { data: d2, scales: s2, zeros: z2, block: block2, blocks: blocks2 },
+            ) if block == block2 && blocks == blocks2 && z1.is_some() == z2.is_some() => {
                 d1.extend(d2);
                 s1.extend(s2);
                 let zeros = z1.zip(z2).map(|(mut a, b)| {
                     a.extend(b);
                     a
                 });
-                Packed::Q4 { data: d1, scales: s1, zeros, block, blocks, int8_input }
+                Packed::Q4 { data: d1, scales: s1, zeros, block, blocks }
+            }
+            (
+                Packed::Q4Int8 { values: mut v1, scales: mut s1, block, blocks },
+                Packed::Q4Int8 { values: v2, scales: s2, block: block2, blocks: blocks2 },
+            ) if block == block2 && blocks == blocks2 => {
+                v1.extend(v2);
+                s1.extend(s2);
+                Packed::Q4Int8 { values: v1, scales: s1, block, blocks }
             }
             _ => return Err("cannot stack weights of different storage".into()),
         };
@@ -101,7 +115,7 @@ impl Weight {
 
     /// Row `r` as f32: borrowed when stored as f32, widened into `scratch`
     /// otherwise.
-    fn row<'a>(&'a self, r: usize, scratch: &'a mut Vec<f32>) -> &'a [f32] {
+    pub(crate) fn row<'a>(&'a self, r: usize, scratch: &'a mut Vec<f32>) -> &'a [f32] {
         let k = self.k;
         match &self.packed {
             Packed::F32(w) => &w[r * k..(r + 1) * k],
@@ -110,7 +124,15 @@ impl Weight {
                 w[r * k..(r + 1) * k].convert_to_f32_slice(scratch);
                 scratch
             }
-            Packed::Q4 { data, scales, zeros, block, blocks, .. } => {
+            Packed::Q4Int8 { values, scales, block, blocks } => {
+                scratch.resize(k, 0.0);
+                let row = &values[r * blocks * block..];
+                for (j, v) in scratch.iter_mut().enumerate() {
+                    *v = f32::from(row[j]) * scales[r * blocks + j / block];
+                }
+                scratch
+            }
+            Packed::Q4 { data, scales, zeros, block, blocks } => {
                 scratch.resize(k, 0.0);
                 let bytes_per_block = block / 2;
                 let row = &data[r * blocks * bytes_per_block..(r + 1) * blocks * bytes_per_block];
@@ -144,7 +166,31 @@ impl Weight {
             Packed::Q4 { data, scales, zeros, .. } => {
                 data.len() + scales.len() * 4 + zeros.as_ref().map_or(0, Vec::len)
             }
+            Packed::Q4Int8 { values, scales, .. } => values.len() + scales.len() * 4,
         }
+    }
+
+    /// A 4-bit weight for `accuracy_level` 4: the same blocks unpacked to
+    /// `q - zero` for integer products with int8 inputs.
+    pub fn into_int8_products(self) -> Self {
+        let Packed::Q4 { data, scales, zeros, block, blocks } = self.packed else { return self };
+        let half = block / 2;
+        let zero_stride = blocks.div_ceil(2);
+        let mut values = Vec::with_capacity(self.n * blocks * block);
+        for r in 0..self.n {
+            for b in 0..blocks {
+                let zero = match &zeros {
+                    Some(z) => (z[r * zero_stride + b / 2] >> (4 * (b % 2))) & 0x0f,
+                    None => 8,
+                };
+                for byte in &data[(r * blocks + b) * half..(r * blocks + b + 1) * half] {
+                    for q in [byte & 0x0f, byte >> 4] {
+                        values.push(q as i8 - zero as i8);
+                    }
+                }
+            }
+        }
+        Self { packed: Packed::Q4Int8 { values, scales, block, blocks }, ..self }
     }
 }
 
@@ -155,7 +201,7 @@ pub fn linear(x: &[f32], m: usize, w: &Weight, bias: Option<&[f32]>, y: &mut Vec
     let (n, k) = (w.n, w.k);
     y.clear();
     y.resize(m * n, 0.0);
-    if let Packed::Q4 { int8_input: true, .. } = &w.packed {
+    if let Packed::Q4Int8 { .. } = &w.packed {
         super::linear_int8::linear_q4_int8(x, m, w, y, pool);
     } else if let (Packed::F32(wt), true) = (&w.packed, m >= 4) {
         sgemm(m, k, n, x, (k, 1), wt, (1, k), y);
@@ -225,7 +271,7 @@ fn widened_panels(x: &[f32], m: usize, w: &Weight, y: &mut [f32], pool: Pool) {
 /// per block, `scale * (sum(q * x) - zero * sum(x))`, with the block sums of
 /// `x` computed once per input row (`xsum`).
 fn dot_q4(x: &[f32], xsum: &[f32], w: &Weight, r: usize) -> f32 {
-    let Packed::Q4 { data, scales, zeros, block, blocks, .. } = &w.packed else { return 0.0 };
+    let Packed::Q4 { data, scales, zeros, block, blocks } = &w.packed else { return 0.0 };
     let (block, blocks) = (*block, *blocks);
     let half = block / 2;
     let row = &data[r * blocks * half..(r + 1) * blocks * half];
@@ -293,13 +339,19 @@ fn rows_dot(x: &[f32], w: &Weight, y: &mut [f32], pool: Pool) {
         let first = c * CHUNK;
         match &w.packed {
             Packed::F32(data) => super::simd::matvec(x, &data[first * w.k..(first + out.len()) * w.k], out),
-            Packed::Q4 { data, scales, zeros: None, block: 32, blocks, .. } if x.len() == 32 * blocks => {
+            Packed::Q4 { data, scales, zeros: None, block: 32, blocks } if x.len() == 32 * blocks => {
                 let (b, rows) = (*blocks, out.len());
                 let (bytes, sc) =
                     (&data[first * 16 * b..(first + rows) * 16 * b], &scales[first * b..(first + rows) * b]);
                 super::simd::q4_matvec32(x, &xsum, bytes, sc, b, out)
             }
             Packed::Q4 { .. } => out.iter_mut().enumerate().for_each(|(i, o)| *o = dot_q4(x, &xsum, w, first + i)),
+            // `linear` sends these to the integer kernel; widening is the
+            // exact fallback.
+            Packed::Q4Int8 { .. } => {
+                let mut scratch = Vec::new();
+                out.iter_mut().enumerate().for_each(|(i, o)| *o = dot(x, w.row(first + i, &mut scratch)))
+            }
             Packed::F16(data) => super::simd::matvec_f16(x, &data[first * w.k..(first + out.len()) * w.k], out),
         }
     };
@@ -368,7 +420,7 @@ mod tests {
         let data: Vec<u8> = (0..n * 2 * 16).map(|i| (i * 37 % 256) as u8).collect();
         let scales: Vec<f32> = (0..n * 2).map(|i| 0.01 * (i % 7 + 1) as f32).collect();
         let zeros = Some((0..n).map(|i| (i * 29 % 256) as u8).collect::<Vec<_>>());
-        let q4w = Weight { n, k, packed: Packed::Q4 { data, scales, zeros, block: 32, blocks: 2, int8_input: false } };
+        let q4w = Weight { n, k, packed: Packed::Q4 { data, scales, zeros, block: 32, blocks: 2 } };
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
         for w in [&f16w, &q4w] {
             let mut scratch = Vec::new();
@@ -402,14 +454,7 @@ mod tests {
             let w = Weight {
                 n,
                 k,
-                packed: Packed::Q4 {
-                    data: data.clone(),
-                    scales: scales.clone(),
-                    zeros,
-                    block,
-                    blocks,
-                    int8_input: false,
-                },
+                packed: Packed::Q4 { data: data.clone(), scales: scales.clone(), zeros, block, blocks },
             };
             let x: Vec<f32> = (0..k).map(|i| (i as f32 * 0.37).sin()).collect();
             let xsum = block_sums(&x, &w);
@@ -428,14 +473,7 @@ mod tests {
         let w = Weight {
             n: 1,
             k: 4,
-            packed: Packed::Q4 {
-                data: vec![0x21, 0xf0],
-                scales: vec![0.5],
-                zeros: None,
-                block: 4,
-                blocks: 1,
-                int8_input: false,
-            },
+            packed: Packed::Q4 { data: vec![0x21, 0xf0], scales: vec![0.5], zeros: None, block: 4, blocks: 1 },
         };
         let mut s = Vec::new();
         assert_eq!(w.row(0, &mut s), &[(1.0 - 8.0) * 0.5, (2.0 - 8.0) * 0.5, -4.0, (15.0 - 8.0) * 0.5]);

@@ -19,7 +19,8 @@ pub struct QuantizedRow {
     pub scales: Vec<f32>,
 }
 
-/// Quantizes `x` in blocks of `block` (the last may be shorter).
+/// Quantizes `x` in blocks of `block` (the last may be shorter; it is
+/// padded with zeros).
 pub fn quantize_row(x: &[f32], block: usize) -> QuantizedRow {
     let mut values = Vec::with_capacity(x.len());
     let mut scales = Vec::with_capacity(x.len().div_ceil(block));
@@ -30,44 +31,79 @@ pub fn quantize_row(x: &[f32], block: usize) -> QuantizedRow {
         values.extend(chunk.iter().map(|v| (v * inverse).round_ties_even() as i8));
         scales.push(scale);
     }
+    // Whole blocks, as the weight rows are padded.
+    values.resize(scales.len() * block, 0);
     QuantizedRow { values, scales }
 }
 
-/// `x . dequant(row r)` with `x` quantized.
-fn dot_row(x: &QuantizedRow, w: &Weight, r: usize) -> f32 {
-    let Packed::Q4 { data, scales, zeros, block, blocks, .. } = &w.packed else { return 0.0 };
-    let (block, blocks, half) = (*block, *blocks, *block / 2);
-    let row = &data[r * blocks * half..(r + 1) * blocks * half];
-    let zero_stride = blocks.div_ceil(2);
+/// `x . dequant(row r)` with `x` quantized: per block an exact integer sum,
+/// scaled once.
+fn dot_row(x: &QuantizedRow, values: &[i8], scales: &[f32], block: usize) -> f32 {
+    if block == 32 {
+        return dot_row32(x, values, scales);
+    }
     let mut total = 0.0f32;
-    for (b, (qx, qw)) in x.values.chunks(block).zip(row.chunks_exact(half)).enumerate() {
-        let zero = match zeros {
-            Some(z) => i32::from((z[r * zero_stride + b / 2] >> (4 * (b % 2))) & 0x0f),
-            None => 8,
-        };
-        let mut sum = 0i32;
-        for (pair, byte) in qx.chunks(2).zip(qw) {
-            sum += i32::from(pair[0]) * (i32::from(byte & 0x0f) - zero);
-            if let Some(odd) = pair.get(1) {
-                sum += i32::from(*odd) * (i32::from(byte >> 4) - zero);
-            }
-        }
-        total += sum as f32 * (x.scales[b] * scales[r * blocks + b]);
+    for ((qx, qw), (sx, sw)) in x.values.chunks(block).zip(values.chunks_exact(block)).zip(x.scales.iter().zip(scales))
+    {
+        // |qx| <= 127 and |qw| <= 15: each product fits an i16, the block
+        // sum an i32 (and vectorizes as such).
+        let sum: i32 = qx.iter().zip(qw).map(|(a, b)| i32::from(i16::from(*a) * i16::from(*b))).sum();
+        total += sum as f32 * (sx * sw);
     }
     total
 }
 
-/// `y[m, n] = quant(x[m, :]) . W[n, :]` for a 4-bit weight.
+/// [`dot_row`] for blocks of 32 (their builder's size): fixed-length
+/// blocks the compiler unrolls and vectorizes.
+fn dot_row32(x: &QuantizedRow, values: &[i8], scales: &[f32]) -> f32 {
+    let mut total = 0.0f32;
+    let blocks = x.values.chunks_exact(32).zip(values.chunks_exact(32));
+    for ((qx, qw), (sx, sw)) in blocks.zip(x.scales.iter().zip(scales)) {
+        let (Ok(qx), Ok(qw)) = (<&[i8; 32]>::try_from(qx), <&[i8; 32]>::try_from(qw)) else { continue };
+        let mut sum = 0i32;
+        for j in 0..32 {
+            sum += i32::from(i16::from(qx[j]) * i16::from(qw[j]));
+        }
+        total += sum as f32 * (sx * sw);
+    }
+    total
+}
+
+/// `y[m, n] = quant(x[m, :]) . W[n, :]` for a [`Packed::Q4Int8`] weight.
+/// Every input row is quantized once; each weight row is then read once
+/// for all of them (prefill streams the weight once, not once per token).
 pub fn linear_q4_int8(x: &[f32], m: usize, w: &Weight, y: &mut [f32], pool: Pool) {
-    let Packed::Q4 { block, .. } = &w.packed else { return };
-    let (n, k) = (w.n, w.k);
-    for (xi, out) in x.chunks_exact(k).zip(y.chunks_exact_mut(n)).take(m) {
-        let q = quantize_row(xi, *block);
+    let Packed::Q4Int8 { values, scales, block, blocks } = &w.packed else { return };
+    let (n, k, block, blocks) = (w.n, w.k, *block, *blocks);
+    let rows: Vec<QuantizedRow> = x.chunks_exact(k).take(m).map(|xi| quantize_row(xi, block)).collect();
+    let weight_row =
+        |r: usize| (&values[r * blocks * block..(r + 1) * blocks * block], &scales[r * blocks..(r + 1) * blocks]);
+    if m == 1 {
+        let one = |(r, o): (usize, &mut f32)| {
+            let (v, s) = weight_row(r);
+            *o = dot_row(&rows[0], v, s, block);
+        };
         match pool {
-            Some(p) if n * k >= PARALLEL_MIN_MACS => {
-                p.install(|| out.par_iter_mut().enumerate().for_each(|(r, o)| *o = dot_row(&q, w, r)))
-            }
-            _ => out.iter_mut().enumerate().for_each(|(r, o)| *o = dot_row(&q, w, r)),
+            Some(p) if n * k >= PARALLEL_MIN_MACS => p.install(|| y[..n].par_iter_mut().enumerate().for_each(one)),
+            _ => y[..n].iter_mut().enumerate().for_each(one),
+        }
+        return;
+    }
+    // Transposed output: one weight row against every input row.
+    let mut yt = vec![0.0f32; n * m];
+    let per_row = |(r, out): (usize, &mut [f32])| {
+        let (v, s) = weight_row(r);
+        for (o, q) in out.iter_mut().zip(&rows) {
+            *o = dot_row(q, v, s, block);
+        }
+    };
+    match pool {
+        Some(p) if m * n * k >= PARALLEL_MIN_MACS => p.install(|| yt.par_chunks_mut(m).enumerate().for_each(per_row)),
+        _ => yt.chunks_mut(m).enumerate().for_each(per_row),
+    }
+    for r in 0..n {
+        for i in 0..m {
+            y[i * n + r] = yt[r * m + i];
         }
     }
 }
@@ -78,22 +114,15 @@ mod tests {
 
     fn weight(zeros: Option<Vec<u8>>) -> Weight {
         // 1 output row, K = 4, blocks of 2: nibbles [9, 7 | 15, 0].
-        let packed = Packed::Q4 {
-            data: vec![0x79, 0x0f],
-            scales: vec![0.5, 0.25],
-            zeros,
-            block: 2,
-            blocks: 2,
-            int8_input: true,
-        };
-        Weight { n: 1, k: 4, packed }
+        let packed = Packed::Q4 { data: vec![0x79, 0x0f], scales: vec![0.5, 0.25], zeros, block: 2, blocks: 2 };
+        Weight { n: 1, k: 4, packed }.into_int8_products()
     }
 
     /// Scale `max|x| / 127`, ties to even, zero input gives zero scale.
     #[test]
     fn quantizes_per_block() {
         let q = quantize_row(&[1.0, -0.5, 0.0, 0.0, 2.54], 2);
-        assert_eq!(q.values, vec![127, -64, 0, 0, 127]);
+        assert_eq!(q.values, vec![127, -64, 0, 0, 127, 0]);
         assert_eq!(q.scales, vec![1.0 / 127.0, 0.0, 2.54 / 127.0]);
         // max 127 gives scale 1: halves round to the even neighbour.
         assert_eq!(quantize_row(&[127.0, 62.5, -62.5, 63.5], 4).values, vec![127, 62, -62, 64]);
@@ -115,5 +144,42 @@ mod tests {
         // Zero points 9 and 0: block 0 = 127*0 + -127*-2 = 254; block 1 = 127*15 + 0 = 1905.
         let want = 254.0 * (q.scales[0] * 0.5) + 1905.0 * (q.scales[1] * 0.25);
         assert!((y[0] - want).abs() < 1e-6, "{} vs {want}", y[0]);
+    }
+}
+
+#[cfg(test)]
+mod prefill_tests {
+    use super::*;
+
+    /// Several input rows (the prefill order: one weight row against all of
+    /// them) give each row's single-row result, with and without threads,
+    /// and equal the widened product of the dequantized weight with the
+    /// dequantized input; K = 72 leaves a partial last block.
+    #[test]
+    fn prefill_rows_equal_single_rows() {
+        let (n, k, blocks) = (40, 72, 3);
+        let data: Vec<u8> = (0..n * blocks * 16).map(|i| (i * 37 % 256) as u8).collect();
+        let scales: Vec<f32> = (0..n * blocks).map(|i| 0.01 + i as f32 * 1e-3).collect();
+        let zeros = Some((0..n * 2).map(|i| (i * 7 % 256) as u8).collect());
+        let w = Weight { n, k, packed: Packed::Q4 { data, scales, zeros, block: 32, blocks } }.into_int8_products();
+        let m = 5;
+        let x: Vec<f32> = (0..m * k).map(|i| ((i * 13 % 29) as f32 - 14.0) * 0.1).collect();
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        for p in [None, Some(&pool)] {
+            let mut all = vec![0.0; m * n];
+            linear_q4_int8(&x, m, &w, &mut all, p);
+            for i in 0..m {
+                let mut one = vec![0.0; n];
+                linear_q4_int8(&x[i * k..(i + 1) * k], 1, &w, &mut one, p);
+                assert_eq!(&all[i * n..(i + 1) * n], &one[..], "row {i}");
+                let q = quantize_row(&x[i * k..(i + 1) * k], 32);
+                let xq: Vec<f32> = (0..k).map(|j| f32::from(q.values[j]) * q.scales[j / 32]).collect();
+                let mut scratch = Vec::new();
+                for (r, got) in one.iter().enumerate() {
+                    let want: f32 = w.row(r, &mut scratch).iter().zip(&xq).map(|(a, b)| a * b).sum();
+                    assert!((got - want).abs() <= 1e-4 * (1.0 + want.abs()), "row {i} out {r}: {got} vs {want}");
+                }
+            }
+        }
     }
 }
