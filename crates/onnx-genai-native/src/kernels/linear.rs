@@ -136,16 +136,9 @@ impl Weight {
                 scratch.resize(k, 0.0);
                 let bytes_per_block = block / 2;
                 let row = &data[r * blocks * bytes_per_block..(r + 1) * blocks * bytes_per_block];
-                let zero_stride = blocks.div_ceil(2);
                 for b in 0..*blocks {
                     let scale = scales[r * blocks + b];
-                    let zero = match zeros {
-                        Some(z) => {
-                            let byte = z[r * zero_stride + b / 2];
-                            f32::from(if b % 2 == 0 { byte & 0x0f } else { byte >> 4 })
-                        }
-                        None => 8.0,
-                    };
+                    let zero = f32::from(zero_point(zeros.as_deref(), r, *blocks, b));
                     let start = b * block;
                     for j in 0..(*block).min(k.saturating_sub(start)) {
                         let byte = row[b * bytes_per_block + j / 2];
@@ -175,14 +168,10 @@ impl Weight {
     pub fn into_int8_products(self) -> Self {
         let Packed::Q4 { data, scales, zeros, block, blocks } = self.packed else { return self };
         let half = block / 2;
-        let zero_stride = blocks.div_ceil(2);
         let mut values = Vec::with_capacity(self.n * blocks * block);
         for r in 0..self.n {
             for b in 0..blocks {
-                let zero = match &zeros {
-                    Some(z) => (z[r * zero_stride + b / 2] >> (4 * (b % 2))) & 0x0f,
-                    None => 8,
-                };
+                let zero = zero_point(zeros.as_deref(), r, blocks, b);
                 for byte in &data[(r * blocks + b) * half..(r * blocks + b + 1) * half] {
                     for q in [byte & 0x0f, byte >> 4] {
                         values.push(q as i8 - zero as i8);
@@ -267,6 +256,16 @@ fn widened_panels(x: &[f32], m: usize, w: &Weight, y: &mut [f32], pool: Pool) {
     }
 }
 
+/// The 4-bit zero point of block `b` of `row`: packed two per byte, low
+/// nibble first, `ceil(blocks / 2)` bytes per row (`MatMulNBits` and
+/// `GatherBlockQuantized` alike); 8 when the weight has none.
+pub(crate) fn zero_point(zeros: Option<&[u8]>, row: usize, blocks: usize, b: usize) -> u8 {
+    match zeros {
+        Some(z) => (z[row * blocks.div_ceil(2) + b / 2] >> (4 * (b % 2))) & 0x0f,
+        None => 8,
+    }
+}
+
 /// `x . dequant(row)` for one 4-bit row without widening it:
 /// per block, `scale * (sum(q * x) - zero * sum(x))`, with the block sums of
 /// `x` computed once per input row (`xsum`).
@@ -278,20 +277,13 @@ fn dot_q4(x: &[f32], xsum: &[f32], w: &Weight, r: usize) -> f32 {
     if block == 32 && zeros.is_none() && x.len() == 32 * blocks {
         return super::simd::q4_row32(x, xsum, row, &scales[r * blocks..(r + 1) * blocks]);
     }
-    let zero_stride = blocks.div_ceil(2);
     let mut total = 0.0;
     for b in 0..blocks {
+        let zero = f32::from(zero_point(zeros.as_deref(), r, blocks, b));
         let start = b * block;
         let xb = &x[start..(start + block).min(x.len())];
         let qb = &row[b * half..(b + 1) * half];
         if xb.len() == 32 && block == 32 {
-            let zero = match zeros {
-                Some(z) => {
-                    let byte = z[r * zero_stride + b / 2];
-                    f32::from(if b % 2 == 0 { byte & 0x0f } else { byte >> 4 })
-                }
-                None => 8.0,
-            };
             total += scales[r * blocks + b] * (super::simd::q4_block32(qb, xb) - zero * xsum[b]);
             continue;
         }
@@ -312,13 +304,6 @@ fn dot_q4(x: &[f32], xsum: &[f32], w: &Weight, r: usize) -> f32 {
         if xb.len() % 2 == 1 {
             acc += f32::from(qb[pairs] & 0x0f) * xb[xb.len() - 1];
         }
-        let zero = match zeros {
-            Some(z) => {
-                let byte = z[r * zero_stride + b / 2];
-                f32::from(if b % 2 == 0 { byte & 0x0f } else { byte >> 4 })
-            }
-            None => 8.0,
-        };
         total += scales[r * blocks + b] * (acc - zero * xsum[b]);
     }
     total
