@@ -8,8 +8,7 @@ use std::fmt::Write as _;
 use std::time::Instant;
 
 use anyhow::{Context as _, Result};
-use onnx_genai_backend::DecodeBackend;
-use onnx_genai_build::Variant;
+use onnx_genai_backend::Decoder;
 use onnx_genai_engine::BackendKind;
 
 use crate::{ort, util};
@@ -23,7 +22,7 @@ pub struct Options {
 
 /// Seconds per decode step: `rounds` rounds of `steps` greedy steps after a
 /// prefill of `context` tokens; one median per round.
-fn decode_times(b: &mut dyn DecodeBackend, context: usize, steps: usize, rounds: usize) -> Result<Vec<f64>> {
+fn decode_times(b: &mut Decoder, context: usize, steps: usize, rounds: usize) -> Result<Vec<f64>> {
     let vocab = b.vocab_size() as u32;
     let prompt: Vec<u32> = (0..context as u32).map(|i| (i * 7919 + 13) % vocab).collect();
     let mut per_round = Vec::with_capacity(rounds);
@@ -73,17 +72,20 @@ pub fn run(opts: Options) -> Result<()> {
         }
         // Room for the 1024-token context run.
         spec.max_sequence_length = 2048;
-        for variant in Variant::ALL {
+        // Only the export forms this family is built as (a gpt2 has no
+        // `genai` form).
+        for variant in spec.variants() {
             let dir = util::target().join("bench").join(&spec.name).join(variant.name());
             onnx_genai_build::build_variant(&spec, variant, &dir)?;
             let package = onnx_genai_package::Package::open(&dir)?;
             let measure = |kind: BackendKind| -> Result<(Vec<f64>, Vec<f64>)> {
-                let mut b =
-                    kind.load(&package, opts.threads).with_context(|| format!("{} on {}", kind.name(), spec.name))?;
+                let mut b = kind
+                    .decoder(&package, opts.threads)
+                    .with_context(|| format!("{} on {}", kind.name(), spec.name))?;
                 // Warm-up: first-run allocations and lazy initialisation.
-                decode_times(b.as_mut(), 8, 4, 1)?;
-                let at64 = decode_times(b.as_mut(), 64, opts.steps, opts.rounds)?;
-                let at1024 = decode_times(b.as_mut(), 1024, opts.steps.min(32), opts.rounds.min(3))?;
+                decode_times(&mut b, 8, 4, 1)?;
+                let at64 = decode_times(&mut b, 64, opts.steps, opts.rounds)?;
+                let at1024 = decode_times(&mut b, 1024, opts.steps.min(32), opts.rounds.min(3))?;
                 Ok((at64, at1024))
             };
             let (ort64, ort1024) = measure(BackendKind::Ort)?;

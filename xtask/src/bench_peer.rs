@@ -76,8 +76,8 @@ pub fn run(peer: &str, threads: usize, rounds: usize, steps: usize) -> Result<()
     for (name, dir) in packages()? {
         let theirs = ort_genai(&dir, threads, rounds, steps)?;
         let package = Package::open(&dir)?;
-        let mut b = BackendKind::NativeCpu.load(&package, threads)?;
-        let ours = measure(b.as_mut(), rounds, steps)?;
+        let mut b = BackendKind::NativeCpu.decoder(&package, threads)?;
+        let ours = measure(&mut b, rounds, steps)?;
         println!(
             "{name:<28} decode ort-genai {:>8.1} native {:>8.1} tok/s ({:.2}x); prefill ort-genai {:>8.0} native {:>8.0} tok/s ({:.2}x)",
             theirs.decode.1,

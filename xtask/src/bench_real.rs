@@ -8,7 +8,7 @@ use std::fmt::Write as _;
 use std::time::Instant;
 
 use anyhow::{Context as _, Result};
-use onnx_genai_backend::DecodeBackend;
+use onnx_genai_backend::Decoder;
 use onnx_genai_engine::BackendKind;
 use onnx_genai_package::{ElementType, Package};
 
@@ -56,7 +56,7 @@ pub(crate) struct Speed {
     pub decode: (f64, f64),
 }
 
-pub(crate) fn measure(b: &mut dyn DecodeBackend, rounds: usize, steps: usize) -> Result<Speed> {
+pub(crate) fn measure(b: &mut Decoder, rounds: usize, steps: usize) -> Result<Speed> {
     let vocab = b.vocab_size() as u32;
     let prompt: Vec<u32> = (0..PREFILL as u32).map(|i| (i * 7919 + 13) % vocab).collect();
     b.reset();
@@ -98,12 +98,7 @@ fn bytes_per_token(package: &Package, dir: &std::path::Path) -> Result<f64> {
 
 /// Largest |logit difference| of `b` against `a` over greedy decoding
 /// driven by `a`, and how many of the greedy choices agree.
-fn logit_error(
-    a: &mut dyn DecodeBackend,
-    b: &mut dyn DecodeBackend,
-    prompt: &[u32],
-    steps: usize,
-) -> Result<(f32, usize)> {
+fn logit_error(a: &mut Decoder, b: &mut Decoder, prompt: &[u32], steps: usize) -> Result<(f32, usize)> {
     a.reset();
     b.reset();
     let (mut la, mut lb) = (a.forward(prompt)?, b.forward(prompt)?);
@@ -143,8 +138,8 @@ pub fn run(threads: usize, rounds: usize, steps: usize) -> Result<()> {
             let mut speeds = Vec::new();
             for kind in [BackendKind::Ort, BackendKind::NativeCpu] {
                 let mut b =
-                    kind.load(&package, threads).with_context(|| format!("{} on {}", kind.name(), dir.display()))?;
-                speeds.push(measure(b.as_mut(), rounds, steps)?);
+                    kind.decoder(&package, threads).with_context(|| format!("{} on {}", kind.name(), dir.display()))?;
+                speeds.push(measure(&mut b, rounds, steps)?);
             }
             let (o, n) = (&speeds[0], &speeds[1]);
             let name = model.package(export);
@@ -177,8 +172,8 @@ pub fn run(threads: usize, rounds: usize, steps: usize) -> Result<()> {
         let int4_dir = dirs.iter().find(|(e, _)| e.variant == onnx_genai_build::Variant::Contrib);
         if let (Some((_, f)), Some((int4, q))) = (f32_dir, int4_dir) {
             let (pf, pq) = (Package::open(f)?, Package::open(q)?);
-            let mut a = BackendKind::Ort.load(&pf, threads)?;
-            let mut b = BackendKind::Ort.load(&pq, threads)?;
+            let mut a = BackendKind::Ort.decoder(&pf, threads)?;
+            let mut b = BackendKind::Ort.decoder(&pq, threads)?;
             let _ = writeln!(md, "\n4-bit export ({}) against f32, ONNX Runtime, 32 greedy steps driven by f32:\n\n| prompt | max abs logit error | greedy agreement |\n|---|---:|---:|", model.package(int4));
             for p in &model.prompts {
                 let ids = pf
@@ -187,7 +182,7 @@ pub fn run(threads: usize, rounds: usize, steps: usize) -> Result<()> {
                     .map_err(|e| anyhow::anyhow!("{e}"))?
                     .get_ids()
                     .to_vec();
-                let (worst, agree) = logit_error(a.as_mut(), b.as_mut(), &ids, 32)?;
+                let (worst, agree) = logit_error(&mut a, &mut b, &ids, 32)?;
                 println!("int4 vs f32 on `{}`: max |d| {worst:.2e}, greedy agreement {agree}/32", p.name);
                 let _ = writeln!(md, "| {} | {worst:.2e} | {agree}/32 |", p.name);
             }

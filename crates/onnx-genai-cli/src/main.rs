@@ -38,8 +38,9 @@ enum Command {
         /// KV cache bytes all models may reserve together (default: unlimited).
         #[arg(long)]
         kv_budget_bytes: Option<u64>,
-        #[arg(long, value_enum, default_value = "ort")]
-        backend: Backend,
+        /// Decode backend (ort, native-cpu).
+        #[arg(long, default_value = "ort")]
+        backend: BackendKind,
         #[arg(long, default_value_t = 0)]
         threads: usize,
     },
@@ -80,9 +81,9 @@ enum Command {
         top_p: f32,
         #[arg(long, default_value_t = 0)]
         seed: u64,
-        /// Decode backend.
-        #[arg(long, value_enum, default_value = "ort")]
-        backend: Backend,
+        /// Decode backend (ort, native-cpu).
+        #[arg(long, default_value = "ort")]
+        backend: BackendKind,
         /// Intra-op threads (0: the backend decides).
         #[arg(long, default_value_t = 0)]
         threads: usize,
@@ -95,23 +96,6 @@ enum Command {
         #[arg(long)]
         image: Option<PathBuf>,
     },
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum Backend {
-    /// ONNX Runtime (the reference).
-    Ort,
-    /// The native compiler's CPU plan.
-    NativeCpu,
-}
-
-impl Backend {
-    fn kind(self) -> BackendKind {
-        match self {
-            Backend::Ort => BackendKind::Ort,
-            Backend::NativeCpu => BackendKind::NativeCpu,
-        }
-    }
 }
 
 fn parse_variant(s: &str) -> Result<onnx_genai_build::Variant, String> {
@@ -145,8 +129,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 kv_budget_bytes.map_or_else(onnx_genai_engine::Scheduler::unlimited, onnx_genai_engine::Scheduler::new);
             let mut engines = Vec::new();
             for p in &packages {
-                let engine =
-                    Engine::open(p, backend.kind(), threads).with_context(|| format!("opening {}", p.display()))?;
+                let engine = Engine::open(p, backend, threads).with_context(|| format!("opening {}", p.display()))?;
                 engines.push(engine.with_scheduler(scheduler.clone()));
             }
             let server = onnx_genai_server::start(engines, &format!("{host}:{port}"), max_sessions)?;
@@ -168,7 +151,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             show_ids,
             image,
         } => {
-            let mut engine = Engine::open(&package, backend.kind(), threads)?;
+            let mut engine = Engine::open(&package, backend, threads)?;
             let mut inputs = Vec::new();
             let mut prompt = prompt;
             if let Some(path) = &image {

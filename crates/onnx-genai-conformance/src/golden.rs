@@ -7,7 +7,7 @@
 use std::fmt::Write;
 use std::path::{Path, PathBuf};
 
-use onnx_genai_backend::DecodeBackend;
+use onnx_genai_backend::Decoder;
 use onnx_genai_package::Package;
 
 use crate::cases::{Check, GoldenFile};
@@ -43,7 +43,7 @@ fn top5(logits: &[f32], decimals: u32) -> String {
 pub fn record(
     check: &Check,
     package: &Package,
-    backend: &mut dyn DecodeBackend,
+    backend: &mut Decoder,
     prompt: &[u32],
     g: &GoldenFile,
 ) -> Result<String, HarnessError> {

@@ -2,7 +2,7 @@
 //! logits after the prefill and after every greedy decode step must stay
 //! within the tier, and greedy tokens must be identical.
 
-use onnx_genai_backend::{BackendError, DecodeBackend};
+use onnx_genai_backend::{BackendError, Decoder};
 use serde::Serialize;
 
 use crate::tolerance::{compare, top2, Deviation, Tier};
@@ -49,7 +49,7 @@ pub struct Arbitration {
 /// Runs the f32 export over the prompt and the tokens both sides agreed on,
 /// and says which of the two diverging tokens it prefers.
 pub fn arbitrate(
-    f32_backend: &mut dyn DecodeBackend,
+    f32_backend: &mut Decoder,
     prompt: &[u32],
     agreed: &[u32],
     reference: u32,
@@ -76,15 +76,15 @@ impl ParityOutcome {
     }
 }
 
-fn fail(step: usize, backend: &dyn DecodeBackend, e: BackendError) -> Divergence {
+fn fail(step: usize, backend: &Decoder, e: BackendError) -> Divergence {
     Divergence::Error { step, backend: backend.name().into(), message: e.to_string() }
 }
 
 /// Prefills `prompt` on both backends, then decodes `steps` greedy tokens,
 /// comparing at every step. Stops at the first divergence.
 pub fn run(
-    reference: &mut dyn DecodeBackend,
-    candidate: &mut dyn DecodeBackend,
+    reference: &mut Decoder,
+    candidate: &mut Decoder,
     prompt: &[u32],
     steps: usize,
     tier: Tier,
@@ -153,42 +153,72 @@ pub fn run(
 mod tests {
     use super::*;
 
-    /// A scripted backend: returns the given logits rows in turn (the
-    /// harness logic under test is the comparison, not a model).
+    use std::sync::Arc;
+
+    use onnx_genai_backend::{downcast, DecodeModel, Entry, Sequence};
+
+    /// A scripted model: a sequence at position `i` gets row `i` of the
+    /// given logits (the harness logic under test is the comparison, not a
+    /// model).
     struct Scripted {
         rows: Vec<Vec<f32>>,
-        at: usize,
     }
 
-    impl DecodeBackend for Scripted {
+    struct At(usize);
+
+    impl Sequence for At {
+        fn kv_len(&self) -> usize {
+            self.0
+        }
+        fn truncate(&mut self, len: usize) -> Result<(), BackendError> {
+            self.0 = self.0.min(len);
+            Ok(())
+        }
+        fn reset(&mut self) {
+            self.0 = 0;
+        }
+        fn resident_bytes(&self) -> u64 {
+            0
+        }
+        fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+            self
+        }
+    }
+
+    impl DecodeModel for Scripted {
         fn name(&self) -> &'static str {
             "scripted"
         }
         fn vocab_size(&self) -> usize {
             self.rows[0].len()
         }
-        fn kv_len(&self) -> usize {
-            self.at
+        fn context_length(&self) -> usize {
+            self.rows.len()
         }
-        fn forward(&mut self, _tokens: &[u32]) -> Result<Vec<f32>, BackendError> {
-            self.at += 1;
-            self.rows
-                .get(self.at - 1)
-                .cloned()
-                .ok_or(BackendError::Run { backend: "scripted", reason: "out of rows".into() })
+        fn new_sequence(&self) -> Box<dyn Sequence> {
+            Box::new(At(0))
         }
-        fn truncate(&mut self, len: usize) -> Result<(), BackendError> {
-            self.at = self.at.min(len);
+        fn step(&self, batch: &mut [Entry<'_>]) -> Result<(), BackendError> {
+            for e in batch {
+                let at = downcast::<At>(&mut *e.sequence, "scripted")?;
+                let row = self
+                    .rows
+                    .get(at.0)
+                    .ok_or(BackendError::Run { backend: "scripted", reason: "out of rows".into() })?;
+                at.0 += 1;
+                e.logits.clone_from(row);
+            }
             Ok(())
         }
-        fn reset(&mut self) {
-            self.at = 0;
-        }
+    }
+
+    fn scripted(rows: Vec<Vec<f32>>) -> Decoder {
+        Decoder::new(Arc::new(Scripted { rows }))
     }
 
     fn run_pair(reference: Vec<Vec<f32>>, candidate: Vec<Vec<f32>>) -> ParityOutcome {
         let steps = reference.len() - 1;
-        run(&mut Scripted { rows: reference, at: 0 }, &mut Scripted { rows: candidate, at: 0 }, &[1], steps, Tier::F32)
+        run(&mut scripted(reference), &mut scripted(candidate), &[1], steps, Tier::F32)
     }
 
     #[test]
@@ -237,12 +267,12 @@ mod tests {
     /// f32 margin between the two tokens.
     #[test]
     fn arbitration_names_the_side_f32_prefers() {
-        let mut f32_run = Scripted { rows: vec![vec![0.0, 2.0, 2.5]], at: 0 };
+        let mut f32_run = scripted(vec![vec![0.0, 2.0, 2.5]]);
         let a = arbitrate(&mut f32_run, &[1], &[], 1, 2).unwrap();
         assert_eq!((a.choice, a.sides_with, a.margin), (2, "candidate", -0.5));
-        let mut f32_run = Scripted { rows: vec![vec![0.0, 2.0, 2.5]], at: 0 };
+        let mut f32_run = scripted(vec![vec![0.0, 2.0, 2.5]]);
         assert_eq!(arbitrate(&mut f32_run, &[1], &[], 2, 0).unwrap().sides_with, "reference");
-        let mut f32_run = Scripted { rows: vec![vec![3.0, 2.0, 2.5]], at: 0 };
+        let mut f32_run = scripted(vec![vec![3.0, 2.0, 2.5]]);
         assert_eq!(arbitrate(&mut f32_run, &[1], &[], 1, 2).unwrap().sides_with, "neither");
     }
 

@@ -6,8 +6,9 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
-use onnx_genai_backend::{BackendError, DecodeBackend};
+use onnx_genai_backend::{BackendError, Decoder};
 use onnx_genai_build::{Spec, Variant};
+use onnx_genai_engine::BackendKind;
 use onnx_genai_package::{ElementType, Package};
 use serde::Serialize;
 
@@ -110,17 +111,15 @@ impl Context {
     }
 }
 
-/// Opens `backend` on `package`.
-pub fn open_backend(backend: &str, package: &Package, threads: usize) -> Result<Box<dyn DecodeBackend>, BackendError> {
-    match backend {
-        "ort" => Ok(Box::new(onnx_genai_ort::OrtDecoder::load(package, threads)?)),
-        "native-cpu" => Ok(Box::new(onnx_genai_native::NativeDecoder::load(package, threads)?)),
-        other => Err(BackendError::Load {
-            backend: "harness",
-            what: other.into(),
-            reason: "unknown backend (ort, native-cpu)".into(),
-        }),
-    }
+/// Opens `backend` (a name [`BackendKind`] knows) on `package`: one
+/// sequence on a freshly loaded model.
+pub fn open_backend(backend: &str, package: &Package, threads: usize) -> Result<Decoder, BackendError> {
+    let kind: BackendKind = backend.parse().map_err(|reason: String| BackendError::Load {
+        backend: "harness",
+        what: backend.into(),
+        reason,
+    })?;
+    kind.decoder(package, threads)
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -192,13 +191,13 @@ fn run_parity(
     let tokens = encode(&package, &prompt.text)?;
     let mut reference = open_backend(crate::cases::REFERENCE, &package, ctx.threads)?;
     let mut candidate = open_backend(&check.backend, &package, ctx.threads)?;
-    let mut out = parity::run(reference.as_mut(), candidate.as_mut(), &tokens, steps, tier);
+    let mut out = parity::run(&mut reference, &mut candidate, &tokens, steps, tier);
     if let (Some(Divergence::Token { reference: r, candidate: c, near_tie: true, .. }), Some((f32_package, variant))) =
         (&out.divergence, ctx.f32_sibling(&check.package))
     {
         let f32_package = ctx.package(&f32_package, variant)?;
         let mut f32_backend = open_backend(crate::cases::REFERENCE, &f32_package, ctx.threads)?;
-        out.arbitration = Some(parity::arbitrate(f32_backend.as_mut(), &tokens, &out.tokens, *r, *c)?);
+        out.arbitration = Some(parity::arbitrate(&mut f32_backend, &tokens, &out.tokens, *r, *c)?);
     }
     result.summary = match &out.divergence {
         None => {
@@ -243,7 +242,7 @@ fn run_golden(check: &Check, ctx: &Context, g: &GoldenFile, result: &mut CheckRe
     let package = ctx.package(&check.package, check.variant)?;
     let tokens = encode(&package, &g.prompt)?;
     let mut backend = open_backend(&check.backend, &package, ctx.threads)?;
-    let text = crate::golden::record(check, &package, backend.as_mut(), &tokens, g)?;
+    let text = crate::golden::record(check, &package, &mut backend, &tokens, g)?;
     result.status = Status::Passed;
     result.summary = "recorded; compared with the committed snapshot".into();
     result.golden_text = Some(text);

@@ -4,25 +4,34 @@
 //!
 //! Admission sits before the split between execution kinds, so no entry
 //! point can bypass it (INVARIANTS A1). The reservation is an RAII guard
-//! held for the whole run, so every exit releases it (A4).
+//! held by the admitted [`Turn`], so every exit releases it (A4).
+//!
+//! The path is step-wise so that one model can serve many requests at once:
+//! [`Engine::admit`] turns a request into a [`Turn`], [`Engine::step`]
+//! advances any number of turns by one batched model step (prefill chunks
+//! and decode tokens together), and [`Engine::finish`] ends one.
+//! [`Engine::generate_with`] is those three for a single request.
 
+mod backends;
 mod chat;
 mod request;
 pub mod sampling;
+mod turn;
 mod workflow;
 
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::sync::Arc;
 
+pub use backends::BackendKind;
 pub use chat::ChatMessage;
-use onnx_genai_backend::{BackendError, DecodeBackend};
+use onnx_genai_backend::{BackendError, DecodeModel, Sequence};
 use onnx_genai_package::{Package, PackageError};
-use onnx_genai_scheduler::{Admission, AdmissionRequest};
 pub use onnx_genai_scheduler::{AdmissionError, BudgetCap, ConversationId, Scheduler};
 pub use request::{BoundTensor, ComponentOverride, GenerateRequest, Prompt, SessionId, TensorType};
-use sampling::Sampler;
 pub use sampling::Sampling;
 use tokenizers::Tokenizer;
+pub use turn::{Turn, TurnState};
 use workflow::WorkflowRuntime;
 
 #[derive(Debug, thiserror::Error)]
@@ -42,41 +51,13 @@ pub enum EngineError {
     Tensor { name: String, reason: String },
     #[error("unknown session {0} (create one first, or it was closed)")]
     UnknownSession(SessionId),
+    #[error("{0} is running another turn")]
+    SessionBusy(SessionId),
     #[error("chat template: {0}")]
     ChatTemplate(String),
-}
-
-/// Which decode backend an engine runs on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum BackendKind {
-    /// ONNX Runtime, the reference.
-    Ort,
-    /// The native compiler's CPU plan.
-    NativeCpu,
-}
-
-impl BackendKind {
-    pub const ALL: [BackendKind; 2] = [BackendKind::Ort, BackendKind::NativeCpu];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            BackendKind::Ort => "ort",
-            BackendKind::NativeCpu => onnx_genai_native::NAME,
-        }
-    }
-
-    pub fn parse(s: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|k| k.name() == s)
-    }
-
-    /// Opens this backend on `package` with `threads` threads (0: the
-    /// backend decides).
-    pub fn load(self, package: &Package, threads: usize) -> Result<Box<dyn DecodeBackend>, BackendError> {
-        Ok(match self {
-            BackendKind::Ort => Box::new(onnx_genai_ort::OrtDecoder::load(package, threads)?),
-            BackendKind::NativeCpu => Box::new(onnx_genai_native::NativeDecoder::load(package, threads)?),
-        })
-    }
+    /// The backend panicked while running this request's sequence.
+    #[error("the {backend} backend failed while running this request")]
+    Panicked { backend: &'static str },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -124,28 +105,30 @@ pub enum Flow {
     Stop,
 }
 
-/// Makes a fresh decode backend (one per session, each with its own KV).
-pub type BackendFactory = Box<dyn Fn() -> Result<Box<dyn DecodeBackend>, BackendError> + Send>;
-
 struct Session {
-    backend: Box<dyn DecodeBackend>,
+    /// `None` while a turn holds it.
+    sequence: Option<Box<dyn Sequence>>,
     conversation: ConversationId,
     /// Every token of the conversation so far (prompts and generated); the
-    /// backend's KV holds a prefix of them.
+    /// sequence's KV holds a prefix of them.
     tokens: Vec<u32>,
 }
 
 pub struct Engine {
     package: Package,
     tokenizer: Tokenizer,
-    factory: BackendFactory,
-    /// Runs requests that name no session.
-    core: Box<dyn DecodeBackend>,
+    model: Arc<dyn DecodeModel>,
+    /// Finished sequences of requests without a session, kept for reuse.
+    spare: Vec<Box<dyn Sequence>>,
     scheduler: Scheduler,
     sessions: BTreeMap<SessionId, Session>,
     next_id: u64,
     /// Set for packages that declare workflow steps (no decode core).
     workflow: Option<WorkflowRuntime>,
+    /// Longest prompt piece one step feeds a sequence (0: all of it), so a
+    /// long prefill shares steps with running decodes instead of stalling
+    /// them.
+    prefill_chunk: usize,
 }
 
 impl Engine {
@@ -153,25 +136,24 @@ impl Engine {
     /// budget (see [`Engine::with_scheduler`]).
     pub fn open(dir: &Path, backend: BackendKind, threads: usize) -> Result<Self, EngineError> {
         let package = Package::open(dir)?;
-        let factory_package = package.clone();
-        let factory: BackendFactory = Box::new(move || backend.load(&factory_package, threads));
-        Self::new(package, factory)
+        let model = backend.load(&package, threads)?;
+        Self::new(package, model)
     }
 
-    /// An engine over `package` whose backends `factory` makes.
-    pub fn new(package: Package, factory: BackendFactory) -> Result<Self, EngineError> {
+    /// An engine over `package` running on `model` (loaded from it).
+    pub fn new(package: Package, model: Arc<dyn DecodeModel>) -> Result<Self, EngineError> {
         let tokenizer = package.tokenizer().clone();
-        let core = factory()?;
         let workflow = WorkflowRuntime::load(&package)?;
         Ok(Self {
             package,
             tokenizer,
-            factory,
-            core,
+            model,
+            spare: Vec::new(),
             scheduler: Scheduler::unlimited(),
             sessions: BTreeMap::new(),
             next_id: 1,
             workflow,
+            prefill_chunk: 0,
         })
     }
 
@@ -179,6 +161,12 @@ impl Engine {
     /// a clone of it).
     pub fn with_scheduler(mut self, scheduler: Scheduler) -> Self {
         self.scheduler = scheduler;
+        self
+    }
+
+    /// Feeds prompts at most `tokens` positions per step (0: whole).
+    pub fn with_prefill_chunk(mut self, tokens: usize) -> Self {
+        self.prefill_chunk = tokens;
         self
     }
 
@@ -190,8 +178,12 @@ impl Engine {
         &self.package
     }
 
+    pub fn model(&self) -> &Arc<dyn DecodeModel> {
+        &self.model
+    }
+
     pub fn backend_name(&self) -> &'static str {
-        self.core.name()
+        self.model.name()
     }
 
     /// Whether this engine interprets a declared workflow (no decode core).
@@ -245,12 +237,12 @@ impl Engine {
         id
     }
 
-    /// Opens a session with its own KV cache.
+    /// Opens a session: a new sequence of the shared model (no KV memory
+    /// until its first turn).
     pub fn create_session(&mut self) -> Result<SessionId, EngineError> {
-        let backend = (self.factory)()?;
-        let id = self.fresh_id();
-        self.sessions.insert(SessionId(id), Session { backend, conversation: ConversationId(id), tokens: Vec::new() });
-        Ok(SessionId(id))
+        let id = SessionId(self.fresh_id());
+        self.open_session(id)?;
+        Ok(id)
     }
 
     /// Opens a session under a caller-chosen id (a server that mints its own
@@ -259,14 +251,16 @@ impl Engine {
         if self.sessions.contains_key(&id) {
             return Err(EngineError::Request(format!("{id} already exists")));
         }
-        let backend = (self.factory)()?;
+        let sequence = self.model.new_sequence();
         // Keep engine-minted ids clear of caller-chosen ones.
         self.next_id = self.next_id.max(id.0 + 1);
-        self.sessions.insert(id, Session { backend, conversation: ConversationId(id.0), tokens: Vec::new() });
+        let session = Session { sequence: Some(sequence), conversation: ConversationId(id.0), tokens: Vec::new() };
+        self.sessions.insert(id, session);
         Ok(())
     }
 
-    /// Closes a session and frees its KV cache.
+    /// Closes a session and frees its KV cache (at once, or when the turn
+    /// holding it ends).
     pub fn close_session(&mut self, id: SessionId) -> Result<(), EngineError> {
         self.sessions.remove(&id).map(drop).ok_or(EngineError::UnknownSession(id))
     }
@@ -274,6 +268,15 @@ impl Engine {
     /// Tokens a session has carried so far.
     pub fn session_tokens(&self, id: SessionId) -> Result<&[u32], EngineError> {
         self.sessions.get(&id).map(|s| s.tokens.as_slice()).ok_or(EngineError::UnknownSession(id))
+    }
+
+    /// KV bytes resident for every sequence this engine holds: idle
+    /// sessions and kept spares (sequences inside running turns are the
+    /// turns' own).
+    pub fn idle_kv_bytes(&self) -> u64 {
+        let sessions: u64 =
+            self.sessions.values().filter_map(|s| s.sequence.as_ref()).map(|s| s.resident_bytes()).sum();
+        sessions + self.spare.iter().map(|s| s.resident_bytes()).sum::<u64>()
     }
 
     /// The new tokens of a prompt, counted with the one tokenizer the run
@@ -290,7 +293,7 @@ impl Engine {
             Prompt::TokenIds(ids) => vec![ids.clone()],
             Prompt::TokenRows(rows) => rows.clone(),
         };
-        let vocab = self.core.vocab_size();
+        let vocab = self.model.vocab_size();
         for row in &rows {
             if let Some(bad) = row.iter().find(|id| **id as usize >= vocab) {
                 return Err(EngineError::Request(format!("token id {bad} is outside the vocabulary of {vocab}")));
@@ -311,216 +314,21 @@ impl Engine {
         self.generate_with(request, &mut |_| {}, on_token)
     }
 
-    /// The one generate path. `on_admitted` fires exactly once, after the
-    /// scheduler admitted the request and before any backend work; never
-    /// for a refused request (A3).
+    /// The one generate path for one request: [`Engine::admit`], then
+    /// [`Engine::step`] until the turn is done, then [`Engine::finish`].
+    /// `on_admitted` fires exactly once, after the scheduler admitted the
+    /// request and before any backend work; never for a refused request
+    /// (A3).
     pub fn generate_with(
         &mut self,
         request: &GenerateRequest,
         on_admitted: &mut dyn FnMut(Admitted),
         on_token: &mut dyn FnMut(TokenEvent<'_>) -> Flow,
     ) -> Result<GenerateResult, EngineError> {
-        // 1. Resolve the session and what it carries.
-        let (conversation, carried) = match request.session {
-            Some(id) => {
-                let s = self.sessions.get(&id).ok_or(EngineError::UnknownSession(id))?;
-                (s.conversation, s.tokens.len())
-            }
-            None => (ConversationId(self.fresh_id()), 0),
-        };
-        // 2. Count tokens: carried plus new, rows as `rows * longest` (A5, A7).
-        request.check()?;
-        let mut rows = self.prompt_ids(&request.prompt)?;
-        if let Some(wf) = &self.workflow {
-            if rows.len() != 1 {
-                return Err(EngineError::Request(format!(
-                    "a workflow runs one token row, the prompt has {}",
-                    rows.len()
-                )));
-            }
-            rows[0] = wf.expand(&rows[0], request)?;
+        let mut turn = self.admit(request, on_admitted)?;
+        while turn.state() == TurnState::Running {
+            self.step(&mut [&mut turn], &mut |_, event| on_token(event));
         }
-        let longest = rows.iter().map(Vec::len).max().unwrap_or(0);
-        let prompt_tokens = carried + rows.len() * longest;
-        let m = &self.package.manifest;
-        let context = m.architecture.max_sequence_length as usize;
-        if prompt_tokens >= context {
-            return Err(EngineError::Request(format!(
-                "the prompt has {prompt_tokens} tokens ({carried} carried) but the context length is {context} ({}), \
-                 leaving no room to generate: shorten the prompt, or raise the context length if the model supports it",
-                self.package.context_length_key()
-            )));
-        }
-        let requested = request.max_new_tokens.unwrap_or(m.generation.max_new_tokens) as usize;
-        let max_new = requested.min(context - prompt_tokens);
-        // 3. Admit. The guard lives until this function returns or unwinds.
-        let admission = self.scheduler.admit(&AdmissionRequest {
-            conversation,
-            prompt_tokens: prompt_tokens as u64,
-            max_new_tokens: max_new as u64,
-            bytes_per_token: self.package.kv_geometry().map(|g| g.bytes_per_token()),
-            wait_until: None,
-        })?;
-        // 4. Signal, after the decision and before any backend work.
-        on_admitted(Admitted {
-            conversation,
-            prompt_tokens: prompt_tokens as u64,
-            max_new_tokens: admission.max_new_tokens,
-            reserved_bytes: admission.bytes(),
-        });
-        // 5. Run (the split between execution kinds comes after admission).
-        let result = self.run(request, &admission, rows, on_token);
-        // 6. Release: the guard drops here on success and on error alike.
-        drop(admission);
-        let mut result = result?;
-        result.prompt_tokens = prompt_tokens;
-        Ok(result)
+        self.finish(turn)
     }
-
-    /// Runs an admitted request: on the decode core, or through the
-    /// workflow (which first refuses undeclared bindings).
-    fn run(
-        &mut self,
-        request: &GenerateRequest,
-        admission: &Admission,
-        mut rows: Vec<Vec<u32>>,
-        on_token: &mut dyn FnMut(TokenEvent<'_>) -> Flow,
-    ) -> Result<GenerateResult, EngineError> {
-        match &self.workflow {
-            Some(wf) => wf.check_bindings(request)?,
-            None => {
-                if let Some(t) = request.inputs.first() {
-                    return Err(EngineError::Request(format!(
-                        "`{}` is not an application input of package `{}`: it declares no workflow inputs",
-                        t.name, self.package.manifest.name
-                    )));
-                }
-                if let Some(o) = request.overrides.first() {
-                    return Err(EngineError::Request(format!(
-                        "component `{}` cannot be overridden: package `{}` runs on a decode core without a workflow",
-                        o.component, self.package.manifest.name
-                    )));
-                }
-            }
-        }
-        if rows.len() != 1 {
-            return Err(EngineError::Request(format!(
-                "a decode core runs one token row, the prompt has {}",
-                rows.len()
-            )));
-        }
-        let new = rows.remove(0);
-        let max_new = admission.max_new_tokens as usize;
-        let eos = self.package.manifest.generation.eos_token_ids.clone();
-        let mut sampler = Sampler::new(request.sampling.clone());
-        let (backend, history) = match request.session {
-            Some(id) => {
-                let s = self.sessions.get_mut(&id).ok_or(EngineError::UnknownSession(id))?;
-                (&mut s.backend, Some(&mut s.tokens))
-            }
-            None => {
-                self.core.reset();
-                (&mut self.core, None)
-            }
-        };
-        // A session's KV never holds more than its history (a turn that
-        // unwound mid-way may have left extra positions behind).
-        if let Some(h) = &history {
-            backend.truncate(h.len())?;
-        }
-        // A continuing turn prefills only what its KV does not hold yet.
-        let kept = backend.kv_len();
-        let mut feed: Vec<u32> = history.as_ref().map(|h| h[kept.min(h.len())..].to_vec()).unwrap_or_default();
-        let new_start = feed.len();
-        feed.extend_from_slice(&new);
-        let workflow = &mut self.workflow;
-        let tokenizer = &self.tokenizer;
-        let mut run = || -> Result<(Vec<u32>, FinishReason), EngineError> {
-            let logits = match workflow.as_mut() {
-                Some(wf) => wf.prefill(backend.as_mut(), request, &feed, new_start)?,
-                None => backend.forward(&feed)?,
-            };
-            let mut step = |t: &[u32]| match workflow.as_mut() {
-                Some(wf) => wf.step(backend.as_mut(), t),
-                None => Ok(backend.forward(t)?),
-            };
-            decode_loop(logits, &mut step, tokenizer, max_new, &eos, &mut sampler, on_token)
-        };
-        let outcome = run();
-        match outcome {
-            Ok((generated, finish)) => {
-                if let Some(h) = history {
-                    h.extend_from_slice(&new);
-                    h.extend_from_slice(&generated);
-                }
-                let text = self.decode(&generated)?;
-                Ok(GenerateResult {
-                    prompt_tokens: 0,
-                    token_ids: generated,
-                    text,
-                    finish_reason: finish,
-                    budget_cap: admission.budget_cap,
-                    session: request.session,
-                })
-            }
-            Err(e) => {
-                // A failed turn leaves the session as it was before the turn.
-                let backend = match request.session.and_then(|id| self.sessions.get_mut(&id)) {
-                    Some(s) => &mut s.backend,
-                    None => &mut self.core,
-                };
-                if let Err(t) = backend.truncate(kept) {
-                    backend.reset();
-                    return Err(t.into());
-                }
-                Err(e)
-            }
-        }
-    }
-}
-
-/// Runs tokens through the model and returns the last position's logits.
-type Step<'a> = dyn FnMut(&[u32]) -> Result<Vec<f32>, EngineError> + 'a;
-
-/// From the prefill's `logits`, sample up to `max_new` tokens, running each
-/// through `step`.
-fn decode_loop(
-    mut logits: Vec<f32>,
-    step: &mut Step<'_>,
-    tokenizer: &Tokenizer,
-    max_new: usize,
-    eos: &[u32],
-    sampler: &mut Sampler,
-    on_token: &mut dyn FnMut(TokenEvent<'_>) -> Flow,
-) -> Result<(Vec<u32>, FinishReason), EngineError> {
-    let mut generated = Vec::new();
-    let mut emitted = String::new();
-    let mut finish = FinishReason::Length;
-    let decode = |ids: &[u32]| {
-        tokenizer.decode(ids, true).map_err(|e| EngineError::Tokenizer { path: "decode".into(), reason: e.to_string() })
-    };
-    while generated.len() < max_new {
-        let token = sampler.pick(&logits);
-        if eos.contains(&token) {
-            finish = FinishReason::Eos;
-            break;
-        }
-        generated.push(token);
-        let text = decode(&generated)?;
-        // Hold back a trailing incomplete UTF-8 sequence until it completes.
-        let delta = if text.ends_with('\u{FFFD}') || !text.starts_with(&emitted) {
-            String::new()
-        } else {
-            text[emitted.len()..].to_string()
-        };
-        emitted.push_str(&delta);
-        if on_token(TokenEvent { token_id: token, text_delta: &delta }) == Flow::Stop {
-            finish = FinishReason::Stopped;
-            break;
-        }
-        if generated.len() < max_new {
-            logits = step(&[token])?;
-        }
-    }
-    Ok((generated, finish))
 }

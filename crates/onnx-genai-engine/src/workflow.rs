@@ -8,7 +8,6 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use onnx_genai_backend::DecodeBackend;
 use onnx_genai_ort::{ComponentInput, OrtComponent};
 use onnx_genai_package::manifest::{ImageInput, Workflow};
 use onnx_genai_package::{Package, Role};
@@ -169,8 +168,8 @@ impl WorkflowRuntime {
         Ok(Some(features))
     }
 
-    /// Token embeddings `[ids.len(), hidden]`.
-    fn embed(&mut self, ids: &[u32]) -> Result<Vec<f32>, EngineError> {
+    /// Token embeddings `[ids.len(), hidden]` (a decode step's input).
+    pub fn embed(&mut self, ids: &[u32]) -> Result<Vec<f32>, EngineError> {
         let (name, input, output) = self.embed.clone();
         let component =
             self.components.get_mut(&name).ok_or_else(|| EngineError::Request(format!("no component `{name}`")))?;
@@ -178,17 +177,18 @@ impl WorkflowRuntime {
         Ok(component.run(vec![(input, ComponentInput::I64 { shape: vec![1, ids.len()], values })], &output)?.1)
     }
 
-    /// Prefills `feed` (the part of the conversation the decoder's KV lacks;
-    /// `new` is its suffix holding this turn's prompt with images) and
-    /// returns the logits of the last position.
-    pub fn prefill(
+    /// The embeddings a prefill of `feed` runs: the part of the
+    /// conversation the decoder's KV lacks, whose suffix from `new_start` is
+    /// this turn's prompt with images (their placeholder rows replaced by
+    /// the image features).
+    pub fn prefill_embeds(
         &mut self,
-        backend: &mut dyn DecodeBackend,
         request: &GenerateRequest,
         feed: &[u32],
         new_start: usize,
     ) -> Result<Vec<f32>, EngineError> {
         let mut embeds = self.embed(feed)?;
+        let new_start = new_start.min(feed.len());
         if let (Some(features), Some(ph)) = (self.features(request, &feed[new_start..])?, self.placeholder) {
             let rows: Vec<usize> = (new_start..feed.len()).filter(|i| feed[*i] == ph).collect();
             let h = self.hidden;
@@ -196,13 +196,7 @@ impl WorkflowRuntime {
                 embeds[row * h..(row + 1) * h].copy_from_slice(&features[k * h..(k + 1) * h]);
             }
         }
-        Ok(backend.forward_embeds(&embeds, self.hidden)?)
-    }
-
-    /// One decode step: embed `tokens` and run them.
-    pub fn step(&mut self, backend: &mut dyn DecodeBackend, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
-        let embeds = self.embed(tokens)?;
-        Ok(backend.forward_embeds(&embeds, self.hidden)?)
+        Ok(embeds)
     }
 }
 

@@ -11,10 +11,10 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use onnx_genai_backend::{BackendError, DecodeBackend};
+use onnx_genai_backend::{BackendError, DecodeModel, Entry, Sequence};
 use onnx_genai_engine::{
-    AdmissionError, BackendFactory, BackendKind, BoundTensor, ComponentOverride, Engine, EngineError, Flow,
-    GenerateRequest, Prompt, Scheduler,
+    AdmissionError, BackendKind, BoundTensor, ComponentOverride, Engine, EngineError, Flow, GenerateRequest, Prompt,
+    Scheduler,
 };
 use onnx_genai_package::Package;
 
@@ -29,41 +29,32 @@ struct Probe {
 }
 
 struct Probed {
-    inner: Box<dyn DecodeBackend>,
+    inner: Arc<dyn DecodeModel>,
     probe: Probe,
 }
 
-impl DecodeBackend for Probed {
+impl DecodeModel for Probed {
     fn name(&self) -> &'static str {
         self.inner.name()
     }
     fn vocab_size(&self) -> usize {
         self.inner.vocab_size()
     }
-    fn kv_len(&self) -> usize {
-        self.inner.kv_len()
+    fn context_length(&self) -> usize {
+        self.inner.context_length()
     }
-    fn forward(&mut self, tokens: &[u32]) -> Result<Vec<f32>, BackendError> {
-        self.probe.forwards.fetch_add(1, Ordering::SeqCst);
-        self.probe.fed.lock().unwrap().push(tokens.len());
+    fn new_sequence(&self) -> Box<dyn Sequence> {
+        self.inner.new_sequence()
+    }
+    fn step(&self, batch: &mut [Entry<'_>]) -> Result<(), BackendError> {
+        for e in batch.iter() {
+            self.probe.forwards.fetch_add(1, Ordering::SeqCst);
+            self.probe.fed.lock().unwrap().push(e.input.positions());
+        }
         if self.probe.fail.load(Ordering::SeqCst) {
             return Err(BackendError::Run { backend: "probe", reason: "injected failure".into() });
         }
-        self.inner.forward(tokens)
-    }
-    fn forward_embeds(&mut self, embeds: &[f32], hidden: usize) -> Result<Vec<f32>, BackendError> {
-        self.probe.forwards.fetch_add(1, Ordering::SeqCst);
-        self.probe.fed.lock().unwrap().push(embeds.len() / hidden.max(1));
-        if self.probe.fail.load(Ordering::SeqCst) {
-            return Err(BackendError::Run { backend: "probe", reason: "injected failure".into() });
-        }
-        self.inner.forward_embeds(embeds, hidden)
-    }
-    fn truncate(&mut self, len: usize) -> Result<(), BackendError> {
-        self.inner.truncate(len)
-    }
-    fn reset(&mut self) {
-        self.inner.reset()
+        self.inner.step(batch)
     }
 }
 
@@ -88,12 +79,8 @@ fn engine(package: Package, budget: u64, probe: &Probe) -> Engine {
 }
 
 fn engine_on(kind: BackendKind, package: Package, budget: u64, probe: &Probe) -> Engine {
-    let (p, pk) = (probe.clone(), package.clone());
-    let factory: BackendFactory =
-        Box::new(
-            move || Ok(Box::new(Probed { inner: kind.load(&pk, 1)?, probe: p.clone() }) as Box<dyn DecodeBackend>),
-        );
-    Engine::new(package, factory).unwrap().with_scheduler(Scheduler::new(budget))
+    let model = Arc::new(Probed { inner: kind.load(&package, 1).unwrap(), probe: probe.clone() });
+    Engine::new(package, model).unwrap().with_scheduler(Scheduler::new(budget))
 }
 
 const PROMPT: [u32; 6] = [10, 20, 30, 40, 50, 60];

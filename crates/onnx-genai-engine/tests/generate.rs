@@ -2,7 +2,6 @@
 
 use std::path::Path;
 
-use onnx_genai_backend::DecodeBackend;
 use onnx_genai_engine::{
     BackendKind, ChatMessage, Engine, EngineError, FinishReason, Flow, GenerateRequest, Prompt, Sampling,
 };
@@ -37,7 +36,7 @@ fn greedy_matches_a_manual_decode_loop_and_is_deterministic() {
     assert_eq!(result.prompt_tokens, prompt.len());
 
     let package = onnx_genai_package::Package::open(dir.path()).unwrap();
-    let mut backend = onnx_genai_ort::OrtDecoder::load(&package, 1).unwrap();
+    let mut backend = BackendKind::Ort.decoder(&package, 1).unwrap();
     let eos = package.manifest.generation.eos_token_ids.clone();
     let mut logits = backend.forward(&prompt).unwrap();
     let mut manual = Vec::new();
@@ -190,7 +189,7 @@ fn native_and_ort_engines_generate_the_same_greedy_tokens() {
     }
 }
 
-/// DecodeBackend contract (truncate), on every backend: cutting the cache
+/// Sequence contract (truncate), on every backend: cutting the cache
 /// back to `k` positions and feeding the rest again gives the logits of an
 /// uninterrupted run; truncating past the end is a no-op.
 #[test]
@@ -199,7 +198,7 @@ fn truncate_then_refeed_matches_an_uninterrupted_run_on_every_backend() {
     let package = onnx_genai_package::Package::open(dir.path()).unwrap();
     let tokens: Vec<u32> = vec![10, 200, 31, 47, 5, 99, 123, 7];
     for kind in BackendKind::ALL {
-        let mut b = kind.load(&package, 1).unwrap();
+        let mut b = kind.decoder(&package, 1).unwrap();
         let full = b.forward(&tokens).unwrap();
         b.truncate(100).unwrap();
         assert_eq!(b.kv_len(), tokens.len());

@@ -4,9 +4,10 @@
 //! Runtime is `cargo xtask bench`.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use onnx_genai_native::kernels::attention::{attention, AttentionInputs, AttentionSpec, Bias, LayerCache, Layout};
+use onnx_genai_native::kernels::attention::{attention, AttentionSpec, Bias, Heads, Layout, Segment, Step};
 use onnx_genai_native::kernels::linear::{linear, Packed, Weight};
-use onnx_genai_native::value::Value;
+use onnx_genai_native::kernels::Runtime;
+use onnx_genai_native::kv::{KvLayout, KvPool, SeqKv};
 
 fn weights(k: usize, n: usize) -> Vec<f32> {
     (0..k * n).map(|i| ((i * 2654435761) % 1000) as f32 / 1000.0 - 0.5).collect()
@@ -33,10 +34,11 @@ fn projections(c: &mut Criterion) {
     };
     // `accuracy_level` 4: int8 inputs, integer block products.
     let q4i8 = q4.clone().into_int8_products();
+    let rt = Runtime::serial();
     let mut group = c.benchmark_group("linear_576x1536_decode");
     for (name, weight) in [("f32", &f32w), ("f16", &f16w), ("q4", &q4), ("q4_int8_inputs", &q4i8)] {
         let mut y = Vec::new();
-        group.bench_function(name, |b| b.iter(|| linear(&x, 1, weight, None, &mut y, None)));
+        group.bench_function(name, |b| b.iter(|| linear(&x, 1, weight, None, &mut y, &rt.ctx())));
     }
     // The same one-row product through matrixmultiply's sgemm (the crate the
     // prefill path uses), to justify the hand-written decode kernel.
@@ -60,16 +62,29 @@ fn attention_step(c: &mut Criterion) {
         out_layout: Layout::SeqFirst,
         bias: Bias::Causal,
     };
-    let q = Value::f32(vec![1, 1, heads * hd], vec![0.1; heads * hd]);
-    let kv = Value::f32(vec![1, 1, kv_heads * hd], vec![0.2; kv_heads * hd]);
+    let q = vec![0.1f32; heads * hd];
+    let kv = vec![0.2f32; kv_heads * hd];
+    let rt = Runtime::serial();
+    let pool = KvPool::new(KvLayout::new(&[(kv_heads, hd)], false), 0);
     let mut group = c.benchmark_group("attention_decode_step");
     for context in [64usize, 1024] {
-        let mut cache = LayerCache::new(kv_heads, hd, 2048, false);
-        let mut out = Value::default();
+        let mut cache = SeqKv::new(pool.clone(), 2048);
+        cache.reserve(context + 1);
+        cache.set_len(context);
+        let mut out = vec![0.0f32; heads * hd];
         group.bench_with_input(BenchmarkId::from_parameter(context), &context, |b, &past| {
             b.iter(|| {
-                let inputs = AttentionInputs { q: &q, k: &kv, v: &kv, bias: None, pool: None };
-                attention(&spec, &mut cache, past, inputs, &mut out).expect("attention step");
+                let segments = [Segment { start: 0, len: 1, past }];
+                let step = Step {
+                    layer: 0,
+                    segments: &segments,
+                    q: Heads::plain(&q, Layout::SeqFirst, heads, 1, hd),
+                    k: Heads::plain(&kv, Layout::SeqFirst, kv_heads, 1, hd),
+                    v: Heads::plain(&kv, Layout::SeqFirst, kv_heads, 1, hd),
+                    rotary: None,
+                    bias: None,
+                };
+                attention(&spec, &step, &mut [&mut cache], &mut out, &rt.ctx()).expect("attention step");
             })
         });
     }

@@ -85,6 +85,7 @@ pub fn compile(model: &Model, binding: &Binding) -> Result<Plan, CompileError> {
     stats.folded_nodes = infer_and_fold(&mut g)?;
     crate::fuse::run(&mut g, &mut stats)?;
     bind_kv(&mut g, binding)?;
+    causal_attention(&mut g);
     let logits = g.find(&binding.logits).ok_or_else(|| CompileError::tensor(&binding.logits, "not in the graph"))?;
     eliminate_dead(&mut g, &[logits]);
     check_kv_is_owned(&g, binding)?;
@@ -220,6 +221,7 @@ fn import(ir: &IrGraph, binding: &Binding, opset: i64) -> Result<Graph, CompileE
 fn infer_and_fold(g: &mut Graph) -> Result<usize, CompileError> {
     let uses = Uses::of(g);
     let mut folded = 0;
+    let serial = crate::kernels::Runtime::serial();
     for i in 0..g.nodes.len() {
         let Some(node) = g.nodes[i].clone() else { continue };
         let metas: Vec<Option<&crate::graph::Meta>> = node.inputs.iter().map(|v| v.map(|v| &g.values[v])).collect();
@@ -235,7 +237,8 @@ fn infer_and_fold(g: &mut Graph) -> Result<usize, CompileError> {
         }
         let inputs: Vec<Option<&Value>> = node.inputs.iter().map(|v| v.and_then(|v| g.konst(v))).collect();
         let mut outputs = vec![Value::default(); node.outputs.len()];
-        crate::exec::run(&node.op, &inputs, &mut outputs, None)
+        let mut env = crate::exec::Env { ctx: serial.ctx(), batch: None };
+        crate::exec::run(&node.op, &inputs, &mut outputs, &mut env)
             .map_err(|e| CompileError::node(&node.name, &node.origin, e))?;
         for (o, value) in node.outputs.iter().zip(outputs) {
             g.values[*o].dtype = Some(value.dtype());
@@ -341,6 +344,35 @@ fn bind_kv(g: &mut Graph, binding: &Binding) -> Result<(), CompileError> {
         node.outputs.truncate(1);
     }
     Ok(())
+}
+
+/// An attention whose additive bias is the graph's own causal mask over an
+/// all-ones attention mask (what every run feeds: a sequence has no
+/// padding) applies the causal mask itself instead: the masked scores get
+/// zero weight either way, and without the bias the mask subgraph is dead,
+/// nothing reads the attention mask, and sequences of different lengths
+/// can share a run.
+fn causal_attention(g: &mut Graph) {
+    let uses = Uses::of(g);
+    for i in 0..g.nodes.len() {
+        let Some(node) = &g.nodes[i] else { continue };
+        let Op::Attention { .. } = &node.op else { continue };
+        let Some(Some(bias)) = node.inputs.get(3).copied() else { continue };
+        let from_mask = uses.producer[bias]
+            .and_then(|p| g.nodes[p].as_ref())
+            .is_some_and(|p| matches!(p.op, Op::CausalBias { .. }));
+        if !from_mask {
+            continue;
+        }
+        let Some(node) = g.nodes[i].as_mut() else { continue };
+        node.inputs[3] = None;
+        if let Op::Attention { spec, .. } = &mut node.op {
+            spec.bias = crate::kernels::attention::Bias::Causal;
+            if let Some(r) = spec.resolved.as_mut() {
+                r.bias = crate::kernels::attention::Bias::Causal;
+            }
+        }
+    }
 }
 
 /// Removes nodes none of whose outputs reach `roots`.

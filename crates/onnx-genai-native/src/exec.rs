@@ -1,24 +1,28 @@
 //! Kernel dispatch: runs one op on its input values. Used both by constant
-//! folding (no KV cache) and by the plan at run time.
+//! folding (no batch, no KV cache) and by the plan at run time.
 
-use std::borrow::Cow;
-
-use crate::kernels::attention::{attention, AttentionInputs, AttentionSpec, LayerCache};
+use crate::kernels::attention::{self, AdditiveBias, Bias, Heads, Layout, RotaryCache, Segment};
 use crate::kernels::elementwise as ew;
 use crate::kernels::layout as ly;
 use crate::kernels::linear::{gated, linear};
-use crate::kernels::math;
 use crate::kernels::rotary::{rotary, Angles};
-use crate::ops::Op;
-use crate::value::Value;
+use crate::kernels::{math, Ctx};
+use crate::kv::SeqKv;
+use crate::ops::{Op, PartialAttention};
+use crate::value::{DType, Value};
 
-/// The KV state a step runs against.
-pub struct KvContext<'a> {
-    pub layers: &'a mut [LayerCache],
-    pub past: usize,
-    /// Where kernels may split large work (`None`: everything runs on the
-    /// calling thread). Small ops never leave the calling thread.
-    pub pool: crate::kernels::linear::Pool<'a>,
+/// The batch a plan step runs for: each sequence's rows and KV cache.
+pub struct BatchEnv<'a, 'k> {
+    pub segments: &'a [Segment],
+    /// `kvs[i]` belongs to `segments[i]`.
+    pub kvs: &'a mut [&'k mut SeqKv],
+}
+
+/// What a step runs with: the pool and scratch, and (at run time) the
+/// batch.
+pub struct Env<'a, 'k> {
+    pub ctx: Ctx<'a>,
+    pub batch: Option<BatchEnv<'a, 'k>>,
 }
 
 fn arg<'a>(inputs: &[Option<&'a Value>], i: usize) -> Result<&'a Value, String> {
@@ -34,17 +38,11 @@ fn ints<'a>(inputs: &[Option<&'a Value>], i: usize, what: &str) -> Result<&'a [i
 }
 
 /// Runs `op`; `outputs` holds the recycled buffers to write into.
-pub fn run(
-    op: &Op,
-    inputs: &[Option<&Value>],
-    outputs: &mut [Value],
-    kv: Option<&mut KvContext>,
-) -> Result<(), String> {
+pub fn run(op: &Op, inputs: &[Option<&Value>], outputs: &mut [Value], env: &mut Env) -> Result<(), String> {
     if let Op::SkipRmsNorm { eps } = op {
-        return skip_rms_norm(*eps, inputs, outputs);
+        return skip_rms_norm(*eps, inputs, outputs, &env.ctx);
     }
     let out = outputs.first_mut().ok_or("no output")?;
-    let pool = kv.as_ref().and_then(|k| k.pool);
     match op {
         Op::Binary(b) => ew::binary(*b, arg(inputs, 0)?, arg(inputs, 1)?, out),
         Op::Compare(c) => ew::compare(*c, arg(inputs, 0)?, arg(inputs, 1)?, out),
@@ -54,13 +52,15 @@ pub fn run(
         Op::Cast(t) => ew::cast(arg(inputs, 0)?, *t, out),
         Op::Identity => {
             let x = arg(inputs, 0)?;
-            ly::reshaped(x, x.shape.clone(), out)
+            ly::reshaped(x, &x.shape, out)
         }
         Op::MatMul => math::matmul(arg(inputs, 0)?, arg(inputs, 1)?, out),
         Op::Gather { axis } => ly::gather(arg(inputs, 0)?, arg(inputs, 1)?, *axis, out),
         Op::Shape => {
             let x = arg(inputs, 0)?;
-            *out = Value::i64(vec![x.shape.len()], x.shape.iter().map(|d| *d as i64).collect());
+            let mut o = out.recycle_i64(x.shape.len());
+            o.iter_mut().zip(x.shape.iter()).for_each(|(o, d)| *o = *d as i64);
+            *out = Value::i64([x.shape.len()], o);
             Ok(())
         }
         Op::Range => ly::range(arg(inputs, 0)?, arg(inputs, 1)?, arg(inputs, 2)?, out),
@@ -68,7 +68,7 @@ pub fn run(
             let shape: Vec<usize> = ints(inputs, 0, "shape")?.iter().map(|d| (*d).max(0) as usize).collect();
             let n = shape.iter().product();
             let index = vec![0; n];
-            ly::select(v, &index, shape, out);
+            ly::select(v, &index, &shape, out);
             Ok(())
         }
         Op::Unsqueeze(axes) => {
@@ -77,7 +77,7 @@ pub fn run(
                 Some(a) => a.as_slice(),
                 None => ints(inputs, 1, "axes")?,
             };
-            ly::reshaped(x, ly::unsqueeze_target(&x.shape, axes)?, out)
+            ly::reshaped(x, &ly::unsqueeze_target(&x.shape, axes)?, out)
         }
         Op::Squeeze(axes) => {
             let x = arg(inputs, 0)?;
@@ -85,11 +85,11 @@ pub fn run(
                 Some(a) => Some(a.as_slice()),
                 None => opt(inputs, 1).map(|v| v.ints().ok_or("axes must be i64")).transpose()?,
             };
-            ly::reshaped(x, ly::squeeze_target(&x.shape, axes)?, out)
+            ly::reshaped(x, &ly::squeeze_target(&x.shape, axes)?, out)
         }
         Op::Reshape => {
             let x = arg(inputs, 0)?;
-            ly::reshaped(x, ly::reshape_target(&x.shape, ints(inputs, 1, "shape")?)?, out)
+            ly::reshaped(x, &ly::reshape_target(&x.shape, ints(inputs, 1, "shape")?)?, out)
         }
         Op::Transpose(perm) => {
             let x = arg(inputs, 0)?;
@@ -140,7 +140,7 @@ pub fn run(
             math::norm_width(x, scale)?;
             let mut o = out.recycle_f32(x.len());
             math::rms_norm(x.as_f32()?, scale.as_f32()?, *eps, &mut o);
-            *out = Value::f32(x.shape.clone(), o);
+            *out = Value::f32(&x.shape, o);
             Ok(())
         }
         Op::SkipRmsNorm { .. } => Err("dispatched above".into()),
@@ -153,14 +153,14 @@ pub fn run(
             }
             let mut o = out.recycle_f32(x.len());
             math::layer_norm(x.as_f32()?, gamma.as_f32()?, beta, *eps, &mut o);
-            *out = Value::f32(x.shape.clone(), o);
+            *out = Value::f32(&x.shape, o);
             Ok(())
         }
         Op::Linear { weight, bias } => {
             let x = arg(inputs, 0)?;
             let (m, shape) = rows(x, weight.k, weight.n)?;
             let mut y = out.recycle_f32(0);
-            linear(x.as_f32()?, m, weight, bias.as_deref().map(Vec::as_slice), &mut y, pool);
+            linear(x.as_f32()?, m, weight, bias.as_deref().map(Vec::as_slice), &mut y, &env.ctx);
             *out = Value::f32(shape, y);
             Ok(())
         }
@@ -168,8 +168,11 @@ pub fn run(
             let x = arg(inputs, 0)?;
             let (m, shape) = rows(x, weight.k, weight.n / 2)?;
             let mut y = out.recycle_f32(0);
-            let mut scratch = Vec::new();
-            gated(x.as_f32()?, m, weight, &mut scratch, &mut y, pool);
+            let mut staged = env.ctx.staging();
+            let mut both = std::mem::take(&mut staged.c);
+            drop(staged);
+            gated(x.as_f32()?, m, weight, &mut both, &mut y, &env.ctx);
+            env.ctx.staging().c = both;
             *out = Value::f32(shape, y);
             Ok(())
         }
@@ -190,7 +193,7 @@ pub fn run(
                     *b = if t <= q && m[t] != 0 { 0.0 } else { *closed };
                 }
             }
-            *out = Value::f32(vec![1, 1, reps * seq, total], o);
+            *out = Value::f32([1, 1, reps * seq, total], o);
             Ok(())
         }
         Op::GatherQ4 { block } => {
@@ -212,87 +215,132 @@ pub fn run(
                 rotary(x, hd, *layout, &Angles::Gathered { cos: cos.as_f32()?, sin: sin.as_f32()? }, out)
             }
         }
-        Op::Attention { spec: partial, layer } => {
-            let (spec, layer) = match (&partial.resolved, layer) {
-                (Some(s), Some(l)) => (s, *l),
-                _ => return Err("attention is not bound to a KV cache layer".into()),
-            };
-            let kv = kv.ok_or("attention needs a KV cache")?;
-            let cache = kv.layers.get_mut(layer).ok_or_else(|| format!("no KV cache for layer {layer}"))?;
-            // Fused ops may run attention in f16 (an f16 KV cache keeps Q, K
-            // and V in one type); compute stays f32 and the result is
-            // rounded back to the query's type.
-            let query = arg(inputs, 0)?;
-            let mut parts: Vec<Cow<Value>> = Vec::new();
-            let take = |i: usize| -> Result<Cow<Value>, String> { widened(arg(inputs, i)?) };
-            if partial.packed_qkv {
-                parts.extend(split_qkv(take(0)?.as_ref(), spec)?.map(Cow::Owned));
-            } else {
-                parts.extend([take(0)?, take(1)?, take(2)?]);
-            }
-            if partial.rotary {
-                let (cos, sin) = (arg(inputs, 4)?, arg(inputs, 5)?);
-                let half = *cos.shape.last().ok_or("cos cache has no axes")?;
-                let start = [kv.past as i64];
-                let angles = Angles::Cached { cos: cos.as_f32()?, sin: sin.as_f32()?, positions: &start };
-                for part in parts.iter_mut().take(2) {
-                    let mut rotated = Value::default();
-                    rotary(part, 2 * half, spec.q_layout, &angles, &mut rotated)?;
-                    *part = Cow::Owned(rotated);
-                }
-            }
-            let bias = opt(inputs, 3).map(widened).transpose()?;
-            let [q, k, v] = &parts[..] else { return Err("attention needs Q, K and V".into()) };
-            let inputs = AttentionInputs { q, k, v, bias: bias.as_deref(), pool };
-            attention(spec, cache, kv.past, inputs, out)?;
-            if query.dtype() == crate::value::DType::F16 {
-                let y = std::mem::take(out);
-                ew::cast(&y, crate::value::DType::F16, out)?;
-            }
-            Ok(())
-        }
+        Op::Attention { spec, layer } => run_attention(spec, *layer, inputs, out, env),
     }
 }
 
-/// `v` in f32: widened from f16, or borrowed.
-fn widened(v: &Value) -> Result<Cow<'_, Value>, String> {
-    if v.dtype() == crate::value::DType::F16 {
-        let mut w = Value::default();
-        ew::cast(v, crate::value::DType::F32, &mut w)?;
-        Ok(Cow::Owned(w))
+/// `v`'s elements as f32: borrowed, or widened from f16 into `wide`.
+fn as_f32_into<'a>(v: &'a Value, wide: &'a mut Vec<f32>) -> Result<&'a [f32], String> {
+    match v.dtype() {
+        DType::F16 => {
+            let h = v.as_f16()?;
+            wide.clear();
+            wide.extend(h.iter().map(|x| x.to_f32()));
+            Ok(wide)
+        }
+        _ => v.as_f32(),
+    }
+}
+
+fn run_attention(
+    partial: &PartialAttention,
+    layer: Option<usize>,
+    inputs: &[Option<&Value>],
+    out: &mut Value,
+    env: &mut Env,
+) -> Result<(), String> {
+    let (spec, layer) = match (&partial.resolved, layer) {
+        (Some(s), Some(l)) => (s, l),
+        _ => return Err("attention is not bound to a KV cache layer".into()),
+    };
+    let batch = env.batch.as_mut().ok_or("attention needs a KV cache")?;
+    let (heads, kvh, hd) = (spec.heads, spec.kv_heads, spec.head_dim);
+    // Fused ops may run attention in f16 (an f16 KV cache keeps Q, K and V
+    // in one type); compute stays f32 and the result is rounded back to the
+    // query's type.
+    let query = arg(inputs, 0)?;
+    let half_out = query.dtype() == DType::F16;
+    let mut staged = env.ctx.staging();
+    let crate::kernels::Scratch { a: wq, b: wk, c: wv, d: wb, .. } = &mut *staged;
+    let q_all = as_f32_into(query, wq)?;
+    let (q, k, v) = if partial.packed_qkv {
+        let width = (heads + 2 * kvh) * hd;
+        let rows = spec.q_layout.seq_len(&query.shape, heads + 2 * kvh, hd).map_err(|e| format!("packed QKV: {e}"))?;
+        let part = |offset: usize, h: usize| Heads {
+            data: q_all,
+            layout: Layout::SeqFirst,
+            heads: h,
+            rows,
+            head_dim: hd,
+            stride: width,
+            offset,
+        };
+        (part(0, heads), part(heads * hd, kvh), part((heads + kvh) * hd, kvh))
     } else {
-        Ok(Cow::Borrowed(v))
-    }
-}
-
-/// Splits a packed `[1, seq, (heads + 2 * kv_heads) * head_dim]` projection
-/// into Q, K and V in the seq-first layout.
-fn split_qkv(x: &Value, spec: &AttentionSpec) -> Result<[Value; 3], String> {
-    let widths = [spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim, spec.kv_heads * spec.head_dim];
-    let row: usize = widths.iter().sum();
-    let data = x.as_f32()?;
-    if x.shape.len() != 3 || x.shape[0] != 1 || x.shape[2] != row {
-        return Err(format!("packed QKV {:?} is not [1, seq, {row}]", x.shape));
-    }
-    let seq = x.shape[1];
-    let mut parts = widths.map(|w| Vec::with_capacity(seq * w));
-    for r in data.chunks_exact(row) {
-        let mut at = 0;
-        for (part, w) in parts.iter_mut().zip(widths) {
-            part.extend_from_slice(&r[at..at + w]);
-            at += w;
+        let rows = spec.q_layout.seq_len(&query.shape, heads, hd).map_err(|e| format!("query: {e}"))?;
+        let (kx, vx) = (arg(inputs, 1)?, arg(inputs, 2)?);
+        for (name, t) in [("key", kx), ("value", vx)] {
+            let s = spec.kv_layout.seq_len(&t.shape, kvh, hd).map_err(|e| format!("{name}: {e}"))?;
+            if s != rows {
+                return Err(format!("{name} has {s} new positions, the query {rows}"));
+            }
         }
+        (
+            Heads::plain(q_all, spec.q_layout, heads, rows, hd),
+            Heads::plain(as_f32_into(kx, wk)?, spec.kv_layout, kvh, rows, hd),
+            Heads::plain(as_f32_into(vx, wv)?, spec.kv_layout, kvh, rows, hd),
+        )
+    };
+    let rows = q.rows;
+    let covered: usize = batch.segments.iter().map(|s| s.len).sum();
+    if covered != rows {
+        return Err(format!("the step has {rows} rows but its sequences hold {covered} new positions"));
     }
-    let [q, k, v] = parts;
-    Ok([
-        Value::f32(vec![1, seq, widths[0]], q),
-        Value::f32(vec![1, seq, widths[1]], k),
-        Value::f32(vec![1, seq, widths[2]], v),
-    ])
+    let rotary = if partial.rotary {
+        let (cos, sin) = (arg(inputs, 4)?, arg(inputs, 5)?);
+        let half = *cos.shape.last().ok_or("cos cache has no axes")?;
+        Some(RotaryCache { cos: cos.as_f32()?, sin: sin.as_f32()?, half })
+    } else {
+        None
+    };
+    let bias = match (opt(inputs, 3), spec.bias) {
+        (None, Bias::Causal) => None,
+        (Some(b), mode @ (Bias::PerQuery | Bias::Grouped)) => {
+            let [seg] = batch.segments else {
+                return Err("an additive attention bias takes one sequence at a time".into());
+            };
+            let total = seg.past + seg.len;
+            let n_rep = heads / kvh.max(1);
+            let per_head = if mode == Bias::Grouped { n_rep * seg.len * total } else { seg.len * total };
+            let groups = if mode == Bias::Grouped { kvh } else { heads };
+            let data = as_f32_into(b, wb)?;
+            if b.shape.last() != Some(&total) || (data.len() != per_head && data.len() != per_head * groups) {
+                return Err(format!(
+                    "attention bias {:?} does not fit {} query rows x {total} positions",
+                    b.shape,
+                    per_head / total.max(1)
+                ));
+            }
+            Some(AdditiveBias { data, mode, shared: data.len() == per_head })
+        }
+        _ => return Err("attention bias input does not match the compiled form".into()),
+    };
+    let mut y = out.recycle_f32(rows * heads * hd);
+    let step = attention::Step { layer, segments: batch.segments, q, k, v, rotary, bias };
+    attention::attention(spec, &step, batch.kvs, &mut y, &env.ctx)?;
+    drop(staged);
+    let shape: crate::value::Shape = match spec.out_layout {
+        Layout::HeadsFirst => [1, heads, rows, hd].into_iter().collect(),
+        Layout::SeqFirst => [1, rows, heads * hd].into_iter().collect(),
+    };
+    if half_out {
+        let mut h = std::mem::take(&mut env.ctx.staging().a);
+        h.clear();
+        h.extend_from_slice(&y);
+        let mut halves = out.recycle_f16(0);
+        halves.extend(h.iter().map(|x| half::f16::from_f32(*x)));
+        env.ctx.staging().a = h;
+        // Give the f32 buffer back to the slot's next recycle.
+        drop(y);
+        *out = Value::f16(shape, halves);
+    } else {
+        *out = Value::f32(shape, y);
+    }
+    Ok(())
 }
 
 /// Rows of a projection input `[.., k]` and the output shape `[.., n]`.
-fn rows(x: &Value, k: usize, n: usize) -> Result<(usize, Vec<usize>), String> {
+fn rows(x: &Value, k: usize, n: usize) -> Result<(usize, crate::value::Shape), String> {
     match x.shape.last() {
         Some(d) if *d == k => {
             let mut shape = x.shape.clone();
@@ -308,13 +356,21 @@ fn rows(x: &Value, k: usize, n: usize) -> Result<(usize, Vec<usize>), String> {
 /// Outputs: 0 the normalized sum, 3 the sum itself (1 and 2, mean and
 /// inverse deviation, are not produced; the compiler rejects graphs that
 /// read them).
-fn skip_rms_norm(eps: f32, inputs: &[Option<&Value>], outputs: &mut [Value]) -> Result<(), String> {
+fn skip_rms_norm(eps: f32, inputs: &[Option<&Value>], outputs: &mut [Value], ctx: &Ctx) -> Result<(), String> {
     let (x, skip, gamma) = (arg(inputs, 0)?, arg(inputs, 1)?, arg(inputs, 2)?);
     if x.shape != skip.shape {
         return Err(format!("input {:?} and skip {:?} differ", x.shape, skip.shape));
     }
     let d = math::norm_width(x, gamma)?;
-    let mut sum = outputs.get_mut(3).map_or_else(Vec::new, |s| s.recycle_f32(0));
+    // Without a sum output the sum lives in staging (no allocation).
+    let mut sum = match outputs.get_mut(3) {
+        Some(s) => s.recycle_f32(0),
+        None => {
+            let mut v = std::mem::take(&mut ctx.staging().d);
+            v.clear();
+            v
+        }
+    };
     sum.extend(x.as_f32()?.iter().zip(skip.as_f32()?).map(|(a, b)| a + b));
     if let Some(b) = opt(inputs, 3) {
         let b = b.as_f32()?;
@@ -326,9 +382,10 @@ fn skip_rms_norm(eps: f32, inputs: &[Option<&Value>], outputs: &mut [Value]) -> 
     let out = outputs.first_mut().ok_or("no output")?;
     let mut o = out.recycle_f32(sum.len());
     math::rms_norm(&sum, gamma.as_f32()?, eps, &mut o);
-    *out = Value::f32(x.shape.clone(), o);
-    if let Some(s) = outputs.get_mut(3) {
-        *s = Value::f32(x.shape.clone(), sum);
+    *out = Value::f32(&x.shape, o);
+    match outputs.get_mut(3) {
+        Some(s) => *s = Value::f32(&x.shape, sum),
+        None => ctx.staging().d = sum,
     }
     Ok(())
 }

@@ -225,7 +225,9 @@ fn linear_bias(g: &Graph, u: &Uses, i: usize) -> Result<Option<Rewrite>, Compile
         let (Some(y), Some(bias)) = (M::input(n, a), M::input(n, b)) else { continue };
         let Some((li, lin)) = m.from(y, |op| matches!(op, Op::Linear { bias: None, .. })) else { continue };
         let Op::Linear { weight, .. } = &lin.op else { continue };
-        let Some(bv) = m.konst(bias).filter(|v| v.shape == [weight.n]).and_then(|v| v.as_f32().ok()) else { continue };
+        let Some(bv) = m.konst(bias).filter(|v| v.shape[..] == [weight.n]).and_then(|v| v.as_f32().ok()) else {
+            continue;
+        };
         if !m.read_only_by(y, &[i]) {
             continue;
         }

@@ -9,7 +9,6 @@
 //! dead-code elimination, and a static memory plan. See ARCHITECTURE.md.
 
 mod compile;
-mod decoder;
 mod error;
 mod exec;
 mod fuse;
@@ -17,12 +16,15 @@ mod fuse_mask;
 mod graph;
 mod infer;
 pub mod kernels;
+pub mod kv;
 mod lower;
+mod model;
 mod ops;
 mod plan;
+pub mod pool;
 pub mod value;
 
 pub use compile::{compile, Binding, CompileStats, LayerBinding};
-pub use decoder::{compile_package, NativeDecoder, NAME};
 pub use error::{CompileError, RunError};
-pub use plan::{Plan, State};
+pub use model::{compile_package, NativeModel, NativeSequence, MAX_BATCH, NAME};
+pub use plan::{Plan, Workspace};

@@ -2,17 +2,28 @@
 //! memory plan. Every value a step produces is assigned a slot at compile
 //! time; values whose lifetimes do not overlap share a slot, and a slot's
 //! buffer is reused from step to step, so a warmed-up decode step allocates
-//! (almost) nothing.
+//! nothing.
+//!
+//! A run advances a batch of sequences at once: their new positions are the
+//! rows of one `[1, rows, ..]` tensor (a ragged batch), so every projection
+//! reads its weights once for all of them; attention alone looks at which
+//! rows belong to which sequence ([`Segment`]).
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use smallvec::SmallVec;
 
 use crate::compile::{Binding, CompileStats};
 use crate::error::{CompileError, RunError};
-use crate::exec::{self, KvContext};
+use crate::exec::{self, BatchEnv, Env};
 use crate::graph::{Graph, Vid};
-use crate::kernels::attention::LayerCache;
+use crate::kernels::attention::Segment;
+use crate::kernels::linear::linear;
+use crate::kernels::Ctx;
+use crate::kv::SeqKv;
 use crate::ops::Op;
-use crate::value::Value;
+use crate::value::{DType, Value};
 
 #[derive(Clone, Copy, Debug)]
 enum Ref {
@@ -39,35 +50,25 @@ pub struct Plan {
     position_ids: Option<usize>,
     attention_mask: Option<usize>,
     logits: usize,
+    /// The step that computes the logits, when it is a projection: it runs
+    /// on the rows whose logits are returned (each sequence's last) rather
+    /// than on every row of a prefill.
+    head: Option<usize>,
     pub binding: Binding,
     pub stats: CompileStats,
     /// Values the plan computes (before slot sharing).
     pub values: usize,
 }
 
-/// One sequence's buffers and KV cache.
-pub struct State {
+/// The buffers of runs of one plan: slots (reused from run to run) and the
+/// batch bookkeeping. One per model; a run borrows it exclusively.
+#[derive(Debug, Default)]
+pub struct Workspace {
     slots: Vec<Value>,
-    cache: Vec<LayerCache>,
-    len: usize,
-}
-
-impl State {
-    /// Tokens held in the KV cache.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-    /// Forgets positions from `len` on; O(1): the cache is overwritten in
-    /// place by later steps.
-    pub fn truncate(&mut self, len: usize) {
-        self.len = self.len.min(len);
-    }
-    pub fn kv_bytes(&self) -> usize {
-        self.cache.iter().map(LayerCache::allocated_bytes).sum()
-    }
+    segments: Vec<Segment>,
+    /// When set, each step's wall time is added here (indexed like
+    /// [`Plan::step_ops`]).
+    pub profile: Option<Vec<Duration>>,
 }
 
 impl Plan {
@@ -88,21 +89,32 @@ impl Plan {
         let mut consts = Vec::new();
         let mut slot_of: Vec<Option<usize>> = vec![None; g.values.len()];
         let mut const_of: Vec<Option<usize>> = vec![None; g.values.len()];
-        let mut free: Vec<usize> = Vec::new();
-        let mut slots = 0;
-        let mut alloc = |free: &mut Vec<usize>| {
-            free.pop().unwrap_or_else(|| {
-                slots += 1;
-                slots - 1
+        // Slots are shared only between values of one element type, so a
+        // slot's buffer always comes back in the type its next value needs
+        // (a recycled buffer of another type would be freed and replaced).
+        let class = |v: Vid| match g.values[v].dtype {
+            Some(DType::F32) => 0,
+            Some(DType::F16) => 1,
+            Some(DType::I64) => 2,
+            Some(DType::Bool) => 3,
+            Some(DType::U8) => 4,
+            None => 5,
+        };
+        let mut free: [Vec<usize>; 6] = Default::default();
+        let mut slot_class: Vec<usize> = Vec::new();
+        let mut alloc = |free: &mut [Vec<usize>; 6], c: usize| {
+            free[c].pop().unwrap_or_else(|| {
+                slot_class.push(c);
+                slot_class.len() - 1
             })
         };
         let input_slot = |name: &Option<String>,
                           slot_of: &mut Vec<Option<usize>>,
-                          free: &mut Vec<usize>,
-                          alloc: &mut dyn FnMut(&mut Vec<usize>) -> usize| {
+                          free: &mut [Vec<usize>; 6],
+                          alloc: &mut dyn FnMut(&mut [Vec<usize>; 6], usize) -> usize| {
             let v = name.as_ref().and_then(|n| g.find(n))?;
             last_use[v]?;
-            let s = alloc(free);
+            let s = alloc(free, class(v));
             slot_of[v] = Some(s);
             Some(s)
         };
@@ -137,29 +149,31 @@ impl Plan {
             }
             // Outputs take slots before inputs are released, so no step
             // writes a buffer it is reading.
-            let outputs: Vec<usize> = n.outputs.iter().map(|_| alloc(&mut free)).collect();
+            let outputs: Vec<usize> = n.outputs.iter().map(|v| alloc(&mut free, class(*v))).collect();
             for (v, slot) in n.outputs.iter().zip(&outputs) {
                 slot_of[*v] = Some(*slot);
             }
             for v in n.inputs.iter().flatten() {
                 if last_use[*v] == Some(s) && *v != logits {
                     if let Some(slot) = slot_of[*v].take() {
-                        free.push(slot);
+                        free[class(*v)].push(slot);
                     }
                 }
             }
             for (v, slot) in n.outputs.iter().zip(&outputs) {
                 if last_use[*v].is_none() && *v != logits {
                     slot_of[*v] = None;
-                    free.push(*slot);
+                    free[class(*v)].push(*slot);
                 }
             }
             steps.push(Step { name: n.name.clone(), op: n.op.clone(), inputs, outputs });
         }
+        let head = order.iter().position(|n| n.outputs.first() == Some(&logits) && matches!(n.op, Op::Linear { .. }));
         let logits =
             slot_of[logits].ok_or_else(|| CompileError::tensor(&binding.logits, "no step computes the logits"))?;
         stats.planned_steps = steps.len();
         let values = order.iter().map(|n| n.outputs.len()).sum();
+        let slots = slot_class.len();
         Ok(Self {
             steps,
             consts,
@@ -168,6 +182,7 @@ impl Plan {
             position_ids,
             attention_mask,
             logits,
+            head,
             binding: binding.clone(),
             stats,
             values,
@@ -184,97 +199,180 @@ impl Plan {
         self.steps.iter().map(|s| s.op.name()).collect()
     }
 
-    /// A fresh sequence with a KV cache of `capacity` positions.
-    pub fn new_state(&self, capacity: usize) -> State {
-        let cache = self
-            .binding
-            .layers
-            .iter()
-            .map(|l| LayerCache::new(l.kv_heads, l.head_dim, capacity, self.binding.kv_f16))
-            .collect();
-        State { slots: vec![Value::default(); self.slots], cache, len: 0 }
+    /// Whether several sequences can share one run: nothing but attention
+    /// needs to know where one sequence's rows end (no step reads the
+    /// attention mask, no attention takes an additive bias).
+    pub fn batchable(&self) -> bool {
+        self.attention_mask.is_none()
+            && self.steps.iter().all(|s| match &s.op {
+                Op::Attention { spec, .. } => spec.bias == crate::kernels::attention::Bias::Causal,
+                Op::CausalBias { .. } => false,
+                _ => true,
+            })
     }
 
-    /// Runs `tokens` after what `state` holds; returns the last position's
-    /// logits. On error the state's length is unchanged.
-    /// `pool`: where large kernels may run in parallel (`None`: all on
-    /// the calling thread).
+    /// Fresh buffers for runs of this plan.
+    pub fn workspace(&self) -> Workspace {
+        Workspace { slots: vec![Value::default(); self.slots], ..Workspace::default() }
+    }
+
+    /// Runs `tokens[i]` after what `kvs[i]` holds, for every sequence `i` of
+    /// the batch at once, and writes each one's last-position logits into
+    /// `logits[i]`. Each cache must have room reserved for its new
+    /// positions. On error no cache's length changes.
     pub fn run(
         &self,
-        state: &mut State,
-        tokens: &[u32],
-        pool: Option<&rayon::ThreadPool>,
-    ) -> Result<Vec<f32>, RunError> {
-        self.run_profiled(state, tokens, pool, None)
-    }
-
-    /// [`Plan::run`], adding each step's wall time to `profile` (indexed
-    /// like [`Plan::step_ops`]) when given.
-    pub fn run_profiled(
-        &self,
-        state: &mut State,
-        tokens: &[u32],
-        pool: Option<&rayon::ThreadPool>,
-        mut profile: Option<&mut Vec<std::time::Duration>>,
-    ) -> Result<Vec<f32>, RunError> {
-        if let Some(p) = profile.as_deref_mut() {
-            p.resize(self.steps.len(), std::time::Duration::ZERO);
+        ws: &mut Workspace,
+        ctx: Ctx<'_>,
+        kvs: &mut [&mut SeqKv],
+        tokens: &[&[u32]],
+        logits: &mut [&mut Vec<f32>],
+    ) -> Result<(), RunError> {
+        let fail = |reason: String| RunError { node: "(batch)".into(), op: "run".into(), reason };
+        if kvs.len() != tokens.len() || kvs.len() != logits.len() || kvs.is_empty() {
+            return Err(fail(format!(
+                "{} caches, {} inputs and {} logit buffers do not form a batch",
+                kvs.len(),
+                tokens.len(),
+                logits.len()
+            )));
         }
-        let past = state.len;
-        let total = past + tokens.len();
-        let feed = |slot: Option<usize>, v: Value, slots: &mut Vec<Value>| {
-            if let Some(s) = slot {
-                slots[s] = v;
+        if kvs.len() > 1 && !self.batchable() {
+            return Err(fail("this plan runs one sequence at a time".into()));
+        }
+        if ws.slots.len() != self.slots {
+            *ws = self.workspace();
+        }
+        ws.segments.clear();
+        let mut rows = 0;
+        for (kv, t) in kvs.iter().zip(tokens) {
+            if t.is_empty() {
+                return Err(fail("every sequence of a batch needs at least one token".into()));
             }
-        };
-        let seq = tokens.len();
-        feed(
-            self.token_ids,
-            Value::i64(vec![1, seq], tokens.iter().map(|t| i64::from(*t)).collect()),
-            &mut state.slots,
-        );
-        feed(self.position_ids, Value::i64(vec![1, seq], (past as i64..total as i64).collect()), &mut state.slots);
-        feed(self.attention_mask, Value::i64(vec![1, total], vec![1; total]), &mut state.slots);
-        let mut kv = KvContext { layers: &mut state.cache, past, pool };
+            ws.segments.push(Segment { start: rows, len: t.len(), past: kv.len() });
+            rows += t.len();
+        }
+        self.feed(ws, tokens, rows);
+        let Workspace { slots, segments, profile } = ws;
+        let segments: &[Segment] = segments;
+        if let Some(p) = profile.as_mut() {
+            p.resize(self.steps.len(), Duration::ZERO);
+        }
+        let mut env = Env { ctx, batch: Some(BatchEnv { segments, kvs }) };
         for (index, step) in self.steps.iter().enumerate() {
-            let started = profile.is_some().then(std::time::Instant::now);
-            let mut outs: Vec<Value> = step.outputs.iter().map(|s| std::mem::take(&mut state.slots[*s])).collect();
+            let started = profile.is_some().then(Instant::now);
+            let mut outs: SmallVec<[Value; 4]> = step.outputs.iter().map(|s| std::mem::take(&mut slots[*s])).collect();
             let result = {
-                let ins: Vec<Option<&Value>> = step
+                let ins: SmallVec<[Option<&Value>; 12]> = step
                     .inputs
                     .iter()
                     .map(|r| {
                         r.map(|r| match r {
                             Ref::Const(c) => &*self.consts[c],
-                            Ref::Slot(s) => &state.slots[s],
+                            Ref::Slot(s) => &slots[s],
                         })
                     })
                     .collect();
-                exec::run(&step.op, &ins, &mut outs, Some(&mut kv))
+                if self.head == Some(index) && segments.len() < rows {
+                    self.head_rows(step, &ins, &mut outs, segments, &env.ctx)
+                } else {
+                    exec::run(&step.op, &ins, &mut outs, &mut env)
+                }
             };
             for (s, v) in step.outputs.iter().zip(outs) {
-                state.slots[*s] = v;
+                slots[*s] = v;
             }
             result.map_err(|reason| RunError { node: step.name.clone(), op: step.op.name(), reason })?;
-            if let (Some(p), Some(t)) = (profile.as_deref_mut(), started) {
+            if let (Some(p), Some(t)) = (profile.as_mut(), started) {
                 p[index] += t.elapsed();
             }
         }
-        let logits = &state.slots[self.logits];
-        let vocab = self.binding.vocab_size;
-        let data = logits.as_f32().map_err(|reason| RunError {
-            node: self.binding.logits.clone(),
-            op: "output".into(),
-            reason,
-        })?;
-        if logits.shape.last() != Some(&vocab) || data.len() < vocab {
-            return Err(RunError {
-                node: self.binding.logits.clone(),
-                op: "output".into(),
-                reason: format!("logits shape {:?} does not end in vocab {vocab}", logits.shape),
-            });
+        self.collect(&slots[self.logits], segments, rows, logits)?;
+        if let Some(batch) = env.batch {
+            for (kv, seg) in batch.kvs.iter_mut().zip(batch.segments) {
+                kv.set_len(seg.past + seg.len);
+            }
         }
-        state.len = total;
-        Ok(data[data.len() - vocab..].to_vec())
+        Ok(())
+    }
+
+    /// Writes the graph inputs: token ids, positions (each sequence's own,
+    /// back to back) and, for a plan that reads it, the attention mask.
+    fn feed(&self, ws: &mut Workspace, tokens: &[&[u32]], rows: usize) {
+        if let Some(s) = self.token_ids {
+            let mut ids = ws.slots[s].recycle_i64(0);
+            ids.extend(tokens.iter().flat_map(|t| t.iter().map(|id| i64::from(*id))));
+            ws.slots[s] = Value::i64([1, rows], ids);
+        }
+        if let Some(s) = self.position_ids {
+            let mut pos = ws.slots[s].recycle_i64(0);
+            for seg in &ws.segments {
+                pos.extend((seg.past..seg.past + seg.len).map(|p| p as i64));
+            }
+            ws.slots[s] = Value::i64([1, rows], pos);
+        }
+        if let (Some(s), Some(seg)) = (self.attention_mask, ws.segments.first()) {
+            let total = seg.past + seg.len;
+            let mut mask = ws.slots[s].recycle_i64(total);
+            mask.iter_mut().for_each(|m| *m = 1);
+            ws.slots[s] = Value::i64([1, total], mask);
+        }
+    }
+
+    /// The logits projection on each sequence's last row only.
+    fn head_rows(
+        &self,
+        step: &Step,
+        ins: &[Option<&Value>],
+        outs: &mut [Value],
+        segments: &[Segment],
+        ctx: &Ctx,
+    ) -> Result<(), String> {
+        let Op::Linear { weight, bias } = &step.op else { return Err("the head is not a projection".into()) };
+        let x = ins.first().copied().flatten().ok_or("input 0 is missing")?;
+        let xs = x.as_f32()?;
+        let k = weight.k;
+        if x.shape.last() != Some(&k) {
+            return Err(format!("input {:?} does not end in the weight's {k} inputs", x.shape));
+        }
+        let mut staged = ctx.staging();
+        let mut picked = std::mem::take(&mut staged.b);
+        drop(staged);
+        picked.clear();
+        for seg in segments {
+            let last = seg.start + seg.len - 1;
+            let row = xs.get(last * k..(last + 1) * k).ok_or("the head's input has fewer rows than the batch")?;
+            picked.extend_from_slice(row);
+        }
+        let out = outs.first_mut().ok_or("no output")?;
+        let mut y = out.recycle_f32(0);
+        linear(&picked, segments.len(), weight, bias.as_deref().map(Vec::as_slice), &mut y, ctx);
+        ctx.staging().b = picked;
+        *out = Value::f32([1, segments.len(), weight.n], y);
+        Ok(())
+    }
+
+    /// Copies each sequence's last-position logits out of the logits value
+    /// (one row per sequence after the row-selecting head, else every row).
+    fn collect(
+        &self,
+        value: &Value,
+        segments: &[Segment],
+        rows: usize,
+        logits: &mut [&mut Vec<f32>],
+    ) -> Result<(), RunError> {
+        let vocab = self.binding.vocab_size;
+        let err = |reason: String| RunError { node: self.binding.logits.clone(), op: "output".into(), reason };
+        let data = value.as_f32().map_err(err)?;
+        let per_sequence = data.len() == segments.len() * vocab && self.head.is_some() && segments.len() < rows;
+        if value.shape.last() != Some(&vocab) || (!per_sequence && data.len() != rows * vocab) {
+            return Err(err(format!("logits shape {:?} does not hold {rows} rows of vocab {vocab}", value.shape)));
+        }
+        for (i, (seg, out)) in segments.iter().zip(logits.iter_mut()).enumerate() {
+            let row = if per_sequence { i } else { seg.start + seg.len - 1 };
+            out.clear();
+            out.extend_from_slice(&data[row * vocab..(row + 1) * vocab]);
+        }
+        Ok(())
     }
 }

@@ -2,6 +2,11 @@
 //! of the slot they write into, so a warmed-up plan allocates nothing per step.
 
 use half::f16;
+use smallvec::SmallVec;
+
+/// A tensor shape: up to six axes inline, so building or copying one never
+/// touches the heap (a decode step allocates nothing).
+pub type Shape = SmallVec<[usize; 6]>;
 
 /// Element types the native backend computes with or stores.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -54,13 +59,13 @@ pub enum Data {
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct Value {
-    pub shape: Vec<usize>,
+    pub shape: Shape,
     pub data: Data,
 }
 
 impl Default for Value {
     fn default() -> Self {
-        Self { shape: vec![0], data: Data::F32(Vec::new()) }
+        Self { shape: Shape::from_slice(&[0]), data: Data::F32(Vec::new()) }
     }
 }
 
@@ -88,17 +93,20 @@ macro_rules! typed_access {
 }
 
 impl Value {
-    pub fn f32(shape: Vec<usize>, v: Vec<f32>) -> Self {
-        Self { shape, data: Data::F32(v) }
+    pub fn f32(shape: impl AsRef<[usize]>, v: Vec<f32>) -> Self {
+        Self { shape: Shape::from_slice(shape.as_ref()), data: Data::F32(v) }
     }
-    pub fn i64(shape: Vec<usize>, v: Vec<i64>) -> Self {
-        Self { shape, data: Data::I64(v) }
+    pub fn f16(shape: impl AsRef<[usize]>, v: Vec<f16>) -> Self {
+        Self { shape: Shape::from_slice(shape.as_ref()), data: Data::F16(v) }
     }
-    pub fn bool(shape: Vec<usize>, v: Vec<bool>) -> Self {
-        Self { shape, data: Data::Bool(v) }
+    pub fn i64(shape: impl AsRef<[usize]>, v: Vec<i64>) -> Self {
+        Self { shape: Shape::from_slice(shape.as_ref()), data: Data::I64(v) }
     }
-    pub fn u8(shape: Vec<usize>, v: Vec<u8>) -> Self {
-        Self { shape, data: Data::U8(v) }
+    pub fn bool(shape: impl AsRef<[usize]>, v: Vec<bool>) -> Self {
+        Self { shape: Shape::from_slice(shape.as_ref()), data: Data::Bool(v) }
+    }
+    pub fn u8(shape: impl AsRef<[usize]>, v: Vec<u8>) -> Self {
+        Self { shape: Shape::from_slice(shape.as_ref()), data: Data::U8(v) }
     }
 
     pub fn dtype(&self) -> DType {
@@ -152,7 +160,7 @@ impl Value {
     /// Converts an ONNX initializer or constant tensor.
     pub fn from_tensor(t: &onnx_genai_onnx::Tensor) -> Result<Self, String> {
         use onnx_genai_onnx::DataType as D;
-        let shape: Vec<usize> = t
+        let shape: Shape = t
             .dims
             .iter()
             .map(|d| usize::try_from(*d).map_err(|_| format!("negative dim {d}")))

@@ -4,9 +4,16 @@
 
 use std::path::Path;
 
-use onnx_genai_backend::DecodeBackend;
+use std::sync::Arc;
+
+use onnx_genai_backend::{DecodeModel, Decoder, Entry, Input};
 use onnx_genai_build::{build_variant, read_spec, Variant};
-use onnx_genai_native::{compile_package, NativeDecoder};
+use onnx_genai_native::kv::BLOCK_TOKENS;
+use onnx_genai_native::{compile_package, NativeModel};
+
+fn decoder(package: &onnx_genai_package::Package, threads: usize) -> Decoder {
+    Decoder::new(Arc::new(NativeModel::load(package, threads).unwrap()))
+}
 
 fn package(name: &str, variant: Variant) -> (tempfile::TempDir, onnx_genai_package::Package) {
     let spec =
@@ -98,25 +105,82 @@ fn compressed_weights_stay_compressed() {
     assert!(ops.iter().filter(|o| o.starts_with("Linear")).all(|o| o == "Linear[q4]"), "{ops:?}");
 }
 
-/// In-place KV: the cache is allocated once at its full capacity and never
-/// grows; decoding writes into it and `kv_len` advances one per step.
+/// KV memory follows the positions held (B2's resident bytes): a new
+/// sequence holds nothing; prefill and decode take whole blocks covering
+/// exactly the positions written; truncating gives blocks back; running
+/// past the context is a typed capacity error that leaves the sequence as
+/// it was.
 #[test]
-fn kv_cache_is_preallocated_and_fixed() {
+fn kv_blocks_follow_the_positions_held() {
     let (_d, package) = package("tiny-llama-gqa", Variant::Decomposed);
-    let mut b = NativeDecoder::load(&package, 1).unwrap();
-    let bytes = b.kv_bytes();
-    let geometry = package.kv_geometry().unwrap();
-    assert_eq!(bytes as u64, geometry.bytes_per_token() * u64::from(package.manifest.architecture.max_sequence_length));
+    let mut b = decoder(&package, 1);
+    assert_eq!(b.resident_bytes(), 0, "a new sequence holds no KV");
+    let per_block = package.kv_geometry().unwrap().bytes_per_token() * BLOCK_TOKENS as u64;
     b.forward(&[1, 2, 3]).unwrap();
-    for t in 0..20 {
+    assert_eq!(b.resident_bytes(), per_block);
+    for t in 0..(BLOCK_TOKENS as u32 - 3) {
         b.forward(&[t]).unwrap();
     }
-    assert_eq!(b.kv_len(), 23);
-    assert_eq!(b.kv_bytes(), bytes);
+    assert_eq!((b.kv_len(), b.resident_bytes()), (BLOCK_TOKENS, per_block), "a full block, no more");
+    b.forward(&[7]).unwrap();
+    assert_eq!(b.resident_bytes(), 2 * per_block, "the next position takes a second block");
+    b.truncate(10).unwrap();
+    assert_eq!((b.kv_len(), b.resident_bytes()), (10, per_block));
     // Past capacity is a typed capacity error, and the state is unchanged.
-    let err = b.forward(&vec![5; 256]).unwrap_err();
-    assert!(matches!(err, onnx_genai_backend::BackendError::Capacity { have: 23, .. }), "{err}");
-    assert_eq!(b.kv_len(), 23);
+    let max = package.manifest.architecture.max_sequence_length as usize;
+    let err = b.forward(&vec![5; max]).unwrap_err();
+    assert!(matches!(err, onnx_genai_backend::BackendError::Capacity { have: 10, .. }), "{err}");
+    assert_eq!((b.kv_len(), b.resident_bytes()), (10, per_block));
+    b.reset();
+    assert_eq!(b.resident_bytes(), 0);
+}
+
+/// B1 at the model: sequences of different lengths (a prefill, a decode
+/// step and a longer context) advanced together in one step get the logits
+/// each gets alone, within the f32 tier, on every export the batch runs.
+#[test]
+fn a_ragged_batch_step_matches_each_sequence_alone() {
+    for (name, variant) in [
+        ("tiny-llama-gqa", Variant::Decomposed),
+        ("tiny-llama-gqa", Variant::Opset23),
+        ("tiny-llama-gqa", Variant::Contrib),
+        ("tiny-llama-gqa", Variant::Genai),
+        ("tiny-gpt2", Variant::Decomposed),
+        ("tiny-llama-f16", Variant::Decomposed),
+    ] {
+        let (_d, package) = package(name, variant);
+        let model: Arc<dyn DecodeModel> = Arc::new(NativeModel::load(&package, 2).unwrap());
+        assert!(model.batch_width() > 1, "{name} {variant:?} runs one sequence at a time");
+        let prompts: [Vec<u32>; 3] = [vec![5, 9, 14], (1..40).collect(), vec![300, 2, 2, 8, 1, 90, 91]];
+        let nexts: [Vec<u32>; 3] = [vec![7], (50..61).collect(), vec![1]];
+        // Alone.
+        let alone: Vec<Vec<f32>> = prompts
+            .iter()
+            .zip(&nexts)
+            .map(|(p, n)| {
+                let mut d = Decoder::new(model.clone());
+                d.forward(p).unwrap();
+                d.forward(n).unwrap()
+            })
+            .collect();
+        // Together: the prompts as one batch, then the continuations as one.
+        let mut seqs: Vec<_> = (0..3).map(|_| model.new_sequence()).collect();
+        let mut logits = vec![Vec::new(); 3];
+        for inputs in [&prompts, &nexts] {
+            let mut batch: Vec<Entry<'_>> = seqs
+                .iter_mut()
+                .zip(inputs.iter())
+                .zip(logits.iter_mut())
+                .map(|((s, t), l)| Entry { sequence: s.as_mut(), input: Input::Tokens(t), logits: l })
+                .collect();
+            model.step(&mut batch).unwrap();
+        }
+        for (i, (a, b)) in alone.iter().zip(&logits).enumerate() {
+            let worst = a.iter().zip(b).map(|(x, y)| (x - y).abs() / (1e-4 + 1e-4 * x.abs())).fold(0.0f32, f32::max);
+            assert!(worst <= 1.0, "{name} {variant:?} sequence {i}: batched logits off by {worst}x the f32 tier");
+            assert_eq!(seqs[i].kv_len(), prompts[i].len() + nexts[i].len());
+        }
+    }
 }
 
 /// Threads change where large kernels run, not what they compute: a long
@@ -127,7 +191,7 @@ fn threaded_kernels_compute_the_same_logits() {
     let (_d, package) = package("tiny-llama-gqa", Variant::Decomposed);
     let prompt: Vec<u32> = (0..200).map(|i| (i * 37 + 11) % 380).collect();
     let run = |threads| {
-        let mut b = NativeDecoder::load(&package, threads).unwrap();
+        let mut b = decoder(&package, threads);
         let mut all = b.forward(&prompt).unwrap();
         for t in 0..8 {
             all.extend(b.forward(&[t * 13]).unwrap());

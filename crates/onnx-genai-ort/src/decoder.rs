@@ -1,10 +1,15 @@
-//! One sequence decoded on ONNX Runtime, with the KV cache carried between
-//! steps: the `present` outputs of one run are fed back as the next run's
-//! `past` inputs without copying through host arrays.
+//! Decoding on ONNX Runtime behind the model/sequence contract. One
+//! [`OrtModel`] holds the session (loaded once per package); each
+//! [`OrtSequence`] holds its KV cache as the `present` values of its last
+//! run, fed back as the next run's `past` inputs without host copies. The
+//! exported graphs take one sequence per run, so a batch step runs its
+//! sequences one after another.
 
-use onnx_genai_backend::{BackendError, DecodeBackend};
+use std::sync::Mutex;
+
+use onnx_genai_backend::{downcast, BackendError, DecodeModel, Entry, Input, Sequence};
 use onnx_genai_package::{ElementType, Package, Role};
-use ort::session::Session;
+use ort::session::{Session, SessionInputValue};
 use ort::value::{DynValue, Tensor, TensorElementType};
 
 const NAME: &str = "ort";
@@ -15,8 +20,8 @@ fn run_err(reason: impl std::fmt::Display) -> BackendError {
 
 type LayerPorts = onnx_genai_package::KvPorts;
 
-pub struct OrtDecoder {
-    session: Session,
+/// What the decoder's ports are and what it expects of them.
+struct Ports {
     /// Exactly one of `token_ids` and `inputs_embeds` is bound.
     token_ids: Option<String>,
     inputs_embeds: Option<String>,
@@ -26,14 +31,28 @@ pub struct OrtDecoder {
     logits: String,
     layers: Vec<LayerPorts>,
     kv_dtype: ElementType,
-    /// Per layer: (key, value) as returned by the last run.
-    past: Vec<(DynValue, DynValue)>,
-    kv_len: usize,
+    /// KV bytes per cached position (all layers, key and value).
+    bytes_per_token: u64,
     vocab: usize,
     max_len: usize,
 }
 
-impl OrtDecoder {
+pub struct OrtModel {
+    session: Mutex<Session>,
+    ports: Ports,
+}
+
+/// One sequence: per layer `(key, value)` as returned by its last run.
+pub struct OrtSequence {
+    past: Vec<(DynValue, DynValue)>,
+    kv_len: usize,
+    /// Needed to cut the cache (`truncate` copies a prefix).
+    layers: Vec<LayerPorts>,
+    kv_dtype: ElementType,
+    bytes_per_token: u64,
+}
+
+impl OrtModel {
     /// Opens the package's decoder in an ONNX Runtime session with
     /// `intra_threads` threads (0 lets ONNX Runtime choose).
     pub fn load(package: &Package, intra_threads: usize) -> Result<Self, BackendError> {
@@ -64,8 +83,12 @@ impl OrtDecoder {
             .and_then(|o| o.dtype().tensor_type())
             == Some(TensorElementType::Int32);
         let layers = package.kv_ports(component).map_err(|e| load_err(e.to_string()))?;
-        let mut decoder = Self {
-            session,
+        let elem = match geometry.dtype {
+            ElementType::F32 => 4,
+            ElementType::F16 => 2,
+        };
+        let bytes_per_token = layers.iter().map(|l| (2 * l.kv_heads * l.head_dim * elem) as u64).sum();
+        let ports = Ports {
             token_ids,
             inputs_embeds,
             token_ids_i32,
@@ -74,33 +97,155 @@ impl OrtDecoder {
             logits: required(Role::Logits)?,
             layers,
             kv_dtype: geometry.dtype,
-            past: Vec::new(),
-            kv_len: 0,
+            bytes_per_token,
             vocab: m.architecture.vocab_size as usize,
             max_len: m.architecture.max_sequence_length as usize,
         };
-        decoder.reset_cache()?;
-        Ok(decoder)
+        Ok(Self { session: Mutex::new(session), ports })
     }
 
-    fn empty_kv(&self, kv_heads: usize, head_dim: usize) -> Result<DynValue, BackendError> {
-        let shape = [1usize, kv_heads, 0, head_dim];
-        Ok(match self.kv_dtype {
-            ElementType::F32 => Tensor::from_array((shape, Vec::<f32>::new())).map_err(run_err)?.into_dyn(),
-            ElementType::F16 => Tensor::from_array((shape, Vec::<half::f16>::new())).map_err(run_err)?.into_dyn(),
+    /// One run of `input` after what `seq` holds; writes the last position's
+    /// logits. On error the sequence is unchanged.
+    fn run_one(&self, seq: &mut OrtSequence, input: Input<'_>, logits: &mut Vec<f32>) -> Result<(), BackendError> {
+        let p = &self.ports;
+        let count = input.positions();
+        if count == 0 {
+            return Err(run_err("forward needs at least one position"));
+        }
+        let total = seq.kv_len + count;
+        if total > p.max_len {
+            return Err(BackendError::Capacity {
+                backend: NAME,
+                have: seq.kv_len,
+                reason: format!("{count} more exceed max_sequence_length {}", p.max_len),
+            });
+        }
+        let first: (String, DynValue) = match input {
+            Input::Tokens(tokens) => {
+                let port = p
+                    .token_ids
+                    .clone()
+                    .ok_or_else(|| run_err("this decoder reads `inputs_embeds`; run it through its workflow"))?;
+                let ids = tokens.iter().map(|t| i64::from(*t)).collect();
+                (port, int_input(ids, p.token_ids_i32)?)
+            }
+            Input::Embeds { values, hidden } => {
+                let port = p
+                    .inputs_embeds
+                    .clone()
+                    .ok_or_else(|| run_err("this decoder reads token ids, not `inputs_embeds`"))?;
+                if hidden == 0 || !values.len().is_multiple_of(hidden) {
+                    return Err(run_err(format!("{} embedding values are not rows of {hidden}", values.len())));
+                }
+                let value = Tensor::from_array(([1usize, count, hidden], values.to_vec())).map_err(run_err)?;
+                (port, value.into_dyn())
+            }
+        };
+        if seq.past.is_empty() {
+            seq.past = empty_cache(&p.layers, p.kv_dtype)?;
+        }
+        let mut inputs: Vec<(String, SessionInputValue<'_>)> = Vec::with_capacity(3 + 2 * p.layers.len());
+        inputs.push((first.0, first.1.into()));
+        if let Some(name) = &p.attention_mask {
+            inputs.push((name.clone(), int_input(vec![1; total], false)?.into()));
+        }
+        if let Some(name) = &p.position_ids {
+            inputs.push((name.clone(), int_input((seq.kv_len as i64..total as i64).collect(), false)?.into()));
+        }
+        for (l, (key, value)) in p.layers.iter().zip(&seq.past) {
+            inputs.push((l.past_key.clone(), key.into()));
+            inputs.push((l.past_value.clone(), value.into()));
+        }
+        let mut session = self.session.lock().unwrap_or_else(|e| e.into_inner());
+        let mut outputs = session.run(inputs).map_err(run_err)?;
+        let out = outputs.remove(&p.logits).ok_or_else(|| run_err(format!("no `{}` output", p.logits)))?;
+        let (shape, data) = out.try_extract_tensor::<f32>().map_err(run_err)?;
+        let width = shape.last().copied().unwrap_or(0) as usize;
+        if width != p.vocab || data.len() < p.vocab {
+            return Err(run_err(format!("logits shape {shape:?} does not end in vocab {}", p.vocab)));
+        }
+        let mut next = Vec::with_capacity(p.layers.len());
+        for l in &p.layers {
+            let mut take = |name: &str| outputs.remove(name).ok_or_else(|| run_err(format!("no `{name}` output")));
+            next.push((take(&l.present_key)?, take(&l.present_value)?));
+        }
+        logits.clear();
+        logits.extend_from_slice(&data[data.len() - p.vocab..]);
+        drop(outputs);
+        drop(session);
+        seq.past = next;
+        seq.kv_len = total;
+        Ok(())
+    }
+}
+
+fn empty_kv(kv_heads: usize, head_dim: usize, dtype: ElementType) -> Result<DynValue, BackendError> {
+    let shape = [1usize, kv_heads, 0, head_dim];
+    Ok(match dtype {
+        ElementType::F32 => Tensor::from_array((shape, Vec::<f32>::new())).map_err(run_err)?.into_dyn(),
+        ElementType::F16 => Tensor::from_array((shape, Vec::<half::f16>::new())).map_err(run_err)?.into_dyn(),
+    })
+}
+
+fn empty_cache(layers: &[LayerPorts], dtype: ElementType) -> Result<Vec<(DynValue, DynValue)>, BackendError> {
+    layers
+        .iter()
+        .map(|l| Ok((empty_kv(l.kv_heads, l.head_dim, dtype)?, empty_kv(l.kv_heads, l.head_dim, dtype)?)))
+        .collect()
+}
+
+fn int_input(values: Vec<i64>, as_i32: bool) -> Result<DynValue, BackendError> {
+    let shape = [1usize, values.len()];
+    Ok(if as_i32 {
+        let v: Vec<i32> = values.into_iter().map(|x| x as i32).collect();
+        Tensor::from_array((shape, v)).map_err(run_err)?.into_dyn()
+    } else {
+        Tensor::from_array((shape, values)).map_err(run_err)?.into_dyn()
+    })
+}
+
+impl DecodeModel for OrtModel {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.ports.vocab
+    }
+
+    fn context_length(&self) -> usize {
+        self.ports.max_len
+    }
+
+    fn new_sequence(&self) -> Box<dyn Sequence> {
+        Box::new(OrtSequence {
+            past: Vec::new(),
+            kv_len: 0,
+            layers: self.ports.layers.clone(),
+            kv_dtype: self.ports.kv_dtype,
+            bytes_per_token: self.ports.bytes_per_token,
         })
     }
 
-    fn reset_cache(&mut self) -> Result<(), BackendError> {
-        let mut past = Vec::with_capacity(self.layers.len());
-        for l in &self.layers {
-            past.push((self.empty_kv(l.kv_heads, l.head_dim)?, self.empty_kv(l.kv_heads, l.head_dim)?));
+    fn step(&self, batch: &mut [Entry<'_>]) -> Result<(), BackendError> {
+        let pasts: Vec<usize> = batch.iter().map(|e| e.sequence.kv_len()).collect();
+        for i in 0..batch.len() {
+            let Entry { sequence, input, logits } = &mut batch[i];
+            let result =
+                downcast::<OrtSequence>(&mut **sequence, NAME).and_then(|seq| self.run_one(seq, *input, logits));
+            if let Err(e) = result {
+                // The ones already run go back to where they were.
+                for (entry, past) in batch[..i].iter_mut().zip(&pasts) {
+                    let _ = entry.sequence.truncate(*past);
+                }
+                return Err(e);
+            }
         }
-        self.past = past;
-        self.kv_len = 0;
         Ok(())
     }
+}
 
+impl OrtSequence {
     /// The first `len` positions of a `[1, kv_heads, kv_len, head_dim]` cache
     /// tensor, copied into a new tensor.
     fn prefix(&self, t: &DynValue, l: &LayerPorts, len: usize) -> Result<DynValue, BackendError> {
@@ -125,101 +270,24 @@ impl OrtDecoder {
             }
         })
     }
-
-    /// One run of `count` new positions whose first input is `first`.
-    fn step(&mut self, first: (String, DynValue), count: usize) -> Result<Vec<f32>, BackendError> {
-        if count == 0 {
-            return Err(run_err("forward needs at least one position"));
-        }
-        let total = self.kv_len + count;
-        if total > self.max_len {
-            return Err(BackendError::Capacity {
-                backend: NAME,
-                have: self.kv_len,
-                reason: format!("{count} more exceed max_sequence_length {}", self.max_len),
-            });
-        }
-        let mut inputs: Vec<(String, DynValue)> = Vec::with_capacity(3 + 2 * self.layers.len());
-        inputs.push(first);
-        if let Some(name) = &self.attention_mask {
-            inputs.push((name.clone(), self.int_input(vec![1; total], false)?));
-        }
-        if let Some(name) = &self.position_ids {
-            inputs.push((name.clone(), self.int_input((self.kv_len as i64..total as i64).collect(), false)?));
-        }
-        let past = std::mem::take(&mut self.past);
-        for (l, (key, value)) in self.layers.iter().zip(past) {
-            inputs.push((l.past_key.clone(), key));
-            inputs.push((l.past_value.clone(), value));
-        }
-        match run_step(&mut self.session, inputs, &self.logits, &self.layers, self.vocab) {
-            Ok((logits, next)) => {
-                self.past = next;
-                self.kv_len = total;
-                Ok(logits)
-            }
-            Err(e) => {
-                // The past values were moved into the failed run; the cache is
-                // no longer coherent, so start over rather than continue wrong.
-                self.reset_cache()?;
-                Err(e)
-            }
-        }
-    }
-
-    fn int_input(&self, values: Vec<i64>, as_i32: bool) -> Result<DynValue, BackendError> {
-        let shape = [1usize, values.len()];
-        Ok(if as_i32 {
-            let v: Vec<i32> = values.into_iter().map(|x| x as i32).collect();
-            Tensor::from_array((shape, v)).map_err(run_err)?.into_dyn()
-        } else {
-            Tensor::from_array((shape, values)).map_err(run_err)?.into_dyn()
-        })
-    }
 }
 
-impl DecodeBackend for OrtDecoder {
-    fn name(&self) -> &'static str {
-        NAME
-    }
-
-    fn vocab_size(&self) -> usize {
-        self.vocab
-    }
-
+impl Sequence for OrtSequence {
     fn kv_len(&self) -> usize {
         self.kv_len
-    }
-
-    fn forward(&mut self, tokens: &[u32]) -> Result<Vec<f32>, BackendError> {
-        let Some(port) = self.token_ids.clone() else {
-            return Err(run_err("this decoder reads `inputs_embeds`; run it through its workflow"));
-        };
-        let ids = tokens.iter().map(|t| i64::from(*t)).collect();
-        let first = (port, self.int_input(ids, self.token_ids_i32)?);
-        self.step(first, tokens.len())
-    }
-
-    fn forward_embeds(&mut self, embeds: &[f32], hidden: usize) -> Result<Vec<f32>, BackendError> {
-        let Some(port) = self.inputs_embeds.clone() else {
-            return Err(run_err("this decoder reads token ids, not `inputs_embeds`"));
-        };
-        if hidden == 0 || !embeds.len().is_multiple_of(hidden) {
-            return Err(run_err(format!("{} embedding values are not rows of {hidden}", embeds.len())));
-        }
-        let rows = embeds.len() / hidden;
-        let value = Tensor::from_array(([1usize, rows, hidden], embeds.to_vec())).map_err(run_err)?.into_dyn();
-        self.step((port, value), rows)
     }
 
     fn truncate(&mut self, len: usize) -> Result<(), BackendError> {
         if len >= self.kv_len {
             return Ok(());
         }
-        let past = std::mem::take(&mut self.past);
-        let mut kept = Vec::with_capacity(past.len());
-        for (l, (key, value)) in self.layers.iter().zip(past) {
-            kept.push((self.prefix(&key, l, len)?, self.prefix(&value, l, len)?));
+        if len == 0 {
+            self.reset();
+            return Ok(());
+        }
+        let mut kept = Vec::with_capacity(self.past.len());
+        for (l, (key, value)) in self.layers.iter().zip(&self.past) {
+            kept.push((self.prefix(key, l, len)?, self.prefix(value, l, len)?));
         }
         self.past = kept;
         self.kv_len = len;
@@ -227,34 +295,15 @@ impl DecodeBackend for OrtDecoder {
     }
 
     fn reset(&mut self) {
-        // Creating empty tensors only fails if ONNX Runtime cannot allocate;
-        // the next forward would then report it.
-        let _ = self.reset_cache();
+        self.past = Vec::new();
+        self.kv_len = 0;
     }
-}
 
-type Kv = (DynValue, DynValue);
+    fn resident_bytes(&self) -> u64 {
+        self.kv_len as u64 * self.bytes_per_token
+    }
 
-/// Runs one step; returns the last position's logits and the new KV values.
-fn run_step(
-    session: &mut Session,
-    inputs: Vec<(String, DynValue)>,
-    logits_name: &str,
-    layers: &[LayerPorts],
-    vocab: usize,
-) -> Result<(Vec<f32>, Vec<Kv>), BackendError> {
-    let mut outputs = session.run(inputs).map_err(run_err)?;
-    let logits = outputs.remove(logits_name).ok_or_else(|| run_err(format!("no `{logits_name}` output")))?;
-    let (shape, data) = logits.try_extract_tensor::<f32>().map_err(run_err)?;
-    let width = shape.last().copied().unwrap_or(0) as usize;
-    if width != vocab || data.len() < vocab {
-        return Err(run_err(format!("logits shape {shape:?} does not end in vocab {vocab}")));
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
     }
-    let last = data[data.len() - vocab..].to_vec();
-    let mut next = Vec::with_capacity(layers.len());
-    for l in layers {
-        let mut take = |name: &str| outputs.remove(name).ok_or_else(|| run_err(format!("no `{name}` output")));
-        next.push((take(&l.present_key)?, take(&l.present_value)?));
-    }
-    Ok((last, next))
 }

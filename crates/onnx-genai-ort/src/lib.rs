@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 pub use component::{ComponentInput, OrtComponent};
-pub use decoder::OrtDecoder;
+pub use decoder::{OrtModel, OrtSequence};
 
 /// The ONNX Runtime release this crate targets (the `ort` crate's `api-31`).
 pub const ORT_VERSION: &str = "1.31.1";

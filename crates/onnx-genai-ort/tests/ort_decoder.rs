@@ -2,9 +2,15 @@
 
 use std::path::{Path, PathBuf};
 
-use onnx_genai_backend::DecodeBackend;
-use onnx_genai_ort::OrtDecoder;
+use std::sync::Arc;
+
+use onnx_genai_backend::Decoder;
+use onnx_genai_ort::OrtModel;
 use onnx_genai_package::Package;
+
+fn load(package: &Package) -> Decoder {
+    Decoder::new(Arc::new(OrtModel::load(package, 1).expect("session loads")))
+}
 
 fn specs() -> Vec<PathBuf> {
     let specs = onnx_genai_build::spec_files(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packages")).unwrap();
@@ -20,7 +26,7 @@ fn open(spec: &Path, dir: &Path) -> Package {
 
 /// Feeds `tokens` as ids, or — for a decoder that reads embeddings — as
 /// deterministic embedding rows derived from them.
-fn feed(d: &mut OrtDecoder, package: &Package, tokens: &[u32]) -> Result<Vec<f32>, onnx_genai_backend::BackendError> {
+fn feed(d: &mut Decoder, package: &Package, tokens: &[u32]) -> Result<Vec<f32>, onnx_genai_backend::BackendError> {
     let h = package.manifest.architecture.hidden_size as usize;
     let takes_embeds = package.decoder().unwrap().0.port(onnx_genai_package::Role::InputsEmbeds).is_some();
     if takes_embeds {
@@ -43,12 +49,12 @@ fn incremental_decode_matches_full_prefix_on_every_package() {
         let dir = tempfile::tempdir().unwrap();
         let package = open(&spec, dir.path());
         let tokens = [5u32, 77, 300, 12, 9, 150];
-        let mut full = OrtDecoder::load(&package, 1).expect("session loads");
+        let mut full = load(&package);
         let expected = feed(&mut full, &package, &tokens).expect("full prefix runs");
         assert_eq!(expected.len(), package.manifest.architecture.vocab_size as usize);
         assert!(expected.iter().all(|v| v.is_finite()), "{}: non-finite logits", spec.display());
 
-        let mut step = OrtDecoder::load(&package, 1).unwrap();
+        let mut step = load(&package);
         feed(&mut step, &package, &tokens[..3]).unwrap();
         feed(&mut step, &package, &tokens[3..5]).unwrap();
         assert_eq!(step.kv_len(), 5);
@@ -74,7 +80,7 @@ fn exceeding_the_context_is_a_capacity_error() {
     let spec = &specs()[0];
     let dir = tempfile::tempdir().unwrap();
     let package = open(spec, dir.path());
-    let mut d = OrtDecoder::load(&package, 1).unwrap();
+    let mut d = load(&package);
     let max = package.manifest.architecture.max_sequence_length as usize;
     let err = d.forward(&vec![1u32; max + 1]).unwrap_err();
     assert!(matches!(err, onnx_genai_backend::BackendError::Capacity { .. }), "{err}");

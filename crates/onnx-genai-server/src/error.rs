@@ -88,7 +88,8 @@ pub fn from_engine(err: &onnx_genai_engine::EngineError) -> ApiError {
         EngineError::UnknownSession(_) => {
             ApiError::not_found("session_not_found", "the session is gone; create a new one")
         }
-        EngineError::Package(_) | EngineError::Backend(_) => {
+        EngineError::SessionBusy(_) => ApiError::conflict("the session is running another turn"),
+        EngineError::Package(_) | EngineError::Backend(_) | EngineError::Panicked { .. } => {
             tracing::error!("generation failed: {err}");
             ApiError::internal()
         }

@@ -1,79 +1,16 @@
-//! Causal attention over an in-place KV cache. Each layer's cache is
-//! preallocated as `[kv_heads, capacity, head_dim]`; a step writes only its
-//! new rows and reads the past where it lies, so the cost of a decode step
-//! never includes copying the whole past (what a `Concat(past, new)` graph
-//! does).
+//! Causal attention over the blocked KV cache ([`crate::kv`]), for a batch
+//! of sequences at once. The rows of a step are the new positions of every
+//! sequence back to back (a ragged batch); each sequence's [`Segment`]
+//! names its rows and how many positions its cache already holds. A step
+//! writes only its new K/V rows and reads the past where it lies, so a
+//! decode step never copies the past.
 
-use half::f16;
-use half::slice::HalfFloatSliceExt;
-use rayon::prelude::*;
+use super::simd::{axpy, scores as scores_of};
+use super::Ctx;
+use crate::kv::SeqKv;
+use crate::pool::Disjoint;
 
-use super::math::softmax_row;
-use super::simd::{scores as scores_of, weighted_sum};
-use crate::value::Value;
-
-#[derive(Clone, Debug)]
-pub enum KvStore {
-    F32(Vec<f32>),
-    F16(Vec<f16>),
-}
-
-impl KvStore {
-    fn write(&mut self, at: usize, row: &[f32]) {
-        match self {
-            KvStore::F32(v) => v[at..at + row.len()].copy_from_slice(row),
-            KvStore::F16(v) => v[at..at + row.len()].convert_from_f32_slice(row),
-        }
-    }
-
-    /// Elements `range` as f32: borrowed, or widened from f16 into `wide`.
-    fn span<'a>(&'a self, range: std::ops::Range<usize>, wide: &'a mut Vec<f32>) -> &'a [f32] {
-        match self {
-            KvStore::F32(v) => &v[range],
-            KvStore::F16(v) => {
-                wide.resize(range.len(), 0.0);
-                v[range].convert_to_f32_slice(wide);
-                wide
-            }
-        }
-    }
-}
-
-/// One layer's key and value cache.
-#[derive(Clone, Debug)]
-pub struct LayerCache {
-    pub kv_heads: usize,
-    pub head_dim: usize,
-    pub capacity: usize,
-    pub key: KvStore,
-    pub value: KvStore,
-}
-
-impl LayerCache {
-    pub fn new(kv_heads: usize, head_dim: usize, capacity: usize, half: bool) -> Self {
-        let n = kv_heads * capacity * head_dim;
-        let store = || if half { KvStore::F16(vec![f16::ZERO; n]) } else { KvStore::F32(vec![0.0; n]) };
-        Self { kv_heads, head_dim, capacity, key: store(), value: store() }
-    }
-
-    fn offset(&self, head: usize, pos: usize) -> usize {
-        (head * self.capacity + pos) * self.head_dim
-    }
-
-    /// Memory the two stores hold (measured from the buffers; the KV
-    /// geometry is where bytes per token are defined).
-    pub fn allocated_bytes(&self) -> usize {
-        [&self.key, &self.value]
-            .iter()
-            .map(|s| match s {
-                KvStore::F32(v) => std::mem::size_of_val(v.as_slice()),
-                KvStore::F16(v) => std::mem::size_of_val(v.as_slice()),
-            })
-            .sum()
-    }
-}
-
-/// How a tensor's `[heads, seq, dim]` elements are laid out.
+/// How a tensor's `[rows, heads, dim]` elements are laid out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Layout {
     /// `[batch, heads, seq, dim]`.
@@ -83,18 +20,11 @@ pub enum Layout {
 }
 
 impl Layout {
-    fn index(self, heads: usize, seq: usize, dim: usize, h: usize, t: usize) -> usize {
-        match self {
-            Layout::HeadsFirst => (h * seq + t) * dim,
-            Layout::SeqFirst => (t * heads + h) * dim,
-        }
-    }
-
     /// The sequence length of a tensor in this layout.
     pub fn seq_len(self, shape: &[usize], heads: usize, dim: usize) -> Result<usize, String> {
         let bad = || format!("shape {shape:?} is not a batch-1 {self:?} tensor of {heads} heads x {dim}");
         let n: usize = shape.iter().product();
-        if shape.first() != Some(&1) || !n.is_multiple_of(heads * dim) {
+        if shape.first() != Some(&1) || heads * dim == 0 || !n.is_multiple_of(heads * dim) {
             return Err(bad());
         }
         let seq = n / (heads * dim);
@@ -136,135 +66,264 @@ pub struct AttentionSpec {
     pub bias: Bias,
 }
 
-const PARALLEL_MIN_MACS: usize = 1 << 14;
-
-/// The tensors one attention step reads: the new tokens' query, key and
-/// value, and the additive bias if the form has one.
-pub struct AttentionInputs<'a> {
-    pub q: &'a Value,
-    pub k: &'a Value,
-    pub v: &'a Value,
-    pub bias: Option<&'a Value>,
-    /// Where long contexts may run in parallel (`None`: on this thread).
-    pub pool: super::linear::Pool<'a>,
+/// One sequence's rows in a batch step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Segment {
+    /// First row of the step that belongs to this sequence.
+    pub start: usize,
+    /// Its new positions.
+    pub len: usize,
+    /// Positions its cache held before the step.
+    pub past: usize,
 }
 
-/// Appends `k`/`v` (the new tokens) at `past` in `cache`, then attends every
-/// query of `q` over positions `0..past + seq`. Writes `out` in
-/// `spec.out_layout`.
+/// A projection attention reads: the element `(row, head, d)` of a
+/// `[rows, heads, head_dim]` tensor in `layout`, possibly packed with others
+/// in wider rows (`stride` elements per row, this one starting at
+/// `offset`).
+#[derive(Clone, Copy)]
+pub struct Heads<'a> {
+    pub data: &'a [f32],
+    pub layout: Layout,
+    pub heads: usize,
+    pub rows: usize,
+    pub head_dim: usize,
+    pub stride: usize,
+    pub offset: usize,
+}
+
+impl<'a> Heads<'a> {
+    /// A plain (unpacked) tensor of `rows` rows.
+    pub fn plain(data: &'a [f32], layout: Layout, heads: usize, rows: usize, head_dim: usize) -> Self {
+        Self { data, layout, heads, rows, head_dim, stride: heads * head_dim, offset: 0 }
+    }
+
+    fn at(&self, row: usize, head: usize) -> usize {
+        match self.layout {
+            Layout::HeadsFirst => (head * self.rows + row) * self.head_dim,
+            Layout::SeqFirst => row * self.stride + self.offset + head * self.head_dim,
+        }
+    }
+
+    fn row(&self, row: usize, head: usize) -> &'a [f32] {
+        let at = self.at(row, head);
+        &self.data[at..at + self.head_dim]
+    }
+
+    fn check(&self, what: &str) -> Result<(), String> {
+        let last = match self.rows.checked_sub(1) {
+            None => return Ok(()),
+            Some(r) => self.at(r, self.heads.saturating_sub(1)).max(self.at(r, 0)),
+        };
+        if last + self.head_dim > self.data.len() {
+            return Err(format!(
+                "{what} has {} values, {} rows x {} heads x {} need more",
+                self.data.len(),
+                self.rows,
+                self.heads,
+                self.head_dim
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Half-width cos/sin caches for rotary applied inside the attention (at
+/// each row's absolute position).
+#[derive(Clone, Copy)]
+pub struct RotaryCache<'a> {
+    pub cos: &'a [f32],
+    pub sin: &'a [f32],
+    pub half: usize,
+}
+
+impl RotaryCache<'_> {
+    fn rotate(&self, src: &[f32], pos: usize, dst: &mut [f32]) -> Result<(), String> {
+        let h = self.half;
+        if (pos + 1) * h > self.cos.len() || (pos + 1) * h > self.sin.len() || 2 * h > src.len() {
+            return Err(format!("position {pos} is beyond the rotary cache ({} positions)", self.cos.len() / h.max(1)));
+        }
+        let (c, s) = (&self.cos[pos * h..(pos + 1) * h], &self.sin[pos * h..(pos + 1) * h]);
+        for i in 0..h {
+            dst[i] = src[i] * c[i] - src[i + h] * s[i];
+            dst[i + h] = src[i + h] * c[i] + src[i] * s[i];
+        }
+        dst[2 * h..].copy_from_slice(&src[2 * h..]);
+        Ok(())
+    }
+}
+
+/// An additive bias for one sequence (graphs whose mask the compiler does
+/// not recognize as causal run one sequence at a time).
+#[derive(Clone, Copy)]
+pub struct AdditiveBias<'a> {
+    pub data: &'a [f32],
+    pub mode: Bias,
+    /// One bias shared by every head (group) rather than one per head.
+    pub shared: bool,
+}
+
+/// The new positions of one attention layer for a whole batch.
+pub struct Step<'a> {
+    pub layer: usize,
+    pub segments: &'a [Segment],
+    pub q: Heads<'a>,
+    pub k: Heads<'a>,
+    pub v: Heads<'a>,
+    pub rotary: Option<RotaryCache<'a>>,
+    pub bias: Option<AdditiveBias<'a>>,
+}
+
+/// Appends every segment's new K/V rows to its cache (`kvs[i]` belongs to
+/// `segments[i]`; each must have room reserved), then attends every query
+/// row over its sequence's positions `0..=past + i`. `out` receives
+/// `rows x heads x head_dim` values in `spec.out_layout`.
 pub fn attention(
     spec: &AttentionSpec,
-    cache: &mut LayerCache,
-    past: usize,
-    inputs: AttentionInputs,
-    out: &mut Value,
+    step: &Step<'_>,
+    kvs: &mut [&mut SeqKv],
+    out: &mut [f32],
+    ctx: &Ctx<'_>,
 ) -> Result<(), String> {
-    let AttentionInputs { q, k, v, bias, pool } = inputs;
     let (heads, kvh, hd) = (spec.heads, spec.kv_heads, spec.head_dim);
-    if cache.kv_heads != kvh || cache.head_dim != hd {
-        return Err(format!(
-            "KV cache holds {} heads x {}, the attention needs {kvh} x {hd}",
-            cache.kv_heads, cache.head_dim
-        ));
+    if kvh == 0 || heads % kvh != 0 || hd == 0 {
+        return Err(format!("{heads} query heads over {kvh} KV heads of {hd} is not a grouped attention"));
     }
-    let seq = spec.q_layout.seq_len(&q.shape, heads, hd).map_err(|e| format!("query: {e}"))?;
-    for (name, t) in [("key", k), ("value", v)] {
-        let s = spec.kv_layout.seq_len(&t.shape, kvh, hd).map_err(|e| format!("{name}: {e}"))?;
-        if s != seq {
-            return Err(format!("{name} has {s} new positions, the query {seq}"));
-        }
+    let rows = step.q.rows;
+    step.q.check("query")?;
+    step.k.check("key")?;
+    step.v.check("value")?;
+    if out.len() != rows * heads * hd {
+        return Err(format!("attention output holds {} values, {rows} rows x {heads} x {hd} expected", out.len()));
     }
-    let total = past + seq;
-    if total > cache.capacity {
-        return Err(format!("{total} positions exceed the KV cache capacity {}", cache.capacity));
+    if step.segments.len() != kvs.len() {
+        return Err(format!("{} segments for {} KV caches", step.segments.len(), kvs.len()));
     }
-    let (q, k, v) = (q.as_f32()?, k.as_f32()?, v.as_f32()?);
-    for h in 0..kvh {
-        for t in 0..seq {
-            let src = spec.kv_layout.index(kvh, seq, hd, h, t);
-            let dst = cache.offset(h, past + t);
-            cache.key.write(dst, &k[src..src + hd]);
-            cache.value.write(dst, &v[src..src + hd]);
-        }
+    if step.bias.is_some() && step.segments.len() != 1 {
+        return Err("an additive attention bias takes one sequence at a time".into());
     }
-    let n_rep = heads / kvh;
-    let bias_rows = match (bias, spec.bias) {
-        (None, Bias::Causal) => None,
-        (Some(b), mode @ (Bias::PerQuery | Bias::Grouped)) => {
-            let rows = if mode == Bias::Grouped { n_rep * seq } else { seq };
-            let groups = if mode == Bias::Grouped { kvh } else { heads };
-            let n = b.len();
-            let per_head = rows * total;
-            if b.shape.last() != Some(&total) || (n != per_head && n != per_head * groups) {
-                return Err(format!("attention bias {:?} does not fit {rows} query rows x {total} positions", b.shape));
-            }
-            Some((b.as_f32()?, n == per_head, mode))
+    // 1. Append the new keys and values (rotated first when the op applies
+    //    rotary itself).
+    let mut rotated = [0f32; 512];
+    if hd > rotated.len() {
+        return Err(format!("head_dim {hd} is larger than native-cpu supports (512)"));
+    }
+    for (seg, kv) in step.segments.iter().zip(kvs.iter_mut()) {
+        let (geometry_heads, geometry_dim) = kv.layout().geometry(step.layer).unwrap_or((0, 0));
+        if (geometry_heads, geometry_dim) != (kvh, hd) {
+            return Err(format!(
+                "KV cache layer {} holds {geometry_heads} heads x {geometry_dim}, the attention needs {kvh} x {hd}",
+                step.layer
+            ));
         }
-        _ => return Err("attention bias input does not match the compiled form".into()),
-    };
-    let cache = &*cache;
-    // One KV group at a time over the group's contiguous cache rows:
-    // scores = Q K^T, out = softmax(scores) V; the `n_rep` query heads that
-    // share the group are rows of the same pass, so each K/V row is read
-    // (and widened from f16) once for all of them.
-    let rows = n_rep * seq;
-    let group = |g: usize, dst: &mut [f32]| {
-        let mut qg = vec![0.0f32; rows * hd];
-        for r in 0..n_rep {
-            for i in 0..seq {
-                let qi = spec.q_layout.index(heads, seq, hd, g * n_rep + r, i);
-                qg[(r * seq + i) * hd..(r * seq + i + 1) * hd].copy_from_slice(&q[qi..qi + hd]);
-            }
+        if seg.start + seg.len > rows {
+            return Err(format!("segment {seg:?} is outside the step's {rows} rows"));
         }
-        let span = cache.offset(g, 0)..cache.offset(g, total);
-        let mut wide = Vec::new();
-        let keys = cache.key.span(span.clone(), &mut wide);
-        let mut scores = vec![0.0f32; rows * total];
-        scores_of(&qg, rows, keys, hd, &mut scores);
-        for r in 0..n_rep {
-            let h = g * n_rep + r;
-            for i in 0..seq {
-                let srow = &mut scores[(r * seq + i) * total..(r * seq + i + 1) * total];
-                srow.iter_mut().for_each(|s| *s *= spec.scale);
-                match bias_rows {
-                    None => srow[past + i + 1..].iter_mut().for_each(|s| *s = f32::NEG_INFINITY),
-                    Some((b, shared, mode)) => {
-                        let (row, grp, nrows) = match mode {
-                            Bias::Grouped => (r * seq + i, g, n_rep * seq),
-                            _ => (i, h, seq),
-                        };
-                        let base = if shared { 0 } else { grp * nrows * total };
-                        let brow = &b[base + row * total..base + (row + 1) * total];
-                        srow.iter_mut().zip(brow).for_each(|(s, b)| *s += b);
+        for i in 0..seg.len {
+            let pos = seg.past + i;
+            for h in 0..kvh {
+                let key = step.k.row(seg.start + i, h);
+                let key = match &step.rotary {
+                    Some(r) => {
+                        r.rotate(key, pos, &mut rotated[..hd])?;
+                        &rotated[..hd]
                     }
-                }
-                softmax_row(srow);
+                    None => key,
+                };
+                kv.write(step.layer, h, pos, key, step.v.row(seg.start + i, h));
             }
         }
-        let values = cache.value.span(span, &mut wide);
-        weighted_sum(&scores, rows, values, hd, dst);
-    };
-    // Heads-first output: group g owns heads g*n_rep.. contiguously.
-    let mut heads_first = vec![0.0f32; heads * seq * hd];
-    if let (Some(p), true) = (pool, heads * seq * total * hd >= PARALLEL_MIN_MACS && kvh > 1) {
-        p.install(|| heads_first.par_chunks_mut(rows * hd).enumerate().for_each(|(g, dst)| group(g, dst)));
-    } else {
-        heads_first.chunks_mut(rows * hd).enumerate().for_each(|(g, dst)| group(g, dst));
     }
-    let (shape, data) = match spec.out_layout {
-        Layout::HeadsFirst => (vec![1, heads, seq, hd], heads_first),
-        Layout::SeqFirst => {
-            let mut o = out.recycle_f32(heads * seq * hd);
-            for h in 0..heads {
-                for t in 0..seq {
-                    let src = (h * seq + t) * hd;
-                    let dst = (t * heads + h) * hd;
-                    o[dst..dst + hd].copy_from_slice(&heads_first[src..src + hd]);
-                }
+    // 2. Attend: one job per (segment, query head).
+    let n_rep = heads / kvh;
+    let jobs = step.segments.len() * heads;
+    let kvs: &[&mut SeqKv] = kvs;
+    let target = Disjoint::new(out);
+    let failed = std::sync::Mutex::new(None::<String>);
+    ctx.pool.for_ranges(jobs, 1, &|range, t| {
+        // SAFETY: thread `t` is the only user of its scratch in this region.
+        let scratch = unsafe { ctx.scratch.get(t) };
+        for job in range {
+            let (s, h) = (job / heads, job % heads);
+            let result = attend_head(spec, step, kvs[s], step.segments[s], h, h / n_rep, &target, scratch);
+            if let Err(e) = result {
+                *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
             }
-            (vec![1, seq, heads * hd], o)
         }
-    };
-    *out = Value::f32(shape, data);
+    });
+    match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+/// Query head `h` (KV group `g`) of one sequence.
+#[allow(clippy::too_many_arguments)]
+fn attend_head(
+    spec: &AttentionSpec,
+    step: &Step<'_>,
+    kv: &SeqKv,
+    seg: Segment,
+    h: usize,
+    g: usize,
+    out: &Disjoint<'_, f32>,
+    scratch: &mut super::Scratch,
+) -> Result<(), String> {
+    let hd = spec.head_dim;
+    let rows = step.q.rows;
+    let total = seg.past + seg.len;
+    let super::Scratch { a: qbuf, b: srow, c: wide, d: acc, .. } = scratch;
+    super::sized(qbuf, hd);
+    super::sized(srow, total);
+    super::sized(acc, hd);
+    let block = crate::kv::BLOCK_TOKENS;
+    for i in 0..seg.len {
+        let pos = seg.past + i;
+        let r = seg.start + i;
+        let q = step.q.row(r, h);
+        let q = match &step.rotary {
+            Some(rot) => {
+                rot.rotate(q, pos, qbuf)?;
+                &qbuf[..]
+            }
+            None => q,
+        };
+        // Causal: keys 0..=pos, unless an explicit bias decides.
+        let visible = if step.bias.is_some() { total } else { pos + 1 };
+        let scores = &mut srow[..visible];
+        for (b, chunk) in scores.chunks_mut(block).enumerate() {
+            let keys = kv.span(step.layer, false, g, b, chunk.len()).widened(wide);
+            scores_of(q, 1, keys, hd, chunk);
+        }
+        scores.iter_mut().for_each(|s| *s *= spec.scale);
+        if let Some(bias) = &step.bias {
+            let n_rep = spec.heads / spec.kv_heads;
+            let (row, group, nrows) = match bias.mode {
+                Bias::Grouped => ((h % n_rep) * seg.len + i, g, n_rep * seg.len),
+                _ => (i, h, seg.len),
+            };
+            let base = if bias.shared { 0 } else { group * nrows * total };
+            let at = base + row * total;
+            let b = bias.data.get(at..at + total).ok_or_else(|| {
+                format!("attention bias of {} values does not cover row {row} of {total} positions", bias.data.len())
+            })?;
+            scores.iter_mut().zip(b).for_each(|(s, b)| *s += b);
+        }
+        super::simd::softmax(scores);
+        acc.iter_mut().for_each(|v| *v = 0.0);
+        for (b, probs) in scores.chunks(block).enumerate() {
+            let values = kv.span(step.layer, true, g, b, probs.len()).widened(wide);
+            for (p, v) in probs.iter().zip(values.chunks_exact(hd)) {
+                axpy(acc, *p, v);
+            }
+        }
+        let at = match spec.out_layout {
+            Layout::HeadsFirst => (h * rows + r) * hd,
+            Layout::SeqFirst => (r * spec.heads + h) * hd,
+        };
+        // SAFETY: (row r, head h) belongs to exactly one job, so no other
+        // thread writes these `hd` elements.
+        unsafe { out.slice(at, hd) }.copy_from_slice(acc);
+    }
     Ok(())
 }

@@ -2,7 +2,7 @@
 
 use half::f16;
 
-use crate::value::{DType, Data, Value};
+use crate::value::{DType, Data, Shape, Value};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BinOp {
@@ -51,9 +51,9 @@ impl UnOp {
 }
 
 /// The broadcast result shape of `a` and `b`, or `None` when incompatible.
-pub fn broadcast_shape(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
+pub fn broadcast_shape(a: &[usize], b: &[usize]) -> Option<Shape> {
     let rank = a.len().max(b.len());
-    let mut out = vec![0; rank];
+    let mut out: Shape = std::iter::repeat_n(0, rank).collect();
     for (i, o) in out.iter_mut().enumerate() {
         let da = if i + a.len() >= rank { a[i + a.len() - rank] } else { 1 };
         let db = if i + b.len() >= rank { b[i + b.len() - rank] } else { 1 };
@@ -68,8 +68,8 @@ pub fn broadcast_shape(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
 }
 
 /// Strides of `shape` laid out inside `out` (0 along broadcast axes).
-fn broadcast_strides(shape: &[usize], out: &[usize]) -> Vec<usize> {
-    let mut strides = vec![0; out.len()];
+fn broadcast_strides(shape: &[usize], out: &[usize]) -> Shape {
+    let mut strides: Shape = std::iter::repeat_n(0, out.len()).collect();
     let offset = out.len() - shape.len();
     let mut stride = 1;
     for i in (0..shape.len()).rev() {
@@ -100,7 +100,7 @@ fn for_each_pair(out: &[usize], a: &[usize], b: &[usize], mut f: impl FnMut(usiz
     }
     let (inner, ia_step, ib_step) = (out[rank - 1], sa[rank - 1], sb[rank - 1]);
     let outer = &out[..rank - 1];
-    let mut idx = vec![0usize; outer.len()];
+    let mut idx: Shape = std::iter::repeat_n(0, outer.len()).collect();
     let (mut ia, mut ib, mut o) = (0usize, 0usize, 0usize);
     for _ in 0..n / inner.max(1) {
         let (mut xa, mut xb) = (ia, ib);
@@ -124,7 +124,7 @@ fn for_each_pair(out: &[usize], a: &[usize], b: &[usize], mut f: impl FnMut(usiz
     }
 }
 
-fn shape_of(a: &Value, b: &Value) -> Result<Vec<usize>, String> {
+fn shape_of(a: &Value, b: &Value) -> Result<Shape, String> {
     broadcast_shape(&a.shape, &b.shape)
         .ok_or_else(|| format!("shapes {:?} and {:?} do not broadcast", a.shape, b.shape))
 }

@@ -29,7 +29,7 @@ pub fn gather_q4(
     }
     let zero_bytes = blocks.div_ceil(2);
     let zeros = match zeros {
-        Some(z) if z.shape != [rows, zero_bytes] => {
+        Some(z) if z.shape[..] != [rows, zero_bytes] => {
             return Err(format!("zero points {:?} are not [{rows}, {zero_bytes}]", z.shape));
         }
         Some(z) => Some(z.as_u8()?),
@@ -68,7 +68,7 @@ mod tests {
         let ids = Value::i64(vec![1, 1], vec![1]);
         let mut out = Value::default();
         gather_q4(&data, &ids, &scales, Some(&zeros), 2, &mut out).unwrap();
-        assert_eq!(out.shape, vec![1, 1, 4]);
+        assert_eq!(out.shape[..], [1, 1, 4]);
         assert_eq!(out.as_f32().unwrap(), &[0.0, 0.5, 24.0, -6.0]);
         gather_q4(&data, &ids, &scales, None, 2, &mut out).unwrap();
         assert_eq!(out.as_f32().unwrap(), &[-3.5, -3.0, 14.0, -16.0]);

@@ -1,10 +1,10 @@
 //! Shape and layout kernels: they move elements without arithmetic, so each
 //! computes an index map and [`select`] copies through it for any dtype.
 
-use crate::value::{Data, Value};
+use crate::value::{Data, Shape, Value};
 
 /// `out[i] = src[index[i]]`, with `shape` as the output shape.
-pub fn select(src: &Value, index: &[usize], shape: Vec<usize>, out: &mut Value) {
+pub fn select(src: &Value, index: &[usize], shape: &[usize], out: &mut Value) {
     fn pick<T: Copy>(v: &[T], index: &[usize], mut o: Vec<T>) -> Vec<T> {
         o.clear();
         o.extend(index.iter().map(|i| v[*i]));
@@ -15,13 +15,13 @@ pub fn select(src: &Value, index: &[usize], shape: Vec<usize>, out: &mut Value) 
         Data::F32(v) => Value::f32(shape, pick(v, index, out.recycle_f32(n))),
         Data::I64(v) => Value::i64(shape, pick(v, index, out.recycle_i64(n))),
         Data::Bool(v) => Value::bool(shape, pick(v, index, out.recycle_bool(n))),
-        Data::F16(v) => Value { shape, data: Data::F16(pick(v, index, out.recycle_f16(n))) },
-        Data::U8(v) => Value { shape, data: Data::U8(pick(v, index, out.recycle_u8(n))) },
+        Data::F16(v) => Value::f16(shape, pick(v, index, out.recycle_f16(n))),
+        Data::U8(v) => Value::u8(shape, pick(v, index, out.recycle_u8(n))),
     };
 }
 
 /// Copies `src` with a new shape (Reshape, Unsqueeze, Squeeze, Identity).
-pub fn reshaped(src: &Value, shape: Vec<usize>, out: &mut Value) -> Result<(), String> {
+pub fn reshaped(src: &Value, shape: &[usize], out: &mut Value) -> Result<(), String> {
     if shape.iter().product::<usize>() != src.len() {
         return Err(format!("cannot view {:?} ({} elements) as {shape:?}", src.shape, src.len()));
     }
@@ -35,8 +35,8 @@ pub fn reshaped(src: &Value, shape: Vec<usize>, out: &mut Value) -> Result<(), S
         Data::F32(v) => Value::f32(shape, copy(v, out.recycle_f32(n))),
         Data::I64(v) => Value::i64(shape, copy(v, out.recycle_i64(n))),
         Data::Bool(v) => Value::bool(shape, copy(v, out.recycle_bool(n))),
-        Data::F16(v) => Value { shape, data: Data::F16(copy(v, out.recycle_f16(n))) },
-        Data::U8(v) => Value { shape, data: Data::U8(copy(v, out.recycle_u8(n))) },
+        Data::F16(v) => Value::f16(shape, copy(v, out.recycle_f16(n))),
+        Data::U8(v) => Value::u8(shape, copy(v, out.recycle_u8(n))),
     };
     Ok(())
 }
@@ -53,9 +53,9 @@ pub fn axis(axis: i64, rank: usize) -> Result<usize, String> {
 }
 
 /// ONNX Reshape target: 0 copies the input dim, -1 is inferred.
-pub fn reshape_target(input: &[usize], target: &[i64]) -> Result<Vec<usize>, String> {
+pub fn reshape_target(input: &[usize], target: &[i64]) -> Result<Shape, String> {
     let total: usize = input.iter().product();
-    let mut out = Vec::with_capacity(target.len());
+    let mut out = Shape::new();
     let mut infer = None;
     for (i, t) in target.iter().enumerate() {
         match *t {
@@ -82,11 +82,11 @@ pub fn reshape_target(input: &[usize], target: &[i64]) -> Result<Vec<usize>, Str
     Ok(out)
 }
 
-pub fn unsqueeze_target(input: &[usize], axes: &[i64]) -> Result<Vec<usize>, String> {
+pub fn unsqueeze_target(input: &[usize], axes: &[i64]) -> Result<Shape, String> {
     let rank = input.len() + axes.len();
-    let mut resolved = axes.iter().map(|a| axis(*a, rank)).collect::<Result<Vec<_>, _>>()?;
+    let mut resolved = axes.iter().map(|a| axis(*a, rank)).collect::<Result<Shape, _>>()?;
     resolved.sort_unstable();
-    let mut out = Vec::with_capacity(rank);
+    let mut out = Shape::new();
     let mut rest = input.iter();
     for i in 0..rank {
         if resolved.binary_search(&i).is_ok() {
@@ -98,8 +98,8 @@ pub fn unsqueeze_target(input: &[usize], axes: &[i64]) -> Result<Vec<usize>, Str
     Ok(out)
 }
 
-pub fn squeeze_target(input: &[usize], axes: Option<&[i64]>) -> Result<Vec<usize>, String> {
-    let drop: Vec<usize> = match axes {
+pub fn squeeze_target(input: &[usize], axes: Option<&[i64]>) -> Result<Shape, String> {
+    let drop: Shape = match axes {
         Some(axes) => axes.iter().map(|a| axis(*a, input.len())).collect::<Result<_, _>>()?,
         None => (0..input.len()).filter(|i| input[*i] == 1).collect(),
     };
@@ -148,12 +148,13 @@ pub fn transpose(src: &Value, perm: &[usize], out: &mut Value) -> Result<(), Str
     // Moving only size-1 axes keeps the element order: a copy.
     let moved: Vec<usize> = perm.iter().copied().filter(|p| src.shape[*p] != 1).collect();
     if moved.windows(2).all(|w| w[0] < w[1]) {
-        return reshaped(src, perm.iter().map(|p| src.shape[*p]).collect(), out);
+        let shape: Shape = perm.iter().map(|p| src.shape[*p]).collect();
+        return reshaped(src, &shape, out);
     }
     let s = strides(&src.shape);
     let shape: Vec<usize> = perm.iter().map(|p| src.shape[*p]).collect();
     let steps: Vec<isize> = perm.iter().map(|p| s[*p] as isize).collect();
-    select(src, &strided_index(0, &shape, &steps), shape, out);
+    select(src, &strided_index(0, &shape, &steps), &shape, out);
     Ok(())
 }
 
@@ -192,7 +193,7 @@ pub fn slice(
         walk[a] = step as isize * s[a] as isize;
     }
     let index = if counts.contains(&0) { Vec::new() } else { strided_index(base as usize, &counts, &walk) };
-    select(src, &index, counts, out);
+    select(src, &index, &counts, out);
     Ok(())
 }
 
@@ -237,7 +238,7 @@ pub fn concat(parts: &[&Value], axis_attr: i64, out: &mut Value) -> Result<(), S
         }
     }
     let joined = join(parts);
-    select(&joined, &index, shape, out);
+    select(&joined, &index, &shape, out);
     Ok(())
 }
 
@@ -245,7 +246,7 @@ fn join(parts: &[&Value]) -> Value {
     fn cat<T: Copy>(parts: &[&Value], get: impl Fn(&Value) -> &[T]) -> Vec<T> {
         parts.iter().flat_map(|p| get(p).iter().copied()).collect()
     }
-    let shape = vec![parts.iter().map(|p| p.len()).sum()];
+    let shape = Shape::from_slice(&[parts.iter().map(|p| p.len()).sum()]);
     let data = match &parts[0].data {
         Data::F32(_) => Data::F32(cat(parts, |p| p.as_f32().unwrap_or(&[]))),
         Data::I64(_) => Data::I64(cat(parts, |p| p.as_i64().unwrap_or(&[]))),
@@ -260,6 +261,34 @@ pub fn gather(data: &Value, indices: &Value, axis_attr: i64, out: &mut Value) ->
     let a = axis(axis_attr, data.shape.len())?;
     let idx = indices.as_i64()?;
     let dim = data.shape[a];
+    let mut shape: Shape = data.shape[..a].iter().copied().collect();
+    shape.extend_from_slice(&indices.shape);
+    shape.extend_from_slice(&data.shape[a + 1..]);
+    if a == 0 {
+        // Whole rows (an embedding or a cos/sin table lookup): copied row by
+        // row, without an index map.
+        let inner: usize = data.shape[1..].iter().product();
+        fn rows<T: Copy>(v: &[T], idx: &[i64], dim: usize, inner: usize, mut o: Vec<T>) -> Result<Vec<T>, String> {
+            o.clear();
+            for i in idx {
+                let i = if *i < 0 { *i + dim as i64 } else { *i };
+                if !(0..dim as i64).contains(&i) {
+                    return Err(format!("index {i} is out of range for axis 0 of size {dim}"));
+                }
+                let start = i as usize * inner;
+                o.extend_from_slice(&v[start..start + inner]);
+            }
+            Ok(o)
+        }
+        *out = match &data.data {
+            Data::F32(v) => Value::f32(&shape, rows(v, idx, dim, inner, out.recycle_f32(0))?),
+            Data::F16(v) => Value::f16(&shape, rows(v, idx, dim, inner, out.recycle_f16(0))?),
+            Data::I64(v) => Value::i64(&shape, rows(v, idx, dim, inner, out.recycle_i64(0))?),
+            Data::Bool(v) => Value::bool(&shape, rows(v, idx, dim, inner, out.recycle_bool(0))?),
+            Data::U8(v) => Value::u8(&shape, rows(v, idx, dim, inner, out.recycle_u8(0))?),
+        };
+        return Ok(());
+    }
     let outer: usize = data.shape[..a].iter().product();
     let inner: usize = data.shape[a + 1..].iter().product();
     let mut index = Vec::with_capacity(outer * idx.len() * inner);
@@ -273,10 +302,7 @@ pub fn gather(data: &Value, indices: &Value, axis_attr: i64, out: &mut Value) ->
             index.extend(start..start + inner);
         }
     }
-    let mut shape = data.shape[..a].to_vec();
-    shape.extend(&indices.shape);
-    shape.extend(&data.shape[a + 1..]);
-    select(data, &index, shape, out);
+    select(data, &index, &shape, out);
     Ok(())
 }
 
@@ -298,7 +324,7 @@ pub fn tile(src: &Value, repeats: &[i64], out: &mut Value) -> Result<(), String>
         }
         index = next;
     }
-    select(src, &index, shape, out);
+    select(src, &index, &shape, out);
     Ok(())
 }
 
@@ -306,7 +332,7 @@ pub fn expand(src: &Value, target: &[i64], out: &mut Value) -> Result<(), String
     let target: Vec<usize> = target.iter().map(|d| (*d).max(0) as usize).collect();
     let shape = super::elementwise::broadcast_shape(&src.shape, &target)
         .ok_or_else(|| format!("cannot expand {:?} to {target:?}", src.shape))?;
-    let padded: Vec<usize> =
+    let padded: Shape =
         std::iter::repeat_n(1, shape.len() - src.shape.len()).chain(src.shape.iter().copied()).collect();
     let reps: Vec<i64> = shape.iter().zip(&padded).map(|(o, i)| (o / i.max(&1)) as i64).collect();
     let view = Value { shape: padded, data: src.data.clone() };
@@ -320,7 +346,7 @@ pub fn range(start: &Value, limit: &Value, delta: &Value, out: &mut Value) -> Re
             let n = ((l - s) as f64 / d as f64).ceil().max(0.0) as usize;
             let mut o = out.recycle_i64(n);
             o.iter_mut().enumerate().for_each(|(i, o)| *o = s + i as i64 * d);
-            *out = Value::i64(vec![n], o);
+            *out = Value::i64([n], o);
             Ok(())
         }
         _ => Err("Range needs i64 scalars and a non-zero delta".into()),

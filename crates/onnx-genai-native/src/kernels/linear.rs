@@ -6,17 +6,18 @@
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
-use rayon::prelude::*;
 
 use super::math::{dot, sgemm};
+use super::Ctx;
+use crate::pool::Disjoint;
 
 /// Below this many multiply-adds a projection runs on the calling thread:
 /// handing tiny work to the pool costs more than it saves.
 const PARALLEL_MIN_MACS: usize = 1 << 15;
 
-/// Where parallel kernels may run; `None` keeps everything on the calling
-/// thread.
-pub type Pool<'a> = Option<&'a rayon::ThreadPool>;
+/// Output rows handed to one thread are a multiple of this (a cache line of
+/// f32 outputs).
+const ROW_ALIGN: usize = 16;
 
 #[derive(Clone, Debug)]
 pub enum Packed {
@@ -183,40 +184,39 @@ impl Weight {
     }
 }
 
-/// `y[m, n] = x[m, :] . W[n, :] + bias[n]` for `m` input rows.
-/// `pool`: where large products may run in parallel (`None`: on this
-/// thread).
-pub fn linear(x: &[f32], m: usize, w: &Weight, bias: Option<&[f32]>, y: &mut Vec<f32>, pool: Pool) {
+/// `y[m, n] = x[m, :] . W[n, :] + bias[n]` for `m` input rows; large
+/// products are split across the context's threads.
+pub fn linear(x: &[f32], m: usize, w: &Weight, bias: Option<&[f32]>, y: &mut Vec<f32>, ctx: &Ctx) {
     let (n, k) = (w.n, w.k);
     y.clear();
     y.resize(m * n, 0.0);
     if let Packed::Q4Int8 { .. } = &w.packed {
-        super::linear_int8::linear_q4_int8(x, m, w, y, pool);
+        super::linear_int8::linear_q4_int8(x, m, w, y, ctx);
     } else if let (Packed::F32(wt), true) = (&w.packed, m >= 4) {
         sgemm(m, k, n, x, (k, 1), wt, (1, k), y);
     } else if m >= 4 {
-        widened_panels(x, m, w, y, pool);
+        widened_panels(x, m, w, y, ctx);
     } else if m == 1 {
-        rows_dot(x, w, y, pool);
+        rows_dot(x, w, y, ctx);
     } else {
-        // Row-major output is strided per weight row; compute transposed.
-        let mut yt = vec![0.0; n * m];
-        let per_row = |(r, out): (usize, &mut [f32]), scratch: &mut Vec<f32>| {
-            let row = w.row(r, scratch);
-            for (mi, o) in out.iter_mut().enumerate() {
-                *o = dot(&x[mi * k..(mi + 1) * k], row);
+        // Few rows: each weight row once against every input row.
+        let out = Disjoint::new(y);
+        let work = |range: std::ops::Range<usize>, t: usize| {
+            // SAFETY: thread `t` is the only user of its scratch here.
+            let scratch = unsafe { ctx.scratch.get(t) };
+            for r in range {
+                let row = w.row(r, &mut scratch.a);
+                for mi in 0..m {
+                    // SAFETY: output column `r` belongs to this range only.
+                    let o = unsafe { out.slice(mi * n + r, 1) };
+                    o[0] = dot(&x[mi * k..(mi + 1) * k], row);
+                }
             }
         };
-        if let (Some(p), true) = (pool, m * n * k >= PARALLEL_MIN_MACS) {
-            p.install(|| yt.par_chunks_mut(m).enumerate().for_each_init(Vec::new, |s, item| per_row(item, s)));
+        if m * n * k >= PARALLEL_MIN_MACS {
+            ctx.pool.for_ranges(n, ROW_ALIGN, &work);
         } else {
-            let mut s = Vec::new();
-            yt.chunks_mut(m).enumerate().for_each(|item| per_row(item, &mut s));
-        }
-        for r in 0..n {
-            for mi in 0..m {
-                y[mi * n + r] = yt[r * m + mi];
-            }
+            work(0..n, 0);
         }
     }
     if let Some(b) = bias {
@@ -230,7 +230,7 @@ pub fn linear(x: &[f32], m: usize, w: &Weight, bias: Option<&[f32]>, y: &mut Vec
 /// rows at a time to f32 and multiplies them with the blocked sgemm, so a
 /// weight row is converted once per call rather than once per input row
 /// (prefill), and the product runs register-blocked.
-fn widened_panels(x: &[f32], m: usize, w: &Weight, y: &mut [f32], pool: Pool) {
+fn widened_panels(x: &[f32], m: usize, w: &Weight, y: &mut [f32], ctx: &Ctx) {
     const PANEL: usize = 64;
     let (n, k) = (w.n, w.k);
     let panel = |p: usize| -> Vec<f32> {
@@ -244,15 +244,21 @@ fn widened_panels(x: &[f32], m: usize, w: &Weight, y: &mut [f32], pool: Pool) {
         out
     };
     let panels = n.div_ceil(PANEL);
-    let products: Vec<Vec<f32>> = match pool {
-        Some(p) if m * n * k >= PARALLEL_MIN_MACS => p.install(|| (0..panels).into_par_iter().map(panel).collect()),
-        _ => (0..panels).map(panel).collect(),
-    };
-    for (p, out) in products.iter().enumerate() {
-        let (r0, rows) = (p * PANEL, PANEL.min(n - p * PANEL));
-        for (mi, src) in out.chunks_exact(rows).enumerate() {
-            y[mi * n + r0..mi * n + r0 + rows].copy_from_slice(src);
+    let target = Disjoint::new(y);
+    let work = |range: std::ops::Range<usize>, _t: usize| {
+        for p in range {
+            let out = panel(p);
+            let (r0, rows) = (p * PANEL, PANEL.min(n - p * PANEL));
+            for (mi, src) in out.chunks_exact(rows).enumerate() {
+                // SAFETY: columns r0..r0+rows of every row belong to panel p.
+                unsafe { target.slice(mi * n + r0, rows) }.copy_from_slice(src);
+            }
         }
+    };
+    if m * n * k >= PARALLEL_MIN_MACS {
+        ctx.pool.for_ranges(panels, 1, &work);
+    } else {
+        work(0..panels, 0);
     }
 }
 
@@ -309,48 +315,62 @@ fn dot_q4(x: &[f32], xsum: &[f32], w: &Weight, r: usize) -> f32 {
     total
 }
 
-fn block_sums(x: &[f32], w: &Weight) -> Vec<f32> {
-    match &w.packed {
-        Packed::Q4 { block, .. } => x.chunks(*block).map(|c| c.iter().sum()).collect(),
-        _ => Vec::new(),
+/// Per-block sums of `x` for a 4-bit weight's zero-point term, in `stack`
+/// when they fit (a decode step allocates nothing), else on the heap.
+fn block_sums<'a>(x: &[f32], w: &Weight, stack: &'a mut [f32], heap: &'a mut Vec<f32>) -> &'a [f32] {
+    let Packed::Q4 { block, .. } = &w.packed else { return &[] };
+    let blocks = x.len().div_ceil(*block);
+    let sums: &mut [f32] = if blocks <= stack.len() {
+        &mut stack[..blocks]
+    } else {
+        heap.resize(blocks, 0.0);
+        heap
+    };
+    for (s, c) in sums.iter_mut().zip(x.chunks(*block)) {
+        *s = c.iter().sum();
     }
+    sums
 }
 
 /// One input row against every weight row, split across threads.
-fn rows_dot(x: &[f32], w: &Weight, y: &mut [f32], pool: Pool) {
-    const CHUNK: usize = 16;
-    let xsum = block_sums(x, w);
-    let chunk = |(c, out): (usize, &mut [f32])| {
-        let first = c * CHUNK;
+fn rows_dot(x: &[f32], w: &Weight, y: &mut [f32], ctx: &Ctx) {
+    let (mut stack, mut heap) = ([0f32; 1024], Vec::new());
+    let xsum = block_sums(x, w, &mut stack, &mut heap);
+    let target = Disjoint::new(y);
+    let chunk = |range: std::ops::Range<usize>, t: usize| {
+        let first = range.start;
+        // SAFETY: rows `range` belong to this thread alone.
+        let out = unsafe { target.slice(first, range.len()) };
         match &w.packed {
             Packed::F32(data) => super::simd::matvec(x, &data[first * w.k..(first + out.len()) * w.k], out),
             Packed::Q4 { data, scales, zeros: None, block: 32, blocks } if x.len() == 32 * blocks => {
                 let (b, rows) = (*blocks, out.len());
                 let (bytes, sc) =
                     (&data[first * 16 * b..(first + rows) * 16 * b], &scales[first * b..(first + rows) * b]);
-                super::simd::q4_matvec32(x, &xsum, bytes, sc, b, out)
+                super::simd::q4_matvec32(x, xsum, bytes, sc, b, out)
             }
-            Packed::Q4 { .. } => out.iter_mut().enumerate().for_each(|(i, o)| *o = dot_q4(x, &xsum, w, first + i)),
+            Packed::Q4 { .. } => out.iter_mut().enumerate().for_each(|(i, o)| *o = dot_q4(x, xsum, w, first + i)),
             // `linear` sends these to the integer kernel; widening is the
             // exact fallback.
             Packed::Q4Int8 { .. } => {
-                let mut scratch = Vec::new();
-                out.iter_mut().enumerate().for_each(|(i, o)| *o = dot(x, w.row(first + i, &mut scratch)))
+                // SAFETY: thread `t` is the only user of its scratch here.
+                let scratch = unsafe { ctx.scratch.get(t) };
+                out.iter_mut().enumerate().for_each(|(i, o)| *o = dot(x, w.row(first + i, &mut scratch.a)))
             }
             Packed::F16(data) => super::simd::matvec_f16(x, &data[first * w.k..(first + out.len()) * w.k], out),
         }
     };
-    if let (Some(p), true) = (pool, w.n * w.k >= PARALLEL_MIN_MACS) {
-        p.install(|| y.par_chunks_mut(CHUNK).enumerate().for_each(chunk));
+    if w.n * w.k >= PARALLEL_MIN_MACS {
+        ctx.pool.for_ranges(w.n, ROW_ALIGN, &chunk);
     } else {
-        y.chunks_mut(CHUNK).enumerate().for_each(chunk);
+        chunk(0..w.n, 0);
     }
 }
 
 /// SiLU-gated MLP input stage: `w` stacks the gate rows over the up rows;
 /// returns `silu(x Wg) * (x Wu)`.
-pub fn gated(x: &[f32], m: usize, w: &Weight, scratch: &mut Vec<f32>, y: &mut Vec<f32>, pool: Pool) {
-    linear(x, m, w, None, scratch, pool);
+pub fn gated(x: &[f32], m: usize, w: &Weight, scratch: &mut Vec<f32>, y: &mut Vec<f32>, ctx: &Ctx) {
+    linear(x, m, w, None, scratch, ctx);
     let inter = w.n / 2;
     y.clear();
     y.resize(m * inter, 0.0);
@@ -385,8 +405,8 @@ mod tests {
             let w: Vec<f32> = (0..k * n).map(|i| ((i * 5) % 13) as f32 * 0.05 - 0.3).collect();
             let packed = Weight::from_kn_f32(&w, k, n);
             let mut y = Vec::new();
-            let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
-            linear(&x, m, &packed, None, &mut y, Some(&pool));
+            let rt = super::super::Runtime::new(2).unwrap();
+            linear(&x, m, &packed, None, &mut y, &rt.ctx());
             let want = naive(&x, m, &w, k, n);
             for (a, b) in y.iter().zip(&want) {
                 assert!((a - b).abs() < 1e-4, "m={m} k={k} n={n}: {a} vs {b}");
@@ -406,15 +426,15 @@ mod tests {
         let scales: Vec<f32> = (0..n * 2).map(|i| 0.01 * (i % 7 + 1) as f32).collect();
         let zeros = Some((0..n).map(|i| (i * 29 % 256) as u8).collect::<Vec<_>>());
         let q4w = Weight { n, k, packed: Packed::Q4 { data, scales, zeros, block: 32, blocks: 2 } };
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let (one, two) = (super::super::Runtime::new(1).unwrap(), super::super::Runtime::new(2).unwrap());
         for w in [&f16w, &q4w] {
             let mut scratch = Vec::new();
             let widened: Vec<f32> = (0..n).flat_map(|r| w.row(r, &mut scratch).to_vec()).collect();
             for m in [1, 2, 5, 70] {
                 let x: Vec<f32> = (0..m * k).map(|i| ((i * 7) % 11) as f32 * 0.1 - 0.5).collect();
-                for threads in [None, Some(&pool)] {
+                for rt in [&one, &two] {
                     let mut y = Vec::new();
-                    linear(&x, m, w, None, &mut y, threads);
+                    linear(&x, m, w, None, &mut y, &rt.ctx());
                     for mi in 0..m {
                         for r in 0..n {
                             let want = dot(&x[mi * k..(mi + 1) * k], &widened[r * k..(r + 1) * k]);
@@ -442,11 +462,12 @@ mod tests {
                 packed: Packed::Q4 { data: data.clone(), scales: scales.clone(), zeros, block, blocks },
             };
             let x: Vec<f32> = (0..k).map(|i| (i as f32 * 0.37).sin()).collect();
-            let xsum = block_sums(&x, &w);
+            let (mut stack, mut heap) = ([0f32; 4], Vec::new());
+            let xsum = block_sums(&x, &w, &mut stack, &mut heap);
             let mut s = Vec::new();
             for r in 0..n {
                 let want = dot(&x, w.row(r, &mut s));
-                let got = dot_q4(&x, &xsum, &w, r);
+                let got = dot_q4(&x, xsum, &w, r);
                 assert!((want - got).abs() < 1e-4, "row {r}: {got} vs {want}");
             }
         }

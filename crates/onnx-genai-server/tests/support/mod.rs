@@ -7,8 +7,8 @@ use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use onnx_genai_backend::{BackendError, DecodeBackend};
-use onnx_genai_engine::{BackendFactory, BackendKind, Engine, Scheduler};
+use onnx_genai_backend::{BackendError, DecodeModel, Entry, Sequence};
+use onnx_genai_engine::{BackendKind, Engine, Scheduler};
 use onnx_genai_package::Package;
 
 pub fn package(name: &str) -> (tempfile::TempDir, Package) {
@@ -55,39 +55,34 @@ impl Gate {
 }
 
 struct Gated {
-    inner: Box<dyn DecodeBackend>,
+    inner: Arc<dyn DecodeModel>,
     gate: Gate,
 }
 
-impl DecodeBackend for Gated {
+impl DecodeModel for Gated {
     fn name(&self) -> &'static str {
         self.inner.name()
     }
     fn vocab_size(&self) -> usize {
         self.inner.vocab_size()
     }
-    fn kv_len(&self) -> usize {
-        self.inner.kv_len()
+    fn context_length(&self) -> usize {
+        self.inner.context_length()
     }
-    fn forward(&mut self, tokens: &[u32]) -> Result<Vec<f32>, BackendError> {
+    fn new_sequence(&self) -> Box<dyn Sequence> {
+        self.inner.new_sequence()
+    }
+    fn step(&self, batch: &mut [Entry<'_>]) -> Result<(), BackendError> {
         self.gate.pass();
-        self.inner.forward(tokens)
-    }
-    fn truncate(&mut self, len: usize) -> Result<(), BackendError> {
-        self.inner.truncate(len)
-    }
-    fn reset(&mut self) {
-        self.inner.reset()
+        self.inner.step(batch)
     }
 }
 
-/// An engine on real ONNX Runtime whose backend calls pass `gate`.
+/// An engine on real ONNX Runtime whose model steps pass `gate`.
 pub fn engine(package: &Package, gate: &Gate, scheduler: Scheduler) -> Engine {
-    let (pk, g) = (package.clone(), gate.clone());
-    let factory: BackendFactory = Box::new(move || {
-        Ok(Box::new(Gated { inner: BackendKind::Ort.load(&pk, 1)?, gate: g.clone() }) as Box<dyn DecodeBackend>)
-    });
-    Engine::new(package.clone(), factory).unwrap().with_scheduler(scheduler)
+    let inner = BackendKind::Ort.load(package, 1).unwrap();
+    let model = Arc::new(Gated { inner, gate: gate.clone() });
+    Engine::new(package.clone(), model).unwrap().with_scheduler(scheduler)
 }
 
 pub use onnx_genai_server::client::{Reply, Stream};

@@ -1,0 +1,72 @@
+//! The one place a decode backend is chosen by name: the engine, the CLI,
+//! the conformance harness and the benchmarks all go through
+//! [`BackendKind`].
+
+use std::sync::Arc;
+
+use onnx_genai_backend::{BackendError, DecodeModel, Decoder};
+use onnx_genai_package::Package;
+
+/// Which decode backend runs a model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum BackendKind {
+    /// ONNX Runtime, the reference.
+    Ort,
+    /// The native compiler's CPU plan.
+    NativeCpu,
+}
+
+impl BackendKind {
+    pub const ALL: [BackendKind; 2] = [BackendKind::Ort, BackendKind::NativeCpu];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Ort => "ort",
+            BackendKind::NativeCpu => onnx_genai_native::NAME,
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|k| k.name() == s)
+    }
+
+    /// The names [`BackendKind::parse`] accepts, for messages.
+    pub fn names() -> String {
+        Self::ALL.map(Self::name).join(", ")
+    }
+
+    /// Whether this backend compares against the reference (everything but
+    /// the reference itself).
+    pub fn is_native(self) -> bool {
+        self != BackendKind::Ort
+    }
+
+    /// Loads (and compiles) `package` on this backend with `threads`
+    /// threads (0: the backend decides). The model is shared by every
+    /// sequence made from it.
+    pub fn load(self, package: &Package, threads: usize) -> Result<Arc<dyn DecodeModel>, BackendError> {
+        Ok(match self {
+            BackendKind::Ort => Arc::new(onnx_genai_ort::OrtModel::load(package, threads)?),
+            BackendKind::NativeCpu => Arc::new(onnx_genai_native::NativeModel::load(package, threads)?),
+        })
+    }
+
+    /// [`BackendKind::load`] and one sequence on it.
+    pub fn decoder(self, package: &Package, threads: usize) -> Result<Decoder, BackendError> {
+        Ok(Decoder::new(self.load(package, threads)?))
+    }
+}
+
+impl std::fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for BackendKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::parse(s).ok_or_else(|| format!("unknown backend `{s}` (known: {})", Self::names()))
+    }
+}

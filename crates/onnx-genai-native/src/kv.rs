@@ -1,0 +1,285 @@
+//! KV memory in blocks. A sequence holds the blocks its positions fill,
+//! each covering [`BLOCK_TOKENS`] positions of every layer, taken from its
+//! model's pool as it grows and given back when it shrinks or ends. A new
+//! sequence therefore costs nothing until it runs, an idle one holds only
+//! what it has filled, and `resident_bytes` is exactly the memory held.
+//!
+//! Inside a block, layer `l` keeps its keys as `[kv_heads, BLOCK_TOKENS,
+//! head_dim]` followed by its values in the same layout, so one head's keys
+//! for a block are one contiguous run that attention reads in order.
+
+use std::sync::{Arc, Mutex};
+
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+
+/// Positions per block.
+pub const BLOCK_TOKENS: usize = 64;
+
+/// Where each layer lives inside a block.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvLayout {
+    /// Per layer: `(kv_heads, head_dim, offset)` in elements.
+    layers: Vec<(usize, usize, usize)>,
+    /// Elements per block.
+    block_elems: usize,
+    pub f16: bool,
+}
+
+impl KvLayout {
+    /// `layers`: per layer `(kv_heads, head_dim)`.
+    pub fn new(layers: &[(usize, usize)], f16: bool) -> Self {
+        let mut offset = 0;
+        let mut placed = Vec::with_capacity(layers.len());
+        for &(kv_heads, head_dim) in layers {
+            placed.push((kv_heads, head_dim, offset));
+            offset += 2 * kv_heads * BLOCK_TOKENS * head_dim;
+        }
+        Self { layers: placed, block_elems: offset, f16 }
+    }
+
+    pub fn layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// `(kv_heads, head_dim)` of layer `l`.
+    pub fn geometry(&self, l: usize) -> Option<(usize, usize)> {
+        self.layers.get(l).map(|(h, d, _)| (*h, *d))
+    }
+
+    fn elem_bytes(&self) -> usize {
+        if self.f16 {
+            2
+        } else {
+            4
+        }
+    }
+
+    /// Bytes one block occupies.
+    pub fn block_bytes(&self) -> usize {
+        self.block_elems * self.elem_bytes()
+    }
+
+    /// Offset of `(layer, value?, head, row)` inside a block.
+    fn at(&self, layer: usize, value: bool, head: usize, row: usize) -> usize {
+        let (kv_heads, head_dim, base) = self.layers[layer];
+        let half = kv_heads * BLOCK_TOKENS * head_dim;
+        base + usize::from(value) * half + (head * BLOCK_TOKENS + row) * head_dim
+    }
+}
+
+/// One block's storage.
+#[derive(Debug)]
+pub enum Block {
+    F32(Box<[f32]>),
+    F16(Box<[f16]>),
+}
+
+/// The blocks of one model: new ones are allocated zeroed, returned ones are
+/// kept (up to `keep` bytes) for the next sequence that grows.
+#[derive(Debug)]
+pub struct KvPool {
+    layout: KvLayout,
+    free: Mutex<Vec<Block>>,
+    keep_blocks: usize,
+}
+
+impl KvPool {
+    /// A pool that keeps up to `keep_bytes` of returned blocks for reuse.
+    pub fn new(layout: KvLayout, keep_bytes: usize) -> Arc<Self> {
+        let keep_blocks = keep_bytes / layout.block_bytes().max(1);
+        Arc::new(Self { layout, free: Mutex::new(Vec::with_capacity(keep_blocks)), keep_blocks })
+    }
+
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    fn take(&self) -> Block {
+        let reused = self.free.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        reused.unwrap_or_else(|| {
+            let n = self.layout.block_elems;
+            if self.layout.f16 {
+                Block::F16(vec![f16::ZERO; n].into_boxed_slice())
+            } else {
+                Block::F32(vec![0.0; n].into_boxed_slice())
+            }
+        })
+    }
+
+    fn give(&self, block: Block) {
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        if free.len() < self.keep_blocks {
+            free.push(block);
+        }
+    }
+
+    /// Bytes of returned blocks kept for reuse.
+    pub fn idle_bytes(&self) -> usize {
+        self.free.lock().unwrap_or_else(|p| p.into_inner()).len() * self.layout.block_bytes()
+    }
+}
+
+/// One sequence's KV cache.
+#[derive(Debug)]
+pub struct SeqKv {
+    pool: Arc<KvPool>,
+    blocks: Vec<Block>,
+    /// Positions written and kept.
+    len: usize,
+}
+
+/// A run of one head's keys or values, as stored.
+pub enum Span<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+}
+
+impl<'a> Span<'a> {
+    /// The elements as f32: borrowed, or widened into `wide`.
+    pub fn widened(self, wide: &'a mut Vec<f32>) -> &'a [f32] {
+        match self {
+            Span::F32(v) => v,
+            Span::F16(v) => {
+                wide.clear();
+                wide.resize(v.len(), 0.0);
+                v.convert_to_f32_slice(wide);
+                wide
+            }
+        }
+    }
+}
+
+impl SeqKv {
+    /// An empty cache for up to `max_positions` positions (nothing is
+    /// allocated but the block list).
+    pub fn new(pool: Arc<KvPool>, max_positions: usize) -> Self {
+        Self { pool, blocks: Vec::with_capacity(max_positions.div_ceil(BLOCK_TOKENS)), len: 0 }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn layout(&self) -> &KvLayout {
+        &self.pool.layout
+    }
+
+    /// Makes room for `positions` positions in all (taking blocks).
+    pub fn reserve(&mut self, positions: usize) {
+        while self.blocks.len() * BLOCK_TOKENS < positions {
+            let b = self.pool.take();
+            self.blocks.push(b);
+        }
+    }
+
+    /// Marks `len` positions as written (they must be reserved).
+    pub fn set_len(&mut self, len: usize) {
+        self.len = len.min(self.blocks.len() * BLOCK_TOKENS);
+    }
+
+    /// Keeps the first `len` positions and gives back the blocks past them.
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+        let keep = self.len.div_ceil(BLOCK_TOKENS);
+        while self.blocks.len() > keep {
+            if let Some(b) = self.blocks.pop() {
+                self.pool.give(b);
+            }
+        }
+    }
+
+    /// Bytes of the blocks this sequence holds.
+    pub fn resident_bytes(&self) -> usize {
+        self.blocks.len() * self.pool.layout.block_bytes()
+    }
+
+    /// Writes position `pos` of `layer`'s `head`: its key and value rows
+    /// (rounded to f16 for an f16 cache). The position must be reserved.
+    pub fn write(&mut self, layer: usize, head: usize, pos: usize, key: &[f32], value: &[f32]) {
+        let (b, row) = (pos / BLOCK_TOKENS, pos % BLOCK_TOKENS);
+        let layout = &self.pool.layout;
+        let (k_at, v_at) = (layout.at(layer, false, head, row), layout.at(layer, true, head, row));
+        let Some(block) = self.blocks.get_mut(b) else { return };
+        match block {
+            Block::F32(data) => {
+                data[k_at..k_at + key.len()].copy_from_slice(key);
+                data[v_at..v_at + value.len()].copy_from_slice(value);
+            }
+            Block::F16(data) => {
+                data[k_at..k_at + key.len()].convert_from_f32_slice(key);
+                data[v_at..v_at + value.len()].convert_from_f32_slice(value);
+            }
+        }
+    }
+
+    /// The first `rows` positions of block `b` of `layer`'s `head`: keys
+    /// (`value == false`) or values, `rows * head_dim` elements.
+    pub fn span(&self, layer: usize, value: bool, head: usize, b: usize, rows: usize) -> Span<'_> {
+        let layout = &self.pool.layout;
+        let hd = layout.layers[layer].1;
+        let at = layout.at(layer, value, head, 0);
+        match &self.blocks[b] {
+            Block::F32(data) => Span::F32(&data[at..at + rows * hd]),
+            Block::F16(data) => Span::F16(&data[at..at + rows * hd]),
+        }
+    }
+}
+
+impl Drop for SeqKv {
+    fn drop(&mut self) {
+        for b in self.blocks.drain(..) {
+            self.pool.give(b);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Blocks are taken as positions grow, given back on truncate and drop,
+    /// reused by the next sequence, and resident bytes count exactly the
+    /// blocks held.
+    #[test]
+    fn blocks_follow_the_positions_held() {
+        let layout = KvLayout::new(&[(2, 4), (1, 8)], false);
+        let per_block = layout.block_bytes();
+        assert_eq!(per_block, 4 * 2 * BLOCK_TOKENS * (2 * 4 + 8));
+        let pool = KvPool::new(layout, 16 * per_block);
+        let mut a = SeqKv::new(pool.clone(), 1000);
+        assert_eq!(a.resident_bytes(), 0);
+        a.reserve(BLOCK_TOKENS + 1);
+        assert_eq!(a.resident_bytes(), 2 * per_block);
+        a.write(1, 0, BLOCK_TOKENS, &[1.0; 8], &[2.0; 8]);
+        a.set_len(BLOCK_TOKENS + 1);
+        let mut wide = Vec::new();
+        let Span::F32(k) = a.span(1, false, 0, 1, 1) else { panic!("f32 cache") };
+        assert_eq!(k, &[1.0; 8]);
+        assert_eq!(a.span(1, true, 0, 1, 1).widened(&mut wide), &[2.0; 8]);
+        a.truncate(3);
+        assert_eq!((a.len(), a.resident_bytes()), (3, per_block));
+        assert_eq!(pool.idle_bytes(), per_block);
+        drop(a);
+        assert_eq!(pool.idle_bytes(), 2 * per_block);
+        let mut b = SeqKv::new(pool.clone(), 1000);
+        b.reserve(1);
+        assert_eq!(pool.idle_bytes(), per_block, "a returned block is reused");
+    }
+
+    /// An f16 cache rounds on write and widens on read.
+    #[test]
+    fn f16_blocks_round_and_widen() {
+        let pool = KvPool::new(KvLayout::new(&[(1, 2)], true), 0);
+        let mut s = SeqKv::new(pool, 10);
+        s.reserve(1);
+        s.write(0, 0, 0, &[1.0 / 3.0, 2.0], &[-0.5, 65504.0]);
+        let mut wide = Vec::new();
+        let k = s.span(0, false, 0, 0, 1).widened(&mut wide).to_vec();
+        assert_eq!(k, vec![f16::from_f32(1.0 / 3.0).to_f32(), 2.0]);
+    }
+}

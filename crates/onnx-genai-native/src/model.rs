@@ -1,0 +1,212 @@
+//! `native-cpu` behind the model/sequence contract: a [`NativeModel`] owns
+//! the compiled plan, its thread pool and buffers, and the pool of KV
+//! blocks; a [`NativeSequence`] is one conversation's blocks and length.
+
+use std::sync::{Arc, Mutex};
+
+use onnx_genai_backend::{downcast, BackendError, DecodeModel, Entry, Input, Sequence};
+use onnx_genai_package::Package;
+use smallvec::SmallVec;
+
+use crate::compile::{compile, Binding};
+use crate::kernels::Runtime;
+use crate::kv::{KvLayout, KvPool, SeqKv};
+use crate::plan::{Plan, Workspace};
+
+pub const NAME: &str = "native-cpu";
+
+/// Sequences one run of the plan advances together; larger batches run in
+/// chunks of this many.
+pub const MAX_BATCH: usize = 64;
+
+/// Returned KV blocks a model keeps for reuse (beyond this they are freed).
+const KEEP_IDLE_KV_BYTES: usize = 64 << 20;
+
+/// The pool and buffers one run at a time works with.
+struct Runner {
+    runtime: Runtime,
+    workspace: Workspace,
+}
+
+pub struct NativeModel {
+    plan: Arc<Plan>,
+    runner: Mutex<Runner>,
+    kv: Arc<KvPool>,
+}
+
+/// Reads the package's decoder and compiles it.
+pub fn compile_package(package: &Package) -> Result<Plan, BackendError> {
+    let load = |what: String, reason: String| BackendError::Load { backend: NAME, what, reason };
+    let (binding, path) = Binding::from_package(package).map_err(|e| load("the decoder".into(), e.to_string()))?;
+    let model = onnx_genai_onnx::read_model(&path).map_err(|e| load(path.display().to_string(), e.to_string()))?;
+    compile(&model, &binding).map_err(|e| load(path.display().to_string(), e.to_string()))
+}
+
+impl NativeModel {
+    /// Compiles the package's decoder and runs it on `threads` threads
+    /// (0: one per core; 1: on the calling thread).
+    pub fn load(package: &Package, threads: usize) -> Result<Self, BackendError> {
+        Self::from_plan(Arc::new(compile_package(package)?), threads)
+    }
+
+    /// A model over an already compiled plan.
+    pub fn from_plan(plan: Arc<Plan>, threads: usize) -> Result<Self, BackendError> {
+        let threads = match threads {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            t => t,
+        };
+        let runtime = Runtime::new(threads).map_err(|e| BackendError::Load {
+            backend: NAME,
+            what: "the thread pool".into(),
+            reason: e.to_string(),
+        })?;
+        let layers: Vec<(usize, usize)> = plan.binding.layers.iter().map(|l| (l.kv_heads, l.head_dim)).collect();
+        let kv = KvPool::new(KvLayout::new(&layers, plan.binding.kv_f16), KEEP_IDLE_KV_BYTES);
+        let workspace = plan.workspace();
+        Ok(Self { plan, runner: Mutex::new(Runner { runtime, workspace }), kv })
+    }
+
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// Threads a run uses.
+    pub fn threads(&self) -> usize {
+        self.runner().runtime.pool.threads()
+    }
+
+    fn runner(&self) -> std::sync::MutexGuard<'_, Runner> {
+        // A panic inside a run leaves the buffers in an unknown state, but
+        // every run rewrites what it reads, so they stay usable.
+        self.runner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Starts (or stops) adding each step's wall time to a per-step profile.
+    pub fn set_profiling(&self, on: bool) {
+        self.runner().workspace.profile = on.then(Vec::new);
+    }
+
+    /// The per-step wall times gathered so far, indexed like
+    /// [`Plan::step_ops`].
+    pub fn profile(&self) -> Vec<std::time::Duration> {
+        self.runner().workspace.profile.clone().unwrap_or_default()
+    }
+
+    /// Runs one chunk of at most [`MAX_BATCH`] entries in one pass.
+    fn run_chunk(&self, chunk: &mut [Entry<'_>]) -> Result<(), BackendError> {
+        let context = self.plan.binding.max_sequence_length;
+        let mut kvs: SmallVec<[&mut SeqKv; 16]> = SmallVec::new();
+        let mut tokens: SmallVec<[&[u32]; 16]> = SmallVec::new();
+        let mut logits: SmallVec<[&mut Vec<f32>; 16]> = SmallVec::new();
+        for Entry { sequence, input, logits: out } in chunk.iter_mut() {
+            let seq = downcast::<NativeSequence>(&mut **sequence, NAME)?;
+            let Input::Tokens(t) = *input else {
+                return Err(BackendError::Run {
+                    backend: NAME,
+                    reason: "this decoder reads token ids; native-cpu does not take input embeddings".into(),
+                });
+            };
+            if t.is_empty() {
+                return Err(BackendError::Run { backend: NAME, reason: "forward needs at least one token".into() });
+            }
+            if seq.kv.len() + t.len() > context {
+                return Err(BackendError::Capacity {
+                    backend: NAME,
+                    have: seq.kv.len(),
+                    reason: format!("{} more exceed max_sequence_length {context}", t.len()),
+                });
+            }
+            kvs.push(&mut seq.kv);
+            tokens.push(t);
+            logits.push(&mut **out);
+        }
+        let pasts: SmallVec<[usize; 16]> = kvs.iter().map(|kv| kv.len()).collect();
+        for (kv, t) in kvs.iter_mut().zip(&tokens) {
+            kv.reserve(kv.len() + t.len());
+        }
+        let mut runner = self.runner();
+        let Runner { runtime, workspace } = &mut *runner;
+        let result = self.plan.run(workspace, runtime.ctx(), &mut kvs, &tokens, &mut logits);
+        if let Err(e) = result {
+            // Give back what the failed step reserved.
+            for (kv, past) in kvs.iter_mut().zip(pasts) {
+                kv.truncate(past);
+            }
+            return Err(BackendError::Run { backend: NAME, reason: e.to_string() });
+        }
+        Ok(())
+    }
+}
+
+impl DecodeModel for NativeModel {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.plan.binding.vocab_size
+    }
+
+    fn context_length(&self) -> usize {
+        self.plan.binding.max_sequence_length
+    }
+
+    fn new_sequence(&self) -> Box<dyn Sequence> {
+        Box::new(NativeSequence { kv: SeqKv::new(self.kv.clone(), self.plan.binding.max_sequence_length) })
+    }
+
+    fn step(&self, batch: &mut [Entry<'_>]) -> Result<(), BackendError> {
+        let width = self.batch_width();
+        if batch.len() <= width {
+            return self.run_chunk(batch);
+        }
+        let pasts: Vec<usize> = batch.iter().map(|e| e.sequence.kv_len()).collect();
+        for chunk in batch.chunks_mut(width) {
+            if let Err(e) = self.run_chunk(chunk) {
+                // Earlier chunks advanced: put every sequence back.
+                for (entry, past) in batch.iter_mut().zip(&pasts) {
+                    let _ = entry.sequence.truncate(*past);
+                }
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    fn batch_width(&self) -> usize {
+        if self.plan.batchable() {
+            MAX_BATCH
+        } else {
+            1
+        }
+    }
+}
+
+/// One sequence of a [`NativeModel`]: its KV blocks and length.
+#[derive(Debug)]
+pub struct NativeSequence {
+    kv: SeqKv,
+}
+
+impl Sequence for NativeSequence {
+    fn kv_len(&self) -> usize {
+        self.kv.len()
+    }
+
+    fn truncate(&mut self, len: usize) -> Result<(), BackendError> {
+        self.kv.truncate(len);
+        Ok(())
+    }
+
+    fn reset(&mut self) {
+        self.kv.truncate(0);
+    }
+
+    fn resident_bytes(&self) -> u64 {
+        self.kv.resident_bytes() as u64
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+}

@@ -1,0 +1,431 @@
+//! The plan's own thread pool. A decode step runs a few hundred small
+//! parallel regions (every projection, every attention); handing each to a
+//! general-purpose pool and sleeping between them costs more than the work.
+//! Here the calling thread takes part as worker 0, work is split statically
+//! (every worker knows its range from its index), each region ends in one
+//! barrier (a countdown the caller spins on), and workers spin for a short
+//! while after a region before they park, so back-to-back regions never
+//! pay for a wake-up. Starting a region allocates nothing.
+
+use std::cell::UnsafeCell;
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// A job: called once per worker with the worker's index.
+type Job = dyn Fn(usize) + Sync;
+
+thread_local! {
+    /// Set while this thread runs a region's job: a nested region then runs
+    /// inline (every index in turn) instead of deadlocking on the pool.
+    static IN_REGION: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Marks the current thread as inside a region for the guard's lifetime.
+struct RegionMark(bool);
+
+impl RegionMark {
+    fn enter() -> Self {
+        Self(IN_REGION.with(|r| r.replace(true)))
+    }
+}
+
+impl Drop for RegionMark {
+    fn drop(&mut self) {
+        IN_REGION.with(|r| r.set(self.0));
+    }
+}
+
+/// How long an idle worker spins before it parks, by default: longer than
+/// the gap between two regions of one step, and between the steps of a
+/// decode loop, so workers stay awake while a model is busy.
+pub const DEFAULT_SPIN: Duration = Duration::from_micros(300);
+
+struct Shared {
+    /// Bumped once per region; a worker runs the job once per new value.
+    generation: AtomicU64,
+    /// The region's job. Written by the caller only while no region is in
+    /// flight (every worker has finished reading it), read by workers only
+    /// after they observe the generation bump that publishes it.
+    job: UnsafeCell<Option<*const Job>>,
+    /// Workers that have not finished the current region.
+    remaining: AtomicUsize,
+    panicked: AtomicBool,
+    shutdown: AtomicBool,
+    /// Parked workers, and the condition they wait on.
+    sleepers: Mutex<usize>,
+    wake: Condvar,
+    spin: Duration,
+}
+
+// SAFETY: `job` is the only non-thread-safe field. It is written by the
+// thread that owns the `ThreadPool` (through `&mut`-exclusive `run`
+// semantics: `run` holds `region` for its whole duration) while no worker
+// can read it, and read by workers only between the Release bump of
+// `generation` and their Release decrement of `remaining`; `run` does not
+// return (or write `job` again) before `remaining` reaches zero.
+unsafe impl Sync for Shared {}
+// SAFETY: the raw job pointer is only dereferenced under the protocol above.
+unsafe impl Send for Shared {}
+
+/// A fixed set of worker threads plus the caller.
+pub struct ThreadPool {
+    shared: Arc<Shared>,
+    workers: Vec<JoinHandle<()>>,
+    /// Serializes regions: one region at a time per pool.
+    region: Mutex<()>,
+}
+
+impl std::fmt::Debug for ThreadPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ThreadPool({} threads)", self.threads())
+    }
+}
+
+impl ThreadPool {
+    /// A pool of `threads` threads in all (the caller counts as one; 0 and 1
+    /// both mean the caller alone), whose idle workers spin for `spin`
+    /// before parking.
+    pub fn new(threads: usize, spin: Duration) -> std::io::Result<Self> {
+        let shared = Arc::new(Shared {
+            generation: AtomicU64::new(0),
+            job: UnsafeCell::new(None),
+            remaining: AtomicUsize::new(0),
+            panicked: AtomicBool::new(false),
+            shutdown: AtomicBool::new(false),
+            sleepers: Mutex::new(0),
+            wake: Condvar::new(),
+            spin,
+        });
+        let mut workers = Vec::new();
+        for index in 1..threads.max(1) {
+            let s = shared.clone();
+            let handle =
+                std::thread::Builder::new().name(format!("native-cpu-{index}")).spawn(move || worker(&s, index));
+            match handle {
+                Ok(h) => workers.push(h),
+                Err(e) => {
+                    // Stop the ones already started before reporting.
+                    drop(Self { shared, workers, region: Mutex::new(()) });
+                    return Err(e);
+                }
+            }
+        }
+        Ok(Self { shared, workers, region: Mutex::new(()) })
+    }
+
+    /// The caller alone: regions run inline.
+    pub fn serial() -> Self {
+        // No thread is spawned, so this cannot fail.
+        Self {
+            shared: Arc::new(Shared {
+                generation: AtomicU64::new(0),
+                job: UnsafeCell::new(None),
+                remaining: AtomicUsize::new(0),
+                panicked: AtomicBool::new(false),
+                shutdown: AtomicBool::new(false),
+                sleepers: Mutex::new(0),
+                wake: Condvar::new(),
+                spin: Duration::ZERO,
+            }),
+            workers: Vec::new(),
+            region: Mutex::new(()),
+        }
+    }
+
+    /// Threads a region runs on (workers plus the caller).
+    pub fn threads(&self) -> usize {
+        self.workers.len() + 1
+    }
+
+    /// Runs `job(i)` for every `i` in `0..threads()`, `i = 0` on the calling
+    /// thread, and returns when all have finished. A panic in any of them
+    /// is re-raised here after every worker is done with `job`.
+    pub fn run(&self, job: &(dyn Fn(usize) + Sync)) {
+        if self.workers.is_empty() {
+            job(0);
+            return;
+        }
+        if IN_REGION.with(|r| r.get()) {
+            (0..self.threads()).for_each(job);
+            return;
+        }
+        let _region = self.region.lock().unwrap_or_else(|p| p.into_inner());
+        let s = &*self.shared;
+        // SAFETY: erasing the lifetime is sound because this function does
+        // not return before every worker has finished with the pointer
+        // (`remaining` reaches zero below, on every path, panics included).
+        let erased: *const Job = unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), &'static Job>(job) };
+        // SAFETY: no region is in flight (we hold `region` and the previous
+        // region waited for `remaining == 0`), so no worker reads `job` now.
+        unsafe { *s.job.get() = Some(erased) };
+        s.remaining.store(self.workers.len(), Ordering::Relaxed);
+        s.generation.fetch_add(1, Ordering::Release);
+        {
+            let sleepers = s.sleepers.lock().unwrap_or_else(|p| p.into_inner());
+            if *sleepers > 0 {
+                s.wake.notify_all();
+            }
+        }
+        let mine = catch_unwind(AssertUnwindSafe(|| {
+            let _mark = RegionMark::enter();
+            job(0)
+        }));
+        let mut spins = 0u32;
+        while s.remaining.load(Ordering::Acquire) != 0 {
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(1024) {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        // SAFETY: every worker has finished with the job (remaining is 0).
+        unsafe { *s.job.get() = None };
+        if let Err(payload) = mine {
+            resume_unwind(payload);
+        }
+        if s.panicked.swap(false, Ordering::AcqRel) {
+            panic!("a native-cpu worker thread panicked");
+        }
+    }
+
+    /// Splits `0..n` into one contiguous range per thread, each (but the
+    /// last non-empty one) a multiple of `align` items, and runs `f(range,
+    /// thread)` for every non-empty range in parallel.
+    pub fn for_ranges(&self, n: usize, align: usize, f: &(dyn Fn(std::ops::Range<usize>, usize) + Sync)) {
+        let threads = self.threads();
+        if threads == 1 || n <= align {
+            f(0..n, 0);
+            return;
+        }
+        self.run(&|t| {
+            let r = split(n, align, threads, t);
+            if !r.is_empty() {
+                f(r, t);
+            }
+        });
+    }
+}
+
+/// The `t`-th of `threads` ranges over `0..n`, in units of `align`.
+pub fn split(n: usize, align: usize, threads: usize, t: usize) -> std::ops::Range<usize> {
+    let align = align.max(1);
+    let units = n.div_ceil(align);
+    let per = units / threads;
+    let extra = units % threads;
+    let start = (t * per + t.min(extra)) * align;
+    let len = (per + usize::from(t < extra)) * align;
+    start.min(n)..(start + len).min(n)
+}
+
+impl Drop for ThreadPool {
+    fn drop(&mut self) {
+        self.shared.shutdown.store(true, Ordering::Release);
+        {
+            let _g = self.shared.sleepers.lock().unwrap_or_else(|p| p.into_inner());
+            self.shared.wake.notify_all();
+        }
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+fn worker(s: &Shared, index: usize) {
+    // Regions are counted from the pool's creation: one posted before this
+    // thread got to run is still ahead of it.
+    let mut seen = 0;
+    loop {
+        // Wait for the next region: spin first, then park.
+        let started = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            if s.shutdown.load(Ordering::Acquire) {
+                return;
+            }
+            let g = s.generation.load(Ordering::Acquire);
+            if g != seen {
+                seen = g;
+                break;
+            }
+            spins = spins.wrapping_add(1);
+            if !spins.is_multiple_of(64) || started.elapsed() < s.spin {
+                std::hint::spin_loop();
+                continue;
+            }
+            let mut sleepers = s.sleepers.lock().unwrap_or_else(|p| p.into_inner());
+            *sleepers += 1;
+            while s.generation.load(Ordering::Acquire) == seen && !s.shutdown.load(Ordering::Acquire) {
+                sleepers = s.wake.wait(sleepers).unwrap_or_else(|p| p.into_inner());
+            }
+            *sleepers -= 1;
+        }
+        // SAFETY: the generation bump (Acquire above) published the job,
+        // and the caller keeps it alive until `remaining` reaches zero.
+        let job = unsafe { *s.job.get() };
+        if let Some(job) = job {
+            // SAFETY: see above: the pointee outlives this call.
+            let f = unsafe { &*job };
+            let _mark = RegionMark::enter();
+            if catch_unwind(AssertUnwindSafe(|| f(index))).is_err() {
+                s.panicked.store(true, Ordering::Release);
+            }
+        }
+        s.remaining.fetch_sub(1, Ordering::Release);
+    }
+}
+
+/// One value per pool thread, each touched only by its own thread while a
+/// region runs (per-thread scratch buffers).
+pub struct PerThread<T> {
+    slots: Vec<UnsafeCell<T>>,
+}
+
+// SAFETY: a slot is only reached through `get`, whose contract gives each
+// thread index to one thread at a time.
+unsafe impl<T: Send> Sync for PerThread<T> {}
+
+impl<T: Default> PerThread<T> {
+    pub fn new(threads: usize) -> Self {
+        Self { slots: (0..threads.max(1)).map(|_| UnsafeCell::new(T::default())).collect() }
+    }
+}
+
+impl<T> PerThread<T> {
+    /// Thread `t`'s value.
+    ///
+    /// # Safety
+    /// No other reference to slot `t` may be live: call it only from pool
+    /// thread `t` inside a region (or with exclusive access to `self`), and
+    /// do not call it twice for the same `t` while the first borrow lives.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn get(&self, t: usize) -> &mut T {
+        // SAFETY: exclusivity is the caller's obligation (above).
+        unsafe { &mut *self.slots[t].get() }
+    }
+
+    pub fn get_mut(&mut self, t: usize) -> &mut T {
+        self.slots[t].get_mut()
+    }
+
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+}
+
+/// A mutable slice several pool threads write at once, each to its own
+/// elements (rows of an output that a region splits between threads).
+pub struct Disjoint<'a, T> {
+    ptr: *mut T,
+    len: usize,
+    _borrow: std::marker::PhantomData<&'a mut [T]>,
+}
+
+// SAFETY: access goes through `slice`, whose contract forbids overlapping
+// ranges between threads.
+unsafe impl<T: Send> Sync for Disjoint<'_, T> {}
+
+impl<'a, T> Disjoint<'a, T> {
+    pub fn new(data: &'a mut [T]) -> Self {
+        Self { ptr: data.as_mut_ptr(), len: data.len(), _borrow: std::marker::PhantomData }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Elements `start..start + n`.
+    ///
+    /// # Safety
+    /// While the returned slice lives, no other call may return a range
+    /// overlapping it. Panics if the range is out of bounds.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn slice(&self, start: usize, n: usize) -> &mut [T] {
+        assert!(start <= self.len && n <= self.len - start, "disjoint range {start}+{n} outside {}", self.len);
+        // SAFETY: in bounds (asserted); exclusive by the caller's contract;
+        // the borrow of the underlying slice outlives `'a`.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), n) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    /// Every index runs exactly once per region, on as many threads as the
+    /// pool has, region after region (the barrier holds: each region sees
+    /// the previous one's writes).
+    #[test]
+    fn every_thread_runs_each_region_once() {
+        for threads in [1, 2, 3] {
+            let pool = ThreadPool::new(threads, Duration::from_micros(50)).unwrap();
+            assert_eq!(pool.threads(), threads);
+            let counts: Vec<AtomicUsize> = (0..threads).map(|_| AtomicUsize::new(0)).collect();
+            let total = AtomicUsize::new(0);
+            for region in 0..200 {
+                pool.run(&|t| {
+                    counts[t].fetch_add(1, Ordering::Relaxed);
+                    total.fetch_add(1, Ordering::Relaxed);
+                });
+                assert_eq!(total.load(Ordering::Relaxed), (region + 1) * threads);
+                if region == 100 {
+                    // Long enough for the workers to park: they must wake.
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            }
+            for c in &counts {
+                assert_eq!(c.load(Ordering::Relaxed), 200);
+            }
+        }
+    }
+
+    /// Ranges cover `0..n` exactly once, aligned, for awkward sizes.
+    #[test]
+    fn ranges_partition_the_work() {
+        for (n, align, threads) in [(0, 16, 2), (5, 16, 2), (100, 16, 3), (1536, 16, 2), (49152, 64, 7)] {
+            let mut covered = vec![0u8; n];
+            for t in 0..threads {
+                let r = split(n, align, threads, t);
+                if !r.is_empty() && r.end != n {
+                    assert_eq!(r.len() % align, 0, "n={n} t={t} {r:?}");
+                }
+                for i in r {
+                    covered[i] += 1;
+                }
+            }
+            assert!(covered.iter().all(|c| *c == 1), "n={n} align={align} threads={threads}");
+        }
+    }
+
+    /// A panic in a worker reaches the caller after the region ends, and the
+    /// pool keeps working afterwards.
+    #[test]
+    fn a_worker_panic_is_reraised_and_the_pool_survives() {
+        let pool = ThreadPool::new(2, Duration::from_micros(50)).unwrap();
+        let caught = catch_unwind(AssertUnwindSafe(|| {
+            pool.run(&|t| {
+                if t == 1 {
+                    panic!("boom");
+                }
+            })
+        }));
+        assert!(caught.is_err());
+        let n = AtomicUsize::new(0);
+        pool.run(&|_| {
+            n.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(n.load(Ordering::Relaxed), 2);
+    }
+}
