@@ -1,53 +1,104 @@
-//! Kernel benchmarks (criterion): the projections at a real model's shape
-//! (SmolLM2-135M: hidden 576, MLP 1536) in each weight storage, and the
-//! attention step at context 64 vs 1024. End-to-end decode against ONNX
-//! Runtime is `cargo xtask bench`.
+//! Kernel benchmarks (criterion), at SmolLM2-135M's shapes: every weight
+//! storage on every instruction-set path this CPU has, as a decode
+//! projection (one row: the weight streamed once, reported in GB/s of
+//! weight bytes read) and as a prefill (128 rows: reported in GFLOP/s);
+//! the GEMM microkernel alone; and the attention step at context 64 vs
+//! 1024. End-to-end decode against ONNX Runtime is `cargo xtask bench`.
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use onnx_genai_native::kernels::attention::{attention, AttentionSpec, Bias, Heads, Layout, Segment, Step};
-use onnx_genai_native::kernels::linear::{linear, Packed, Weight};
+use onnx_genai_native::kernels::isa::Isa;
+use onnx_genai_native::kernels::linear::linear;
+use onnx_genai_native::kernels::weights::{Packed, Weight};
 use onnx_genai_native::kernels::Runtime;
 use onnx_genai_native::kv::{KvLayout, KvPool, SeqKv};
 
-fn weights(k: usize, n: usize) -> Vec<f32> {
-    (0..k * n).map(|i| ((i * 2654435761) % 1000) as f32 / 1000.0 - 0.5).collect()
+/// SmolLM2-135M's MLP input projection: 576 inputs, 1536 x 2 outputs (gate
+/// and up stacked), large enough to leave the L2 cache.
+const K: usize = 576;
+const N: usize = 3072;
+
+fn storages() -> Vec<(&'static str, Weight)> {
+    let w: Vec<f32> = (0..K * N).map(|i| ((i * 2654435761) % 1000) as f32 / 1000.0 - 0.5).collect();
+    let halves: Vec<half::f16> = w.iter().map(|v| half::f16::from_f32(*v)).collect();
+    let blocks = K / 32;
+    let q4 = |int8| Packed::Q4 {
+        data: (0..N * blocks * 16).map(|i| (i * 31 % 256) as u8).collect(),
+        scales: vec![0.01; N * blocks],
+        zeros: None,
+        offsets: None,
+        block: 32,
+        blocks,
+        int8,
+    };
+    let grid: Vec<f32> =
+        (0..K * N).map(|i| if i % 32 == 0 { 127.0 } else { (i * 7 % 255) as f32 - 127.0 } * 0.01).collect();
+    vec![
+        ("f32", Weight::from_kn_f32(&w, K, N)),
+        ("f16", Weight::from_kn_f16(&halves, K, N)),
+        ("q8", Weight { n: N, k: K, packed: Packed::F32(grid) }.narrowed()),
+        ("q4", Weight { n: N, k: K, packed: q4(false) }),
+        ("q4_int8_inputs", Weight { n: N, k: K, packed: q4(true) }),
+    ]
+    .into_iter()
+    .map(|(name, w)| (name, w.into_tiled()))
+    .collect()
 }
 
 fn projections(c: &mut Criterion) {
-    let (k, n) = (576, 1536);
-    let w = weights(k, n);
-    let x: Vec<f32> = (0..k).map(|i| (i as f32 * 0.01).sin()).collect();
-    let f32w = Weight::from_kn_f32(&w, k, n);
-    let halves: Vec<half::f16> = w.iter().map(|v| half::f16::from_f32(*v)).collect();
-    let f16w = Weight::from_kn_f16(&halves, k, n);
-    let blocks = k / 32;
-    let q4 = Weight {
-        n,
-        k,
-        packed: Packed::Q4 {
-            data: (0..n * blocks * 16).map(|i| (i * 31 % 256) as u8).collect(),
-            scales: vec![0.01; n * blocks],
-            zeros: None,
-            block: 32,
-            blocks,
-        },
-    };
-    // `accuracy_level` 4: int8 inputs, integer block products.
-    let q4i8 = q4.clone().into_int8_products();
-    let rt = Runtime::serial();
-    let mut group = c.benchmark_group("linear_576x1536_decode");
-    for (name, weight) in [("f32", &f32w), ("f16", &f16w), ("q4", &q4), ("q4_int8_inputs", &q4i8)] {
-        let mut y = Vec::new();
-        group.bench_function(name, |b| b.iter(|| linear(&x, 1, weight, None, &mut y, &rt.ctx())));
+    let rows = 128;
+    let x: Vec<f32> = (0..rows * K).map(|i| (i as f32 * 0.01).sin()).collect();
+    for threads in [1, 2] {
+        for isa in Isa::all_available() {
+            let mut rt = Runtime::new(threads).expect("thread pool");
+            rt.isa = isa;
+            for (name, weight) in storages() {
+                let mut y = Vec::new();
+                let mut group = c.benchmark_group(format!("decode_{K}x{N}_{threads}t"));
+                group.throughput(Throughput::Bytes(weight.bytes() as u64));
+                group.bench_function(format!("{name}/{isa}"), |b| {
+                    b.iter(|| linear(&x[..K], 1, &weight, None, &mut y, &rt.ctx()))
+                });
+                group.finish();
+                let mut group = c.benchmark_group(format!("prefill{rows}_{K}x{N}_{threads}t"));
+                // Elements = multiply-adds; criterion prints them per second.
+                group.throughput(Throughput::Elements((rows * K * N) as u64));
+                group.sample_size(10);
+                group.bench_function(format!("{name}/{isa}"), |b| {
+                    b.iter(|| linear(&x, rows, &weight, None, &mut y, &rt.ctx()))
+                });
+                group.finish();
+            }
+        }
     }
-    // The same one-row product through matrixmultiply's sgemm (the crate the
-    // prefill path uses), to justify the hand-written decode kernel.
-    let mut y = vec![0.0f32; n];
-    group.bench_function("f32_matrixmultiply_sgemm", |b| {
-        b.iter(|| onnx_genai_native::kernels::math::sgemm(1, k, n, &x, (k, 1), &w, (n, 1), &mut y))
-    });
+}
+
+#[cfg(target_arch = "x86_64")]
+fn microkernel(c: &mut Criterion) {
+    use onnx_genai_native::kernels::avx512::{gemm_panel, MR};
+    if !Isa::Avx512.available() {
+        return;
+    }
+    let mut group = c.benchmark_group("gemm_microkernel_12x32");
+    for kp in [64usize, 576, 1536] {
+        let a = vec![0.5f32; kp * MR];
+        let b = vec![0.25f32; kp * 32];
+        let mut out = vec![0f32; MR * 32];
+        let base = out.as_mut_ptr();
+        // SAFETY: row `r` starts `32 r` values into `out`, which holds `MR * 32`.
+        let ptrs: [*mut f32; MR] = std::array::from_fn(|r| unsafe { base.add(r * 32) });
+        group.throughput(Throughput::Elements((kp * MR * 32) as u64));
+        group.bench_with_input(BenchmarkId::from_parameter(kp), &kp, |bench, &kp| {
+            // SAFETY: AVX-512 is available (checked above); `a` holds `kp * MR`
+            // values, `b` `kp * 32`, and every row pointer 32 writable values.
+            bench.iter(|| unsafe { gemm_panel(a.as_ptr(), b.as_ptr(), kp, MR, &ptrs, 32) })
+        });
+    }
     group.finish();
 }
+
+#[cfg(not(target_arch = "x86_64"))]
+fn microkernel(_: &mut Criterion) {}
 
 fn attention_step(c: &mut Criterion) {
     // SmolLM2-135M's attention: 9 query heads over 3 KV heads of 64.
@@ -91,5 +142,5 @@ fn attention_step(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, projections, attention_step);
+criterion_group!(benches, projections, microkernel, attention_step);
 criterion_main!(benches);

@@ -89,6 +89,10 @@ pub fn compile(model: &Model, binding: &Binding) -> Result<Plan, CompileError> {
     let logits = g.find(&binding.logits).ok_or_else(|| CompileError::tensor(&binding.logits, "not in the graph"))?;
     eliminate_dead(&mut g, &[logits]);
     check_kv_is_owned(&g, binding)?;
+    let narrowed = repack(&mut g);
+    if narrowed > 0 {
+        stats.fusions.push(("narrow_q8".into(), narrowed));
+    }
     Plan::build(g, binding, logits, stats)
 }
 
@@ -373,6 +377,24 @@ fn causal_attention(g: &mut Graph) {
             }
         }
     }
+}
+
+/// Every projection weight in the kernels' tiled layout (the last pass:
+/// fusion stacks row-form weights), f32 weights first narrowed to 8-bit
+/// blocks where that is exact. Returns how many were narrowed.
+fn repack(g: &mut Graph) -> usize {
+    let mut narrowed = 0;
+    for node in g.nodes.iter_mut().flatten() {
+        match &mut node.op {
+            Op::Linear { weight, .. } | Op::GatedMlp { weight } => {
+                let w = (**weight).clone().narrowed();
+                narrowed += usize::from(w.kind() == "q8" && weight.kind() == "f32");
+                *weight = Arc::new(w.into_tiled());
+            }
+            _ => {}
+        }
+    }
+    narrowed
 }
 
 /// Removes nodes none of whose outputs reach `roots`.

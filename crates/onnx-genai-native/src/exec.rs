@@ -169,10 +169,10 @@ pub fn run(op: &Op, inputs: &[Option<&Value>], outputs: &mut [Value], env: &mut 
             let (m, shape) = rows(x, weight.k, weight.n / 2)?;
             let mut y = out.recycle_f32(0);
             let mut staged = env.ctx.staging();
-            let mut both = std::mem::take(&mut staged.c);
+            let mut both = std::mem::take(&mut staged.gate);
             drop(staged);
             gated(x.as_f32()?, m, weight, &mut both, &mut y, &env.ctx);
-            env.ctx.staging().c = both;
+            env.ctx.staging().gate = both;
             *out = Value::f32(shape, y);
             Ok(())
         }

@@ -12,7 +12,6 @@ mod compile;
 mod error;
 mod exec;
 mod fuse;
-mod fuse_mask;
 mod graph;
 mod infer;
 pub mod kernels;

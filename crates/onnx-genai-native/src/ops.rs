@@ -7,8 +7,8 @@ use std::sync::Arc;
 use crate::kernels::attention::AttentionSpec;
 use crate::kernels::attention::Layout;
 use crate::kernels::elementwise::{BinOp, CmpOp, LogicOp, UnOp};
-use crate::kernels::linear::Weight;
 use crate::kernels::math::Reduce;
+use crate::kernels::weights::Weight;
 use crate::value::{DType, Value};
 
 #[derive(Clone, Debug)]
@@ -149,13 +149,7 @@ impl Op {
             Op::SkipRmsNorm { .. } => "SkipRmsNorm".into(),
             Op::LayerNorm { .. } => "LayerNorm".into(),
             Op::Linear { weight, bias } => {
-                let kind = match weight.packed {
-                    crate::kernels::linear::Packed::F32(_) => "f32",
-                    crate::kernels::linear::Packed::F16(_) => "f16",
-                    crate::kernels::linear::Packed::Q4 { .. } => "q4",
-                    crate::kernels::linear::Packed::Q4Int8 { .. } => "q4i8",
-                };
-                format!("Linear[{kind}{}]", if bias.is_some() { "+bias" } else { "" })
+                format!("Linear[{}{}]", weight.kind(), if bias.is_some() { "+bias" } else { "" })
             }
             Op::GatedMlp { .. } => "GatedMlp".into(),
             Op::MatMulNBits { .. } => "MatMulNBits".into(),

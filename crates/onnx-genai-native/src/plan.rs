@@ -336,7 +336,7 @@ impl Plan {
             return Err(format!("input {:?} does not end in the weight's {k} inputs", x.shape));
         }
         let mut staged = ctx.staging();
-        let mut picked = std::mem::take(&mut staged.b);
+        let mut picked = std::mem::take(&mut staged.picked);
         drop(staged);
         picked.clear();
         for seg in segments {
@@ -347,7 +347,7 @@ impl Plan {
         let out = outs.first_mut().ok_or("no output")?;
         let mut y = out.recycle_f32(0);
         linear(&picked, segments.len(), weight, bias.as_deref().map(Vec::as_slice), &mut y, ctx);
-        ctx.staging().b = picked;
+        ctx.staging().picked = picked;
         *out = Value::f32([1, segments.len(), weight.n], y);
         Ok(())
     }

@@ -43,7 +43,7 @@ pub fn gather_q4(
         let packed = &data[row * bytes..(row + 1) * bytes];
         for (c, d) in dst.iter_mut().enumerate() {
             let b = c / block;
-            let zero = super::linear::zero_point(zeros, row, blocks, b);
+            let zero = super::weights::zero_point(zeros, row, blocks, b);
             let q = (packed[c / 2] >> (4 * (c % 2))) & 0x0f;
             *d = (f32::from(q) - f32::from(zero)) * scales[row * blocks + b];
         }

@@ -2,16 +2,25 @@
 //! they are read.
 
 pub mod attention;
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+pub mod avx512;
 pub mod elementwise;
 pub mod gather_q4;
+pub mod isa;
 pub mod layout;
 pub mod linear;
 pub mod linear_int8;
 pub mod math;
+mod portable;
 pub mod rotary;
 pub mod simd;
+pub mod tiled;
+pub mod weights;
 
 use crate::pool::{PerThread, ThreadPool};
+use isa::Isa;
 
 /// Working buffers a kernel reuses from step to step (one set per pool
 /// thread), so a warmed-up step allocates nothing.
@@ -22,6 +31,12 @@ pub struct Scratch {
     pub c: Vec<f32>,
     pub d: Vec<f32>,
     pub bytes: Vec<i8>,
+    pub ints: Vec<i32>,
+    /// The gated MLP's stacked gate/up product (staging only: the
+    /// projection it comes from stages its inputs in the fields above).
+    pub gate: Vec<f32>,
+    /// The rows a row-selecting head projects (staging only).
+    pub picked: Vec<f32>,
 }
 
 /// `v` cleared and resized to `n` zeros, keeping its buffer.
@@ -37,6 +52,8 @@ pub struct Runtime {
     pub pool: ThreadPool,
     pub scratch: PerThread<Scratch>,
     pub staging: std::sync::Mutex<Scratch>,
+    /// The kernel path (the best this CPU has unless forced lower).
+    pub isa: Isa,
 }
 
 impl Runtime {
@@ -44,16 +61,16 @@ impl Runtime {
     pub fn new(threads: usize) -> std::io::Result<Self> {
         let pool = ThreadPool::new(threads, crate::pool::DEFAULT_SPIN)?;
         let scratch = PerThread::new(pool.threads());
-        Ok(Self { pool, scratch, staging: Default::default() })
+        Ok(Self { pool, scratch, staging: Default::default(), isa: Isa::best() })
     }
 
     /// The caller alone, for constant folding.
     pub fn serial() -> Self {
-        Self { pool: ThreadPool::serial(), scratch: PerThread::new(1), staging: Default::default() }
+        Self { pool: ThreadPool::serial(), scratch: PerThread::new(1), staging: Default::default(), isa: Isa::best() }
     }
 
     pub fn ctx(&self) -> Ctx<'_> {
-        Ctx { pool: &self.pool, scratch: &self.scratch, staging: &self.staging }
+        Ctx { pool: &self.pool, scratch: &self.scratch, staging: &self.staging, isa: self.isa }
     }
 }
 
@@ -65,6 +82,8 @@ pub struct Ctx<'a> {
     /// Buffers the calling thread prepares before a region and every
     /// thread reads during it (a quantized input row, block sums).
     pub staging: &'a std::sync::Mutex<Scratch>,
+    /// Which kernels run.
+    pub isa: Isa,
 }
 
 impl Ctx<'_> {

@@ -2,8 +2,8 @@
 //! the token ids' and attention mask's shapes (about fifteen small ops per
 //! step, each growing with the context) into one `CausalBias` op.
 
+use super::{Rewrite, M};
 use crate::error::CompileError;
-use crate::fuse::{Rewrite, M};
 use crate::graph::{Graph, Uses, Vid};
 use crate::kernels::elementwise::{BinOp, CmpOp, LogicOp};
 use crate::ops::Op;
@@ -49,7 +49,7 @@ fn range_of(m: &M, v: Vid, nodes: &mut Vec<usize>) -> Option<(Vid, Vid)> {
 /// `allowed = And(LessOrEqual(k[None, :], q[:, None]), bool(mask[:, None, None, :]))`
 /// with `k = Range(0, T, 1)`, `q = Range(T - S, T, 1)`, `T = mask.shape[1]`,
 /// `S = ids.shape[1]`.
-pub fn causal_mask(g: &Graph, u: &Uses, i: usize) -> Result<Option<Rewrite>, CompileError> {
+pub(super) fn causal_mask(g: &Graph, u: &Uses, i: usize) -> Result<Option<Rewrite>, CompileError> {
     let m = M { g, u };
     let Some(n) = &g.nodes[i] else { return Ok(None) };
     if !matches!(n.op, Op::Where) {

@@ -1,0 +1,193 @@
+//! Weight packing and what folds into a projection: MatMul by a constant
+//! (or an f16 constant behind a Cast), `MatMulNBits`, affine 4-bit block
+//! offsets, a constant bias.
+
+use std::sync::Arc;
+
+use super::{fused, is_bin, Rewrite, M};
+use crate::error::CompileError;
+use crate::graph::{Graph, Uses};
+use crate::kernels::elementwise::BinOp;
+use crate::kernels::weights::{Packed, Weight};
+use crate::ops::Op;
+use crate::value::DType;
+
+/// `MatMul(x, W)` with a constant 2-D weight (or an f16 weight behind a
+/// Cast) becomes a packed `Linear`.
+pub(super) fn pack_linear(g: &Graph, u: &Uses, i: usize) -> Result<Option<Rewrite>, CompileError> {
+    let m = M { g, u };
+    let Some(n) = &g.nodes[i] else { return Ok(None) };
+    let (Op::MatMul, Some(x), Some(w)) = (&n.op, M::input(n, 0), M::input(n, 1)) else { return Ok(None) };
+    let (weight, mut remove) = if let Some(v) = m.konst(w) {
+        let [k, out] = v.shape[..] else { return Ok(None) };
+        let Ok(data) = v.as_f32() else { return Ok(None) };
+        (Weight::from_kn_f32(data, k, out), vec![i])
+    } else if let Some((ci, cast)) = m.from(w, |op| matches!(op, Op::Cast(DType::F32))) {
+        let Some(v) = M::input(cast, 0).and_then(|s| m.konst(s)) else { return Ok(None) };
+        let ([k, out], Ok(data)) = (&v.shape[..], v.as_f16()) else { return Ok(None) };
+        let remove = if m.read_only_by(w, &[i]) { vec![i, ci] } else { vec![i] };
+        (Weight::from_kn_f16(data, *k, *out), remove)
+    } else {
+        return Ok(None);
+    };
+    remove.dedup();
+    let op = Op::Linear { weight: Arc::new(weight), bias: None };
+    Ok(Some(Rewrite { root: i, remove, node: fused(n, op, vec![Some(x)], n.outputs.clone()), update: Vec::new() }))
+}
+
+/// com.microsoft `MatMulNBits` with constant blocks, scales and zero points.
+pub(super) fn pack_nbits(g: &Graph, _u: &Uses, i: usize) -> Result<Option<Rewrite>, CompileError> {
+    let Some(n) = &g.nodes[i] else { return Ok(None) };
+    let Op::MatMulNBits { k, n: outs, block, accuracy_level } = n.op else { return Ok(None) };
+    let err = |reason: String| CompileError::node(&n.name, &n.origin, reason);
+    let konst = |idx: usize| M::input(n, idx).and_then(|v| g.konst(v));
+    let (Some(b), Some(scales)) = (konst(1), konst(2)) else {
+        return Err(err("the quantized weight and scales must be initializers".into()));
+    };
+    let blocks = k.div_ceil(block);
+    let data = b.as_u8().map_err(|e| err(format!("B: {e}")))?;
+    if data.len() != outs * blocks * block / 2 {
+        return Err(err(format!(
+            "B has {} bytes; N={outs} x {blocks} blocks x {} bytes expected",
+            data.len(),
+            block / 2
+        )));
+    }
+    let scales = scales.as_f32().map_err(|e| err(format!("scales: {e}")))?;
+    if scales.len() != outs * blocks {
+        return Err(err(format!("{} scales for N={outs} x {blocks} blocks", scales.len())));
+    }
+    let zeros = match M::input(n, 3) {
+        None => None,
+        Some(v) => {
+            let z = g.konst(v).ok_or_else(|| err("zero points must be an initializer".into()))?;
+            let z =
+                z.as_u8().map_err(|e| err(format!("zero points: {e} (only packed u8 zero points are supported)")))?;
+            if z.len() != outs * blocks.div_ceil(2) {
+                return Err(err(format!("{} zero-point bytes for N={outs} x {blocks} blocks", z.len())));
+            }
+            Some(z.to_vec())
+        }
+    };
+    let bias = match M::input(n, 5) {
+        None => None,
+        Some(v) => {
+            let b = g
+                .konst(v)
+                .and_then(|b| b.as_f32().ok())
+                .ok_or_else(|| err("bias must be an f32 initializer".into()))?;
+            if b.len() != outs {
+                return Err(err(format!("bias has {} elements for N={outs}", b.len())));
+            }
+            Some(Arc::new(b.to_vec()))
+        }
+    };
+    let weight = Weight {
+        n: outs,
+        k,
+        // Level 4 lets ONNX Runtime quantize the input to int8, and its CPU
+        // kernel does; native-cpu computes as it does.
+        packed: Packed::Q4 {
+            data: data.to_vec(),
+            scales: scales.to_vec(),
+            zeros,
+            offsets: None,
+            block,
+            blocks,
+            int8: accuracy_level == 4,
+        },
+    };
+    let op = Op::Linear { weight: Arc::new(weight), bias };
+    Ok(Some(Rewrite {
+        root: i,
+        remove: vec![i],
+        node: fused(n, op, vec![M::input(n, 0)], n.outputs.clone()),
+        update: Vec::new(),
+    }))
+}
+
+/// `Add(Linear(x), b)` with a constant `[N]` bias.
+pub(super) fn linear_bias(g: &Graph, u: &Uses, i: usize) -> Result<Option<Rewrite>, CompileError> {
+    let m = M { g, u };
+    let Some(n) = &g.nodes[i] else { return Ok(None) };
+    if !is_bin(&n.op, BinOp::Add) {
+        return Ok(None);
+    }
+    for (a, b) in [(0, 1), (1, 0)] {
+        let (Some(y), Some(bias)) = (M::input(n, a), M::input(n, b)) else { continue };
+        let Some((li, lin)) = m.from(y, |op| matches!(op, Op::Linear { bias: None, .. })) else { continue };
+        let Op::Linear { weight, .. } = &lin.op else { continue };
+        let Some(bv) = m.konst(bias).filter(|v| v.shape[..] == [weight.n]).and_then(|v| v.as_f32().ok()) else {
+            continue;
+        };
+        if !m.read_only_by(y, &[i]) {
+            continue;
+        }
+        let op = Op::Linear { weight: weight.clone(), bias: Some(Arc::new(bv.to_vec())) };
+        return Ok(Some(Rewrite {
+            root: i,
+            remove: vec![li, i],
+            node: fused(n, op, lin.inputs.clone(), n.outputs.clone()),
+            update: Vec::new(),
+        }));
+    }
+    Ok(None)
+}
+
+/// `Add(Linear_q4(x), Linear(Linear(x, S), O))` where `S` is the block
+/// indicator (`S[b, k] = 1` exactly when input `k` lies in block `b` of the
+/// 4-bit weight) -> one 4-bit `Linear(x)` whose blocks carry the offsets `O`
+/// (`w = (q - zero) * scale + O[n, b]`): affine 4-bit blocks (GGUF's Q4_1)
+/// as exported with a block-sum correction, computed in one pass.
+pub(super) fn q4_offsets(g: &Graph, u: &Uses, i: usize) -> Result<Option<Rewrite>, CompileError> {
+    let m = M { g, u };
+    let Some(n) = &g.nodes[i] else { return Ok(None) };
+    if !is_bin(&n.op, BinOp::Add) {
+        return Ok(None);
+    }
+    let linear = |op: &Op| matches!(op, Op::Linear { bias: None, .. });
+    for (a, b) in [(0, 1), (1, 0)] {
+        let (Some(qv), Some(ov)) = (M::input(n, a), M::input(n, b)) else { continue };
+        let (Some((qi, qn)), Some((oi, on))) = (m.from(qv, linear), m.from(ov, linear)) else { continue };
+        let (Op::Linear { weight: wq, .. }, Op::Linear { weight: wo, .. }) = (&qn.op, &on.op) else { continue };
+        let Packed::Q4 { data, scales, zeros, offsets: None, block, blocks, int8: false } = &wq.packed else {
+            continue;
+        };
+        let Some(sv) = M::input(on, 0) else { continue };
+        let Some((si, sn)) = m.from(sv, linear) else { continue };
+        let Op::Linear { weight: ws, .. } = &sn.op else { continue };
+        let x = M::input(qn, 0);
+        if x.is_none() || M::input(sn, 0) != x || oi == qi {
+            continue;
+        }
+        let (Packed::F32(sums), Packed::F32(offsets)) = (&ws.packed, &wo.packed) else { continue };
+        let (k, nb) = (wq.k, *blocks);
+        if ws.n != nb || ws.k != k || wo.k != nb || wo.n != wq.n {
+            continue;
+        }
+        let indicator = sums
+            .chunks_exact(k)
+            .enumerate()
+            .all(|(bi, row)| row.iter().enumerate().all(|(ki, v)| *v == if ki / block == bi { 1.0 } else { 0.0 }));
+        let nodes = vec![qi, oi, si, i];
+        if !indicator || !m.private(&nodes, &n.outputs) {
+            continue;
+        }
+        let weight = Weight {
+            n: wq.n,
+            k,
+            packed: Packed::Q4 {
+                data: data.clone(),
+                scales: scales.clone(),
+                zeros: zeros.clone(),
+                offsets: Some(offsets.clone()),
+                block: *block,
+                blocks: nb,
+                int8: false,
+            },
+        };
+        let op = Op::Linear { weight: Arc::new(weight), bias: None };
+        return Ok(Some(Rewrite::new(i, nodes, fused(n, op, vec![x], n.outputs.clone()))));
+    }
+    Ok(None)
+}

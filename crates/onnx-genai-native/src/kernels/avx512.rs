@@ -1,0 +1,461 @@
+//! AVX-512 tile kernels (and AVX-512 VNNI for int8 inputs). A tile is one
+//! 512-bit register of 16 output rows; two tiles are interleaved so their
+//! dependency chains overlap, and up to 8 input rows share every weight
+//! vector a tile decodes (a prefill or a batch reads each weight once per
+//! chunk of rows, from L1).
+
+#![cfg(target_arch = "x86_64")]
+
+use std::arch::x86_64::*;
+use std::ops::Range;
+
+use super::tiled::Rows;
+use super::weights::{TileData, Tiled, QBLOCK, TILE};
+use crate::pool::Disjoint;
+
+/// Runs the kernel for `t`'s storage over `tiles`, every input row.
+///
+/// # Safety
+/// The CPU must have AVX-512 F/BW/VL/DQ (and AVX-512 VNNI when `vnni`);
+/// `rows` must hold `m` rows of `t.kp` values (and their quantization for
+/// int8-input weights); `y` must hold `m * t.n` values.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+pub unsafe fn tiles(t: &Tiled, rows: &Rows<'_>, tiles: Range<usize>, y: &Disjoint<'_, f32>, vnni: bool) {
+    let mut tile = tiles.start;
+    while tile < tiles.end {
+        let pair = tiles.end - tile >= 2;
+        let mut r = 0;
+        while r < rows.m {
+            let left = rows.m - r;
+            // SAFETY: forwarded contract; `tile` (and `tile + 1` for a pair)
+            // and rows `r..` are in bounds.
+            unsafe {
+                match (pair, left) {
+                    (true, 8..) => r += dispatch::<2, 8>(t, rows, tile, r, y, vnni),
+                    (true, 4..) => r += dispatch::<2, 4>(t, rows, tile, r, y, vnni),
+                    (true, 2..) => r += dispatch::<2, 2>(t, rows, tile, r, y, vnni),
+                    (true, _) => r += dispatch::<2, 1>(t, rows, tile, r, y, vnni),
+                    (false, 8..) => r += dispatch::<1, 8>(t, rows, tile, r, y, vnni),
+                    (false, 4..) => r += dispatch::<1, 4>(t, rows, tile, r, y, vnni),
+                    (false, 2..) => r += dispatch::<1, 2>(t, rows, tile, r, y, vnni),
+                    (false, _) => r += dispatch::<1, 1>(t, rows, tile, r, y, vnni),
+                }
+            }
+        }
+        tile += if pair { 2 } else { 1 };
+    }
+}
+
+/// `T` tiles from `tile`, `R` rows from `r`; returns `R`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn dispatch<const T: usize, const R: usize>(
+    t: &Tiled,
+    rows: &Rows<'_>,
+    tile: usize,
+    r: usize,
+    y: &Disjoint<'_, f32>,
+    vnni: bool,
+) -> usize {
+    let base = t.as_bytes().as_ptr();
+    // A pair's records interleave: both tiles step by the same stride.
+    let stride = t.place(tile).1;
+    let w: [*const u8; T] = std::array::from_fn(|i| base.add(t.place(tile + i).0));
+    let x = rows.x.as_ptr().add(r * rows.kp);
+    let mut acc = [[_mm512_setzero_ps(); T]; R];
+    match t.data {
+        TileData::F32 => f32_cols::<T, R>(&w, stride, t.k, x, rows.kp, &mut acc),
+        TileData::F16 => f16_cols::<T, R>(&w, stride, t.k, x, rows.kp, &mut acc),
+        TileData::Q8 { blocks } => q8_cols::<T, R>(&w, stride, blocks, x, rows.kp, &mut acc),
+        TileData::Q4 { blocks, int8: false, .. } if R <= 4 => {
+            let xsum = rows.xsum.as_ptr().add(r * blocks);
+            q4_blocks::<T, R>(&w, stride, blocks, x, xsum, rows.kp, &mut acc)
+        }
+        TileData::Q4 { blocks, int8: false, .. } => q4_cols::<T, R>(&w, stride, blocks, x, rows.kp, &mut acc),
+        TileData::Q4 { blocks, int8: true, x_block } => {
+            let q = rows.q.as_ptr().add(r * rows.kp);
+            let s = rows.qscale.as_ptr().add(r * blocks);
+            let sums = rows.qsum.as_ptr().add(r * blocks);
+            let sub = (x_block / QBLOCK).max(1);
+            if vnni {
+                q4_int8::<T, R, true>(&w, stride, blocks, sub, q, s, sums, rows.kp, &mut acc)
+            } else {
+                q4_int8::<T, R, false>(&w, stride, blocks, sub, q, s, sums, rows.kp, &mut acc)
+            }
+        }
+    }
+    for (i, row) in acc.iter().enumerate() {
+        for (j, v) in row.iter().enumerate() {
+            let first = (tile + j) * TILE;
+            let width = TILE.min(t.n - first);
+            // SAFETY: outputs `first..first + width` of row `r + i` belong to
+            // this tile, computed by this thread alone.
+            let out = unsafe { y.slice((r + i) * t.n + first, width) };
+            _mm512_mask_storeu_ps(out.as_mut_ptr(), ((1u32 << width) - 1) as u16, *v);
+        }
+    }
+    R
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn f32_cols<const T: usize, const R: usize>(
+    w: &[*const u8; T],
+    stride: usize,
+    k: usize,
+    x: *const f32,
+    kp: usize,
+    acc: &mut [[__m512; T]; R],
+) {
+    for c in 0..k {
+        let wv: [__m512; T] = std::array::from_fn(|j| _mm512_loadu_ps(w[j].add(c * stride).cast()));
+        for (r, row) in acc.iter_mut().enumerate() {
+            let xv = _mm512_set1_ps(*x.add(r * kp + c));
+            for j in 0..T {
+                row[j] = _mm512_fmadd_ps(wv[j], xv, row[j]);
+            }
+        }
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn f16_cols<const T: usize, const R: usize>(
+    w: &[*const u8; T],
+    stride: usize,
+    k: usize,
+    x: *const f32,
+    kp: usize,
+    acc: &mut [[__m512; T]; R],
+) {
+    for c in 0..k {
+        let at = (c / 2) * stride + (c % 2) * 32;
+        let wv: [__m512; T] =
+            std::array::from_fn(|j| _mm512_cvtph_ps(_mm256_loadu_si256(w[j].add(at).cast::<__m256i>())));
+        for (r, row) in acc.iter_mut().enumerate() {
+            let xv = _mm512_set1_ps(*x.add(r * kp + c));
+            for j in 0..T {
+                row[j] = _mm512_fmadd_ps(wv[j], xv, row[j]);
+            }
+        }
+    }
+}
+
+/// 8-bit weights (narrowed f32), f32 inputs: each column's 16 bytes
+/// sign-extend to f32, are scaled once (`q * scale`, the exact weight) and
+/// shared by every row.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn q8_cols<const T: usize, const R: usize>(
+    w: &[*const u8; T],
+    stride: usize,
+    blocks: usize,
+    x: *const f32,
+    kp: usize,
+    acc: &mut [[__m512; T]; R],
+) {
+    for b in 0..blocks {
+        let rec: [*const u8; T] = std::array::from_fn(|j| w[j].add(b * stride));
+        let scale: [__m512; T] = std::array::from_fn(|j| _mm512_loadu_ps(rec[j].add(512).cast()));
+        for col in 0..QBLOCK {
+            let c = b * QBLOCK + col;
+            let wv: [__m512; T] = std::array::from_fn(|j| {
+                let q = _mm512_cvtepi8_epi32(_mm_loadu_si128(rec[j].add(16 * col).cast()));
+                _mm512_mul_ps(_mm512_cvtepi32_ps(q), scale[j])
+            });
+            for (r, row) in acc.iter_mut().enumerate() {
+                let xv = _mm512_set1_ps(*x.add(r * kp + c));
+                for j in 0..T {
+                    row[j] = _mm512_fmadd_ps(wv[j], xv, row[j]);
+                }
+            }
+        }
+    }
+}
+
+/// 4-bit weights, f32 inputs, few rows (decode): per block `Σ q · x` in f32
+/// (the nibble becomes its float through a 16-entry table lookup on its low
+/// four bits, no mask and no conversion), then `scale · Σ q x + aux · Σ x`.
+/// One row keeps two accumulator sets (even and odd inputs) so the FMA
+/// chains overlap.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn q4_blocks<const T: usize, const R: usize>(
+    w: &[*const u8; T],
+    stride: usize,
+    blocks: usize,
+    x: *const f32,
+    xsum: *const f32,
+    kp: usize,
+    acc: &mut [[__m512; T]; R],
+) {
+    let lut = _mm512_setr_ps(0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.);
+    let per_row = kp / QBLOCK;
+    for b in 0..blocks {
+        let rec: [*const u8; T] = std::array::from_fn(|j| w[j].add(b * stride));
+        let mut blk = [[[_mm512_setzero_ps(); T]; R]; 2];
+        for i in 0..4 {
+            let v: [__m512i; T] = std::array::from_fn(|j| _mm512_loadu_si512(rec[j].add(i * 64).cast()));
+            macro_rules! column {
+                ($shift:literal, $col:expr) => {{
+                    let c = b * QBLOCK + 8 * i + $col;
+                    let set = if R == 1 { $col % 2 } else { 0 };
+                    let wv: [__m512; T] = std::array::from_fn(|j| {
+                        let q = if $shift == 0 { v[j] } else { _mm512_srli_epi32::<$shift>(v[j]) };
+                        _mm512_permutexvar_ps(q, lut)
+                    });
+                    for r in 0..R {
+                        let xv = _mm512_set1_ps(*x.add(r * kp + c));
+                        for j in 0..T {
+                            blk[set][r][j] = _mm512_fmadd_ps(wv[j], xv, blk[set][r][j]);
+                        }
+                    }
+                }};
+            }
+            column!(0, 0);
+            column!(8, 1);
+            column!(16, 2);
+            column!(24, 3);
+            column!(4, 4);
+            column!(12, 5);
+            column!(20, 6);
+            column!(28, 7);
+        }
+        let scale: [__m512; T] = std::array::from_fn(|j| _mm512_loadu_ps(rec[j].add(256).cast()));
+        let aux: [__m512; T] = std::array::from_fn(|j| _mm512_loadu_ps(rec[j].add(320).cast()));
+        for (r, row) in acc.iter_mut().enumerate() {
+            let xs = _mm512_set1_ps(*xsum.add(r * per_row + b));
+            for j in 0..T {
+                let sum = if R == 1 { _mm512_add_ps(blk[0][r][j], blk[1][r][j]) } else { blk[0][r][j] };
+                row[j] = _mm512_fmadd_ps(sum, scale[j], row[j]);
+                row[j] = _mm512_fmadd_ps(aux[j], xs, row[j]);
+            }
+        }
+    }
+}
+
+/// 4-bit weights, f32 inputs, many rows (prefill, large batches): each
+/// weight is decoded once to `q * scale + aux` (its f32 value) and shared by
+/// every row.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn q4_cols<const T: usize, const R: usize>(
+    w: &[*const u8; T],
+    stride: usize,
+    blocks: usize,
+    x: *const f32,
+    kp: usize,
+    acc: &mut [[__m512; T]; R],
+) {
+    let nibble = _mm512_set1_epi32(0x0f);
+    for b in 0..blocks {
+        let rec: [*const u8; T] = std::array::from_fn(|j| w[j].add(b * stride));
+        let scale: [__m512; T] = std::array::from_fn(|j| _mm512_loadu_ps(rec[j].add(256).cast()));
+        let aux: [__m512; T] = std::array::from_fn(|j| _mm512_loadu_ps(rec[j].add(320).cast()));
+        for i in 0..4 {
+            let v: [__m512i; T] = std::array::from_fn(|j| _mm512_loadu_si512(rec[j].add(i * 64).cast()));
+            macro_rules! column {
+                ($shift:literal, $col:expr) => {{
+                    let c = b * QBLOCK + 8 * i + $col;
+                    let wv: [__m512; T] = std::array::from_fn(|j| {
+                        let q = _mm512_and_si512(_mm512_srli_epi32::<$shift>(v[j]), nibble);
+                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), scale[j], aux[j])
+                    });
+                    for (r, row) in acc.iter_mut().enumerate() {
+                        let xv = _mm512_set1_ps(*x.add(r * kp + c));
+                        for j in 0..T {
+                            row[j] = _mm512_fmadd_ps(wv[j], xv, row[j]);
+                        }
+                    }
+                }};
+            }
+            // Byte t of a lane: input 8i + t low, 8i + 4 + t high.
+            column!(0, 0);
+            column!(8, 1);
+            column!(16, 2);
+            column!(24, 3);
+            column!(4, 4);
+            column!(12, 5);
+            column!(20, 6);
+            column!(28, 7);
+        }
+    }
+}
+
+/// 4-bit weights, int8 inputs (`accuracy_level` 4): per quantization block
+/// (`sub` records of 32) the exact integer sum `Σ q · xq`, minus
+/// `zero · Σ xq`, scaled by the weight's and the input's scales — ONNX
+/// Runtime's integer path.
+#[inline]
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn q4_int8<const T: usize, const R: usize, const VNNI: bool>(
+    w: &[*const u8; T],
+    stride: usize,
+    blocks: usize,
+    sub: usize,
+    q: *const i8,
+    qscale: *const f32,
+    qsum: *const i32,
+    kp: usize,
+    acc: &mut [[__m512; T]; R],
+) {
+    let nibble = _mm512_set1_epi8(0x0f);
+    let ones = _mm512_set1_epi16(1);
+    let per_row = kp / QBLOCK;
+    for g in 0..blocks / sub {
+        // Low and high nibble quads accumulate apart: two chains per tile.
+        let mut sums = [[[_mm512_setzero_si512(); 2]; T]; R];
+        for b in g * sub..(g + 1) * sub {
+            let rec: [*const u8; T] = std::array::from_fn(|j| w[j].add(b * stride));
+            for i in 0..4 {
+                let v: [__m512i; T] = std::array::from_fn(|j| _mm512_loadu_si512(rec[j].add(i * 64).cast()));
+                let lo: [__m512i; T] = std::array::from_fn(|j| _mm512_and_si512(v[j], nibble));
+                let hi: [__m512i; T] = std::array::from_fn(|j| _mm512_and_si512(_mm512_srli_epi16::<4>(v[j]), nibble));
+                for (r, s) in sums.iter_mut().enumerate() {
+                    let at = q.add(r * kp + b * QBLOCK + 8 * i);
+                    let xa = _mm512_set1_epi32(at.cast::<i32>().read_unaligned());
+                    let xb = _mm512_set1_epi32(at.add(4).cast::<i32>().read_unaligned());
+                    for j in 0..T {
+                        if VNNI {
+                            s[j][0] = _mm512_dpbusd_epi32(s[j][0], lo[j], xa);
+                            s[j][1] = _mm512_dpbusd_epi32(s[j][1], hi[j], xb);
+                        } else {
+                            let pa = _mm512_madd_epi16(_mm512_maddubs_epi16(lo[j], xa), ones);
+                            let pb = _mm512_madd_epi16(_mm512_maddubs_epi16(hi[j], xb), ones);
+                            s[j][0] = _mm512_add_epi32(s[j][0], pa);
+                            s[j][1] = _mm512_add_epi32(s[j][1], pb);
+                        }
+                    }
+                }
+            }
+        }
+        let rec: [*const u8; T] = std::array::from_fn(|j| w[j].add(g * sub * stride));
+        let scale: [__m512; T] = std::array::from_fn(|j| _mm512_loadu_ps(rec[j].add(256).cast()));
+        let zero: [__m512; T] = std::array::from_fn(|j| _mm512_loadu_ps(rec[j].add(320).cast()));
+        for (r, row) in acc.iter_mut().enumerate() {
+            let sx = _mm512_set1_ps(*qscale.add(r * per_row + g * sub));
+            let mut qs = 0i32;
+            for b in g * sub..(g + 1) * sub {
+                qs += *qsum.add(r * per_row + b);
+            }
+            let total = _mm512_set1_ps(qs as f32);
+            for j in 0..T {
+                let int = _mm512_cvtepi32_ps(_mm512_add_epi32(sums[r][j][0], sums[r][j][1]));
+                // Exact: integers below 2^24.
+                let exact = _mm512_fnmadd_ps(zero[j], total, int);
+                let product = _mm512_mul_ps(scale[j], sx);
+                row[j] = _mm512_add_ps(row[j], _mm512_mul_ps(exact, product));
+            }
+        }
+    }
+}
+
+/// Rows of A a GEMM microkernel call covers (24 of the 32 registers hold
+/// its 12 x 32 accumulators).
+pub const MR: usize = 12;
+
+/// Decodes the tile pair starting at tile `tile` into `panel`: `kp` rows of
+/// 32 f32 (columns past the pair's outputs are zero), the weights as f32
+/// exactly as the row kernels compute with them.
+///
+/// # Safety
+/// AVX-512 F/BW/VL/DQ must be available; `panel` must hold `32 * t.kp`
+/// values; `t` must not take int8 inputs.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+pub unsafe fn decode_pair(t: &Tiled, tile: usize, panel: &mut [f32]) {
+    let base = t.as_bytes().as_ptr();
+    let (start, stride) = t.place(tile);
+    let width = 2.min(t.tiles - tile);
+    let p = panel.as_mut_ptr();
+    let nibble = _mm512_set1_epi32(0x0f);
+    for j in 0..2 {
+        if j >= width {
+            for c in 0..t.kp {
+                _mm512_storeu_ps(p.add(c * 32 + 16), _mm512_setzero_ps());
+            }
+            continue;
+        }
+        let w = base.add(start + j * (stride / width));
+        match t.data {
+            TileData::F32 => {
+                for c in 0..t.k {
+                    _mm512_storeu_ps(p.add(c * 32 + 16 * j), _mm512_loadu_ps(w.add(c * stride).cast()));
+                }
+            }
+            TileData::F16 => {
+                for c in 0..t.k {
+                    let at = (c / 2) * stride + (c % 2) * 32;
+                    let v = _mm512_cvtph_ps(_mm256_loadu_si256(w.add(at).cast::<__m256i>()));
+                    _mm512_storeu_ps(p.add(c * 32 + 16 * j), v);
+                }
+            }
+            TileData::Q8 { blocks } => {
+                for b in 0..blocks {
+                    let rec = w.add(b * stride);
+                    let scale = _mm512_loadu_ps(rec.add(512).cast());
+                    for col in 0..QBLOCK {
+                        let q = _mm512_cvtepi8_epi32(_mm_loadu_si128(rec.add(16 * col).cast()));
+                        let v = _mm512_mul_ps(_mm512_cvtepi32_ps(q), scale);
+                        _mm512_storeu_ps(p.add((b * QBLOCK + col) * 32 + 16 * j), v);
+                    }
+                }
+            }
+            TileData::Q4 { blocks, .. } => {
+                for b in 0..blocks {
+                    let rec = w.add(b * stride);
+                    let scale = _mm512_loadu_ps(rec.add(256).cast());
+                    let aux = _mm512_loadu_ps(rec.add(320).cast());
+                    for i in 0..4 {
+                        let v = _mm512_loadu_si512(rec.add(i * 64).cast());
+                        for col in 0..8 {
+                            let shift = _mm512_set1_epi32(((col % 4) * 8 + (col / 4) * 4) as i32);
+                            let q = _mm512_and_si512(_mm512_srlv_epi32(v, shift), nibble);
+                            let wv = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), scale, aux);
+                            _mm512_storeu_ps(p.add((b * QBLOCK + 8 * i + col) * 32 + 16 * j), wv);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    // Inputs past `k` (padding to whole blocks) multiply zeros in A.
+    for c in t.k..t.kp {
+        if !matches!(t.data, TileData::Q4 { .. } | TileData::Q8 { .. }) {
+            _mm512_storeu_ps(p.add(c * 32), _mm512_setzero_ps());
+            _mm512_storeu_ps(p.add(c * 32 + 16), _mm512_setzero_ps());
+        }
+    }
+}
+
+/// `C[r][0..32] = Σ_k A[k][r] · B[k][0..32]` for the `rows` (≤ [`MR`]) rows
+/// of a packed A chunk (`kp` x `MR`, rows past `rows` are zero) and a
+/// decoded panel B (`kp` x 32); writes `width` (≤ 32) columns of row `r` to
+/// `out[r]`.
+///
+/// # Safety
+/// AVX-512 F must be available; `a` must hold `kp * MR` values, `b`
+/// `kp * 32`; each `out[r]` for `r < rows` must be valid for `width` writes
+/// that no other thread makes.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+pub unsafe fn gemm_panel(a: *const f32, b: *const f32, kp: usize, rows: usize, out: &[*mut f32; MR], width: usize) {
+    let mut c = [[_mm512_setzero_ps(); 2]; MR];
+    for k in 0..kp {
+        let b0 = _mm512_loadu_ps(b.add(k * 32));
+        let b1 = _mm512_loadu_ps(b.add(k * 32 + 16));
+        let ak = a.add(k * MR);
+        for (r, cr) in c.iter_mut().enumerate() {
+            let av = _mm512_set1_ps(*ak.add(r));
+            cr[0] = _mm512_fmadd_ps(av, b0, cr[0]);
+            cr[1] = _mm512_fmadd_ps(av, b1, cr[1]);
+        }
+    }
+    let lo = ((1u32 << width.min(16)) - 1) as u16;
+    let hi = ((1u64 << width.saturating_sub(16).min(16)) - 1) as u16;
+    for (r, cr) in c.iter().enumerate().take(rows) {
+        _mm512_mask_storeu_ps(out[r], lo, cr[0]);
+        if hi != 0 {
+            _mm512_mask_storeu_ps(out[r].add(16), hi, cr[1]);
+        }
+    }
+}

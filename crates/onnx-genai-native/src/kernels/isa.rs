@@ -1,0 +1,127 @@
+//! Which instruction set the kernels use. Detected once at run time (the
+//! best the CPU has), or forced lower for tests and comparisons: every path
+//! is tested on every machine that can run it, so an AVX-512 machine still
+//! tests the AVX2 and portable kernels.
+
+use std::sync::OnceLock;
+
+/// A kernel path, from the most capable down.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Isa {
+    /// Plain Rust: every machine.
+    Portable,
+    /// x86-64 AVX2 + FMA + F16C (256-bit).
+    Avx2,
+    /// AVX2 plus AVX-VNNI: 256-bit integer dot products for int8 inputs.
+    Avx2Vnni,
+    /// AVX-512 F/BW/VL/DQ (512-bit).
+    Avx512,
+    /// AVX-512 plus AVX-512 VNNI.
+    Avx512Vnni,
+}
+
+impl Isa {
+    pub const ALL: [Isa; 5] = [Isa::Portable, Isa::Avx2, Isa::Avx2Vnni, Isa::Avx512, Isa::Avx512Vnni];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Portable => "portable",
+            Isa::Avx2 => "avx2",
+            Isa::Avx2Vnni => "avx2-vnni",
+            Isa::Avx512 => "avx512",
+            Isa::Avx512Vnni => "avx512-vnni",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|i| i.name() == s)
+    }
+
+    /// Whether this CPU can run the path.
+    pub fn available(self) -> bool {
+        let f = features();
+        match self {
+            Isa::Portable => true,
+            Isa::Avx2 => f.avx2,
+            Isa::Avx2Vnni => f.avx2 && f.avx_vnni,
+            Isa::Avx512 => f.avx512,
+            Isa::Avx512Vnni => f.avx512 && f.avx512_vnni,
+        }
+    }
+
+    /// The best path this CPU has.
+    pub fn best() -> Self {
+        Self::ALL.into_iter().rev().find(|i| i.available()).unwrap_or(Isa::Portable)
+    }
+
+    /// Every path this CPU can run (for tests that compare them).
+    pub fn all_available() -> Vec<Self> {
+        Self::ALL.into_iter().filter(|i| i.available()).collect()
+    }
+
+    /// Whether the path has 512-bit registers.
+    pub fn wide(self) -> bool {
+        matches!(self, Isa::Avx512 | Isa::Avx512Vnni)
+    }
+
+    /// Whether the path has integer dot products (VNNI) for int8 inputs.
+    pub fn vnni(self) -> bool {
+        matches!(self, Isa::Avx2Vnni | Isa::Avx512Vnni)
+    }
+
+    /// Whether the path has at least AVX2/FMA/F16C.
+    pub fn x86(self) -> bool {
+        self != Isa::Portable
+    }
+}
+
+impl std::fmt::Display for Isa {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Features {
+    avx2: bool,
+    avx_vnni: bool,
+    avx512: bool,
+    avx512_vnni: bool,
+}
+
+fn features() -> Features {
+    static F: OnceLock<Features> = OnceLock::new();
+    *F.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            let avx2 = has!("avx2") && has!("fma") && has!("f16c");
+            let avx512 = avx2 && has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512dq");
+            Features { avx2, avx_vnni: avx2 && has!("avxvnni"), avx512, avx512_vnni: avx512 && has!("avx512vnni") }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            Features::default()
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Detection is ordered: a path implies the ones below it, the best is
+    /// available, and names round-trip.
+    #[test]
+    fn paths_are_ordered_and_named() {
+        let best = Isa::best();
+        assert!(best.available());
+        for isa in Isa::ALL {
+            assert_eq!(Isa::parse(isa.name()), Some(isa));
+            if isa.available() && isa != Isa::Portable {
+                assert!(Isa::Avx2.available(), "{isa} without AVX2");
+            }
+        }
+        assert!(Isa::all_available().contains(&Isa::Portable));
+    }
+}

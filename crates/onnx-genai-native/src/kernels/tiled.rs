@@ -1,0 +1,179 @@
+//! Projections on [`Tiled`] weights: the inputs are staged once per call
+//! (padded to whole blocks; quantized to int8 for `accuracy_level` 4), the
+//! output tiles are split across the pool's threads in contiguous ranges,
+//! and each thread runs the kernel of the chosen instruction set over its
+//! tiles for every input row.
+
+use super::isa::Isa;
+use super::weights::{TileData, Tiled, QBLOCK, TILE};
+use super::Ctx;
+use crate::pool::Disjoint;
+
+/// The inputs as the kernels read them: `m` rows of `kp` values
+/// (zero-padded past `k`) with the sum of each block of 32 (`xsum`, for
+/// 4-bit weights), and for int8-input weights the same rows quantized per
+/// block (`q`), each block's scale and the sum of its quantized values.
+#[derive(Clone, Copy)]
+pub struct Rows<'a> {
+    pub m: usize,
+    pub kp: usize,
+    pub x: &'a [f32],
+    pub xsum: &'a [f32],
+    pub q: &'a [i8],
+    pub qscale: &'a [f32],
+    pub qsum: &'a [i32],
+}
+
+/// The little-endian f32 at byte `at` of `b`.
+#[inline]
+pub fn lane_f32(b: &[u8], at: usize) -> f32 {
+    f32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+/// Below this many multiply-adds a projection runs on the calling thread.
+const PARALLEL_MIN_MACS: usize = 1 << 15;
+
+/// Quantizes `x` (one row, `kp` values) the way ONNX Runtime's CPU
+/// `MatMulNBits` does at `accuracy_level` 4: per block of `x_block` inputs,
+/// scale `max|x| / 127` and values rounded to nearest, ties to even. Scales
+/// and sums are recorded per 32 inputs (a larger block repeats its scale;
+/// a smaller one has its own).
+pub fn quantize(x: &[f32], x_block: usize, q: &mut Vec<i8>, scales: &mut Vec<f32>, sums: &mut Vec<i32>) {
+    let x_block = x_block.max(1);
+    for chunk in x.chunks(x_block) {
+        let amax = chunk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let scale = amax / 127.0;
+        let inverse = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+        let start = q.len();
+        q.extend(chunk.iter().map(|v| (v * inverse).round_ties_even() as i8));
+        for sub in q[start..].chunks(QBLOCK.min(x_block)) {
+            scales.push(scale);
+            sums.push(sub.iter().map(|v| i32::from(*v)).sum());
+        }
+    }
+}
+
+/// `y[m, n] = x[m, :] . W[n, :]` for a tiled weight on `isa` (which must be
+/// available on this CPU).
+pub fn linear(t: &Tiled, x: &[f32], m: usize, y: &mut [f32], ctx: &Ctx, isa: Isa) {
+    let mut staged = ctx.staging();
+    let s = &mut *staged;
+    let kp = t.kp;
+    s.a.clear();
+    for row in x.chunks_exact(t.k.max(1)).take(m) {
+        s.a.extend_from_slice(row);
+        s.a.resize(s.a.len() + (kp - t.k), 0.0);
+    }
+    s.bytes.clear();
+    s.b.clear();
+    s.c.clear();
+    s.ints.clear();
+    match t.data {
+        TileData::Q4 { int8: true, x_block, .. } => {
+            for r in 0..m {
+                quantize(&s.a[r * kp..(r + 1) * kp], x_block, &mut s.bytes, &mut s.b, &mut s.ints);
+            }
+        }
+        TileData::Q4 { int8: false, .. } => s.c.extend(s.a.chunks_exact(QBLOCK).map(|b| b.iter().sum::<f32>())),
+        _ => {}
+    }
+    #[cfg(target_arch = "x86_64")]
+    if m >= GEMM_MIN_ROWS && isa.wide() && isa.available() && !matches!(t.data, TileData::Q4 { int8: true, .. }) {
+        gemm(t, &mut s.d, &s.a, m, y, ctx);
+        return;
+    }
+    let rows = Rows { m, kp, x: &s.a, xsum: &s.c, q: &s.bytes, qscale: &s.b, qsum: &s.ints };
+    let out = Disjoint::new(y);
+    let work = |range: std::ops::Range<usize>, _t: usize| run(isa, t, &rows, range, &out);
+    if m * t.n * t.k >= PARALLEL_MIN_MACS {
+        // Pairs of tiles: the vector kernels interleave two.
+        let pairs = t.tiles.div_ceil(2);
+        ctx.pool.for_ranges(pairs, 1, &|r, th| work(2 * r.start..(2 * r.end).min(t.tiles), th));
+    } else {
+        work(0..t.tiles, 0);
+    }
+}
+
+/// From this many input rows on (a prefill), f32-input products run as a
+/// register-blocked GEMM: each thread decodes a tile pair once into an
+/// f32 panel (L2-sized) and multiplies every chunk of rows with it.
+const GEMM_MIN_ROWS: usize = 16;
+
+/// The AVX-512 GEMM path: A (`m` rows of `kp`) packed once per call into
+/// chunks of [`super::avx512::MR`] rows stored input-major, so the
+/// microkernel's broadcasts read consecutive values; tile pairs split
+/// across threads.
+#[cfg(target_arch = "x86_64")]
+fn gemm(t: &Tiled, packed: &mut Vec<f32>, x: &[f32], m: usize, y: &mut [f32], ctx: &Ctx) {
+    use super::avx512::{decode_pair, gemm_panel, MR};
+    let kp = t.kp;
+    let chunks = m.div_ceil(MR);
+    packed.clear();
+    packed.resize(chunks * kp * MR, 0.0);
+    for r in 0..m {
+        let (chunk, lane) = (r / MR, r % MR);
+        for (k, v) in x[r * kp..(r + 1) * kp].iter().enumerate() {
+            packed[(chunk * kp + k) * MR + lane] = *v;
+        }
+    }
+    let packed: &[f32] = packed;
+    let out = Disjoint::new(y);
+    let n = t.n;
+    let pairs = t.tiles.div_ceil(2);
+    ctx.pool.for_ranges(pairs, 1, &|range, th| {
+        // SAFETY: thread `th` is the only user of its scratch here.
+        let scratch = unsafe { ctx.scratch.get(th) };
+        let panel = super::sized(&mut scratch.a, kp * 32);
+        for pair in range {
+            let tile = 2 * pair;
+            // SAFETY: AVX-512 is available (checked by the caller); the panel
+            // holds `32 * kp` values and the weight takes f32 inputs.
+            unsafe { decode_pair(t, tile, panel) };
+            let first = tile * TILE;
+            let width = (2 * TILE).min(n - first);
+            for chunk in 0..chunks {
+                let rows = MR.min(m - chunk * MR);
+                let ptrs: [*mut f32; MR] = std::array::from_fn(|r| {
+                    if r < rows {
+                        // SAFETY: outputs `first..first + width` of this row
+                        // belong to this pair, which one thread computes.
+                        unsafe { out.slice((chunk * MR + r) * n + first, width) }.as_mut_ptr()
+                    } else {
+                        std::ptr::null_mut()
+                    }
+                });
+                // SAFETY: `packed` holds `chunks * kp * MR` values, the panel
+                // `kp * 32`; the first `rows` pointers are valid for `width`.
+                unsafe { gemm_panel(packed.as_ptr().add(chunk * kp * MR), panel.as_ptr(), kp, rows, &ptrs, width) };
+            }
+        }
+    });
+}
+
+/// The kernel of `isa` over `tiles`.
+pub fn run(isa: Isa, t: &Tiled, rows: &Rows<'_>, tiles: std::ops::Range<usize>, y: &Disjoint<'_, f32>) {
+    debug_assert!(rows.x.len() >= rows.m * rows.kp);
+    debug_assert!(tiles.end <= t.tiles && y.len() >= rows.m * t.n);
+    #[cfg(target_arch = "x86_64")]
+    {
+        if isa.wide() && isa.available() {
+            // SAFETY: AVX-512 F/BW/VL/DQ are available (checked), and the
+            // buffers hold what `Tiled` and `Rows` promise (asserted above in
+            // debug builds, guaranteed by `linear` and the tests).
+            unsafe { super::avx512::tiles(t, rows, tiles, y, isa.vnni()) };
+            return;
+        }
+        if isa.x86() && isa.available() {
+            // SAFETY: AVX2/FMA/F16C (and AVX-VNNI when `vnni`) are available.
+            unsafe { super::avx2::tiles(t, rows, tiles, y, isa.vnni()) };
+            return;
+        }
+    }
+    let _ = isa;
+    super::portable::tiles(t, rows, tiles, y);
+}
+
+/// Output columns tile `tile` covers.
+pub fn tile_width(t: &Tiled, tile: usize) -> usize {
+    TILE.min(t.n - tile * TILE)
+}
