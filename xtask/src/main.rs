@@ -6,6 +6,7 @@ mod bench_real;
 mod conformance;
 mod lanes;
 mod load;
+mod load_sweep;
 mod mutants;
 mod mutants_compare;
 mod ort;
@@ -96,10 +97,21 @@ enum Command {
         /// Decode backend (ort, native-cpu).
         #[arg(long, default_value = "native-cpu")]
         backend: String,
+        /// Instead: serve this package directory and sweep client counts
+        /// (aggregate tokens/s, TTFT, GFLOP/s; session churn and slow-client
+        /// interference), report target/load/sweep.md.
+        #[arg(long)]
+        package: Option<std::path::PathBuf>,
+        /// With --package: the client counts, comma-separated.
+        #[arg(long, default_value = "1,2,4,8,16")]
+        sweep: String,
+        /// With --package: threads of the model.
+        #[arg(long, default_value_t = 2)]
+        threads: usize,
     },
     /// Mutation batteries over the admission and lease invariants (conformance/mutations).
     Mutants {
-        /// Only this battery (admission, lease).
+        /// Only this battery (admission, lease, batching).
         #[arg(long)]
         battery: Option<String>,
         /// Only this mutant id.
@@ -153,7 +165,21 @@ fn main() -> ExitCode {
         Command::Bench { threads, rounds, steps, package, .. } => {
             bench::run(bench::Options { threads, rounds: rounds.max(1), steps: steps.max(1), package })
         }
-        Command::Load { clients, turns, max_tokens, backend } => {
+        Command::Load { package: Some(package), sweep, threads, max_tokens, backend, turns, .. } => {
+            let clients: Result<Vec<usize>, _> = sweep.split(',').map(|c| c.trim().parse::<usize>()).collect();
+            match clients {
+                Ok(clients) if clients.iter().all(|c| *c > 0) => load_sweep::run(load_sweep::Options {
+                    package,
+                    clients,
+                    max_tokens: max_tokens.max(1),
+                    threads,
+                    backend,
+                    turns: turns.clamp(1, 4),
+                }),
+                _ => Err(anyhow::anyhow!("--sweep takes positive client counts separated by commas, got `{sweep}`")),
+            }
+        }
+        Command::Load { clients, turns, max_tokens, backend, .. } => {
             load::run(load::Options { clients, turns, max_tokens: max_tokens.max(1), backend })
         }
         Command::Mutants { compare: true, minutes, .. } => mutants_compare::run(minutes.max(1)),

@@ -86,6 +86,13 @@ pub trait DecodeModel: Send + Sync {
     fn batch_width(&self) -> usize {
         1
     }
+
+    /// Positions a sequence's KV memory grows by (its blocks; 1: exactly
+    /// what it holds). Admission reserves whole blocks so that what it
+    /// counts covers what is resident.
+    fn kv_granularity(&self) -> usize {
+        1
+    }
 }
 
 /// One sequence's decode state: its KV cache and position.

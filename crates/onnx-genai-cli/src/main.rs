@@ -35,9 +35,24 @@ enum Command {
         /// Sessions bound at once; beyond it the least recently used idle one is evicted.
         #[arg(long, default_value_t = 64)]
         max_sessions: usize,
-        /// KV cache bytes all models may reserve together (default: unlimited).
+        /// KV cache bytes all models may reserve together (default: half of
+        /// the memory available when the server starts).
         #[arg(long)]
         kv_budget_bytes: Option<u64>,
+        /// Longest prompt piece a request feeds per model step, so a long
+        /// prefill shares steps with running decodes (0: whole prompts).
+        #[arg(long, default_value_t = 256)]
+        prefill_chunk: usize,
+        /// Requests that may wait for a model's driver; beyond it: 429.
+        #[arg(long, default_value_t = 256)]
+        queue_limit: usize,
+        /// Milliseconds a request that does not fit the KV budget waits in
+        /// line (first come, first served) before it is refused with 429.
+        #[arg(long, default_value_t = 500)]
+        admission_wait_ms: u64,
+        /// Seconds a stream may go unread before its request is cancelled.
+        #[arg(long, default_value_t = 30)]
+        stall_timeout_s: u64,
         /// Decode backend (ort, native-cpu).
         #[arg(long, default_value = "ort")]
         backend: BackendKind,
@@ -98,6 +113,14 @@ enum Command {
     },
 }
 
+/// Bytes of memory available now (`MemAvailable` in /proc/meminfo).
+fn available_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 fn parse_variant(s: &str) -> Result<onnx_genai_build::Variant, String> {
     onnx_genai_build::Variant::parse(s)
         .ok_or_else(|| format!("unknown variant `{s}` (decomposed, opset23, contrib, genai)"))
@@ -124,15 +147,52 @@ fn run(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Inspect { package } => inspect(&package),
-        Command::Serve { packages, host, port, max_sessions, kv_budget_bytes, backend, threads } => {
-            let scheduler =
-                kv_budget_bytes.map_or_else(onnx_genai_engine::Scheduler::unlimited, onnx_genai_engine::Scheduler::new);
+        Command::Serve {
+            packages,
+            host,
+            port,
+            max_sessions,
+            kv_budget_bytes,
+            prefill_chunk,
+            queue_limit,
+            admission_wait_ms,
+            stall_timeout_s,
+            backend,
+            threads,
+        } => {
+            let budget = match kv_budget_bytes {
+                Some(b) => {
+                    eprintln!("KV budget: {} MiB (--kv-budget-bytes)", b >> 20);
+                    b
+                }
+                None => match available_memory() {
+                    Some(avail) => {
+                        eprintln!(
+                            "KV budget: {} MiB, half of the {} MiB available now (--kv-budget-bytes sets it)",
+                            (avail / 2) >> 20,
+                            avail >> 20
+                        );
+                        avail / 2
+                    }
+                    None => {
+                        eprintln!("KV budget: unlimited (available memory unknown; --kv-budget-bytes sets it)");
+                        u64::MAX
+                    }
+                },
+            };
+            let scheduler = onnx_genai_engine::Scheduler::new(budget);
             let mut engines = Vec::new();
             for p in &packages {
                 let engine = Engine::open(p, backend, threads).with_context(|| format!("opening {}", p.display()))?;
-                engines.push(engine.with_scheduler(scheduler.clone()));
+                engines.push(engine.with_scheduler(scheduler.clone()).with_prefill_chunk(prefill_chunk));
             }
-            let server = onnx_genai_server::start(engines, &format!("{host}:{port}"), max_sessions)?;
+            let options = onnx_genai_server::DriverOptions {
+                queue_limit,
+                admission_wait: std::time::Duration::from_millis(admission_wait_ms),
+                stall_timeout: std::time::Duration::from_secs(stall_timeout_s),
+                ..Default::default()
+            };
+            let server = onnx_genai_server::start_with(engines, &format!("{host}:{port}"), max_sessions, options)?;
             eprintln!("serving on http://{} (Ctrl-C stops)", server.addr);
             server.wait();
             Ok(ExitCode::SUCCESS)

@@ -24,7 +24,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 pub use backends::BackendKind;
-pub use chat::ChatMessage;
+pub use chat::{ChatMessage, Prompter};
 use onnx_genai_backend::{BackendError, DecodeModel, Sequence};
 use onnx_genai_package::{Package, PackageError};
 pub use onnx_genai_scheduler::{AdmissionError, BudgetCap, ConversationId, Scheduler};
@@ -112,11 +112,18 @@ struct Session {
     /// Every token of the conversation so far (prompts and generated); the
     /// sequence's KV holds a prefix of them.
     tokens: Vec<u32>,
+    /// While idle: the reservation covering the KV its sequence keeps (B2),
+    /// which its next turn takes over.
+    idle: Option<onnx_genai_scheduler::Admission>,
+    /// When a turn last ended on it (for spilling the least recently used
+    /// idle KV under budget pressure).
+    last_used: u64,
 }
 
 pub struct Engine {
     package: Package,
     tokenizer: Tokenizer,
+    prompter: Arc<Prompter>,
     model: Arc<dyn DecodeModel>,
     /// Finished sequences of requests without a session, kept for reuse.
     spare: Vec<Box<dyn Sequence>>,
@@ -129,6 +136,8 @@ pub struct Engine {
     /// long prefill shares steps with running decodes instead of stalling
     /// them.
     prefill_chunk: usize,
+    /// Counts finished turns (orders idle sessions by last use).
+    clock: u64,
 }
 
 impl Engine {
@@ -144,9 +153,11 @@ impl Engine {
     pub fn new(package: Package, model: Arc<dyn DecodeModel>) -> Result<Self, EngineError> {
         let tokenizer = package.tokenizer().clone();
         let workflow = WorkflowRuntime::load(&package)?;
+        let prompter = Arc::new(Prompter::new(package.clone()));
         Ok(Self {
             package,
             tokenizer,
+            prompter,
             model,
             spare: Vec::new(),
             scheduler: Scheduler::unlimited(),
@@ -154,13 +165,16 @@ impl Engine {
             next_id: 1,
             workflow,
             prefill_chunk: 0,
+            clock: 0,
         })
     }
 
     /// Admits against `scheduler`'s budget (shared with every engine holding
-    /// a clone of it).
+    /// a clone of it). Idle sessions give up their KV (their history stays),
+    /// since the new budget never reserved it.
     pub fn with_scheduler(mut self, scheduler: Scheduler) -> Self {
         self.scheduler = scheduler;
+        while self.spill_idle(None) {}
         self
     }
 
@@ -180,6 +194,12 @@ impl Engine {
 
     pub fn model(&self) -> &Arc<dyn DecodeModel> {
         &self.model
+    }
+
+    /// The engine's tokenizer and chat template, shareable with other
+    /// threads (a server tokenizes there, off the model's driver).
+    pub fn prompter(&self) -> Arc<Prompter> {
+        self.prompter.clone()
     }
 
     pub fn backend_name(&self) -> &'static str {
@@ -254,7 +274,13 @@ impl Engine {
         let sequence = self.model.new_sequence();
         // Keep engine-minted ids clear of caller-chosen ones.
         self.next_id = self.next_id.max(id.0 + 1);
-        let session = Session { sequence: Some(sequence), conversation: ConversationId(id.0), tokens: Vec::new() };
+        let session = Session {
+            sequence: Some(sequence),
+            conversation: ConversationId(id.0),
+            tokens: Vec::new(),
+            idle: None,
+            last_used: 0,
+        };
         self.sessions.insert(id, session);
         Ok(())
     }
@@ -270,29 +296,39 @@ impl Engine {
         self.sessions.get(&id).map(|s| s.tokens.as_slice()).ok_or(EngineError::UnknownSession(id))
     }
 
-    /// KV bytes resident for every sequence this engine holds: idle
-    /// sessions and kept spares (sequences inside running turns are the
-    /// turns' own).
+    /// KV bytes resident for every sequence this engine holds outside a
+    /// running turn: idle sessions and kept spares. At rest the scheduler
+    /// reserves exactly this much for the engine (B2).
     pub fn idle_kv_bytes(&self) -> u64 {
         let sessions: u64 =
             self.sessions.values().filter_map(|s| s.sequence.as_ref()).map(|s| s.resident_bytes()).sum();
         sessions + self.spare.iter().map(|s| s.resident_bytes()).sum::<u64>()
     }
 
+    /// Frees the KV of the least recently used idle session other than
+    /// `keep` (its history stays: its next turn prefills it again) and
+    /// releases what it held. Returns whether there was one to free.
+    fn spill_idle(&mut self, keep: Option<SessionId>) -> bool {
+        let victim = self
+            .sessions
+            .iter()
+            .filter(|(id, s)| Some(**id) != keep && s.idle.as_ref().is_some_and(|a| a.bytes() > 0))
+            .min_by_key(|(_, s)| s.last_used)
+            .map(|(id, _)| *id);
+        let Some(id) = victim else { return false };
+        if let Some(s) = self.sessions.get_mut(&id) {
+            if let Some(seq) = s.sequence.as_mut() {
+                seq.reset();
+            }
+            s.idle = None;
+        }
+        true
+    }
+
     /// The new tokens of a prompt, counted with the one tokenizer the run
     /// encodes with (A7).
     fn prompt_ids(&self, prompt: &Prompt) -> Result<Vec<Vec<u32>>, EngineError> {
-        let rows = match prompt {
-            Prompt::Text(text) => vec![self.encode(text)?],
-            Prompt::Chat(messages) => {
-                let template = self.package.manifest.chat_template.as_deref().ok_or_else(|| {
-                    EngineError::ChatTemplate(format!("package `{}` has no chat_template", self.package.manifest.name))
-                })?;
-                vec![self.encode(&chat::render(template, messages, &self.tokenizer, &self.package.manifest)?)?]
-            }
-            Prompt::TokenIds(ids) => vec![ids.clone()],
-            Prompt::TokenRows(rows) => rows.clone(),
-        };
+        let rows = self.prompter.rows(prompt)?;
         let vocab = self.model.vocab_size();
         for row in &rows {
             if let Some(bad) = row.iter().find(|id| **id as usize >= vocab) {

@@ -91,6 +91,11 @@ impl Turn {
         self.admission.bytes()
     }
 
+    /// KV bytes the turn's sequence holds now.
+    pub fn resident_bytes(&self) -> u64 {
+        self.sequence.as_ref().map_or(0, |s| s.resident_bytes())
+    }
+
     fn fail(&mut self, e: EngineError) {
         if self.error.is_none() {
             self.error = Some(e);
@@ -144,13 +149,15 @@ impl Engine {
         let requested = request.max_new_tokens.unwrap_or(m.generation.max_new_tokens) as usize;
         let max_new = requested.min(context - prompt_tokens);
         // 3. Admit. The guard lives in the turn until it ends.
-        let admission = self.scheduler.admit(&AdmissionRequest {
+        let wanted = AdmissionRequest {
             conversation,
             prompt_tokens: prompt_tokens as u64,
             max_new_tokens: max_new as u64,
             bytes_per_token: self.package.kv_geometry().map(|g| g.bytes_per_token()),
             wait_until: None,
-        })?;
+            granularity: self.model.kv_granularity() as u64,
+        };
+        let admission = self.reserve(&wanted, request.session)?;
         // 4. Signal, after the decision and before any backend work.
         on_admitted(Admitted {
             conversation,
@@ -228,6 +235,37 @@ impl Engine {
         match self.put_away(turn) {
             Err(e) => e,
             Ok(_) => EngineError::Request("the request was refused".into()),
+        }
+    }
+
+    /// Admits `wanted`; a continuing turn takes over the bytes its session
+    /// holds for its idle KV. When the budget is short, the KV of the least
+    /// recently used idle sessions is freed (their history stays) before the
+    /// request is refused: idle memory never keeps a request out.
+    fn reserve(
+        &mut self,
+        wanted: &AdmissionRequest,
+        session: Option<SessionId>,
+    ) -> Result<onnx_genai_scheduler::Admission, EngineError> {
+        loop {
+            let scheduler = self.scheduler.clone();
+            let held = session.and_then(|id| self.sessions.get_mut(&id)).and_then(|s| s.idle.take());
+            let decided = match held {
+                Some(held) => scheduler.admit_over(wanted, held).map_err(|r| (r.error, Some(r.held))),
+                None => scheduler.admit(wanted).map_err(|e| (e, None)),
+            };
+            match decided {
+                Ok(admission) => return Ok(admission),
+                Err((e, back)) => {
+                    if let (Some(back), Some(s)) = (back, session.and_then(|id| self.sessions.get_mut(&id))) {
+                        s.idle = Some(back);
+                    }
+                    let deferred = matches!(e, onnx_genai_scheduler::AdmissionError::Deferred { .. });
+                    if !(deferred && self.spill_idle(session)) {
+                        return Err(e.into());
+                    }
+                }
+            }
         }
     }
 
@@ -409,6 +447,10 @@ impl Engine {
             None => Ok(()),
         };
         let new = turn.feed[turn.new_start.min(turn.feed.len())..].to_vec();
+        self.clock += 1;
+        // What the session's sequence keeps stays reserved while it is idle
+        // (B2); the rest of the turn's reservation goes back.
+        let mut keep = None;
         match turn.session {
             Some(id) => {
                 if let Some(s) = self.sessions.get_mut(&id) {
@@ -420,6 +462,8 @@ impl Engine {
                     if sequence.is_some() {
                         s.sequence = sequence;
                     }
+                    s.last_used = self.clock;
+                    keep = s.sequence.as_ref().map(|seq| seq.resident_bytes());
                 }
             }
             None => {
@@ -429,9 +473,17 @@ impl Engine {
                 }
             }
         }
-        // Release the reservation on every exit (the guard drops here).
         let Turn { admission, generated, finish, prompt_tokens, session, .. } = turn;
         let budget_cap = admission.budget_cap;
+        let mut admission = Some(admission);
+        if let (Some(bytes), Some(s)) = (keep, session.and_then(|id| self.sessions.get_mut(&id))) {
+            if let Some(mut idle) = admission.take() {
+                idle.shrink_to(bytes);
+                s.idle = Some(idle);
+            }
+        }
+        // Release the rest of the reservation on every exit (the guard drops
+        // here).
         drop(admission);
         outcome?;
         let text = self.decode(&generated)?;

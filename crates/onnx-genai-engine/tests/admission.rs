@@ -33,6 +33,16 @@ struct Probed {
     probe: Probe,
 }
 
+/// What an engine reserves at rest (B2): the KV its idle sessions keep —
+/// nothing for a package without KV geometry (A8).
+fn resting(e: &Engine) -> u64 {
+    if e.package().kv_geometry().is_some() {
+        e.idle_kv_bytes()
+    } else {
+        0
+    }
+}
+
 impl DecodeModel for Probed {
     fn name(&self) -> &'static str {
         self.inner.name()
@@ -93,7 +103,7 @@ fn failed_turn_changes_nothing(e: &mut Engine, req: &GenerateRequest, probe: &Pr
     let failed = e.generate(req, &mut |_| Flow::Continue);
     probe.fail.store(false, Ordering::SeqCst);
     assert!(matches!(failed, Err(EngineError::Backend(_))), "{what}: injected failure gave {failed:?}");
-    assert_eq!(e.scheduler().reserved_bytes(), 0, "{what}: after a backend error");
+    assert_eq!(e.scheduler().reserved_bytes(), resting(e), "{what}: after a backend error");
     assert_eq!(e.session_tokens(id).unwrap().len() as u64, carried, "{what}: a failed turn changed the session");
 }
 
@@ -105,15 +115,15 @@ fn every_exit_releases(e: &mut Engine, req: &GenerateRequest, probe: &Probe, wha
     let failed = e.generate(req, &mut |_| Flow::Continue);
     probe.fail.store(false, Ordering::SeqCst);
     assert!(matches!(failed, Err(EngineError::Backend(_))), "{what}: injected failure gave {failed:?}");
-    assert_eq!(e.scheduler().reserved_bytes(), 0, "{what}: after a backend error");
+    assert_eq!(e.scheduler().reserved_bytes(), resting(e), "{what}: after a backend error");
     let stopped = e.generate(req, &mut |_| Flow::Stop).unwrap_or_else(|err| panic!("{what}: {err}"));
     assert_eq!(stopped.token_ids.len(), 1, "{what}");
-    assert_eq!(e.scheduler().reserved_bytes(), 0, "{what}: after a callback abort");
+    assert_eq!(e.scheduler().reserved_bytes(), resting(e), "{what}: after a callback abort");
     let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         let _ = e.generate(req, &mut |_| panic!("client went away"));
     }));
     assert!(unwound.is_err(), "{what}: the callback panic must propagate");
-    assert_eq!(e.scheduler().reserved_bytes(), 0, "{what}: after a panic");
+    assert_eq!(e.scheduler().reserved_bytes(), resting(e), "{what}: after a panic");
 }
 const NEW: u32 = 8;
 
@@ -219,7 +229,7 @@ fn admission_matrix_on_the_decode_core() {
             let forwards_before = probe.forwards.load(Ordering::SeqCst);
             let mut signals = Vec::new();
             let out = e.generate_with(&req, &mut |a| signals.push(a), &mut |_| Flow::Continue);
-            assert_eq!(e.scheduler().reserved_bytes(), 0, "{what}: reservation left behind");
+            assert_eq!(e.scheduler().reserved_bytes(), resting(&e), "{what}: reservation left behind");
             match (&out, cell.admitted) {
                 (Err(EngineError::Admission(err)), false) => {
                     assert!(signals.is_empty(), "{what}: on_admitted fired for a refused request");
@@ -287,18 +297,18 @@ fn the_reservation_is_released_on_every_exit() {
 
     probe.fail.store(true, Ordering::SeqCst);
     assert!(matches!(e.generate(&req, &mut |_| Flow::Continue), Err(EngineError::Backend(_))));
-    assert_eq!(e.scheduler().reserved_bytes(), 0, "backend error");
+    assert_eq!(e.scheduler().reserved_bytes(), resting(&e), "backend error");
     probe.fail.store(false, Ordering::SeqCst);
 
     let r = e.generate(&req, &mut |_| Flow::Stop).unwrap();
     assert_eq!(r.token_ids.len(), 1);
-    assert_eq!(e.scheduler().reserved_bytes(), 0, "callback abort");
+    assert_eq!(e.scheduler().reserved_bytes(), resting(&e), "callback abort");
 
     let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         let _ = e.generate(&req, &mut |_| panic!("client went away"));
     }));
     assert!(unwound.is_err());
-    assert_eq!(e.scheduler().reserved_bytes(), 0, "panic in the callback");
+    assert_eq!(e.scheduler().reserved_bytes(), resting(&e), "panic in the callback");
 }
 
 /// Pins A11 through the engine: engines sharing one scheduler never hold
@@ -356,7 +366,7 @@ fn bad_requests_are_typed_errors_with_nothing_reserved() {
         let err = e.generate_with(&req, &mut |_| signalled = true, &mut |_| Flow::Continue).unwrap_err().to_string();
         assert!(err.contains(want), "expected `{want}` in: {err}");
         assert!(!signalled, "{want}: signalled admission");
-        assert_eq!(e.scheduler().reserved_bytes(), 0, "{want}");
+        assert_eq!(e.scheduler().reserved_bytes(), resting(&e), "{want}");
     }
     assert_eq!(probe.forwards.load(Ordering::SeqCst), 0, "no bad request reached the backend");
 }
@@ -476,7 +486,7 @@ fn admission_matrix_on_workflows() {
             let forwards_before = probe.forwards.load(Ordering::SeqCst);
             let mut signals = Vec::new();
             let out = e.generate_with(&req, &mut |a| signals.push(a), &mut |_| Flow::Continue);
-            assert_eq!(e.scheduler().reserved_bytes(), 0, "{what}: reservation left behind");
+            assert_eq!(e.scheduler().reserved_bytes(), resting(&e), "{what}: reservation left behind");
             if budget == Budget::FarOver {
                 assert!(
                     matches!(&out, Err(EngineError::Admission(AdmissionError::NeverFits { .. }))),
@@ -546,7 +556,7 @@ fn a_panicked_turn_leaves_the_session_unchanged() {
         });
     }));
     assert!(unwound.is_err());
-    assert_eq!(e.scheduler().reserved_bytes(), 0);
+    assert_eq!(e.scheduler().reserved_bytes(), resting(&e));
     assert_eq!(e.session_tokens(broken).unwrap(), e.session_tokens(clean).unwrap());
     let next = |e: &mut Engine, id| {
         let r = turn(id, vec![90, 91]);
@@ -572,7 +582,7 @@ fn token_rows_are_counted_as_a_padded_batch() {
     let err = e.generate_with(&rows, &mut |a| counted.push(a.prompt_tokens), &mut |_| Flow::Continue).unwrap_err();
     assert_eq!(counted, vec![6]);
     assert!(err.to_string().contains("runs one token row, the prompt has 2"), "{err}");
-    assert_eq!(e.scheduler().reserved_bytes(), 0);
+    assert_eq!(e.scheduler().reserved_bytes(), resting(&e));
     let one =
         GenerateRequest { max_new_tokens: Some(4), ..GenerateRequest::new(Prompt::TokenRows(vec![PROMPT.to_vec()])) };
     let ids = GenerateRequest { max_new_tokens: Some(4), ..GenerateRequest::new(Prompt::TokenIds(PROMPT.to_vec())) };

@@ -180,6 +180,10 @@ impl DecodeModel for NativeModel {
             1
         }
     }
+
+    fn kv_granularity(&self) -> usize {
+        crate::kv::BLOCK_TOKENS
+    }
 }
 
 /// One sequence of a [`NativeModel`]: its KV blocks and length.

@@ -194,6 +194,29 @@ impl Plan {
         self.slots
     }
 
+    /// Multiply-adds of the projections per position (every weight used
+    /// once; attention, which grows with the context, is not counted).
+    pub fn projection_macs(&self) -> u64 {
+        self.steps
+            .iter()
+            .map(|s| match &s.op {
+                Op::Linear { weight, .. } | Op::GatedMlp { weight } => (weight.n * weight.k) as u64,
+                _ => 0,
+            })
+            .sum()
+    }
+
+    /// Bytes of packed projection weights (what a decode step streams).
+    pub fn projection_bytes(&self) -> u64 {
+        self.steps
+            .iter()
+            .map(|s| match &s.op {
+                Op::Linear { weight, .. } | Op::GatedMlp { weight } => weight.bytes() as u64,
+                _ => 0,
+            })
+            .sum()
+    }
+
     /// The ops of the plan in order, by name (for `inspect` and tests).
     pub fn step_ops(&self) -> Vec<String> {
         self.steps.iter().map(|s| s.op.name()).collect()

@@ -35,6 +35,16 @@ pub struct AdmissionRequest {
     /// Wait (first come, first served) until room frees up or this instant
     /// passes, instead of refusing a request that would fit an empty budget.
     pub wait_until: Option<Instant>,
+    /// Positions the backend allocates KV in (its blocks; 1: token-exact).
+    /// Bytes are counted for whole blocks and a clamp admits whole blocks,
+    /// so what is reserved always covers what the backend holds (B2).
+    pub granularity: u64,
+}
+
+/// `tokens` rounded up to whole blocks of `granularity`.
+fn whole_blocks(tokens: u64, granularity: u64) -> u64 {
+    let g = granularity.max(1);
+    tokens.div_ceil(g).saturating_mul(g)
 }
 
 /// How a request was clamped to the room the budget had (A6).
@@ -120,6 +130,19 @@ impl Admission {
     pub fn bytes(&self) -> u64 {
         self.bytes
     }
+
+    /// Keeps at most `bytes` and gives the rest back now (a finished turn
+    /// whose session keeps only the KV it filled). Never grows.
+    pub fn shrink_to(&mut self, bytes: u64) {
+        if bytes < self.bytes {
+            let released = self.bytes - bytes;
+            let mut s = self.inner.lock();
+            s.reserved -= released;
+            drop(s);
+            self.bytes = bytes;
+            self.inner.room.notify_all();
+        }
+    }
 }
 
 impl Drop for Admission {
@@ -131,6 +154,14 @@ impl Drop for Admission {
             self.inner.room.notify_all();
         }
     }
+}
+
+/// A refused [`Scheduler::admit_over`]: why, and the reservation that was
+/// held, unchanged.
+#[derive(Debug)]
+pub struct Refused {
+    pub error: AdmissionError,
+    pub held: Admission,
 }
 
 enum Decision {
@@ -182,7 +213,7 @@ impl Scheduler {
             return Ok(self.admission(request, 0, request.max_new_tokens, None));
         };
         let budget = self.inner.budget;
-        let min_bytes = request.prompt_tokens.saturating_add(1).saturating_mul(bpt);
+        let min_bytes = whole_blocks(request.prompt_tokens.saturating_add(1), request.granularity).saturating_mul(bpt);
         if min_bytes > budget {
             return Err(AdmissionError::NeverFits {
                 needed_bytes: min_bytes,
@@ -231,7 +262,7 @@ impl Scheduler {
                 drop(state);
                 self.inner.room.notify_all();
                 return Err(AdmissionError::TimedOut {
-                    needed_bytes: (request.prompt_tokens + 1) * bpt,
+                    needed_bytes: whole_blocks(request.prompt_tokens + 1, request.granularity) * bpt,
                     available_bytes: free,
                     budget_bytes: budget,
                 });
@@ -240,6 +271,60 @@ impl Scheduler {
                 Ok((s, _)) => s,
                 Err(p) => p.into_inner().0,
             };
+        }
+    }
+
+    /// [`Scheduler::admit`] for a request whose conversation already holds
+    /// `held` (an idle session's KV): the held bytes count as room for this
+    /// request, which takes them over when admitted, atomically, so nothing
+    /// can take them in between (A11). When refused, `held` comes back
+    /// unchanged with the error. Never waits.
+    pub fn admit_over(&self, request: &AdmissionRequest, mut held: Admission) -> Result<Admission, Box<Refused>> {
+        if !Arc::ptr_eq(&held.inner, &self.inner) {
+            // Held under another budget: give it back there, admit here.
+            held.shrink_to(0);
+            return self.admit(request).map_err(|error| Box::new(Refused { error, held }));
+        }
+        let Some(bpt) = request.bytes_per_token else {
+            return match self.admit(request) {
+                Ok(a) => {
+                    held.shrink_to(0);
+                    Ok(a)
+                }
+                Err(error) => Err(Box::new(Refused { error, held })),
+            };
+        };
+        if request.prompt_tokens == 0 || request.max_new_tokens == 0 {
+            return self.admit(request).map_err(|error| Box::new(Refused { error, held }));
+        }
+        let budget = self.inner.budget;
+        let min_bytes = whole_blocks(request.prompt_tokens.saturating_add(1), request.granularity).saturating_mul(bpt);
+        if min_bytes > budget {
+            let err = AdmissionError::NeverFits {
+                needed_bytes: min_bytes,
+                budget_bytes: budget,
+                prompt_tokens: request.prompt_tokens,
+                bytes_per_token: bpt,
+            };
+            return Err(Box::new(Refused { error: err, held }));
+        }
+        let mut state = self.inner.lock();
+        let others = state.reserved - held.bytes;
+        if !state.queue.is_empty() {
+            // Someone is already waiting: first come, first served.
+            let error = deferred(request, bpt, budget, budget - state.reserved);
+            return Err(Box::new(Refused { error, held }));
+        }
+        match decide(request, bpt, budget, others) {
+            Decision::Admit { bytes, new_tokens, cap } => {
+                state.reserved = others + bytes;
+                drop(state);
+                // The held bytes now belong to the new admission.
+                held.bytes = 0;
+                self.inner.room.notify_all();
+                Ok(self.admission(request, bytes, new_tokens, cap))
+            }
+            Decision::Deferred(error) => Err(Box::new(Refused { error, held })),
         }
     }
 
@@ -259,11 +344,12 @@ impl Scheduler {
 fn decide(request: &AdmissionRequest, bpt: u64, budget: u64, reserved: u64) -> Decision {
     let available = budget - reserved;
     let tokens = request.prompt_tokens.saturating_add(request.max_new_tokens);
-    let bytes = tokens.saturating_mul(bpt);
+    let bytes = whole_blocks(tokens, request.granularity).saturating_mul(bpt);
     if bytes <= available {
         return Decision::Admit { bytes, new_tokens: request.max_new_tokens, cap: None };
     }
-    let fit_tokens = available.checked_div(bpt).unwrap_or(u64::MAX);
+    let g = request.granularity.max(1);
+    let fit_tokens = available.checked_div(bpt).map_or(u64::MAX, |t| t / g * g);
     if fit_tokens > request.prompt_tokens {
         let new_tokens = fit_tokens - request.prompt_tokens;
         let admitted_bytes = fit_tokens * bpt;
@@ -281,7 +367,7 @@ fn decide(request: &AdmissionRequest, bpt: u64, budget: u64, reserved: u64) -> D
 
 fn deferred(request: &AdmissionRequest, bpt: u64, budget: u64, available: u64) -> AdmissionError {
     AdmissionError::Deferred {
-        needed_bytes: (request.prompt_tokens + 1) * bpt,
+        needed_bytes: whole_blocks(request.prompt_tokens + 1, request.granularity) * bpt,
         available_bytes: available,
         budget_bytes: budget,
         prompt_tokens: request.prompt_tokens,

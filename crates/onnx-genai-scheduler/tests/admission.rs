@@ -17,6 +17,7 @@ fn req(prompt: u64, max_new: u64) -> AdmissionRequest {
         max_new_tokens: max_new,
         bytes_per_token: Some(BPT),
         wait_until: None,
+        granularity: 1,
     }
 }
 
@@ -332,4 +333,96 @@ proptest! {
         }
         prop_assert_eq!(s.reserved_bytes(), 0);
     }
+}
+
+/// Pins B2 at the scheduler: with a backend that allocates KV in blocks,
+/// bytes are counted for whole blocks (what the backend will hold), a clamp
+/// admits whole blocks, and the boundary stays exact in blocks (A10).
+#[test]
+fn block_granularity_counts_whole_blocks() {
+    let s = Scheduler::new(64 * BPT);
+    let block = |prompt, max_new| AdmissionRequest { granularity: 16, ..req(prompt, max_new) };
+    let a = s.admit(&block(5, 6)).unwrap();
+    assert_eq!((a.bytes(), a.budget_cap), (16 * BPT, None), "11 tokens hold one block of 16");
+    drop(a);
+    let b = s.admit(&block(20, 40)).unwrap();
+    assert_eq!((b.bytes(), b.max_new_tokens), (64 * BPT, 40), "60 tokens round to the 64 that fit");
+    drop(b);
+    let c = s.admit(&block(20, 50)).unwrap();
+    assert_eq!(c.max_new_tokens, 44, "clamped to the whole blocks that fit: 64 - 20");
+    assert_eq!(c.budget_cap.map(|cap| (cap.admitted_tokens, cap.requested_bytes)), Some((64, 80 * BPT)));
+    drop(c);
+    assert!(
+        matches!(s.admit(&block(64, 1)), Err(AdmissionError::NeverFits { needed_bytes, .. }) if needed_bytes == 80 * BPT),
+        "65 tokens need five blocks"
+    );
+}
+
+/// Pins B2 for idle sessions: a finished turn shrinks its reservation to
+/// the KV its session keeps (never grows it), and the freed bytes are free
+/// at once (A11).
+#[test]
+fn a_reservation_shrinks_to_what_is_kept() {
+    let s = Scheduler::new(100 * BPT);
+    let mut a = s.admit(&req(10, 50)).unwrap();
+    a.shrink_to(30 * BPT);
+    assert_eq!((a.bytes(), s.reserved_bytes()), (30 * BPT, 30 * BPT));
+    a.shrink_to(80 * BPT);
+    assert_eq!(a.bytes(), 30 * BPT, "shrinking never grows");
+    assert!(s.admit(&req(20, 50)).is_ok(), "the released bytes are usable at once");
+    drop(a);
+    assert_eq!(s.reserved_bytes(), 0);
+}
+
+/// Pins A5/B2 for a continuing turn: the bytes its session already holds
+/// count as room for the turn, which takes them over (no double count);
+/// a refusal hands the session's bytes back untouched; under concurrent
+/// admissions the live total never passes the budget (A11).
+#[test]
+fn a_continuing_turn_takes_over_its_sessions_bytes() {
+    let s = Scheduler::new(100 * BPT);
+    let idle = s.admit(&req(40, 1)).unwrap();
+    let _other = s.admit(&req(30, 10)).unwrap();
+    assert_eq!(s.available_bytes(), 19 * BPT);
+    // 41 held + 19 free = 60 tokens of room for the continuing turn.
+    let turn = s.admit_over(&req(45, 15), idle).unwrap();
+    assert_eq!((turn.bytes(), turn.max_new_tokens, s.available_bytes()), (60 * BPT, 15, 0));
+    drop(turn);
+    let idle = s.admit(&req(40, 1)).unwrap();
+    let refused = *s.admit_over(&req(80, 1), idle).unwrap_err();
+    let (err, back) = (refused.error, refused.held);
+    assert!(matches!(err, AdmissionError::Deferred { .. }), "{err:?}");
+    assert_eq!((back.bytes(), s.reserved_bytes()), (41 * BPT, 81 * BPT), "refused: the session keeps its bytes");
+    drop(back);
+    // Concurrent: sessions continuing and newcomers admitting, all at once.
+    let shared = Scheduler::new(64 * BPT);
+    let peak = Arc::new(AtomicU64::new(0));
+    let barrier = Arc::new(Barrier::new(8));
+    let handles: Vec<_> = (0..8)
+        .map(|i| {
+            let (s, peak, barrier) = (shared.clone(), peak.clone(), barrier.clone());
+            std::thread::spawn(move || {
+                let held = s.admit(&req(4, 1)).ok();
+                barrier.wait();
+                for _ in 0..200 {
+                    let got = match &held {
+                        Some(_) if i % 2 == 0 => s.admit(&req(6, 4)).ok(),
+                        _ => s.admit(&req(3, 3)).ok(),
+                    };
+                    peak.fetch_max(s.reserved_bytes(), Ordering::SeqCst);
+                    drop(got);
+                }
+                if let Some(h) = held {
+                    let r = s.admit_over(&req(8, 8), h);
+                    peak.fetch_max(s.reserved_bytes(), Ordering::SeqCst);
+                    drop(r);
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    assert!(peak.load(Ordering::SeqCst) <= 64 * BPT, "over-committed: {}", peak.load(Ordering::SeqCst));
+    assert_eq!(shared.reserved_bytes(), 0);
 }

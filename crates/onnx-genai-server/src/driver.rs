@@ -1,14 +1,23 @@
-//! One driver thread per model owns its engine; routes talk to it through
-//! channels. A turn's admission promise (A9) is resolved exactly once: `Ok`
-//! when the engine admits the request, the typed failure when it refuses —
-//! and if the command is dropped unprocessed (the driver stopped), the
-//! promise's own `Drop` resolves it, so a route never waits forever.
+//! One driver thread per model owns its engine and runs a step loop: each
+//! iteration takes the commands that arrived (admitting new turns, opening
+//! and closing sessions), advances every running turn by one batched model
+//! step, and ends the turns that finished. Requests therefore join and
+//! leave between steps (continuous batching).
+//!
+//! A turn's admission promise (A9) is resolved exactly once: `Ok` when the
+//! engine admits the request, the typed failure when it refuses — and if
+//! the command is dropped unprocessed (the driver stopped), the promise's
+//! own `Drop` resolves it, so a route never waits forever. A turn's lease
+//! travels with it and is released when the engine is done with the turn,
+//! before the client hears the end (L2).
 
+use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc as std_mpsc, Arc};
+use std::time::{Duration, Instant};
 
-use onnx_genai_engine::{Engine, Flow, GenerateRequest, GenerateResult, SessionId};
+use onnx_genai_engine::{Engine, Flow, GenerateRequest, GenerateResult, SessionId, Turn, TurnState};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::error::{from_engine, ApiError};
@@ -66,37 +75,93 @@ pub enum Command {
     },
 }
 
+/// How a driver runs its model's turns.
+#[derive(Clone, Copy, Debug)]
+pub struct DriverOptions {
+    /// Generate commands that may wait for the driver; beyond it a request
+    /// is refused with 429.
+    pub queue_limit: usize,
+    /// How long a turn may wait for its client to read its stream before
+    /// the turn is cancelled (and its lease and reservation released).
+    pub stall_timeout: Duration,
+    /// Events a turn may hold back for a slow client before it is
+    /// cancelled.
+    pub backlog_limit: usize,
+    /// How long a request that does not fit the KV budget now waits in line
+    /// (first come, first served) for room before it is refused with 429.
+    pub admission_wait: Duration,
+}
+
+impl Default for DriverOptions {
+    fn default() -> Self {
+        Self {
+            queue_limit: 256,
+            stall_timeout: Duration::from_secs(30),
+            backlog_limit: 1024,
+            admission_wait: Duration::from_millis(500),
+        }
+    }
+}
+
 /// Counters the tests and the load check read.
 #[derive(Debug, Default)]
 pub struct Counters {
     pub admitted: AtomicU64,
     pub turns: AtomicU64,
+    /// Turns running on the model right now.
+    pub running: AtomicU64,
+    /// Turns cancelled because their client stopped reading.
+    pub stalled: AtomicU64,
+    /// The most turns one step advanced.
+    pub widest_step: AtomicU64,
+    /// Requests waiting in line for KV room.
+    pub waiting: AtomicU64,
+    /// KV bytes the model's idle sessions keep (what the budget reserves for
+    /// them at rest, B2).
+    pub idle_kv_bytes: AtomicU64,
 }
 
 #[derive(Clone)]
 pub struct Driver {
     pub model: String,
+    /// The model's tokenizer and chat template: routes tokenize prompts on
+    /// their own threads, so the driver only steps the model.
+    pub prompter: Arc<onnx_genai_engine::Prompter>,
     tx: std_mpsc::Sender<Command>,
     pub counters: Arc<Counters>,
     pub scheduler: onnx_genai_engine::Scheduler,
     next_session: Arc<AtomicU64>,
+    /// Generate commands sent and not yet taken by the driver.
+    queued: Arc<AtomicUsize>,
+    queue_limit: usize,
 }
 
 impl Driver {
     /// Starts the driver thread for `engine`.
-    pub fn spawn(model: String, engine: Engine) -> Self {
+    pub fn spawn(model: String, engine: Engine, options: DriverOptions) -> Self {
         let (tx, rx) = std_mpsc::channel::<Command>();
         let counters = Arc::new(Counters::default());
         let scheduler = engine.scheduler().clone();
-        let c = counters.clone();
+        let prompter = engine.prompter();
+        let queued = Arc::new(AtomicUsize::new(0));
+        let (c, q) = (counters.clone(), queued.clone());
         let name = format!("driver-{model}");
-        let spawned = std::thread::Builder::new().name(name).spawn(move || run(engine, rx, &c));
+        let spawned = std::thread::Builder::new().name(name).spawn(move || Loop::new(engine, &c, &q, options).run(&rx));
         if let Err(e) = spawned {
             // Commands sent to a driver that never started are dropped,
             // which resolves their promises with an error.
             tracing::error!("cannot start the driver thread for {model}: {e}");
         }
-        Self { model, tx, counters, scheduler, next_session: Arc::new(AtomicU64::new(1)) }
+        Self {
+            model,
+            prompter,
+            tx,
+            counters,
+            scheduler,
+            next_session: Arc::new(AtomicU64::new(1)),
+            queued,
+            queue_limit: options.queue_limit,
+        }
     }
 
     /// A fresh engine session id on this model's worker.
@@ -105,63 +170,288 @@ impl Driver {
     }
 
     pub fn send(&self, command: Command) -> Result<(), ApiError> {
+        if let Command::Generate { .. } = command {
+            // Bounded: a full queue refuses (transient) instead of growing.
+            if self.queued.fetch_add(1, Ordering::SeqCst) >= self.queue_limit {
+                self.queued.fetch_sub(1, Ordering::SeqCst);
+                return Err(ApiError::busy(format!(
+                    "the queue of model `{}` is full ({} requests waiting); retry shortly",
+                    self.model, self.queue_limit
+                )));
+            }
+        }
         // A send error drops the command, resolving its promise.
         self.tx.send(command).map_err(|_| ApiError::internal())
     }
 }
 
-fn run(mut engine: Engine, rx: std_mpsc::Receiver<Command>, counters: &Counters) {
-    while let Ok(command) = rx.recv() {
-        match command {
-            Command::Generate { request, lease, mut admission, events } => {
-                counters.turns.fetch_add(1, Ordering::SeqCst);
-                let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                    engine.generate_with(
-                        &request,
-                        &mut |_| {
-                            counters.admitted.fetch_add(1, Ordering::SeqCst);
-                            admission.resolve(Ok(()));
-                        },
-                        &mut |token| {
-                            // Backpressure: a client that stops reading holds
-                            // the turn here; one that disconnects stops it.
-                            match events.blocking_send(Event::Delta(token.text_delta.to_string())) {
-                                Ok(()) => Flow::Continue,
-                                Err(_) => Flow::Stop,
-                            }
-                        },
-                    )
-                }));
-                // The engine's work is over: release the session before the
-                // client hears the end, so its next turn never meets a stale
-                // lease (L2; L9 allows trailing, but clients should not see it).
-                drop(lease);
-                let failure = match outcome {
-                    Ok(Ok(result)) => {
-                        let _ = events.blocking_send(Event::Finished(result));
-                        None
-                    }
-                    Ok(Err(e)) => Some(from_engine(&e)),
-                    Err(_) => {
-                        tracing::error!("a generation panicked on {}", engine.package().manifest.name);
-                        Some(ApiError::internal())
-                    }
-                };
-                if let Some(err) = failure {
-                    if !admission.resolve(Err(err.clone())) {
-                        let _ = events.blocking_send(Event::Failed(err));
-                    }
+/// A turn running on the model, with where its events go.
+struct Running {
+    turn: Turn,
+    lease: Option<Lease>,
+    events: mpsc::Sender<Event>,
+    /// Events the client has not taken yet (its channel was full).
+    backlog: VecDeque<Event>,
+    /// Since when the backlog has not drained.
+    stalled_since: Option<Instant>,
+    /// The client is gone (its channel closed).
+    gone: bool,
+}
+
+impl Running {
+    /// Sends what the channel takes; returns whether everything went out.
+    fn flush(&mut self) -> bool {
+        while let Some(event) = self.backlog.pop_front() {
+            match self.events.try_send(event) {
+                Ok(()) => {}
+                Err(mpsc::error::TrySendError::Full(event)) => {
+                    self.backlog.push_front(event);
+                    self.stalled_since.get_or_insert_with(Instant::now);
+                    return false;
+                }
+                Err(mpsc::error::TrySendError::Closed(_)) => {
+                    self.gone = true;
+                    self.backlog.clear();
+                    return false;
                 }
             }
+        }
+        self.stalled_since = None;
+        true
+    }
+}
+
+/// A request waiting in line for KV room.
+struct Waiting {
+    request: Box<GenerateRequest>,
+    lease: Option<Lease>,
+    admission: Promise,
+    events: mpsc::Sender<Event>,
+    until: Instant,
+}
+
+struct Loop<'a> {
+    engine: Engine,
+    counters: &'a Counters,
+    queued: &'a AtomicUsize,
+    options: DriverOptions,
+    running: Vec<Running>,
+    /// Requests that did not fit the budget yet, in arrival order (B5).
+    line: VecDeque<Waiting>,
+}
+
+/// How long an idle driver with requests in line sleeps before it looks
+/// for room again (room frees on other models sharing the budget).
+const LINE_POLL: Duration = Duration::from_millis(2);
+
+impl<'a> Loop<'a> {
+    fn new(engine: Engine, counters: &'a Counters, queued: &'a AtomicUsize, options: DriverOptions) -> Self {
+        Self { engine, counters, queued, options, running: Vec::new(), line: VecDeque::new() }
+    }
+
+    fn run(mut self, rx: &std_mpsc::Receiver<Command>) {
+        loop {
+            // Idle: wait for work. Busy: take what arrived, then step.
+            if self.running.is_empty() {
+                let next = if self.line.is_empty() {
+                    rx.recv().map_err(|_| true)
+                } else {
+                    rx.recv_timeout(LINE_POLL).map_err(|e| e == std_mpsc::RecvTimeoutError::Disconnected)
+                };
+                match next {
+                    Ok(command) => self.take(command),
+                    Err(true) => return,
+                    Err(false) => {}
+                }
+            }
+            while let Ok(command) = rx.try_recv() {
+                self.take(command);
+            }
+            self.admit_waiting();
+            if !self.running.is_empty() {
+                self.step();
+            }
+            self.counters.idle_kv_bytes.store(self.engine.idle_kv_bytes(), Ordering::SeqCst);
+        }
+    }
+
+    fn take(&mut self, command: Command) {
+        match command {
+            Command::Generate { request, lease, admission, events } => {
+                self.queued.fetch_sub(1, Ordering::SeqCst);
+                self.counters.turns.fetch_add(1, Ordering::SeqCst);
+                let until = Instant::now() + self.options.admission_wait;
+                self.line.push_back(Waiting { request, lease, admission, events, until });
+                self.admit_waiting();
+            }
             Command::OpenSession { id } => {
-                if let Err(e) = engine.open_session(id) {
+                if let Err(e) = self.engine.open_session(id) {
                     // Its first turn reports the session as gone.
                     tracing::error!("cannot open {id}: {e}");
                 }
             }
             Command::CloseSession { id } => {
-                let _ = engine.close_session(id);
+                let _ = self.engine.close_session(id);
             }
         }
+    }
+
+    /// Admits requests from the front of the line while they fit: first
+    /// come, first served, so a large request is never overtaken by the
+    /// small ones behind it (B5). One whose client left runs nothing (B4);
+    /// one that waited past its time is refused (429, A9).
+    fn admit_waiting(&mut self) {
+        while let Some(mut w) = self.line.pop_front() {
+            if w.events.is_closed() {
+                // Cancelled while queued: no admission, no prefill.
+                continue;
+            }
+            let counters = self.counters;
+            let admitted = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                self.engine.admit(&w.request, &mut |_| {
+                    counters.admitted.fetch_add(1, Ordering::SeqCst);
+                    w.admission.resolve(Ok(()));
+                })
+            }));
+            let Waiting { lease, mut admission, events, until, request } = w;
+            match admitted {
+                Ok(Ok(turn)) => {
+                    let running =
+                        Running { turn, lease, events, backlog: VecDeque::new(), stalled_since: None, gone: false };
+                    self.running.push(running);
+                }
+                Ok(Err(e)) if deferred(&e) && Instant::now() < until => {
+                    // Not yet: it keeps its place at the front of the line.
+                    self.line.push_front(Waiting { request, lease, admission, events, until });
+                    break;
+                }
+                Ok(Err(e)) => {
+                    // Refused (or failed before it ran): nothing holds the
+                    // session any more.
+                    drop(lease);
+                    fail(&mut admission, &events, from_engine(&e));
+                }
+                Err(_) => {
+                    drop(lease);
+                    tracing::error!("admitting a request panicked on {}", self.engine.package().manifest.name);
+                    fail(&mut admission, &events, ApiError::internal());
+                }
+            }
+        }
+        self.counters.running.store(self.running.len() as u64, Ordering::SeqCst);
+        self.counters.waiting.store(self.line.len() as u64, Ordering::SeqCst);
+    }
+
+    /// One batched model step over every running turn, then the endings.
+    fn step(&mut self) {
+        let now = Instant::now();
+        for r in &mut self.running {
+            let drained = r.flush();
+            let stalled = r.stalled_since.is_some_and(|t| now.duration_since(t) >= self.options.stall_timeout)
+                || r.backlog.len() > self.options.backlog_limit;
+            if r.gone || (!drained && stalled) {
+                if !r.gone && stalled {
+                    self.counters.stalled.fetch_add(1, Ordering::SeqCst);
+                }
+                r.turn.cancel();
+            }
+        }
+        let width = self.running.iter().filter(|r| r.turn.state() == TurnState::Running).count() as u64;
+        self.counters.widest_step.fetch_max(width, Ordering::SeqCst);
+        {
+            let mut turns: Vec<&mut Turn> = self.running.iter_mut().map(|r| &mut r.turn).collect();
+            let mut deltas: Vec<(usize, String)> = Vec::new();
+            self.engine.step(&mut turns, &mut |i, token| {
+                deltas.push((i, token.text_delta.to_string()));
+                Flow::Continue
+            });
+            drop(turns);
+            for (i, delta) in deltas {
+                let r = &mut self.running[i];
+                r.backlog.push_back(Event::Delta(delta));
+                if !r.flush() && r.gone {
+                    // The client left: stop at the next step boundary (B4).
+                    r.turn.cancel();
+                }
+            }
+        }
+        // End what finished.
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].turn.state() == TurnState::Done {
+                let done = self.running.swap_remove(i);
+                self.end(done);
+            } else {
+                i += 1;
+            }
+        }
+        self.counters.running.store(self.running.len() as u64, Ordering::SeqCst);
+    }
+
+    fn end(&mut self, done: Running) {
+        let Running { turn, lease, events, mut backlog, gone, .. } = done;
+        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| self.engine.finish(turn)));
+        // The engine's work is over: release the session before the client
+        // hears the end, so its next turn never meets a stale lease (L2; L9
+        // allows trailing, but clients should not see it).
+        drop(lease);
+        let last = match outcome {
+            Ok(Ok(result)) => Event::Finished(result),
+            Ok(Err(e)) => Event::Failed(from_engine(&e)),
+            Err(_) => {
+                tracing::error!("a generation panicked on {}", self.engine.package().manifest.name);
+                Event::Failed(ApiError::internal())
+            }
+        };
+        if gone {
+            return;
+        }
+        backlog.push_back(last);
+        // Usually everything fits the channel now; what does not goes to a
+        // thread that may wait for the client, so the driver never blocks.
+        while let Some(event) = backlog.pop_front() {
+            match events.try_send(event) {
+                Ok(()) => {}
+                Err(mpsc::error::TrySendError::Closed(_)) => return,
+                Err(mpsc::error::TrySendError::Full(event)) => {
+                    backlog.push_front(event);
+                    break;
+                }
+            }
+        }
+        if backlog.is_empty() {
+            return;
+        }
+        let deadline = Instant::now() + self.options.stall_timeout;
+        std::thread::spawn(move || {
+            for mut event in backlog {
+                loop {
+                    match events.try_send(event) {
+                        Ok(()) => break,
+                        Err(mpsc::error::TrySendError::Closed(_)) => return,
+                        Err(mpsc::error::TrySendError::Full(back)) => {
+                            if Instant::now() >= deadline {
+                                return;
+                            }
+                            std::thread::sleep(Duration::from_millis(1));
+                            event = back;
+                        }
+                    }
+                }
+            }
+        });
+    }
+}
+
+/// Whether the budget refused for now (room may free), not for good.
+fn deferred(e: &onnx_genai_engine::EngineError) -> bool {
+    matches!(e, onnx_genai_engine::EngineError::Admission(onnx_genai_engine::AdmissionError::Deferred { .. }))
+}
+
+/// Tells the route why a turn failed: through the admission promise when
+/// headers have not gone out, else as the stream's last event.
+fn fail(admission: &mut Promise, events: &mpsc::Sender<Event>, err: ApiError) {
+    if !admission.resolve(Err(err.clone())) {
+        let _ = events.try_send(Event::Failed(err));
     }
 }

@@ -20,7 +20,7 @@ use axum::routing::{delete, get, post};
 use axum::Router;
 use onnx_genai_engine::Engine;
 
-pub use driver::Driver;
+pub use driver::{Driver, DriverOptions};
 pub use error::ApiError;
 pub use routes::SESSION_HEADER;
 use sessions::Registry;
@@ -41,6 +41,16 @@ pub struct Gauges {
     pub reserved_bytes: u64,
     pub admitted: u64,
     pub turns: u64,
+    /// Turns running on the models now.
+    pub running: u64,
+    /// Turns cancelled because their client stopped reading.
+    pub stalled: u64,
+    /// The most turns one model step has advanced.
+    pub widest_step: u64,
+    /// Requests waiting in line for KV room.
+    pub waiting: u64,
+    /// KV bytes idle sessions keep (reserved for them at rest, B2).
+    pub idle_kv_bytes: u64,
 }
 
 /// A server bound to a socket, running on its own runtime thread.
@@ -60,11 +70,21 @@ impl RunningServer {
             reserved_bytes: 0,
             admitted: 0,
             turns: 0,
+            running: 0,
+            stalled: 0,
+            widest_step: 0,
+            waiting: 0,
+            idle_kv_bytes: 0,
         };
         for d in drivers {
             g.reserved_bytes += d.scheduler.reserved_bytes();
             g.admitted += d.counters.admitted.load(Ordering::SeqCst);
             g.turns += d.counters.turns.load(Ordering::SeqCst);
+            g.running += d.counters.running.load(Ordering::SeqCst);
+            g.stalled += d.counters.stalled.load(Ordering::SeqCst);
+            g.widest_step = g.widest_step.max(d.counters.widest_step.load(Ordering::SeqCst));
+            g.waiting += d.counters.waiting.load(Ordering::SeqCst);
+            g.idle_kv_bytes += d.counters.idle_kv_bytes.load(Ordering::SeqCst);
         }
         g
     }
@@ -115,6 +135,16 @@ pub fn router(state: Arc<AppState>) -> Router {
 /// Starts serving `engines` (model name = package name) on `addr`
 /// (`127.0.0.1:0` picks a free port) with at most `max_sessions` sessions.
 pub fn start(engines: Vec<Engine>, addr: &str, max_sessions: usize) -> Result<RunningServer, ServeError> {
+    start_with(engines, addr, max_sessions, DriverOptions::default())
+}
+
+/// [`start`] with the drivers' queue and slow-client limits.
+pub fn start_with(
+    engines: Vec<Engine>,
+    addr: &str,
+    max_sessions: usize,
+    options: DriverOptions,
+) -> Result<RunningServer, ServeError> {
     if engines.is_empty() {
         return Err(ServeError::NoModels);
     }
@@ -124,7 +154,7 @@ pub fn start(engines: Vec<Engine>, addr: &str, max_sessions: usize) -> Result<Ru
         if drivers.contains_key(&name) {
             return Err(ServeError::DuplicateModel(name));
         }
-        drivers.insert(name.clone(), Driver::spawn(name, engine));
+        drivers.insert(name.clone(), Driver::spawn(name, engine, options));
     }
     let state = Arc::new(AppState { drivers, registry: Registry::new(max_sessions.max(1)) });
     let bind_err = |reason: String| ServeError::Bind { addr: addr.into(), reason };

@@ -160,6 +160,12 @@ async fn run_turn(
             Some(state.registry.lease(&opts.model, id)?)
         }
     };
+    // Tokenize (and render the chat template) here, off the model's driver.
+    let prompter = driver.prompter.clone();
+    let prompt = tokio::task::spawn_blocking(move || prompter.tokenized(prompt))
+        .await
+        .map_err(|_| ApiError::internal())?
+        .map_err(|e| crate::error::from_engine(&e))?;
     let mut request = GenerateRequest::new(prompt);
     request.session = lease.as_ref().map(|l| l.placement.engine);
     request.max_new_tokens = opts.max_new_tokens();

@@ -62,7 +62,9 @@ const M: &str = "tiny-llama-gqa";
 /// on it are all refused with 409 `conflict_error` naming the session and
 /// are charged no admission; the holder then succeeds, the conversation is
 /// intact (its next turn counts every earlier token), the lease is released
-/// (polled), and distinct sessions and stateless requests are never refused.
+/// (polled), and distinct sessions and stateless requests are never refused;
+/// a turn refused at admission and one whose model step fails both release
+/// the session (L2).
 #[test]
 fn overlapping_turns_on_one_session_conflict() {
     let gate = Gate::default();
@@ -104,7 +106,10 @@ fn overlapping_turns_on_one_session_conflict() {
         together(8, move |i| if i < 4 { turn(&s, M, Some(&ids[i]), "hi", 4) } else { turn(&s, M, None, "hi", 4) })
     };
     assert!(replies.iter().all(|r| r.status == 200), "{:?}", replies.iter().map(|r| r.status).collect::<Vec<_>>());
-    assert!(eventually(Duration::from_secs(5), || s.gauges().leases == 0 && s.gauges().reserved_bytes == 0));
+    assert!(eventually(Duration::from_secs(5), || {
+        let g = s.gauges();
+        g.leases == 0 && g.reserved_bytes == g.idle_kv_bytes
+    }));
 
     // A turn that fails still releases the session (L2): the next turn is
     // not refused as overlapping.
@@ -112,6 +117,15 @@ fn overlapping_turns_on_one_session_conflict() {
     assert_eq!(too_long.status, 400, "{}", too_long.body);
     assert!(eventually(Duration::from_secs(5), || s.gauges().leases == 0));
     assert_eq!(turn(&s, M, Some(&sid), "after the failure", 2).status, 200);
+
+    // So does one whose model step fails after it was admitted: a 500,
+    // then the session takes its next turn.
+    gate.failing(true);
+    let failed = turn(&s, M, Some(&sid), "this step fails", 4);
+    gate.failing(false);
+    assert_eq!(failed.status, 500, "{}", failed.body);
+    assert!(eventually(Duration::from_secs(5), || s.gauges().leases == 0), "a failed turn kept its lease");
+    assert_eq!(turn(&s, M, Some(&sid), "after the backend failure", 2).status, 200);
 }
 
 /// Pins L4: a DELETE racing a live turn is refused and the session
@@ -233,7 +247,7 @@ fn a_disconnect_mid_stream_releases_lease_and_reservation() {
     drop(sse);
     assert!(eventually(Duration::from_secs(10), || {
         let g = s.gauges();
-        g.leases == 0 && g.reserved_bytes == 0
+        g.leases == 0 && g.reserved_bytes == g.idle_kv_bytes
     }));
     assert_eq!(turn(&s, M, Some(&sid), "still there?", 2).status, 200);
 }
@@ -276,7 +290,10 @@ fn the_admission_promise_decides_the_status() {
     assert_eq!(stream(s.addr, "/v1/chat/completions", &[], &never_stream).status, 400);
     gate.open();
     assert_eq!(holder.join().unwrap().status, 200);
-    assert!(eventually(Duration::from_secs(5), || s.gauges().reserved_bytes == 0));
+    assert!(eventually(Duration::from_secs(5), || {
+        let g = s.gauges();
+        g.reserved_bytes == g.idle_kv_bytes
+    }));
     let ok = turn(&s, M, None, "now it fits", 4);
     assert_eq!(ok.status, 200, "{}", ok.body);
 }

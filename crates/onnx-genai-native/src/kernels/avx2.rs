@@ -278,3 +278,22 @@ unsafe fn q4_int8<const R: usize, const VNNI: bool>(
         }
     }
 }
+
+/// Multiply-adds per second of independent 256-bit FMA chains on this
+/// thread (a compute roofline for reports).
+///
+/// # Safety
+/// AVX2 and FMA must be available.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn fma_rate(reps: usize) -> f64 {
+    let mut acc = [_mm256_set1_ps(1.0); 12];
+    let (b, c) = (_mm256_set1_ps(1.000_000_1), _mm256_set1_ps(1e-7));
+    let started = std::time::Instant::now();
+    for _ in 0..reps {
+        for a in acc.iter_mut() {
+            *a = _mm256_fmadd_ps(*a, b, c);
+        }
+    }
+    std::hint::black_box(acc);
+    (reps * 12 * 8) as f64 / started.elapsed().as_secs_f64()
+}

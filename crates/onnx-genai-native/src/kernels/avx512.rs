@@ -459,3 +459,22 @@ pub unsafe fn gemm_panel(a: *const f32, b: *const f32, kp: usize, rows: usize, o
         }
     }
 }
+
+/// Multiply-adds per second of independent 512-bit FMA chains on this
+/// thread (a compute roofline for reports).
+///
+/// # Safety
+/// AVX-512 F must be available.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+pub unsafe fn fma_rate(reps: usize) -> f64 {
+    let mut acc = [_mm512_set1_ps(1.0); 16];
+    let (b, c) = (_mm512_set1_ps(1.000_000_1), _mm512_set1_ps(1e-7));
+    let started = std::time::Instant::now();
+    for _ in 0..reps {
+        for a in acc.iter_mut() {
+            *a = _mm512_fmadd_ps(*a, b, c);
+        }
+    }
+    std::hint::black_box(acc);
+    (reps * 16 * 16) as f64 / started.elapsed().as_secs_f64()
+}

@@ -75,6 +75,36 @@ impl Isa {
     }
 }
 
+/// Multiply-adds per second `threads` threads sustain with this path's
+/// widest FMAs (best of three short runs on one thread, times `threads`):
+/// the compute roofline reports compare against.
+pub fn peak_macs(isa: Isa, threads: usize) -> f64 {
+    let reps = 4_000_000;
+    let once = || -> f64 {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if isa.wide() && isa.available() {
+                // SAFETY: AVX-512 is available (checked).
+                return unsafe { super::avx512::fma_rate(reps) };
+            }
+            if isa.x86() && isa.available() {
+                // SAFETY: AVX2/FMA are available (checked).
+                return unsafe { super::avx2::fma_rate(reps) };
+            }
+        }
+        let mut acc = [1.0f32; 16];
+        let started = std::time::Instant::now();
+        for _ in 0..reps / 16 {
+            for a in acc.iter_mut() {
+                *a = *a * 1.000_000_1 + 1e-7;
+            }
+        }
+        std::hint::black_box(acc);
+        (reps / 16 * 16) as f64 / started.elapsed().as_secs_f64()
+    };
+    (0..3).map(|_| once()).fold(0.0, f64::max) * threads.max(1) as f64
+}
+
 impl std::fmt::Display for Isa {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())

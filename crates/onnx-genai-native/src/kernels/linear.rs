@@ -153,7 +153,7 @@ mod tests {
         for w in &weights {
             let tiled = w.clone().into_tiled();
             assert!(matches!(tiled.packed, Packed::Tiled(_)), "{} tiles", w.kind());
-            for m in [1, 2, 3, 4, 5, 8, 13, 21, 40] {
+            for m in [1, 2, 3, 4, 5, 8, 13, 21, 40, 70] {
                 let x: Vec<f32> = (0..m * w.k).map(|i| ((i * 7 % 19) as f32 - 9.0) * 0.11).collect();
                 let mut want = vec![0.0; m * n];
                 reference(&x, m, w, &mut want, &runtimes[0].ctx());

@@ -97,7 +97,7 @@ pub fn linear(t: &Tiled, x: &[f32], m: usize, y: &mut [f32], ctx: &Ctx, isa: Isa
 /// From this many input rows on (a prefill), f32-input products run as a
 /// register-blocked GEMM: each thread decodes a tile pair once into an
 /// f32 panel (L2-sized) and multiplies every chunk of rows with it.
-const GEMM_MIN_ROWS: usize = 16;
+const GEMM_MIN_ROWS: usize = 64;
 
 /// The AVX-512 GEMM path: A (`m` rows of `kp`) packed once per call into
 /// chunks of [`super::avx512::MR`] rows stored input-major, so the

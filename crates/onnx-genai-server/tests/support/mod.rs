@@ -20,11 +20,21 @@ pub fn package(name: &str) -> (tempfile::TempDir, Package) {
 }
 
 /// Holds every backend call while closed, so a turn stays mid-flight (its
-/// lease and reservation held) for as long as a test needs.
+/// lease and reservation held) for as long as a test needs; records the
+/// length of every prefill the model ran, in order; fails every model step
+/// while `failing` is set (a backend error after admission).
 #[derive(Clone, Default)]
-pub struct Gate(Arc<(Mutex<(bool, usize)>, Condvar)>);
+pub struct Gate(Arc<(Mutex<(bool, usize)>, Condvar)>, Arc<Mutex<Vec<usize>>>, Arc<std::sync::atomic::AtomicBool>);
 
 impl Gate {
+    /// While set, every model step fails with a backend error.
+    pub fn failing(&self, on: bool) {
+        self.2.store(on, std::sync::atomic::Ordering::SeqCst);
+    }
+    /// The prompt lengths the model prefilled, in the order it ran them.
+    pub fn prefills(&self) -> Vec<usize> {
+        self.1.lock().unwrap().clone()
+    }
     pub fn close(&self) {
         self.0 .0.lock().unwrap().0 = true;
     }
@@ -74,6 +84,11 @@ impl DecodeModel for Gated {
     }
     fn step(&self, batch: &mut [Entry<'_>]) -> Result<(), BackendError> {
         self.gate.pass();
+        let prefills = batch.iter().map(|e| e.input.positions()).filter(|n| *n > 1);
+        self.gate.1.lock().unwrap().extend(prefills);
+        if self.gate.2.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(BackendError::Run { backend: "gated", reason: "injected failure".into() });
+        }
         self.inner.step(batch)
     }
 }

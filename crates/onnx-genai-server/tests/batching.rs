@@ -1,0 +1,127 @@
+//! Continuous batching in the server over real HTTP on loopback: requests
+//! join a model's running batch between steps, wait in line for KV room
+//! first come first served, and leave when their client does. Pins B4 and
+//! B5 of ../shared/docs/INVARIANTS.md (B1–B3 are pinned in the engine's
+//! tests/batching.rs).
+
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use onnx_genai_engine::Scheduler;
+use onnx_genai_server::{start_with, DriverOptions, RunningServer};
+use serde_json::json;
+use support::{call, engine, eventually, package, Gate};
+
+/// The model that holds the budget (its turns held at a closed gate) and
+/// the model whose waiting line the tests watch; they share one budget.
+const HOLD: &str = "tiny-llama-gqa";
+const M: &str = "tiny-gpt2";
+
+/// Serves `HOLD` (through `hold`) and `M` (through `line`) on one budget of
+/// 48 `HOLD` tokens plus `room` `M` tokens; requests wait in line up to
+/// 20 s. Returns `M`'s token count of a text, to build prompts of known
+/// lengths.
+fn serve(hold: &Gate, line: &Gate, room: u64) -> (Vec<tempfile::TempDir>, RunningServer, impl Fn(&str) -> usize) {
+    let (hold_dir, hp) = package(HOLD);
+    let (dir, p) = package(M);
+    let (hold_bpt, bpt) = (hp.kv_geometry().unwrap().bytes_per_token(), p.kv_geometry().unwrap().bytes_per_token());
+    let scheduler = Scheduler::new(48 * hold_bpt + room * bpt);
+    let engines = vec![engine(&hp, hold, scheduler.clone()), engine(&p, line, scheduler)];
+    let options = DriverOptions { admission_wait: Duration::from_secs(20), ..DriverOptions::default() };
+    let server = start_with(engines, "127.0.0.1:0", 8, options).unwrap();
+    let tokenizer = p.tokenizer().clone();
+    let count = move |text: &str| tokenizer.encode(text, false).unwrap().get_ids().len();
+    (vec![hold_dir, dir], server, count)
+}
+
+fn completion(model: &str, prompt: &str, max: u32) -> serde_json::Value {
+    json!({"model": model, "prompt": prompt, "max_tokens": max, "temperature": 0})
+}
+
+fn post(s: &RunningServer, model: &str, prompt: &str, max: u32) -> support::Reply {
+    call(s.addr, "POST", "/v1/completions", &[], &completion(model, prompt, max).to_string())
+}
+
+/// Starts a turn on `HOLD` that keeps all of its 48 tokens of the budget
+/// until `hold` opens.
+fn hold_budget(s: &Arc<RunningServer>, hold: &Gate) -> std::thread::JoinHandle<support::Reply> {
+    hold.close();
+    let t = {
+        let s = s.clone();
+        // "hold" is two tokens; 46 new ones fill the 48.
+        std::thread::spawn(move || post(&s, HOLD, "hold", 46))
+    };
+    hold.wait_held(1);
+    t
+}
+
+/// Pins B5: a large request waiting for room is not overtaken by a small
+/// one that arrives after it, although the small one would fit at once;
+/// both run once the bytes they need are free, in arrival order.
+#[test]
+fn batching_serves_the_waiting_line_first_come_first_served() {
+    let (hold, line) = (Gate::default(), Gate::default());
+    let (_d, s, count) = serve(&hold, &line, 16);
+    let s = Arc::new(s);
+    let (large_text, small_text) = ("word ".repeat(8), "hi there");
+    let (large, small) = (count(&large_text), count(small_text));
+    assert!(large > small && small > 1 && large + 2 > 16, "{large} {small}");
+    let h = hold_budget(&s, &hold);
+    let l = {
+        let s = s.clone();
+        std::thread::spawn(move || post(&s, M, &large_text, 2))
+    };
+    assert!(
+        eventually(Duration::from_secs(10), || s.gauges().waiting == 1),
+        "the large request waits: {:?}",
+        s.gauges()
+    );
+    let sm = {
+        let s = s.clone();
+        std::thread::spawn(move || post(&s, M, small_text, 2))
+    };
+    // The small one fits the free room but must not pass the large one.
+    assert!(eventually(Duration::from_secs(10), || s.gauges().waiting == 2), "the small one queues: {:?}", s.gauges());
+    assert!(line.prefills().is_empty(), "something ran before the budget freed: {:?}", line.prefills());
+    hold.open();
+    for (name, t) in [("holder", h), ("large", l), ("small", sm)] {
+        let r = t.join().unwrap();
+        assert_eq!(r.status, 200, "{name}: {}", r.body);
+    }
+    let order = line.prefills();
+    let at = |n: usize| order.iter().position(|x| *x == n).unwrap_or_else(|| panic!("no prefill of {n}: {order:?}"));
+    assert!(at(large) < at(small), "the line ran in the order {order:?}");
+}
+
+/// Pins B4: a request whose client leaves while it waits in line is never
+/// admitted and never prefilled.
+#[test]
+fn batching_drops_a_request_cancelled_while_queued() {
+    use std::io::Write;
+    let (hold, line) = (Gate::default(), Gate::default());
+    let (_d, s, count) = serve(&hold, &line, 16);
+    let s = Arc::new(s);
+    let gone_text = "word ".repeat(8);
+    let gone = count(&gone_text);
+    let h = hold_budget(&s, &hold);
+    let admitted = s.gauges().admitted;
+    // A raw client: sends its request, then hangs up while it waits.
+    let body = completion(M, &gone_text, 2).to_string();
+    let mut client = std::net::TcpStream::connect(s.addr).unwrap();
+    write!(
+        client,
+        "POST /v1/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    assert!(eventually(Duration::from_secs(10), || s.gauges().waiting == 1), "the request waits in line");
+    drop(client);
+    std::thread::sleep(Duration::from_millis(50));
+    hold.open();
+    assert_eq!(h.join().unwrap().status, 200);
+    assert!(eventually(Duration::from_secs(10), || s.gauges().waiting == 0), "the line empties");
+    assert_eq!(s.gauges().admitted, admitted, "the cancelled request was admitted");
+    assert!(!line.prefills().contains(&gone), "the cancelled request was prefilled: {:?}", line.prefills());
+}

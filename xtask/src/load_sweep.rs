@@ -1,0 +1,258 @@
+//! `cargo xtask load --package DIR`: one model served on loopback, driven by
+//! 1, 2, 4, 8 and 16 concurrent streaming clients in turn (one run): the
+//! aggregate generated tokens/s, time to first token p50/p95, and the
+//! GFLOP/s the projections reach against this machine's measured FMA peak
+//! at the same thread count. Then two interference checks: how much
+//! creating and closing sessions adds to other requests' latency, and how
+//! much a client that stops reading its stream costs the others.
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use onnx_genai_engine::{BackendKind, Engine, Scheduler};
+use onnx_genai_server::client::{call, Stream};
+use onnx_genai_server::DriverOptions;
+use serde_json::json;
+
+use crate::{ort, util};
+
+pub struct Options {
+    pub package: PathBuf,
+    pub clients: Vec<usize>,
+    pub max_tokens: u32,
+    pub threads: usize,
+    pub backend: String,
+    /// Requests each client makes per client count.
+    pub turns: usize,
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    sorted[(((sorted.len() - 1) as f64) * p).round() as usize]
+}
+
+/// One streamed completion: (time to first token, tokens, seconds).
+fn stream_one(addr: std::net::SocketAddr, model: &str, prompt: &str, max_tokens: u32) -> Result<(f64, usize, f64)> {
+    let body = json!({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "stream": true, "stream_options": {"include_usage": true}});
+    let t0 = Instant::now();
+    let mut s = Stream::open(addr, "/v1/completions", &[], &body)?;
+    if s.status != 200 {
+        bail!("status {}", s.status);
+    }
+    let (mut first, mut tokens) = (None, 0usize);
+    while let Some(data) = s.next_data() {
+        if data == "[DONE]" {
+            break;
+        }
+        let v: serde_json::Value = serde_json::from_str(&data).unwrap_or_default();
+        if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
+            tokens = n as usize;
+        } else if first.is_none() && v["choices"][0]["text"].as_str().is_some_and(|t| !t.is_empty()) {
+            first = Some(t0.elapsed().as_secs_f64());
+        }
+    }
+    let total = t0.elapsed().as_secs_f64();
+    Ok((first.unwrap_or(total), tokens, total))
+}
+
+struct Row {
+    clients: usize,
+    tokens_per_s: f64,
+    ttft_p50: f64,
+    ttft_p95: f64,
+    per_client: f64,
+    gflops: f64,
+    widest: u64,
+}
+
+pub fn run(opts: Options) -> Result<()> {
+    let lib = ort::provision()?;
+    std::env::set_var("ORT_DYLIB_PATH", &lib);
+    let kind: BackendKind = opts.backend.parse().map_err(anyhow::Error::msg)?;
+    let engine = Engine::open(&opts.package, kind, opts.threads)
+        .with_context(|| format!("opening {}", opts.package.display()))?
+        .with_scheduler(Scheduler::new(4 << 30))
+        .with_prefill_chunk(256);
+    let model = engine.package().manifest.name.clone();
+    // Multiply-adds per generated token, for the GFLOP/s column.
+    let macs = onnx_genai_native::compile_package(engine.package()).map(|p| p.projection_macs()).unwrap_or(0);
+    let isa = onnx_genai_native::kernels::isa::Isa::best();
+    let peak = onnx_genai_native::kernels::isa::peak_macs(isa, opts.threads.max(1));
+    let server = onnx_genai_server::start_with(vec![engine], "127.0.0.1:0", 64, DriverOptions::default())?;
+    let addr = server.addr;
+    println!(
+        "==> {model} on {} ({} threads), max_tokens {}, FMA peak {:.1} GFLOP/s",
+        kind.name(),
+        opts.threads,
+        opts.max_tokens,
+        2.0 * peak / 1e9
+    );
+    let mut rows = Vec::new();
+    for &clients in &opts.clients {
+        let barrier = Arc::new(Barrier::new(clients));
+        let widest_before = server.gauges().widest_step;
+        let started = Instant::now();
+        let handles: Vec<_> = (0..clients)
+            .map(|c| {
+                let (barrier, model) = (barrier.clone(), model.clone());
+                let (turns, max_tokens) = (opts.turns, opts.max_tokens);
+                std::thread::spawn(move || -> Result<Vec<(f64, usize, f64)>> {
+                    barrier.wait();
+                    (0..turns)
+                        .map(|t| {
+                            stream_one(
+                                addr,
+                                &model,
+                                &format!("Client {c} asks question {t}: tell me a story about"),
+                                max_tokens,
+                            )
+                        })
+                        .collect()
+                })
+            })
+            .collect();
+        let mut all = Vec::new();
+        for h in handles {
+            all.extend(h.join().map_err(|_| anyhow::anyhow!("a client thread panicked"))??);
+        }
+        let wall = started.elapsed().as_secs_f64();
+        let tokens: usize = all.iter().map(|r| r.1).sum();
+        let mut ttft: Vec<f64> = all.iter().map(|r| r.0 * 1e3).collect();
+        ttft.sort_by(f64::total_cmp);
+        let per_client = all.iter().map(|r| r.1 as f64 / r.2).sum::<f64>() / all.len().max(1) as f64;
+        let row = Row {
+            clients,
+            tokens_per_s: tokens as f64 / wall,
+            ttft_p50: percentile(&ttft, 0.5),
+            ttft_p95: percentile(&ttft, 0.95),
+            per_client,
+            gflops: 2.0 * macs as f64 * tokens as f64 / wall / 1e9,
+            widest: server.gauges().widest_step.max(widest_before),
+        };
+        println!(
+            "{clients:>3} clients: {:>8.1} tok/s aggregate, {:>6.1} tok/s per client, TTFT p50 {:.0} ms p95 {:.0} ms",
+            row.tokens_per_s, row.per_client, row.ttft_p50, row.ttft_p95
+        );
+        rows.push(row);
+    }
+    let (churn, stall) = interference(&server, &model, opts.max_tokens)?;
+    server.stop();
+    let one = rows.first().map_or(1.0, |r| r.tokens_per_s);
+    let mut md = format!(
+        "# Load: {model}\n\n{} on {} thread(s), streaming `/v1/completions`, max_tokens {}, {} request(s) per \
+         client; clients start together. GFLOP/s = 2 x projection multiply-adds per token ({:.1} M) x aggregate \
+         tokens/s; the machine's FMA peak at {} thread(s) is {:.1} GFLOP/s.\n\n\
+         | clients | aggregate tok/s | x one client | per-client tok/s | TTFT p50 ms | TTFT p95 ms | GFLOP/s | % of peak | widest step |\n\
+         |---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        kind.name(),
+        opts.threads,
+        opts.max_tokens,
+        opts.turns,
+        macs as f64 / 1e6,
+        opts.threads,
+        2.0 * peak / 1e9
+    );
+    for r in &rows {
+        let _ = writeln!(
+            md,
+            "| {} | {:.1} | {:.2}x | {:.1} | {:.0} | {:.0} | {:.1} | {:.0}% | {} |",
+            r.clients,
+            r.tokens_per_s,
+            r.tokens_per_s / one,
+            r.per_client,
+            r.ttft_p50,
+            r.ttft_p95,
+            r.gflops,
+            100.0 * r.gflops / (2.0 * peak / 1e9),
+            r.widest
+        );
+    }
+    let _ = write!(
+        md,
+        "\nSession churn: a request's latency {:.1} ms alone, {:.1} ms while another client creates and closes \
+         sessions in a loop (+{:.1} ms).\n\nA client that stops reading its stream: two reading clients make \
+         {:.1} tok/s alone and {:.1} tok/s beside it ({:+.1}%).\n\nKernels: {isa}.\n",
+        churn.0,
+        churn.1,
+        churn.1 - churn.0,
+        stall.0,
+        stall.1,
+        100.0 * (stall.1 / stall.0 - 1.0)
+    );
+    println!("\n{md}");
+    let out = util::target().join("load");
+    std::fs::create_dir_all(&out)?;
+    std::fs::write(out.join("sweep.md"), &md)?;
+    println!("report: {}", out.join("sweep.md").display());
+    Ok(())
+}
+
+/// Median latency of short requests alone and while sessions churn; the
+/// aggregate tokens/s of two reading clients alone and next to a client
+/// that stopped reading its stream.
+fn interference(
+    server: &onnx_genai_server::RunningServer,
+    model: &str,
+    max_tokens: u32,
+) -> Result<((f64, f64), (f64, f64))> {
+    let addr = server.addr;
+    let short = |n: usize| -> Result<f64> {
+        let mut v: Vec<f64> = (0..n)
+            .map(|i| stream_one(addr, model, &format!("Quick question {i}:"), 4).map(|r| r.2 * 1e3))
+            .collect::<Result<_>>()?;
+        v.sort_by(f64::total_cmp);
+        Ok(percentile(&v, 0.5))
+    };
+    let alone = short(9)?;
+    let stop = Arc::new(AtomicBool::new(false));
+    // Twenty sessions created and closed per second (a tight loop would
+    // mostly measure the churning client's own CPU on a small machine).
+    let churner = {
+        let (stop, model) = (stop.clone(), model.to_string());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::SeqCst) {
+                if let Ok(r) = call(addr, "POST", "/v1/sessions", &[], &json!({"model": model}).to_string()) {
+                    if let Some(id) = r.json()["id"].as_str() {
+                        let _ = call(addr, "DELETE", &format!("/v1/sessions/{id}"), &[], "");
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        })
+    };
+    let churned = short(9)?;
+    stop.store(true, Ordering::SeqCst);
+    let _ = churner.join();
+    let pair = || -> Result<f64> {
+        let started = Instant::now();
+        let hs: Vec<_> = (0..2)
+            .map(|c| {
+                let model = model.to_string();
+                std::thread::spawn(move || {
+                    stream_one(addr, &model, &format!("Reader {c}: once upon a time"), max_tokens)
+                })
+            })
+            .collect();
+        let mut tokens = 0;
+        for h in hs {
+            tokens += h.join().map_err(|_| anyhow::anyhow!("a client thread panicked"))??.1;
+        }
+        Ok(tokens as f64 / started.elapsed().as_secs_f64())
+    };
+    let readers = pair()?;
+    // A client that opens a long stream and never reads it.
+    let body =
+        json!({"model": model, "prompt": "A very long story:", "max_tokens": 4096, "temperature": 0, "stream": true});
+    let silent = Stream::open(addr, "/v1/completions", &[], &body)?;
+    std::thread::sleep(Duration::from_millis(50));
+    let beside = pair()?;
+    drop(silent);
+    Ok(((alone, churned), (readers, beside)))
+}
