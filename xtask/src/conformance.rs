@@ -52,6 +52,7 @@ fn stage(
         summary,
         seconds: started.elapsed().as_secs_f64(),
         parity: None,
+        batch: None,
         golden_text: None,
     }
 }
@@ -67,7 +68,7 @@ pub fn run(opts: Options) -> Result<()> {
     std::env::set_var("ORT_DYLIB_PATH", &lib);
     let suite = match opts.suite.as_deref() {
         None => None,
-        Some(s) => Some(Suite::parse(s).ok_or_else(|| anyhow::anyhow!("unknown suite `{s}` (parity, golden)"))?),
+        Some(s) => Some(Suite::parse(s).ok_or_else(|| anyhow::anyhow!("unknown suite `{s}` (parity, batch, golden)"))?),
     };
     if let Some(b) = &opts.backend {
         if BackendKind::parse(b).is_none() {

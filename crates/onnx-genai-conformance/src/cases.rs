@@ -1,6 +1,7 @@
 //! Suite definitions (data under `conformance/`), expanded into named
-//! checks: `parity::<package>::<variant>::<backend>::<prompt>` and
-//! `golden::<package>::<variant>::<backend>`.
+//! checks: `parity::<package>::<variant>::<backend>::<prompt>`,
+//! `batch::<package>::<variant>::<backend>` (the suite's prompts decoded as
+//! one batch against each alone) and `golden::<package>::<variant>::<backend>`.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -54,6 +55,7 @@ pub struct GoldenFile {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Suite {
     Parity,
+    Batch,
     Golden,
 }
 
@@ -61,18 +63,30 @@ impl Suite {
     pub fn name(self) -> &'static str {
         match self {
             Suite::Parity => "parity",
+            Suite::Batch => "batch",
             Suite::Golden => "golden",
         }
     }
 
     pub fn parse(s: &str) -> Option<Self> {
-        [Suite::Parity, Suite::Golden].into_iter().find(|x| x.name() == s)
+        [Suite::Parity, Suite::Batch, Suite::Golden].into_iter().find(|x| x.name() == s)
     }
 }
 
 #[derive(Clone, Debug)]
 pub enum CheckKind {
-    Parity { prompt: PromptDef, steps: usize, tier: Tier },
+    Parity {
+        prompt: PromptDef,
+        steps: usize,
+        tier: Tier,
+    },
+    /// Every prompt (and a shorter cut of each) as one batch with staggered
+    /// joins, each sequence against the same prompt alone on the reference.
+    Batch {
+        prompts: Vec<PromptDef>,
+        steps: usize,
+        tier: Tier,
+    },
     Golden(GoldenFile),
 }
 
@@ -123,6 +137,18 @@ pub fn discover(root: &Path) -> Result<Vec<Check>, HarnessError> {
             });
         }
         for variant in &f.variants {
+            let tier = f.tiers.get(variant).copied().unwrap_or(f.tier);
+            for backend in std::iter::once(&REFERENCE).chain(CANDIDATES) {
+                checks.push(Check {
+                    name: format!("batch::{}::{}::{backend}", f.package, variant.name()),
+                    suite: Suite::Batch,
+                    package: f.package.clone(),
+                    variant: *variant,
+                    backend: backend.to_string(),
+                    kind: CheckKind::Batch { prompts: f.prompts.clone(), steps: f.steps, tier },
+                    real: false,
+                });
+            }
             for backend in CANDIDATES {
                 for prompt in &f.prompts {
                     checks.push(Check {
@@ -131,11 +157,7 @@ pub fn discover(root: &Path) -> Result<Vec<Check>, HarnessError> {
                         package: f.package.clone(),
                         variant: *variant,
                         backend: backend.to_string(),
-                        kind: CheckKind::Parity {
-                            prompt: prompt.clone(),
-                            steps: f.steps,
-                            tier: f.tiers.get(variant).copied().unwrap_or(f.tier),
-                        },
+                        kind: CheckKind::Parity { prompt: prompt.clone(), steps: f.steps, tier },
                         real: false,
                     });
                 }
@@ -168,8 +190,8 @@ pub fn discover(root: &Path) -> Result<Vec<Check>, HarnessError> {
     Ok(checks)
 }
 
-/// Parity of every export on every prompt, and goldens of every export on
-/// both backends.
+/// Parity of every export on every prompt, and batches and goldens of
+/// every export on both backends.
 fn real_checks(model: &RealModel, golden: &GoldenFile) -> Vec<Check> {
     let mut checks = Vec::new();
     for export in &model.exports {
@@ -192,6 +214,9 @@ fn real_checks(model: &RealModel, golden: &GoldenFile) -> Vec<Check> {
             }
         }
         for backend in std::iter::once(&REFERENCE).chain(CANDIDATES) {
+            let kind = CheckKind::Batch { prompts: model.prompts.clone(), steps: model.steps, tier: export.tier };
+            let name = format!("batch::{package}::{}::{backend}", variant.name());
+            checks.push(check(name, backend, kind, Suite::Batch));
             let name = format!("golden::{package}::{}::{backend}", variant.name());
             checks.push(check(name, backend, CheckKind::Golden(golden.clone()), Suite::Golden));
         }
@@ -263,8 +288,8 @@ mod tests {
         discover(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")).unwrap()
     }
 
-    /// Every shipped package is covered by parity in all three variants and
-    /// by goldens on both backends; names are unique.
+    /// Every shipped package is covered by parity in all its variants and
+    /// by batches and goldens on both backends; names are unique.
     #[test]
     fn suites_cover_every_package_variant_and_backend() {
         let all = checks();
@@ -276,6 +301,8 @@ mod tests {
                 let v = variant.name();
                 assert!(names.contains(format!("golden::{package}::{v}::ort").as_str()));
                 assert!(names.contains(format!("golden::{package}::{v}::native-cpu").as_str()));
+                assert!(names.contains(format!("batch::{package}::{v}::ort").as_str()));
+                assert!(names.contains(format!("batch::{package}::{v}::native-cpu").as_str()));
                 assert!(names.iter().any(|n| n.starts_with(&format!("parity::{package}::{v}::native-cpu::"))));
             }
         }

@@ -3,6 +3,7 @@
 //! `conformance/`; `tests/conformance.rs` (libtest-mimic) and
 //! `cargo xtask conformance` both run them through this library.
 
+pub mod batch;
 pub mod cases;
 pub mod golden;
 pub mod mutants;

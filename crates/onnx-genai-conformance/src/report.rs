@@ -115,6 +115,7 @@ mod tests {
             summary: summary.into(),
             seconds: 0.5,
             parity: None,
+            batch: None,
             golden_text: None,
         }
     }

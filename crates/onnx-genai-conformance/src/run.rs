@@ -12,6 +12,7 @@ use onnx_genai_engine::BackendKind;
 use onnx_genai_package::{ElementType, Package};
 use serde::Serialize;
 
+use crate::batch;
 use crate::cases::{Check, CheckKind, GoldenFile, PromptDef, Suite};
 use crate::parity::{self, Divergence};
 use crate::real::RealModel;
@@ -142,6 +143,8 @@ pub struct CheckResult {
     pub seconds: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub parity: Option<parity::ParityOutcome>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub batch: Option<batch::BatchOutcome>,
     /// Golden checks: the text to snapshot.
     #[serde(skip)]
     pub golden_text: Option<String>,
@@ -160,10 +163,12 @@ pub fn run_check(check: &Check, ctx: &Context) -> CheckResult {
         summary: String::new(),
         seconds: 0.0,
         parity: None,
+        batch: None,
         golden_text: None,
     };
     let outcome = match &check.kind {
         CheckKind::Parity { prompt, steps, tier } => run_parity(check, ctx, prompt, *steps, *tier, &mut result),
+        CheckKind::Batch { prompts, steps, tier } => run_batch(check, ctx, prompts, *steps, *tier, &mut result),
         CheckKind::Golden(g) => run_golden(check, ctx, g, &mut result),
     };
     if let Err(e) = outcome {
@@ -238,6 +243,59 @@ fn run_parity(
     Ok(())
 }
 
+fn run_batch(
+    check: &Check,
+    ctx: &Context,
+    prompts: &[PromptDef],
+    steps: usize,
+    tier: Tier,
+    result: &mut CheckResult,
+) -> Result<(), HarnessError> {
+    let package = ctx.package(&check.package, check.variant)?;
+    let tokens: Vec<Vec<u32>> = prompts.iter().map(|p| encode(&package, &p.text)).collect::<Result<_, _>>()?;
+    let prompts = batch::mixed_lengths(&tokens);
+    let mut alone = open_backend(&check.backend, &package, ctx.threads)?;
+    let kind: BackendKind = check.backend.parse().map_err(HarnessError::Backend)?;
+    let model = kind.load(&package, ctx.threads)?;
+    let out = batch::run(&mut alone, &model, &prompts, steps, tier);
+    let lengths: Vec<String> = prompts.iter().map(|p| p.len().to_string()).collect();
+    result.summary = match &out.divergence {
+        None if out.widest < 2 => format!("the batch never held two sequences ({} model steps)", out.model_steps),
+        None => {
+            result.status = Status::Passed;
+            format!(
+                "{} sequences (prompt tokens {}), joining every {} steps, {} model steps, widest {}: greedy tokens as each alone, logits within tier {}: max |d| {:.2e} ({:.1}% of tolerance)",
+                out.sequences,
+                lengths.join("/"),
+                batch::JOIN_EVERY,
+                out.model_steps,
+                out.widest,
+                tier.name(),
+                out.worst.max_abs,
+                100.0 * out.worst.worst_ratio
+            )
+        }
+        Some((i, d)) => format!("sequence {i} ({} prompt tokens): {}", prompts[*i].len(), describe(d, &check.backend)),
+    };
+    result.batch = Some(out);
+    Ok(())
+}
+
+/// One line for a divergence from the reference alone.
+fn describe(d: &Divergence, backend: &str) -> String {
+    match d {
+        Divergence::Logits { step, deviation } => format!(
+            "logits out of tier at step {step}: max |d| {:.3e} at token {} ({:.1}x the tolerance)",
+            deviation.max_abs, deviation.worst_index, deviation.worst_ratio
+        ),
+        Divergence::Token { step, reference, candidate, top2_gap, max_abs, near_tie } => format!(
+            "{}greedy token differs at step {step}: alone {reference}, batched {candidate} on {backend}; top-2 gap {top2_gap:.3e}, max |d| {max_abs:.3e}",
+            if *near_tie { "NEAR-TIE: " } else { "" }
+        ),
+        Divergence::Error { step, backend, message } => format!("{backend} failed at step {step}: {message}"),
+    }
+}
+
 fn run_golden(check: &Check, ctx: &Context, g: &GoldenFile, result: &mut CheckResult) -> Result<(), HarnessError> {
     let package = ctx.package(&check.package, check.variant)?;
     let tokens = encode(&package, &g.prompt)?;
@@ -254,7 +312,8 @@ impl Suite {
     pub fn order(self) -> u8 {
         match self {
             Suite::Parity => 0,
-            Suite::Golden => 1,
+            Suite::Batch => 1,
+            Suite::Golden => 2,
         }
     }
 }

@@ -17,7 +17,7 @@ use smallvec::SmallVec;
 use crate::compile::{Binding, CompileStats};
 use crate::error::{CompileError, RunError};
 use crate::exec::{self, BatchEnv, Env};
-use crate::graph::{Graph, Vid};
+use crate::graph::{Graph, Node, Vid};
 use crate::kernels::attention::Segment;
 use crate::kernels::linear::linear;
 use crate::kernels::Ctx;
@@ -168,7 +168,7 @@ impl Plan {
             }
             steps.push(Step { name: n.name.clone(), op: n.op.clone(), inputs, outputs });
         }
-        let head = order.iter().position(|n| n.outputs.first() == Some(&logits) && matches!(n.op, Op::Linear { .. }));
+        let head = head_projection(&order, logits);
         let logits =
             slot_of[logits].ok_or_else(|| CompileError::tensor(&binding.logits, "no step computes the logits"))?;
         stats.planned_steps = steps.len();
@@ -220,6 +220,12 @@ impl Plan {
     /// The ops of the plan in order, by name (for `inspect` and tests).
     pub fn step_ops(&self) -> Vec<String> {
         self.steps.iter().map(|s| s.op.name()).collect()
+    }
+
+    /// Whether the logits projection runs on each sequence's last row only
+    /// (a prefill computes one row of logits, not one per prompt token).
+    pub fn head_selects_rows(&self) -> bool {
+        self.head.is_some()
     }
 
     /// Whether several sequences can share one run: nothing but attention
@@ -398,4 +404,22 @@ impl Plan {
         }
         Ok(())
     }
+}
+
+/// The step index of the projection that computes the logits, looking
+/// through the Identity nodes exporters put before a graph output, when
+/// nothing else reads its rows: it may then run on each sequence's last row
+/// alone.
+fn head_projection(order: &[Node], logits: Vid) -> Option<usize> {
+    let producer = |v: Vid| order.iter().position(|n| n.outputs.first() == Some(&v));
+    let readers = |v: Vid| order.iter().flat_map(|n| n.inputs.iter().flatten()).filter(|i| **i == v).count();
+    let mut at = producer(logits)?;
+    while matches!(order[at].op, Op::Identity) {
+        let input = (*order[at].inputs.first()?)?;
+        if readers(input) != 1 {
+            return None;
+        }
+        at = producer(input)?;
+    }
+    matches!(order[at].op, Op::Linear { .. }).then_some(at)
 }

@@ -26,7 +26,9 @@ fn package(name: &str, variant: Variant) -> (tempfile::TempDir, onnx_genai_packa
 
 /// Fusion coverage per export: a matcher that silently stops firing fails
 /// here even though the generic kernels would still compute the right
-/// logits (decomposed attention cannot fall back: it must fuse).
+/// logits (decomposed attention cannot fall back: it must fuse). The
+/// logits projection must be found behind the exporters' output Identity,
+/// so a prefill computes only the last row's logits.
 #[test]
 fn fusions_fire_on_every_export() {
     let layers = 2;
@@ -85,6 +87,7 @@ fn fusions_fire_on_every_export() {
             assert!(!ops.iter().any(|o| o == generic), "{name} {variant:?} still runs a generic {generic}: {ops:?}");
         }
         assert_eq!(ops.iter().filter(|o| *o == "Attention").count(), layers, "{name} {variant:?}");
+        assert!(plan.head_selects_rows(), "{name} {variant:?}: the logits projection runs on every row");
         assert!(
             plan.slots() * 3 < plan.values,
             "{name} {variant:?}: {} slots for {} values",
