@@ -55,11 +55,18 @@ impl NativeModel {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
             t => t,
         };
-        let runtime = Runtime::new(threads).map_err(|e| BackendError::Load {
+        let mut runtime = Runtime::new(threads).map_err(|e| BackendError::Load {
             backend: NAME,
             what: "the thread pool".into(),
             reason: e.to_string(),
         })?;
+        // Attention keeps a score row per query head of a KV group; sized
+        // for the whole context now, so no decode step grows it later.
+        let min_kv_heads = plan.binding.layers.iter().map(|l| l.kv_heads).min().unwrap_or(1).max(1);
+        let scores = plan.binding.heads.div_ceil(min_kv_heads) * plan.binding.max_sequence_length;
+        for t in 0..runtime.scratch.len() {
+            runtime.scratch.get_mut(t).b.reserve(scores);
+        }
         let layers: Vec<(usize, usize)> = plan.binding.layers.iter().map(|l| (l.kv_heads, l.head_dim)).collect();
         let kv = KvPool::new(KvLayout::new(&layers, plan.binding.kv_f16), KEEP_IDLE_KV_BYTES);
         let workspace = plan.workspace();

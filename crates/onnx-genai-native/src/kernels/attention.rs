@@ -5,7 +5,7 @@
 //! writes only its new K/V rows and reads the past where it lies, so a
 //! decode step never copies the past.
 
-use super::simd::{axpy, scores as scores_of};
+use super::simd::{scores as scores_of, weighted_sum};
 use super::Ctx;
 use crate::kv::SeqKv;
 use crate::pool::Disjoint;
@@ -234,9 +234,10 @@ pub fn attention(
             }
         }
     }
-    // 2. Attend: one job per (segment, query head).
+    // 2. Attend: one job per (segment, KV group). The group's query heads
+    //    share every key and value row they read.
     let n_rep = heads / kvh;
-    let jobs = step.segments.len() * heads;
+    let jobs = step.segments.len() * kvh;
     let kvs: &[&mut SeqKv] = kvs;
     let target = Disjoint::new(out);
     let failed = std::sync::Mutex::new(None::<String>);
@@ -244,8 +245,8 @@ pub fn attention(
         // SAFETY: thread `t` is the only user of its scratch in this region.
         let scratch = unsafe { ctx.scratch.get(t) };
         for job in range {
-            let (s, h) = (job / heads, job % heads);
-            let result = attend_head(spec, step, kvs[s], step.segments[s], h, h / n_rep, &target, scratch);
+            let (s, g) = (job / kvh, job % kvh);
+            let result = attend_group(spec, step, kvs[s], step.segments[s], g, n_rep, &target, scratch);
             if let Err(e) = result {
                 *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
             }
@@ -257,15 +258,17 @@ pub fn attention(
     }
 }
 
-/// Query head `h` (KV group `g`) of one sequence.
+/// The `n_rep` query heads of KV group `g` of one sequence: per row, the
+/// scores of every head against each key (read once for all of them), a
+/// softmax per head, and the weighted sum of each value row (read once).
 #[allow(clippy::too_many_arguments)]
-fn attend_head(
+fn attend_group(
     spec: &AttentionSpec,
     step: &Step<'_>,
     kv: &SeqKv,
     seg: Segment,
-    h: usize,
     g: usize,
+    n_rep: usize,
     out: &Disjoint<'_, f32>,
     scratch: &mut super::Scratch,
 ) -> Result<(), String> {
@@ -273,57 +276,66 @@ fn attend_head(
     let rows = step.q.rows;
     let total = seg.past + seg.len;
     let super::Scratch { a: qbuf, b: srow, c: wide, d: acc, .. } = scratch;
-    super::sized(qbuf, hd);
-    super::sized(srow, total);
-    super::sized(acc, hd);
+    super::sized(qbuf, n_rep * hd);
+    super::sized(srow, n_rep * total);
+    super::sized(acc, n_rep * hd);
     let block = crate::kv::BLOCK_TOKENS;
     for i in 0..seg.len {
         let pos = seg.past + i;
         let r = seg.start + i;
-        let q = step.q.row(r, h);
-        let q = match &step.rotary {
-            Some(rot) => {
-                rot.rotate(q, pos, qbuf)?;
-                &qbuf[..]
+        for j in 0..n_rep {
+            let q = step.q.row(r, g * n_rep + j);
+            let dst = &mut qbuf[j * hd..(j + 1) * hd];
+            match &step.rotary {
+                Some(rot) => rot.rotate(q, pos, dst)?,
+                None => dst.copy_from_slice(q),
             }
-            None => q,
-        };
-        // Causal: keys 0..=pos, unless an explicit bias decides.
+        }
+        // Causal: keys 0..=pos, unless an explicit bias decides. Head j's
+        // scores are row j (stride `visible`).
         let visible = if step.bias.is_some() { total } else { pos + 1 };
-        let scores = &mut srow[..visible];
-        for (b, chunk) in scores.chunks_mut(block).enumerate() {
-            let keys = kv.span(step.layer, false, g, b, chunk.len()).widened(wide);
-            scores_of(q, 1, keys, hd, chunk);
+        for b in 0..visible.div_ceil(block) {
+            let first = b * block;
+            let keys = kv.span(step.layer, false, g, b, block.min(visible - first)).widened(wide);
+            scores_of(qbuf, n_rep, keys, hd, &mut srow[first..], visible);
         }
-        scores.iter_mut().for_each(|s| *s *= spec.scale);
-        if let Some(bias) = &step.bias {
-            let n_rep = spec.heads / spec.kv_heads;
-            let (row, group, nrows) = match bias.mode {
-                Bias::Grouped => ((h % n_rep) * seg.len + i, g, n_rep * seg.len),
-                _ => (i, h, seg.len),
-            };
-            let base = if bias.shared { 0 } else { group * nrows * total };
-            let at = base + row * total;
-            let b = bias.data.get(at..at + total).ok_or_else(|| {
-                format!("attention bias of {} values does not cover row {row} of {total} positions", bias.data.len())
-            })?;
-            scores.iter_mut().zip(b).for_each(|(s, b)| *s += b);
-        }
-        super::simd::softmax(scores);
-        acc.iter_mut().for_each(|v| *v = 0.0);
-        for (b, probs) in scores.chunks(block).enumerate() {
-            let values = kv.span(step.layer, true, g, b, probs.len()).widened(wide);
-            for (p, v) in probs.iter().zip(values.chunks_exact(hd)) {
-                axpy(acc, *p, v);
+        for j in 0..n_rep {
+            let h = g * n_rep + j;
+            let scores = &mut srow[j * visible..(j + 1) * visible];
+            scores.iter_mut().for_each(|s| *s *= spec.scale);
+            if let Some(bias) = &step.bias {
+                let (row, group, nrows) = match bias.mode {
+                    Bias::Grouped => ((h % n_rep) * seg.len + i, g, n_rep * seg.len),
+                    _ => (i, h, seg.len),
+                };
+                let base = if bias.shared { 0 } else { group * nrows * total };
+                let at = base + row * total;
+                let b = bias.data.get(at..at + total).ok_or_else(|| {
+                    format!(
+                        "attention bias of {} values does not cover row {row} of {total} positions",
+                        bias.data.len()
+                    )
+                })?;
+                scores.iter_mut().zip(b).for_each(|(s, b)| *s += b);
             }
+            super::simd::softmax(scores);
         }
-        let at = match spec.out_layout {
-            Layout::HeadsFirst => (h * rows + r) * hd,
-            Layout::SeqFirst => (r * spec.heads + h) * hd,
-        };
-        // SAFETY: (row r, head h) belongs to exactly one job, so no other
-        // thread writes these `hd` elements.
-        unsafe { out.slice(at, hd) }.copy_from_slice(acc);
+        acc.iter_mut().for_each(|v| *v = 0.0);
+        for b in 0..visible.div_ceil(block) {
+            let first = b * block;
+            let values = kv.span(step.layer, true, g, b, block.min(visible - first)).widened(wide);
+            weighted_sum(&srow[first..], n_rep, visible, values, hd, acc);
+        }
+        for j in 0..n_rep {
+            let h = g * n_rep + j;
+            let at = match spec.out_layout {
+                Layout::HeadsFirst => (h * rows + r) * hd,
+                Layout::SeqFirst => (r * spec.heads + h) * hd,
+            };
+            // SAFETY: (row r, head h) belongs to exactly one job (its
+            // group's), so no other thread writes these `hd` elements.
+            unsafe { out.slice(at, hd) }.copy_from_slice(&acc[j * hd..(j + 1) * hd]);
+        }
     }
     Ok(())
 }

@@ -43,46 +43,60 @@ pub fn axpy(y: &mut [f32], alpha: f32, x: &[f32]) {
         unsafe { x86::axpy(y.as_mut_ptr(), alpha, x.as_ptr(), n) };
         return;
     }
-    y[..n].iter_mut().zip(&x[..n]).for_each(|(y, x)| *y += alpha * x);
+    axpy_portable(&mut y[..n], alpha, &x[..n]);
 }
 
-/// `out[r * total + t] = q_r . k_t` for `rows` query rows of `hd` and
-/// `total` key rows of `hd` (both row-major).
-pub fn scores(q: &[f32], rows: usize, keys: &[f32], hd: usize, out: &mut [f32]) {
+/// `out[r * ld + t] = q_r . k_t` for `rows` query rows of `hd` and
+/// `total` key rows of `hd` (both row-major; `ld >= total` is the row
+/// stride of `out`, so a caller can fill a wide score row in chunks).
+pub fn scores(q: &[f32], rows: usize, keys: &[f32], hd: usize, out: &mut [f32], ld: usize) {
     let total = keys.len().checked_div(hd).unwrap_or(0);
-    assert!(q.len() >= rows * hd && out.len() >= rows * total, "attention score buffers are too small");
+    assert!(
+        q.len() >= rows * hd && ld >= total && (rows == 0 || out.len() >= (rows - 1) * ld + total),
+        "attention score buffers are too small"
+    );
     #[cfg(target_arch = "x86_64")]
     if has_avx2_fma() && hd.is_multiple_of(8) {
         // SAFETY: AVX2/FMA checked; the assertion above bounds every read of
-        // `q` (rows * hd), `keys` (total * hd) and write of `out`.
-        unsafe { x86::scores(q.as_ptr(), rows, keys.as_ptr(), total, hd, out.as_mut_ptr()) };
+        // `q` (rows * hd), `keys` (total * hd) and write of `out` (row r
+        // at r * ld, total values).
+        unsafe { x86::scores(q.as_ptr(), rows, keys.as_ptr(), total, hd, out.as_mut_ptr(), ld) };
         return;
     }
     for t in 0..total {
         for r in 0..rows {
-            out[r * total + t] = dot_portable(&q[r * hd..(r + 1) * hd], &keys[t * hd..(t + 1) * hd]);
+            out[r * ld + t] = dot_portable(&q[r * hd..(r + 1) * hd], &keys[t * hd..(t + 1) * hd]);
         }
     }
 }
 
-/// `out_r = sum_t p[r * total + t] * v_t` for `rows` rows.
-pub fn weighted_sum(p: &[f32], rows: usize, values: &[f32], hd: usize, out: &mut [f32]) {
+/// `out_r += sum_t p[r * ld + t] * v_t` for `rows` rows, in `t` order (the
+/// same operations, in the same order, as one `axpy` per value row, so a
+/// caller may split the values into chunks).
+pub fn weighted_sum(p: &[f32], rows: usize, ld: usize, values: &[f32], hd: usize, out: &mut [f32]) {
     let total = values.len().checked_div(hd).unwrap_or(0);
-    assert!(p.len() >= rows * total && out.len() >= rows * hd, "attention output buffers are too small");
+    assert!(
+        ld >= total && (rows == 0 || p.len() >= (rows - 1) * ld + total) && out.len() >= rows * hd,
+        "attention output buffers are too small"
+    );
     #[cfg(target_arch = "x86_64")]
     if has_avx2_fma() && hd.is_multiple_of(8) {
         // SAFETY: AVX2/FMA checked; the assertion above bounds every read of
-        // `p` (rows * total), `values` (total * hd) and write of `out`.
-        unsafe { x86::weighted_sum(p.as_ptr(), rows, values.as_ptr(), total, hd, out.as_mut_ptr()) };
+        // `p` (row r at r * ld, total values), `values` (total * hd) and
+        // read/write of `out` (rows * hd).
+        unsafe { x86::weighted_sum(p.as_ptr(), rows, ld, values.as_ptr(), total, hd, out.as_mut_ptr()) };
         return;
     }
-    out[..rows * hd].iter_mut().for_each(|o| *o = 0.0);
     for t in 0..total {
         let v = &values[t * hd..(t + 1) * hd];
         for r in 0..rows {
-            axpy(&mut out[r * hd..(r + 1) * hd], p[r * total + t], v);
+            axpy_portable(&mut out[r * hd..(r + 1) * hd], p[r * ld + t], v);
         }
     }
+}
+
+fn axpy_portable(y: &mut [f32], alpha: f32, x: &[f32]) {
+    y.iter_mut().zip(x).for_each(|(y, x)| *y += alpha * x);
 }
 
 /// Numerically stable softmax of one row, in place.
@@ -167,10 +181,10 @@ mod x86 {
 
     /// # Safety
     /// AVX2 and FMA must be available; `hd % 8 == 0`; `q` valid for
-    /// `rows * hd` reads, `k` for `total * hd`, `out` for `rows * total`
-    /// writes.
+    /// `rows * hd` reads, `k` for `total * hd`, `out` for `total` writes
+    /// from each `r * ld`.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn scores(q: *const f32, rows: usize, k: *const f32, total: usize, hd: usize, out: *mut f32) {
+    pub unsafe fn scores(q: *const f32, rows: usize, k: *const f32, total: usize, hd: usize, out: *mut f32, ld: usize) {
         for t in 0..total {
             let kt = k.add(t * hd);
             for r in 0..rows {
@@ -181,24 +195,35 @@ mod x86 {
                     acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr.add(c)), _mm256_loadu_ps(kt.add(c)), acc);
                     c += 8;
                 }
-                *out.add(r * total + t) = hsum(acc);
+                *out.add(r * ld + t) = hsum(acc);
             }
         }
     }
 
     /// # Safety
     /// AVX2 and FMA must be available; `hd % 8 == 0`; `p` valid for
-    /// `rows * total` reads, `v` for `total * hd`, `out` for `rows * hd`
-    /// writes.
+    /// `total` reads from each `r * ld`, `v` for `total * hd`, `out` for
+    /// `rows * hd` reads and writes.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn weighted_sum(p: *const f32, rows: usize, v: *const f32, total: usize, hd: usize, out: *mut f32) {
+    pub unsafe fn weighted_sum(
+        p: *const f32,
+        rows: usize,
+        ld: usize,
+        v: *const f32,
+        total: usize,
+        hd: usize,
+        out: *mut f32,
+    ) {
         for r in 0..rows {
-            let pr = p.add(r * total);
+            let pr = p.add(r * ld);
             let mut c = 0;
             // Four column chunks at a time stay in registers across t.
             while c < hd {
                 let width = ((hd - c) / 8).min(4);
                 let mut acc = [_mm256_setzero_ps(); 4];
+                for (j, a) in acc.iter_mut().enumerate().take(width) {
+                    *a = _mm256_loadu_ps(out.add(r * hd + c + 8 * j));
+                }
                 for t in 0..total {
                     let w = _mm256_set1_ps(*pr.add(t));
                     let row = v.add(t * hd + c);
@@ -301,17 +326,24 @@ mod tests {
             let (rows, total) = (3, 11);
             let q: Vec<f32> = (0..rows * hd).map(|i| (i as f32 * 0.13).cos()).collect();
             let kv: Vec<f32> = (0..total * hd).map(|i| (i as f32 * 0.07).sin()).collect();
-            let mut sc = vec![0.0; rows * total];
-            scores(&q, rows, &kv, hd, &mut sc);
-            let mut o = vec![0.0; rows * hd];
-            weighted_sum(&sc, rows, &kv, hd, &mut o);
+            // Scores land in rows of a wider buffer (stride 13), in two
+            // chunks of keys; the weighted sum accumulates over both chunks
+            // onto what `o` held.
+            let ld = 13;
+            let mut sc = vec![f32::NAN; rows * ld];
+            let split = 5;
+            scores(&q, rows, &kv[..split * hd], hd, &mut sc, ld);
+            scores(&q, rows, &kv[split * hd..], hd, &mut sc[split..], ld);
+            let mut o = vec![1.0; rows * hd];
+            weighted_sum(&sc, rows, ld, &kv[..split * hd], hd, &mut o);
+            weighted_sum(&sc[split..], rows, ld, &kv[split * hd..], hd, &mut o);
             for r in 0..rows {
                 for t in 0..total {
                     let want = dot_portable(&q[r * hd..(r + 1) * hd], &kv[t * hd..(t + 1) * hd]);
-                    assert!((sc[r * total + t] - want).abs() < 1e-4, "scores hd={hd}");
+                    assert!((sc[r * ld + t] - want).abs() < 1e-4, "scores hd={hd}");
                 }
                 for c in 0..hd {
-                    let want: f32 = (0..total).map(|t| sc[r * total + t] * kv[t * hd + c]).sum();
+                    let want: f32 = 1.0 + (0..total).map(|t| sc[r * ld + t] * kv[t * hd + c]).sum::<f32>();
                     assert!((o[r * hd + c] - want).abs() < 1e-3, "weighted_sum hd={hd}");
                 }
             }
