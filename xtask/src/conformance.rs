@@ -72,7 +72,7 @@ pub fn run(opts: Options) -> Result<()> {
     };
     if let Some(b) = &opts.backend {
         if BackendKind::parse(b).is_none() {
-            bail!("unknown backend `{b}` (ort, native-cpu)");
+            bail!("unknown backend `{b}` (known: {})", BackendKind::names());
         }
     }
     let shard = opts.shard.as_deref().map(Filter::parse_shard).transpose().map_err(anyhow::Error::msg)?;

@@ -4,6 +4,8 @@ mod bench;
 mod bench_peer;
 mod bench_real;
 mod conformance;
+mod cuda_compile;
+mod gpu;
 mod lanes;
 mod load;
 mod load_sweep;
@@ -85,7 +87,19 @@ enum Command {
         /// (ort-genai: ONNX Runtime GenAI, pinned, installed with pip into target/genai).
         #[arg(long)]
         peer: Option<String>,
+        /// Instead: this backend's bench (native-cuda: decode at batch 1 and
+        /// 16 and prefill of a SmolLM2-shaped package on the GPU, beside
+        /// ONNX Runtime on this CPU and the HBM roofline).
+        #[arg(long)]
+        backend: Option<String>,
     },
+    /// On a machine with an NVIDIA GPU: every tiny package run step by step on
+    /// native-cuda against native-cpu over the same plan (names the first step
+    /// that parts).
+    GpuTrace,
+    /// NVRTC (pip, into target/) compiles native-cuda's kernels for sm_80 and
+    /// sm_90; any diagnostic fails (the cuda-compile lane, on any machine).
+    CudaCompile,
     /// Load check: the server on loopback under concurrent clients (throughput, latency, gauges).
     Load {
         #[arg(long, default_value_t = 64)]
@@ -156,6 +170,12 @@ fn main() -> ExitCode {
         Command::Conformance { package, backend, suite, shard, threads, no_real } => {
             conformance::run(conformance::Options { package, backend, suite, shard, threads, no_real })
         }
+        Command::Bench { threads, rounds, steps, backend: Some(b), .. } => match b.as_str() {
+            "native-cuda" => gpu::bench(rounds, steps, threads),
+            other => Err(anyhow::anyhow!("bench --backend takes native-cuda (got `{other}`)")),
+        },
+        Command::GpuTrace => gpu::trace(),
+        Command::CudaCompile => cuda_compile::run(),
         Command::Bench { threads, rounds, steps, peer: Some(peer), .. } => {
             bench_peer::run(&peer, threads, rounds.clamp(1, 5), steps.clamp(1, 32))
         }

@@ -2,8 +2,19 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// The workspace root (xtask lives one level below it).
+/// The repository root: where this binary was built from, or, for a binary
+/// carried to another machine (the GPU check), the current directory when
+/// it is a checkout of this repository.
 pub fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_default()
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_default();
+    let is_checkout = |p: &Path| p.join("conformance/lanes.yaml").is_file();
+    if is_checkout(&built) {
+        return built;
+    }
+    match std::env::current_dir() {
+        Ok(dir) if is_checkout(&dir) => dir,
+        _ => built,
+    }
 }
 
 pub fn target() -> PathBuf {

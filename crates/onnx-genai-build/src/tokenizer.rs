@@ -65,6 +65,14 @@ pub fn build_with(vocab_size: u32, extra: &[&str]) -> Result<Tokenizer, BuildErr
     tokenizer.with_decoder(Some(ByteLevel::default()));
     let specials: Vec<AddedToken> = SPECIAL_TOKENS.iter().chain(extra).map(|t| AddedToken::from(*t, true)).collect();
     tokenizer.add_special_tokens(&specials);
+    // A vocabulary larger than the corpus has pairs (a real model's shapes
+    // with random weights) ends in reserved tokens no text encodes to.
+    let have = tokenizer.get_vocab_size(true);
+    if have < vocab_size as usize {
+        let reserved: Vec<AddedToken> =
+            (have..vocab_size as usize).map(|i| AddedToken::from(format!("<|reserved_{i}|>"), true)).collect();
+        tokenizer.add_special_tokens(&reserved);
+    }
     if tokenizer.get_vocab_size(true) != vocab_size as usize {
         return Err(BuildError::Tokenizer(format!(
             "built {} tokens, expected {vocab_size} (the corpus has too few distinct pairs)",

@@ -14,7 +14,11 @@ use crate::tolerance::Tier;
 use crate::HarnessError;
 
 /// Backends compared against the reference.
-pub const CANDIDATES: &[&str] = &["native-cpu"];
+pub const CANDIDATES: &[&str] = &["native-cpu", "native-cuda"];
+/// Candidates that need hardware most machines lack: their checks are
+/// selected only when a run names the backend (`--backend native-cuda`, the
+/// gpu lane), never by default.
+pub const ON_REQUEST: &[&str] = &["native-cuda"];
 /// The reference backend.
 pub const REFERENCE: &str = "ort";
 
@@ -190,8 +194,9 @@ pub fn discover(root: &Path) -> Result<Vec<Check>, HarnessError> {
     Ok(checks)
 }
 
-/// Parity and batches of every export on the candidates, goldens on both
-/// backends.
+/// Parity and batches of every export on the CPU candidates, goldens on
+/// both backends (a GPU check carries no real weights: it benches
+/// SmolLM2's shapes instead).
 fn real_checks(model: &RealModel, golden: &GoldenFile) -> Vec<Check> {
     let mut checks = Vec::new();
     for export in &model.exports {
@@ -206,7 +211,7 @@ fn real_checks(model: &RealModel, golden: &GoldenFile) -> Vec<Check> {
             kind,
             real: true,
         };
-        for backend in CANDIDATES {
+        for backend in CANDIDATES.iter().filter(|b| !ON_REQUEST.contains(b)) {
             for prompt in &model.prompts {
                 let kind = CheckKind::Parity { prompt: prompt.clone(), steps: model.steps, tier: export.tier };
                 let name = format!("parity::{package}::{}::{backend}::{}", variant.name(), prompt.name);
@@ -216,12 +221,12 @@ fn real_checks(model: &RealModel, golden: &GoldenFile) -> Vec<Check> {
         // ONNX Runtime's batch runs its sequences one after another; the tiny
         // packages hold it to B1, so the real exports spend their time on
         // the native batches.
-        for backend in CANDIDATES {
+        for backend in CANDIDATES.iter().filter(|b| !ON_REQUEST.contains(b)) {
             let kind = CheckKind::Batch { prompts: model.prompts.clone(), steps: model.steps, tier: export.tier };
             let name = format!("batch::{package}::{}::{backend}", variant.name());
             checks.push(check(name, backend, kind, Suite::Batch));
         }
-        for backend in std::iter::once(&REFERENCE).chain(CANDIDATES) {
+        for backend in std::iter::once(&REFERENCE).chain(CANDIDATES.iter().filter(|b| !ON_REQUEST.contains(b))) {
             let name = format!("golden::{package}::{}::{backend}", variant.name());
             checks.push(check(name, backend, CheckKind::Golden(golden.clone()), Suite::Golden));
         }
@@ -272,7 +277,10 @@ impl Filter {
     pub fn apply(&self, checks: Vec<Check>) -> Vec<Check> {
         let selected = checks.into_iter().filter(|c| {
             self.package.as_ref().is_none_or(|p| *p == c.package)
-                && self.backend.as_ref().is_none_or(|b| *b == c.backend)
+                && match &self.backend {
+                    Some(b) => *b == c.backend,
+                    None => !ON_REQUEST.contains(&c.backend.as_str()),
+                }
                 && self.suite.is_none_or(|s| s == c.suite)
                 && !(self.no_real && c.real)
         });
@@ -313,10 +321,31 @@ mod tests {
         }
     }
 
+    /// native-cuda has every check native-cpu has (same packages, suites and
+    /// prompts), selected only when a run names it: a default run on a
+    /// machine without a GPU never selects it, `--backend native-cuda` (the
+    /// gpu lane) selects exactly those.
+    #[test]
+    fn native_cuda_checks_mirror_native_cpu_and_run_only_on_request() {
+        let all = checks();
+        let of = |backend: &str| -> std::collections::BTreeSet<String> {
+            all.iter().filter(|c| c.backend == backend).map(|c| c.name.replace(backend, "<b>")).collect()
+        };
+        assert!(!of("native-cuda").is_empty());
+        assert_eq!(of("native-cuda"), of("native-cpu"));
+        let default = Filter::default().apply(all.clone());
+        assert!(default.iter().all(|c| c.backend != "native-cuda"));
+        assert!(default.iter().any(|c| c.backend == "native-cpu"));
+        let cuda = Filter { backend: Some("native-cuda".into()), ..Filter::default() }.apply(all.clone());
+        assert_eq!(cuda.len(), of("native-cuda").len());
+        assert!(cuda.iter().all(|c| c.backend == "native-cuda"));
+    }
+
     /// Shards partition the selected checks: disjoint, complete, balanced.
     #[test]
     fn shards_partition_the_checks() {
-        let all = checks();
+        // What a default run selects (native-cuda's checks only on request).
+        let all = Filter::default().apply(checks());
         let n = 4;
         let mut seen = Vec::new();
         for k in 1..=n {

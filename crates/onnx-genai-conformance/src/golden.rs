@@ -16,8 +16,18 @@ use crate::HarnessError;
 pub const SNAPSHOT_DIR: &str = "golden/decode";
 
 /// The snapshot name of a golden check.
+/// The backend whose snapshot a check is held to: native-cuda runs
+/// native-cpu's plan, so it must reproduce native-cpu's goldens.
+fn snapshot_backend(check: &Check) -> &str {
+    if check.backend == "native-cuda" {
+        "native-cpu"
+    } else {
+        check.backend.as_str()
+    }
+}
+
 pub fn snapshot_name(check: &Check) -> String {
-    format!("{}__{}__{}", check.package, check.variant.name(), check.backend)
+    format!("{}__{}__{}", check.package, check.variant.name(), snapshot_backend(check))
 }
 
 pub fn snapshot_path(root: &Path, check: &Check) -> PathBuf {
@@ -65,7 +75,13 @@ pub fn record(
     let text =
         package.tokenizer().decode(&tokens, false).map_err(|e| HarnessError::Build(format!("tokenizer: {e}")))?;
     let mut out = String::new();
-    let _ = writeln!(out, "package: {}\nvariant: {}\nbackend: {}", check.package, check.variant.name(), check.backend);
+    let _ = writeln!(
+        out,
+        "package: {}\nvariant: {}\nbackend: {}",
+        check.package,
+        check.variant.name(),
+        snapshot_backend(check)
+    );
     let _ = writeln!(out, "prompt: {:?}\nprompt_tokens: {prompt:?}", g.prompt);
     let _ = writeln!(out, "token_ids: {tokens:?}\ntext: {text:?}\ntop5_logits:\n{top}");
     Ok(out)

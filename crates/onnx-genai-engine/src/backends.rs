@@ -14,16 +14,33 @@ pub enum BackendKind {
     Ort,
     /// The native compiler's CPU plan.
     NativeCpu,
+    /// The native compiler's plan on an NVIDIA GPU.
+    NativeCuda,
 }
 
 impl BackendKind {
-    pub const ALL: [BackendKind; 2] = [BackendKind::Ort, BackendKind::NativeCpu];
+    pub const ALL: [BackendKind; 3] = [BackendKind::Ort, BackendKind::NativeCpu, BackendKind::NativeCuda];
 
     pub fn name(self) -> &'static str {
         match self {
             BackendKind::Ort => "ort",
             BackendKind::NativeCpu => onnx_genai_native::NAME,
+            BackendKind::NativeCuda => onnx_genai_cuda::NAME,
         }
+    }
+
+    /// Whether this backend can run on this machine (native-cuda needs a
+    /// CUDA driver and device).
+    pub fn available(self) -> bool {
+        match self {
+            BackendKind::NativeCuda => onnx_genai_cuda::probe().is_ok(),
+            _ => true,
+        }
+    }
+
+    /// The backends that can run here, in [`BackendKind::ALL`] order.
+    pub fn available_here() -> Vec<BackendKind> {
+        Self::ALL.into_iter().filter(|k| k.available()).collect()
     }
 
     pub fn parse(s: &str) -> Option<Self> {
@@ -48,6 +65,7 @@ impl BackendKind {
         Ok(match self {
             BackendKind::Ort => Arc::new(onnx_genai_ort::OrtModel::load(package, threads)?),
             BackendKind::NativeCpu => Arc::new(onnx_genai_native::NativeModel::load(package, threads)?),
+            BackendKind::NativeCuda => Arc::new(onnx_genai_cuda::CudaModel::load(package)?),
         })
     }
 

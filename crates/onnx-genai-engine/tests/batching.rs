@@ -140,7 +140,7 @@ fn batch_generates_what_each_request_generates_alone() {
     let reference = Arc::new(Probe::default());
     let mut ort = engine(BackendKind::Ort, &package, u64::MAX / 2, &reference);
     let want: Vec<_> = reqs.iter().map(|r| alone(&mut ort, r)).collect();
-    for kind in BackendKind::ALL {
+    for kind in BackendKind::available_here() {
         let probe = Arc::new(Probe::default());
         let mut e = engine(kind, &package, u64::MAX / 2, &probe).with_prefill_chunk(5);
         let got = together(&mut e, &reqs, &[0, 0, 3, 6]);
@@ -162,7 +162,7 @@ fn batch_counts_idle_sessions_and_they_give_way() {
     let dir = tempfile::tempdir().unwrap();
     let package = package(dir.path());
     let bpt = package.kv_geometry().unwrap().bytes_per_token();
-    for kind in BackendKind::ALL {
+    for kind in BackendKind::available_here() {
         let probe = Arc::new(Probe::default());
         // Room for one conversation's blocks and a little more.
         let granularity = kind.load(&package, 1).unwrap().kv_granularity() as u64;
@@ -201,7 +201,7 @@ fn batch_counts_idle_sessions_and_they_give_way() {
 fn batch_with_a_failing_sequence_fails_it_alone() {
     let dir = tempfile::tempdir().unwrap();
     let package = package(dir.path());
-    for kind in BackendKind::ALL {
+    for kind in BackendKind::available_here() {
         for panics in [false, true] {
             let probe = Arc::new(Probe::default());
             probe.panic.store(panics, Ordering::SeqCst);
@@ -232,7 +232,7 @@ fn batch_with_a_failing_sequence_fails_it_alone() {
 fn batch_drops_a_cancelled_turn_at_the_next_step() {
     let dir = tempfile::tempdir().unwrap();
     let package = package(dir.path());
-    for kind in BackendKind::ALL {
+    for kind in BackendKind::available_here() {
         let probe = Arc::new(Probe::default());
         let mut e = engine(kind, &package, u64::MAX / 2, &probe);
         let reqs: Vec<_> = prompts().into_iter().take(3).map(|p| request(p, 10)).collect();

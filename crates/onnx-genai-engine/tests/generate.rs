@@ -197,7 +197,7 @@ fn truncate_then_refeed_matches_an_uninterrupted_run_on_every_backend() {
     let dir = package("tiny-llama-gqa");
     let package = onnx_genai_package::Package::open(dir.path()).unwrap();
     let tokens: Vec<u32> = vec![10, 200, 31, 47, 5, 99, 123, 7];
-    for kind in BackendKind::ALL {
+    for kind in BackendKind::available_here() {
         let mut b = kind.decoder(&package, 1).unwrap();
         let full = b.forward(&tokens).unwrap();
         b.truncate(100).unwrap();
@@ -216,5 +216,23 @@ fn truncate_then_refeed_matches_an_uninterrupted_run_on_every_backend() {
         let fresh = b.forward(&fresh_input).unwrap();
         let max = fresh.iter().zip(&other).map(|(a, c)| (a - c).abs()).fold(0.0f32, f32::max);
         assert!(max < 1e-5, "{}: stale cache after truncate ({max})", kind.name());
+    }
+}
+
+/// The one place backends are chosen knows native-cuda: on a machine
+/// without a GPU it is `BackendError::Unavailable` (typed, no panic), on one
+/// with a GPU it loads like the others.
+#[test]
+fn native_cuda_is_chosen_by_name_and_unavailable_without_a_gpu() {
+    let dir = package("tiny-llama-gqa");
+    let pkg = onnx_genai_package::Package::open(dir.path()).unwrap();
+    let kind: BackendKind = "native-cuda".parse().unwrap();
+    let required = std::env::var("ONNX_GENAI_REQUIRE_GPU").is_ok_and(|v| v == "1");
+    match kind.load(&pkg, 1) {
+        Ok(model) => assert!(kind.available() && model.name() == "native-cuda"),
+        Err(e) => {
+            assert!(!kind.available() && !required, "{e}");
+            assert!(matches!(e, onnx_genai_backend::BackendError::Unavailable { .. }), "{e:?}");
+        }
     }
 }

@@ -76,7 +76,23 @@ impl CompileStats {
     }
 }
 
+/// The form projection weights take in a plan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightForm {
+    /// Repacked into the CPU kernels' tiles (f32 weights narrowed to 8-bit
+    /// blocks where exact): what native-cpu runs.
+    Tiled,
+    /// Left as output rows (`[N, K]` f32, f16 or 4-bit blocks): for a
+    /// backend with kernels of its own (native-cuda uploads these).
+    Rows,
+}
+
 pub fn compile(model: &Model, binding: &Binding) -> Result<Plan, CompileError> {
+    compile_with(model, binding, WeightForm::Tiled)
+}
+
+/// [`compile`] with the projection weights in `form`.
+pub fn compile_with(model: &Model, binding: &Binding, form: WeightForm) -> Result<Plan, CompileError> {
     let opset =
         model.opset("").ok_or_else(|| CompileError::Graph("the model imports no default-domain opset".into()))?;
     let mut stats = CompileStats::default();
@@ -89,7 +105,7 @@ pub fn compile(model: &Model, binding: &Binding) -> Result<Plan, CompileError> {
     let logits = g.find(&binding.logits).ok_or_else(|| CompileError::tensor(&binding.logits, "not in the graph"))?;
     eliminate_dead(&mut g, &[logits]);
     check_kv_is_owned(&g, binding)?;
-    let narrowed = repack(&mut g);
+    let narrowed = if form == WeightForm::Tiled { repack(&mut g) } else { 0 };
     if narrowed > 0 {
         stats.fusions.push(("narrow_q8".into(), narrowed));
     }

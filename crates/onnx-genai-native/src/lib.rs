@@ -18,12 +18,13 @@ pub mod kernels;
 pub mod kv;
 mod lower;
 mod model;
-mod ops;
+pub mod ops;
 mod plan;
 pub mod pool;
 pub mod value;
 
-pub use compile::{compile, Binding, CompileStats, LayerBinding};
+pub use compile::{compile, compile_with, Binding, CompileStats, LayerBinding, WeightForm};
 pub use error::{CompileError, RunError};
-pub use model::{compile_package, NativeModel, NativeSequence, MAX_BATCH, NAME};
-pub use plan::{Plan, Workspace};
+pub use model::{compile_package, compile_package_with, NativeModel, NativeSequence, MAX_BATCH, NAME};
+pub use ops::{Op, PartialAttention};
+pub use plan::{eval, Plan, Ports, Ref, StepView, Workspace};

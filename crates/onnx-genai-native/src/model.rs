@@ -8,7 +8,7 @@ use onnx_genai_backend::{downcast, BackendError, DecodeModel, Entry, Input, Sequ
 use onnx_genai_package::Package;
 use smallvec::SmallVec;
 
-use crate::compile::{compile, Binding};
+use crate::compile::{compile_with, Binding, WeightForm};
 use crate::kernels::Runtime;
 use crate::kv::{KvLayout, KvPool, SeqKv};
 use crate::plan::{Plan, Workspace};
@@ -36,10 +36,15 @@ pub struct NativeModel {
 
 /// Reads the package's decoder and compiles it.
 pub fn compile_package(package: &Package) -> Result<Plan, BackendError> {
+    compile_package_with(package, WeightForm::Tiled)
+}
+
+/// [`compile_package`] with the projection weights in `form`.
+pub fn compile_package_with(package: &Package, form: WeightForm) -> Result<Plan, BackendError> {
     let load = |what: String, reason: String| BackendError::Load { backend: NAME, what, reason };
     let (binding, path) = Binding::from_package(package).map_err(|e| load("the decoder".into(), e.to_string()))?;
     let model = onnx_genai_onnx::read_model(&path).map_err(|e| load(path.display().to_string(), e.to_string()))?;
-    compile(&model, &binding).map_err(|e| load(path.display().to_string(), e.to_string()))
+    compile_with(&model, &binding, form).map_err(|e| load(path.display().to_string(), e.to_string()))
 }
 
 impl NativeModel {
@@ -91,6 +96,16 @@ impl NativeModel {
     /// Starts (or stops) adding each step's wall time to a per-step profile.
     pub fn set_profiling(&self, on: bool) {
         self.runner().workspace.profile = on.then(Vec::new);
+    }
+
+    /// Starts (or stops) keeping every step's first output of the last run.
+    pub fn set_tracing(&self, on: bool) {
+        self.runner().workspace.trace = on.then(Vec::new);
+    }
+
+    /// Every step's first output in the last run (with tracing on).
+    pub fn trace(&self) -> Vec<crate::value::Value> {
+        self.runner().workspace.trace.clone().unwrap_or_default()
     }
 
     /// The per-step wall times gathered so far, indexed like

@@ -25,8 +25,9 @@ use crate::kv::SeqKv;
 use crate::ops::Op;
 use crate::value::{DType, Value};
 
+/// Where a step's input comes from: a constant of the plan or a slot.
 #[derive(Clone, Copy, Debug)]
-enum Ref {
+pub enum Ref {
     Const(usize),
     Slot(usize),
 }
@@ -37,6 +38,36 @@ struct Step {
     op: Op,
     inputs: Vec<Option<Ref>>,
     outputs: Vec<usize>,
+}
+
+/// One step of a plan, for a backend that runs the plan with kernels of its
+/// own (native-cuda): the op, where its inputs come from, the slots its
+/// outputs go to.
+#[derive(Clone, Copy, Debug)]
+pub struct StepView<'a> {
+    pub name: &'a str,
+    pub op: &'a Op,
+    pub inputs: &'a [Option<Ref>],
+    pub outputs: &'a [usize],
+}
+
+/// The slots the graph inputs are written to and the logits read from.
+#[derive(Clone, Copy, Debug)]
+pub struct Ports {
+    pub token_ids: Option<usize>,
+    pub position_ids: Option<usize>,
+    pub attention_mask: Option<usize>,
+    pub logits: usize,
+    /// The step computing the logits when it may run on each sequence's
+    /// last row alone.
+    pub head: Option<usize>,
+}
+
+/// Runs one op on host values outside any batch (no KV cache): constant
+/// folding's evaluator, and the host side of a backend that runs some
+/// steps elsewhere.
+pub fn eval(op: &Op, inputs: &[Option<&Value>], outputs: &mut [Value], ctx: Ctx<'_>) -> Result<(), String> {
+    exec::run(op, inputs, outputs, &mut Env { ctx, batch: None })
 }
 
 /// A compiled decoder. Immutable and shareable; per-sequence state lives in
@@ -69,6 +100,9 @@ pub struct Workspace {
     /// When set, each step's wall time is added here (indexed like
     /// [`Plan::step_ops`]).
     pub profile: Option<Vec<Duration>>,
+    /// When set, each run replaces this with every step's first output
+    /// (for comparing backends step by step).
+    pub trace: Option<Vec<Value>>,
 }
 
 impl Plan {
@@ -189,6 +223,31 @@ impl Plan {
         })
     }
 
+    /// The steps in order.
+    pub fn steps(&self) -> impl Iterator<Item = StepView<'_>> {
+        self.steps.iter().map(|s| StepView { name: &s.name, op: &s.op, inputs: &s.inputs, outputs: &s.outputs })
+    }
+
+    /// Constant `i` (a [`Ref::Const`]).
+    pub fn constant(&self, i: usize) -> &Value {
+        &self.consts[i]
+    }
+
+    /// How many constants the steps read.
+    pub fn constants(&self) -> usize {
+        self.consts.len()
+    }
+
+    pub fn ports(&self) -> Ports {
+        Ports {
+            token_ids: self.token_ids,
+            position_ids: self.position_ids,
+            attention_mask: self.attention_mask,
+            logits: self.logits,
+            head: self.head,
+        }
+    }
+
     /// Buffer slots after sharing (compare with [`Plan::values`]).
     pub fn slots(&self) -> usize {
         self.slots
@@ -282,7 +341,10 @@ impl Plan {
             rows += t.len();
         }
         self.feed(ws, tokens, rows);
-        let Workspace { slots, segments, profile } = ws;
+        let Workspace { slots, segments, profile, trace } = ws;
+        if let Some(t) = trace.as_mut() {
+            t.clear();
+        }
         let segments: &[Segment] = segments;
         if let Some(p) = profile.as_mut() {
             p.resize(self.steps.len(), Duration::ZERO);
@@ -310,6 +372,9 @@ impl Plan {
             };
             for (s, v) in step.outputs.iter().zip(outs) {
                 slots[*s] = v;
+            }
+            if let (Some(t), Some(first)) = (trace.as_mut(), step.outputs.first()) {
+                t.push(slots[*first].clone());
             }
             result.map_err(|reason| RunError { node: step.name.clone(), op: step.op.name(), reason })?;
             if let (Some(p), Some(t)) = (profile.as_mut(), started) {

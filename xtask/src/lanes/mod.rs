@@ -217,6 +217,9 @@ pub fn run_lane(lane: &Lane) -> Result<LaneRun> {
         ok,
     };
     if lane.requires == Some(Hardware::Gpu) && !has_gpu() {
+        if std::env::var("ONNX_GENAI_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+            return Ok(done(0, "no GPU on this machine, but ONNX_GENAI_REQUIRE_GPU=1".into(), false));
+        }
         return Ok(done(0, "skipped: no GPU on this machine".into(), true));
     }
     println!("==> lane {} ({})", lane.name, lane.backend);

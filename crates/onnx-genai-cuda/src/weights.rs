@@ -1,0 +1,213 @@
+//! Projection weights on the device, in the row form the compiler hands
+//! over (`[N, K]` f32, f16 or 4-bit blocks), and the products over them:
+//! a warp per output row for a few input rows (decode), cuBLAS over
+//! widened weights for many (prefill).
+
+use cudarc::cublas::sys::cublasOperation_t;
+use onnx_genai_native::kernels::weights::{Packed, Weight};
+
+use crate::device::{grid, launch, DBuf, Device};
+use crate::error::CudaError;
+
+/// Up to this many input rows a product runs in the row kernels; beyond, on
+/// cuBLAS over the weight widened to f32.
+const GEMV_MAX_ROWS: usize = 16;
+
+/// Warps (output rows) per block of the row kernels.
+const ROWS_PER_BLOCK: u32 = 4;
+
+enum Storage {
+    F32(DBuf),
+    F16(DBuf),
+    Q4 {
+        data: DBuf,
+        scales: DBuf,
+        zeros: Option<DBuf>,
+        offsets: Option<DBuf>,
+        block: usize,
+        blocks: usize,
+        /// accuracy_level 4: inputs quantized to int8 per block.
+        int8: bool,
+    },
+}
+
+/// Buffers products borrow: a widened weight, quantized inputs.
+#[derive(Default)]
+pub(crate) struct Scratch {
+    wide: Option<DBuf>,
+    quantized: Option<DBuf>,
+    input_scales: Option<DBuf>,
+}
+
+fn sized<'a>(dev: &Device, buf: &'a mut Option<DBuf>, bytes: usize) -> Result<&'a DBuf, CudaError> {
+    if buf.as_ref().is_none_or(|b| b.bytes() < bytes) {
+        *buf = None;
+        *buf = Some(dev.alloc(bytes)?);
+    }
+    buf.as_ref().ok_or_else(|| CudaError::Unsupported("scratch allocation vanished".into()))
+}
+
+/// `x @ W^T + b` on the device.
+pub(crate) struct Projection {
+    pub n: usize,
+    pub k: usize,
+    storage: Storage,
+    bias: Option<DBuf>,
+}
+
+fn i32_of(v: usize, what: &str) -> Result<i32, CudaError> {
+    i32::try_from(v).map_err(|_| CudaError::Unsupported(format!("{what} {v} does not fit the kernels' 32-bit sizes")))
+}
+
+impl Projection {
+    pub fn upload(dev: &Device, w: &Weight, bias: Option<&[f32]>) -> Result<Self, CudaError> {
+        let storage = match &w.packed {
+            Packed::F32(rows) => Storage::F32(dev.upload(rows)?),
+            Packed::F16(rows) => {
+                let bits: Vec<u16> = rows.iter().map(|h| h.to_bits()).collect();
+                Storage::F16(dev.upload(&bits)?)
+            }
+            Packed::Q4 { data, scales, zeros, offsets, block, blocks, int8 } => {
+                if *int8 && offsets.is_some() {
+                    return Err(CudaError::Unsupported("int8-input 4-bit weights with block offsets".into()));
+                }
+                Storage::Q4 {
+                    data: dev.upload(data)?,
+                    scales: dev.upload(scales)?,
+                    zeros: zeros.as_deref().map(|z| dev.upload(z)).transpose()?,
+                    offsets: offsets.as_deref().map(|o| dev.upload(o)).transpose()?,
+                    block: *block,
+                    blocks: *blocks,
+                    int8: *int8,
+                }
+            }
+            other => {
+                return Err(CudaError::Unsupported(format!(
+                    "a projection weight in {} form (native-cuda takes row-form weights)",
+                    match other {
+                        Packed::Q8 { .. } => "8-bit",
+                        _ => "tiled",
+                    }
+                )))
+            }
+        };
+        let bias = bias.map(|b| dev.upload(b)).transpose()?;
+        Ok(Self { n: w.n, k: w.k, storage, bias })
+    }
+
+    /// Bytes one pass over the weight reads.
+    pub fn bytes(&self) -> usize {
+        match &self.storage {
+            Storage::F32(w) | Storage::F16(w) => w.bytes(),
+            Storage::Q4 { data, scales, zeros, offsets, .. } => {
+                data.bytes()
+                    + scales.bytes()
+                    + zeros.as_ref().map_or(0, DBuf::bytes)
+                    + offsets.as_ref().map_or(0, DBuf::bytes)
+            }
+        }
+    }
+
+    /// `y[m, n] = x[m, k] . W[n, :] (+ bias)`; `x` and `y` are device
+    /// addresses of f32 rows.
+    pub fn run(&self, dev: &Device, x: u64, m: usize, y: u64, scratch: &mut Scratch) -> Result<(), CudaError> {
+        if m == 0 {
+            return Ok(());
+        }
+        let (mi, ni, ki) = (i32_of(m, "rows")?, i32_of(self.n, "outputs")?, i32_of(self.k, "inputs")?);
+        let bias = self.bias.as_ref().map_or(0u64, DBuf::ptr);
+        let rows_cfg = grid(self.n, ROWS_PER_BLOCK * 32);
+        let rows_cfg =
+            cudarc::driver::LaunchConfig { grid_dim: ((self.n as u32).div_ceil(ROWS_PER_BLOCK), 1, 1), ..rows_cfg };
+        match &self.storage {
+            Storage::F32(w) => {
+                self.sgemm(dev, w.ptr(), x, m, y)?;
+                self.add_bias(dev, y, mi, ni)
+            }
+            Storage::F16(w) if m <= GEMV_MAX_ROWS => {
+                let wp = w.ptr();
+                launch!(dev, "gemv_f16", rows_cfg, x, wp, bias, y, mi, ni, ki)
+            }
+            Storage::F16(w) => {
+                let count = self.n * self.k;
+                let wide = sized(dev, &mut scratch.wide, count * 4)?.ptr();
+                let (wp, count) = (w.ptr(), count as i64);
+                launch!(dev, "widen_f16", grid(self.n * self.k, 256), wp, wide, count)?;
+                self.sgemm(dev, wide, x, m, y)?;
+                self.add_bias(dev, y, mi, ni)
+            }
+            Storage::Q4 { data, scales, zeros, offsets, block, blocks, int8 } => {
+                let (dp, sp) = (data.ptr(), scales.ptr());
+                let zp = zeros.as_ref().map_or(0u64, DBuf::ptr);
+                let op = offsets.as_ref().map_or(0u64, DBuf::ptr);
+                let (bi, bsi) = (i32_of(*block, "block")?, i32_of(*blocks, "blocks")?);
+                if *int8 {
+                    let padded = blocks * block;
+                    let xq = sized(dev, &mut scratch.quantized, m * padded)?.ptr();
+                    let xs = sized(dev, &mut scratch.input_scales, m * blocks * 4)?.ptr();
+                    let qcfg = cudarc::driver::LaunchConfig {
+                        grid_dim: (*blocks as u32, m as u32, 1),
+                        block_dim: (32, 1, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    launch!(dev, "quantize_blocks", qcfg, x, xq, xs, mi, ki, bi, bsi)?;
+                    return launch!(dev, "gemv_q4_int8", rows_cfg, xq, xs, dp, sp, zp, bias, y, mi, ni, bi, bsi);
+                }
+                let words = block.is_multiple_of(8);
+                if m <= GEMV_MAX_ROWS && words {
+                    let vec_x = i32::from(self.k.is_multiple_of(8));
+                    // The block's warps share its input rows: staged in
+                    // shared memory when they fit.
+                    let staged_bytes = m * self.k * 4;
+                    let staged = i32::from(staged_bytes <= dev.max_shared);
+                    let cfg = cudarc::driver::LaunchConfig {
+                        shared_mem_bytes: if staged == 1 { staged_bytes as u32 } else { 0 },
+                        ..rows_cfg
+                    };
+                    return launch!(
+                        dev, "gemv_q4", cfg, x, dp, sp, zp, op, bias, y, mi, ni, ki, bi, bsi, vec_x, staged
+                    );
+                }
+                let wide = sized(dev, &mut scratch.wide, self.n * self.k * 4)?.ptr();
+                launch!(dev, "dequant_q4", grid(self.n * self.k, 256), dp, sp, zp, op, wide, ni, ki, bi, bsi)?;
+                self.sgemm(dev, wide, x, m, y)?;
+                self.add_bias(dev, y, mi, ni)
+            }
+        }
+    }
+
+    fn add_bias(&self, dev: &Device, y: u64, m: i32, n: i32) -> Result<(), CudaError> {
+        let Some(b) = &self.bias else { return Ok(()) };
+        let bp = b.ptr();
+        launch!(dev, "add_bias", grid(self.n * m as usize, 256), y, bp, m, n)
+    }
+
+    /// Row-major `y[m, n] = x[m, k] . w[n, k]^T` through cuBLAS (column
+    /// major: `y^T = w^T' . x^T`, i.e. op(A) = T on the `[k, n]` view of w).
+    fn sgemm(&self, dev: &Device, w: u64, x: u64, m: usize, y: u64) -> Result<(), CudaError> {
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (n, k) = (i32_of(self.n, "outputs")?, i32_of(self.k, "inputs")?);
+        let m = i32_of(m, "rows")?;
+        // SAFETY: w holds n*k, x m*k and y m*n f32 values on this device;
+        // the handle runs on the device's stream.
+        unsafe {
+            cudarc::cublas::result::sgemm(
+                *dev.blas.handle(),
+                cublasOperation_t::CUBLAS_OP_T,
+                cublasOperation_t::CUBLAS_OP_N,
+                n,
+                m,
+                k,
+                &alpha,
+                w as *const f32,
+                k,
+                x as *const f32,
+                k,
+                &beta,
+                y as *mut f32,
+                n,
+            )?;
+        }
+        Ok(())
+    }
+}
