@@ -321,16 +321,18 @@ mod tests {
         }
     }
 
-    /// native-cuda has every check native-cpu has (same packages, suites and
-    /// prompts), selected only when a run names it: a default run on a
-    /// machine without a GPU never selects it, `--backend native-cuda` (the
-    /// gpu lane) selects exactly those.
+    /// native-cuda has every check native-cpu has on the shipped packages
+    /// (same packages, variants, suites and prompts; no real-model checks: a
+    /// GPU check carries no real weights), selected only when a run names
+    /// it: a default run never selects it, `--backend native-cuda` (the gpu
+    /// lane) selects exactly those.
     #[test]
     fn native_cuda_checks_mirror_native_cpu_and_run_only_on_request() {
         let all = checks();
         let of = |backend: &str| -> std::collections::BTreeSet<String> {
-            all.iter().filter(|c| c.backend == backend).map(|c| c.name.replace(backend, "<b>")).collect()
+            all.iter().filter(|c| c.backend == backend && !c.real).map(|c| c.name.replace(backend, "<b>")).collect()
         };
+        assert!(all.iter().all(|c| !(c.real && c.backend == "native-cuda")));
         assert!(!of("native-cuda").is_empty());
         assert_eq!(of("native-cuda"), of("native-cpu"));
         let default = Filter::default().apply(all.clone());
