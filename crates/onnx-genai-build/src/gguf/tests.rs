@@ -244,6 +244,31 @@ fn unsupported_models_are_named() {
     w.u32("llama.context_length", 256);
     assert_eq!(load(&w), "tensor `token_embd.weight` is missing");
 
+    // Geometry that would divide by zero, split rows of zero width or
+    // overflow `kv_heads * head_dim` is named before any tensor is read.
+    let geometry = |overrides: &[(&str, u32)]| {
+        let mut w = Writer::default();
+        w.str("general.architecture", "llama");
+        for (k, v) in [
+            ("block_count", 1),
+            ("embedding_length", 64),
+            ("feed_forward_length", 128),
+            ("attention.head_count", 2),
+            ("attention.head_count_kv", 2),
+            ("context_length", 256),
+        ] {
+            let v = overrides.iter().find(|(o, _)| *o == k).map_or(v, |(_, v)| *v);
+            w.u32(&format!("llama.{k}"), v);
+        }
+        load(&w)
+    };
+    assert_eq!(geometry(&[("feed_forward_length", 0)]), "llama.feed_forward_length is 0");
+    assert_eq!(geometry(&[("embedding_length", 0)]), "llama.embedding_length is 0");
+    assert_eq!(geometry(&[("attention.head_count_kv", 0)]), "llama.attention.head_count_kv is 0");
+    assert!(geometry(&[("attention.head_count_kv", u32::MAX)]).contains("KV heads must divide the heads"));
+    assert!(geometry(&[("attention.head_count", 3)]).contains("KV heads must divide the heads"));
+    assert!(geometry(&[("attention.head_count", 64), ("attention.head_count_kv", 64)]).contains("even head size"));
+
     let tokenizer_error = |model: &str, pre: &str| {
         let mut w = Writer::default();
         w.str("tokenizer.ggml.model", model).str("tokenizer.ggml.pre", pre);

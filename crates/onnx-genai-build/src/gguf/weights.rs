@@ -31,6 +31,33 @@ pub fn spec_from_gguf(g: &Gguf, name: &str, origin: &str) -> Result<Spec, GgufEr
         None => heads,
     };
     let context: u32 = int("context_length")?;
+    // Checked before any tensor is read: a zero would divide by zero or
+    // split rows of zero width further on.
+    for (key, v) in [
+        ("block_count", layers),
+        ("embedding_length", hidden),
+        ("feed_forward_length", ffn),
+        ("attention.head_count", heads),
+        ("attention.head_count_kv", kv_heads),
+        ("context_length", context),
+    ] {
+        if v == 0 {
+            return Err(GgufError::Unsupported(format!("llama.{key} is 0")));
+        }
+    }
+    // Grouped-query attention: KV heads divide the query heads (so
+    // `kv_heads * head_dim` never exceeds the hidden size), and rotate-half
+    // rotary needs an even head size.
+    if !hidden.is_multiple_of(heads)
+        || kv_heads > heads
+        || !heads.is_multiple_of(kv_heads)
+        || !(hidden / heads).is_multiple_of(2)
+    {
+        return Err(GgufError::Unsupported(format!(
+            "{heads} heads ({kv_heads} KV heads) for hidden size {hidden}: KV heads must divide the heads, and the \
+             heads an even head size"
+        )));
+    }
     let float = |key: &str, default: f64| match g.get(&format!("llama.{key}")) {
         None => Ok(default),
         Some(_) => g.require(&format!("llama.{key}"), "a number", Value::as_f64),
@@ -39,8 +66,8 @@ pub fn spec_from_gguf(g: &Gguf, name: &str, origin: &str) -> Result<Spec, GgufEr
     let eps = float("attention.layer_norm_rms_epsilon", 1e-5)?;
     let embed = tensor(g, "token_embd.weight")?;
     let vocab = embed.dims.get(1).copied().unwrap_or(0) as u32;
-    if heads == 0 || kv_heads == 0 || !hidden.is_multiple_of(heads) {
-        return Err(GgufError::Unsupported(format!("{heads} heads ({kv_heads} KV heads) for hidden size {hidden}")));
+    if vocab == 0 {
+        return Err(GgufError::Unsupported("tensor `token_embd.weight` has no vocabulary rows".into()));
     }
     let head_dim = hidden / heads;
     if let Some(v) = g.get("llama.rope.dimension_count") {
