@@ -18,6 +18,7 @@ use onnx_genai_server::client::{call, Stream};
 use onnx_genai_server::DriverOptions;
 use serde_json::json;
 
+use crate::load::percentile;
 use crate::{ort, util};
 
 pub struct Options {
@@ -28,13 +29,6 @@ pub struct Options {
     pub backend: String,
     /// Requests each client makes per client count.
     pub turns: usize,
-}
-
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    sorted[(((sorted.len() - 1) as f64) * p).round() as usize]
 }
 
 /// One streamed completion: (time to first token, tokens, seconds).

@@ -114,6 +114,31 @@ pub trait Sequence: Send + Any {
     fn as_any_mut(&mut self) -> &mut dyn Any;
 }
 
+/// Runs `batch` through `run` in chunks of at most `width` entries (a
+/// model's [`DecodeModel::batch_width`]). When a chunk fails, every sequence
+/// of the batch is put back where it was — earlier chunks had advanced — so
+/// the [`DecodeModel::step`] contract (a failed step changes no sequence's
+/// length) holds across chunks.
+pub fn step_in_chunks(
+    batch: &mut [Entry<'_>],
+    width: usize,
+    mut run: impl FnMut(&mut [Entry<'_>]) -> Result<(), BackendError>,
+) -> Result<(), BackendError> {
+    if batch.len() <= width {
+        return run(batch);
+    }
+    let pasts: Vec<usize> = batch.iter().map(|e| e.sequence.kv_len()).collect();
+    for chunk in batch.chunks_mut(width.max(1)) {
+        if let Err(e) = run(chunk) {
+            for (entry, past) in batch.iter_mut().zip(&pasts) {
+                let _ = entry.sequence.truncate(*past);
+            }
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
 /// The concrete sequence type `S` behind `sequence`, or a typed error when a
 /// sequence of another model is handed to `backend`.
 pub fn downcast<'a, S: Sequence>(

@@ -180,6 +180,16 @@ impl std::fmt::Debug for DBuf {
     }
 }
 
+/// `buf`, replaced by a new allocation when it holds fewer than `bytes`
+/// (buffers only grow, so a warmed-up run allocates nothing).
+pub(crate) fn grown<'a>(dev: &Device, buf: &'a mut Option<DBuf>, bytes: usize) -> Result<&'a DBuf, CudaError> {
+    if buf.as_ref().is_none_or(|b| b.bytes() < bytes) {
+        *buf = None;
+        *buf = Some(dev.alloc(bytes)?);
+    }
+    buf.as_ref().ok_or_else(|| CudaError::Unsupported("a buffer allocation vanished".into()))
+}
+
 /// One GPU, its stream, cuBLAS handle and loaded kernels.
 pub(crate) struct Device {
     pub ctx: Arc<CudaContext>,

@@ -6,7 +6,7 @@
 use cudarc::cublas::sys::cublasOperation_t;
 use onnx_genai_native::kernels::weights::{Packed, Weight};
 
-use crate::device::{grid, launch, DBuf, Device};
+use crate::device::{grid, grown, launch, DBuf, Device};
 use crate::error::CudaError;
 
 /// Up to this many input rows a product runs in the row kernels; beyond, on
@@ -37,14 +37,6 @@ pub(crate) struct Scratch {
     wide: Option<DBuf>,
     quantized: Option<DBuf>,
     input_scales: Option<DBuf>,
-}
-
-fn sized<'a>(dev: &Device, buf: &'a mut Option<DBuf>, bytes: usize) -> Result<&'a DBuf, CudaError> {
-    if buf.as_ref().is_none_or(|b| b.bytes() < bytes) {
-        *buf = None;
-        *buf = Some(dev.alloc(bytes)?);
-    }
-    buf.as_ref().ok_or_else(|| CudaError::Unsupported("scratch allocation vanished".into()))
 }
 
 /// `x @ W^T + b` on the device.
@@ -130,7 +122,7 @@ impl Projection {
             }
             Storage::F16(w) => {
                 let count = self.n * self.k;
-                let wide = sized(dev, &mut scratch.wide, count * 4)?.ptr();
+                let wide = grown(dev, &mut scratch.wide, count * 4)?.ptr();
                 let (wp, count) = (w.ptr(), count as i64);
                 launch!(dev, "widen_f16", grid(self.n * self.k, 256), wp, wide, count)?;
                 self.sgemm(dev, wide, x, m, y)?;
@@ -143,8 +135,8 @@ impl Projection {
                 let (bi, bsi) = (i32_of(*block, "block")?, i32_of(*blocks, "blocks")?);
                 if *int8 {
                     let padded = blocks * block;
-                    let xq = sized(dev, &mut scratch.quantized, m * padded)?.ptr();
-                    let xs = sized(dev, &mut scratch.input_scales, m * blocks * 4)?.ptr();
+                    let xq = grown(dev, &mut scratch.quantized, m * padded)?.ptr();
+                    let xs = grown(dev, &mut scratch.input_scales, m * blocks * 4)?.ptr();
                     let qcfg = cudarc::driver::LaunchConfig {
                         grid_dim: (*blocks as u32, m as u32, 1),
                         block_dim: (32, 1, 1),
@@ -168,7 +160,7 @@ impl Projection {
                         dev, "gemv_q4", cfg, x, dp, sp, zp, op, bias, y, mi, ni, ki, bi, bsi, vec_x, staged
                     );
                 }
-                let wide = sized(dev, &mut scratch.wide, self.n * self.k * 4)?.ptr();
+                let wide = grown(dev, &mut scratch.wide, self.n * self.k * 4)?.ptr();
                 launch!(dev, "dequant_q4", grid(self.n * self.k, 256), dp, sp, zp, op, wide, ni, ki, bi, bsi)?;
                 self.sgemm(dev, wide, x, m, y)?;
                 self.add_bias(dev, y, mi, ni)

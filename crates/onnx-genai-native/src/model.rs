@@ -178,21 +178,7 @@ impl DecodeModel for NativeModel {
     }
 
     fn step(&self, batch: &mut [Entry<'_>]) -> Result<(), BackendError> {
-        let width = self.batch_width();
-        if batch.len() <= width {
-            return self.run_chunk(batch);
-        }
-        let pasts: Vec<usize> = batch.iter().map(|e| e.sequence.kv_len()).collect();
-        for chunk in batch.chunks_mut(width) {
-            if let Err(e) = self.run_chunk(chunk) {
-                // Earlier chunks advanced: put every sequence back.
-                for (entry, past) in batch.iter_mut().zip(&pasts) {
-                    let _ = entry.sequence.truncate(*past);
-                }
-                return Err(e);
-            }
-        }
-        Ok(())
+        onnx_genai_backend::step_in_chunks(batch, self.batch_width(), |chunk| self.run_chunk(chunk))
     }
 
     fn batch_width(&self) -> usize {

@@ -228,20 +228,14 @@ impl DecodeModel for OrtModel {
     }
 
     fn step(&self, batch: &mut [Entry<'_>]) -> Result<(), BackendError> {
-        let pasts: Vec<usize> = batch.iter().map(|e| e.sequence.kv_len()).collect();
-        for i in 0..batch.len() {
-            let Entry { sequence, input, logits } = &mut batch[i];
-            let result =
-                downcast::<OrtSequence>(&mut **sequence, NAME).and_then(|seq| self.run_one(seq, *input, logits));
-            if let Err(e) = result {
-                // The ones already run go back to where they were.
-                for (entry, past) in batch[..i].iter_mut().zip(&pasts) {
-                    let _ = entry.sequence.truncate(*past);
-                }
-                return Err(e);
+        // One sequence at a time; a failure puts the ones already run back.
+        onnx_genai_backend::step_in_chunks(batch, 1, |chunk| match chunk {
+            [] => Ok(()),
+            [Entry { sequence, input, logits }] => {
+                downcast::<OrtSequence>(&mut **sequence, NAME).and_then(|seq| self.run_one(seq, *input, logits))
             }
-        }
-        Ok(())
+            _ => Err(BackendError::Run { backend: NAME, reason: "a chunk of one holds more".into() }),
+        })
     }
 }
 

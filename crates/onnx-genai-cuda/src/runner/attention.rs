@@ -6,8 +6,8 @@ use onnx_genai_native::kernels::attention::{Bias, Layout};
 use onnx_genai_native::value::{DType, Shape};
 use onnx_genai_native::{PartialAttention, Ref};
 
-use super::{grow, unsupported, Heads, Runner, Segment};
-use crate::device::{grid, launch, DBuf};
+use super::{unsupported, Heads, Runner, Segment};
+use crate::device::{grid, grown, launch, DBuf};
 use crate::error::CudaError;
 
 impl Runner {
@@ -235,9 +235,9 @@ impl Runner {
         }
         let dev = self.device.clone();
         let last: Vec<i32> = segments.iter().map(|s| (s.start + s.len - 1) as i32).collect();
-        let idx = grow(&dev, &mut self.picked_rows, last.len() * 4)?.ptr();
+        let idx = grown(&dev, &mut self.picked_rows, last.len() * 4)?.ptr();
         dev.write(idx, &last)?;
-        let picked = grow(&dev, &mut self.picked, last.len() * k * 4)?.ptr();
+        let picked = grown(&dev, &mut self.picked, last.len() * k * 4)?.ptr();
         let cfg = cudarc::driver::LaunchConfig {
             grid_dim: (last.len() as u32, 1, 1),
             block_dim: (128, 1, 1),

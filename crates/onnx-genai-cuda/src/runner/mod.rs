@@ -16,7 +16,7 @@ use onnx_genai_native::kernels::Runtime;
 use onnx_genai_native::value::{DType, Shape, Value};
 use onnx_genai_native::{Op, Plan, Ref};
 
-use crate::device::{DBuf, Device};
+use crate::device::{grown, DBuf, Device};
 use crate::error::CudaError;
 use crate::kv::SeqKv;
 use crate::weights::{Projection, Scratch};
@@ -171,14 +171,6 @@ pub(crate) struct Runner {
 // SAFETY: a runner is used behind its model's mutex, one thread at a time;
 // the graphs it holds belong to its device's stream.
 unsafe impl Send for Runner {}
-
-fn grow<'a>(dev: &Device, buf: &'a mut Option<DBuf>, bytes: usize) -> Result<&'a DBuf, CudaError> {
-    if buf.as_ref().is_none_or(|b| b.bytes() < bytes) {
-        *buf = None;
-        *buf = Some(dev.alloc(bytes)?);
-    }
-    buf.as_ref().ok_or_else(|| unsupported("allocation vanished"))
-}
 
 impl Runner {
     pub fn new(device: Arc<Device>, plan: Arc<Plan>) -> Result<Self, CudaError> {
@@ -355,14 +347,14 @@ impl Runner {
         let shape: Shape = [1, rows].into_iter().collect();
         if let Some(s) = ports.token_ids {
             let ids: Vec<i64> = tokens.iter().flat_map(|t| t.iter().map(|id| i64::from(*id))).collect();
-            let buf = grow(&dev, &mut self.ids, rows * 8)?.clone();
+            let buf = grown(&dev, &mut self.ids, rows * 8)?.clone();
             dev.write(buf.ptr(), &ids)?;
             self.slots[s] = Slot::Dev(DTensor { shape: shape.clone(), dtype: DType::I64, buf });
         }
         if let Some(s) = ports.position_ids {
             let pos: Vec<i64> =
                 segments.iter().flat_map(|seg| (seg.past..seg.past + seg.len).map(|p| p as i64)).collect();
-            let buf = grow(&dev, &mut self.positions, rows * 8)?.clone();
+            let buf = grown(&dev, &mut self.positions, rows * 8)?.clone();
             dev.write(buf.ptr(), &pos)?;
             self.slots[s] = Slot::Dev(DTensor { shape, dtype: DType::I64, buf });
         }
@@ -395,10 +387,10 @@ impl Runner {
                 table[(layers + l) * segments.len() + s] = v;
             }
         }
-        dev.write(grow(&dev, &mut self.row_seg, rows * 4)?.ptr(), &row_seg)?;
-        dev.write(grow(&dev, &mut self.row_pos, rows * 4)?.ptr(), &row_pos)?;
-        dev.write(grow(&dev, &mut self.seg_total, totals.len() * 4)?.ptr(), &totals)?;
-        dev.write(grow(&dev, &mut self.kv_table, table.len() * 8)?.ptr(), &table)?;
+        dev.write(grown(&dev, &mut self.row_seg, rows * 4)?.ptr(), &row_seg)?;
+        dev.write(grown(&dev, &mut self.row_pos, rows * 4)?.ptr(), &row_pos)?;
+        dev.write(grown(&dev, &mut self.seg_total, totals.len() * 4)?.ptr(), &totals)?;
+        dev.write(grown(&dev, &mut self.kv_table, table.len() * 8)?.ptr(), &table)?;
         Ok(())
     }
 

@@ -7,9 +7,17 @@ use onnx_genai_native::kernels::layout as ly;
 use onnx_genai_native::value::{DType, Shape};
 use onnx_genai_native::{Op, Ref};
 
-use super::{check_width, elem_bytes, grow, i32_of, unsupported, Broadcast, DTensor, Permute, Runner, MAX_RANK};
-use crate::device::{grid, launch, DBuf};
+use super::{check_width, elem_bytes, i32_of, unsupported, Broadcast, DTensor, Permute, Runner, MAX_RANK};
+use crate::device::{grid, grown, launch, DBuf};
 use crate::error::CudaError;
+
+/// `shape` with its last axis set to `n`.
+fn with_last(mut shape: Shape, n: usize) -> Shape {
+    if let Some(l) = shape.last_mut() {
+        *l = n;
+    }
+    shape
+}
 
 impl Runner {
     /// A projection (`gated`: the gated MLP, `silu(x Wg) * (x Wu)`).
@@ -17,25 +25,17 @@ impl Runner {
         if gated {
             return self.gated(index, x, out);
         }
-        let (x, shape, _) = self.device_input(x)?;
-        let proj = self.projections[index].as_ref().ok_or_else(|| unsupported("projection not uploaded"))?;
-        let (k, n) = (proj.k, proj.n);
-        if shape.last() != Some(&k) {
-            return Err(unsupported(format!("input {shape:?} does not end in the weight's {k} inputs")));
-        }
-        let m = shape.iter().product::<usize>() / k.max(1);
+        let (x, shape, m, n) = self.projection_input(index, x)?;
         let buf = self.out_buf(out, m * n * 4)?;
         let proj = self.projections[index].as_ref().ok_or_else(|| unsupported("projection not uploaded"))?;
         proj.run(&self.device, x, m, buf.ptr(), &mut self.scratch)?;
-        let mut oshape = shape;
-        if let Some(l) = oshape.last_mut() {
-            *l = n;
-        }
-        self.put(out, oshape, DType::F32, buf);
+        self.put(out, with_last(shape, n), DType::F32, buf);
         Ok(())
     }
 
-    fn gated(&mut self, index: usize, x: Ref, out: usize) -> Result<(), CudaError> {
+    /// The device address of a projection's input, its shape, its rows and
+    /// the projection's outputs.
+    fn projection_input(&mut self, index: usize, x: Ref) -> Result<(u64, Shape, usize, usize), CudaError> {
         let (x, shape, _) = self.device_input(x)?;
         let proj = self.projections[index].as_ref().ok_or_else(|| unsupported("projection not uploaded"))?;
         let (k, n) = (proj.k, proj.n);
@@ -43,19 +43,20 @@ impl Runner {
             return Err(unsupported(format!("input {shape:?} does not end in the weight's {k} inputs")));
         }
         let m = shape.iter().product::<usize>() / k.max(1);
+        Ok((x, shape, m, n))
+    }
+
+    fn gated(&mut self, index: usize, x: Ref, out: usize) -> Result<(), CudaError> {
+        let (x, shape, m, n) = self.projection_input(index, x)?;
         let dev = self.device.clone();
-        let both = grow(&dev, &mut self.both, m * n * 4)?.ptr();
+        let both = grown(&dev, &mut self.both, m * n * 4)?.ptr();
         let proj = self.projections[index].as_ref().ok_or_else(|| unsupported("projection not uploaded"))?;
         proj.run(&dev, x, m, both, &mut self.scratch)?;
         let half = n / 2;
         let buf = self.out_buf(out, m * half * 4)?;
         let (y, mi, hi) = (buf.ptr(), m as i32, half as i32);
         launch!(dev, "silu_mul", grid(m * half, 256), both, y, mi, hi)?;
-        let mut oshape = shape;
-        if let Some(l) = oshape.last_mut() {
-            *l = half;
-        }
-        self.put(out, oshape, DType::F32, buf);
+        self.put(out, with_last(shape, half), DType::F32, buf);
         Ok(())
     }
 
