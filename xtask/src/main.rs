@@ -11,6 +11,7 @@ mod load;
 mod load_sweep;
 mod mutants;
 mod mutants_compare;
+mod onnx_tests;
 mod ort;
 mod packages;
 mod pyclient;
@@ -100,6 +101,17 @@ enum Command {
     /// NVRTC (pip, into target/) compiles native-cuda's kernels for sm_80 and
     /// sm_90; any diagnostic fails (the cuda-compile lane, on any machine).
     CudaCompile,
+    /// ONNX's backend node test cases (onnx wheel, pip, into target/) on
+    /// native-cpu and ONNX Runtime, held to conformance/onnx-node-tests.yaml;
+    /// per-op table in target/conformance/onnx-node.md.
+    OnnxTests {
+        /// Rewrite the ratchet with this run's outcomes.
+        #[arg(long)]
+        bless: bool,
+        /// Only cases whose name contains this.
+        #[arg(long)]
+        case: Option<String>,
+    },
     /// Load check: the server on loopback under concurrent clients (throughput, latency, gauges).
     Load {
         #[arg(long, default_value_t = 64)]
@@ -148,7 +160,7 @@ enum Command {
     Ci,
     /// Run one lane of conformance/lanes.yaml (what each generated CI job runs).
     Lane {
-        /// The lane's name (lint, unit, parity-cpu, real-model, server-client, mutation, gpu).
+        /// The lane's name (lint, unit, parity-cpu, real-model, server-client, mutation, onnx-node, cuda-compile, gpu).
         name: String,
     },
     /// The lanes: --audit proves every test runs in some lane; --emit-workflow writes .github/workflows/ci.yml.
@@ -176,6 +188,7 @@ fn main() -> ExitCode {
         },
         Command::GpuTrace => gpu::trace(),
         Command::CudaCompile => cuda_compile::run(),
+        Command::OnnxTests { bless, case } => onnx_tests::run(onnx_tests::Options { bless, case }),
         Command::Bench { threads, rounds, steps, peer: Some(peer), .. } => {
             bench_peer::run(&peer, threads, rounds.clamp(1, 5), steps.clamp(1, 32))
         }

@@ -18,22 +18,7 @@ pub fn provision() -> Result<PathBuf> {
     if lib.is_file() {
         return Ok(lib);
     }
-    let wheels = dir.join("wheel");
-    std::fs::create_dir_all(&wheels).with_context(|| format!("creating {}", wheels.display()))?;
-    println!("==> pip download onnxruntime=={VERSION} (official wheel)");
-    let status = Command::new(python())
-        .args(["-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--dest"])
-        .arg(&wheels)
-        .arg(format!("onnxruntime=={VERSION}"))
-        .status()
-        .context("cannot run python3 -m pip (is Python with pip installed?)")?;
-    if !status.success() {
-        bail!("pip could not download onnxruntime=={VERSION}; check access to the Python package index");
-    }
-    let wheel = std::fs::read_dir(&wheels)?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with(&format!("onnxruntime-{VERSION}-"))))
-        .context("pip reported success but left no onnxruntime wheel")?;
+    let wheel = pip_download("onnxruntime", VERSION, &dir.join("wheel"))?;
     // A wheel is a zip file; Python (already required for pip) unpacks it.
     let script = format!(
         "import sys, zipfile\nz = zipfile.ZipFile(sys.argv[1])\nopen(sys.argv[2] + '.part', 'wb').write(z.read('onnxruntime/capi/{LIBRARY}'))"
@@ -46,6 +31,26 @@ pub fn provision() -> Result<PathBuf> {
     std::fs::rename(&part, &lib)?;
     println!("==> ONNX Runtime {VERSION} installed at {}", lib.display());
     Ok(lib)
+}
+
+/// Downloads the official wheel of `package==version` into `dest` with pip
+/// (no dependencies, binary only) and returns its path.
+pub fn pip_download(package: &str, version: &str, dest: &std::path::Path) -> Result<PathBuf> {
+    std::fs::create_dir_all(dest).with_context(|| format!("creating {}", dest.display()))?;
+    println!("==> pip download {package}=={version} (official wheel)");
+    let status = Command::new(python())
+        .args(["-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:", "--dest"])
+        .arg(dest)
+        .arg(format!("{package}=={version}"))
+        .status()
+        .context("cannot run python3 -m pip (is Python with pip installed?)")?;
+    if !status.success() {
+        bail!("pip could not download {package}=={version}; check access to the Python package index");
+    }
+    std::fs::read_dir(dest)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with(&format!("{package}-{version}-"))))
+        .with_context(|| format!("pip reported success but left no {package} wheel"))
 }
 
 pub fn python() -> String {

@@ -7,6 +7,7 @@ pub mod batch;
 pub mod cases;
 pub mod golden;
 pub mod mutants;
+pub mod onnx_node;
 pub mod parity;
 pub mod real;
 pub mod report;

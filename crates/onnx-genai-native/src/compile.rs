@@ -21,7 +21,7 @@ pub type LayerBinding = onnx_genai_package::KvPorts;
 
 /// What the manifest says about the decoder's ports: the compiler never
 /// guesses a role from a tensor name.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct Binding {
     pub token_ids: String,
     pub position_ids: Option<String>,
@@ -109,7 +109,50 @@ pub fn compile_with(model: &Model, binding: &Binding, form: WeightForm) -> Resul
     if narrowed > 0 {
         stats.fusions.push(("narrow_q8".into(), narrowed));
     }
-    Plan::build(g, binding, logits, stats)
+    let inputs: Vec<String> = std::iter::once(&binding.token_ids)
+        .chain(binding.position_ids.as_ref())
+        .chain(binding.attention_mask.as_ref())
+        .cloned()
+        .collect();
+    Plan::build(g, binding, &inputs, &[logits], stats)
+}
+
+/// Compiles a standalone graph (no decoder ports, no KV cache): every graph
+/// input becomes a plan input bound by name, every graph output is
+/// computed. This is how single operators are held to ONNX's own backend
+/// test cases (`cargo xtask onnx-tests`); the passes are the decoder's, so
+/// what passes here is what a decoder export gets.
+pub fn compile_graph(model: &Model) -> Result<Plan, CompileError> {
+    let ir = &model.graph;
+    // A graph of other domains' ops alone needs no default opset (its nodes
+    // are refused by name when lowered).
+    let opset = match model.opset("") {
+        Some(v) => v,
+        None if ir.nodes.iter().all(|n| !n.domain.is_empty()) => 0,
+        None => return Err(CompileError::Graph("the model imports no default-domain opset".into())),
+    };
+    let roots: HashSet<&str> = ir.outputs.iter().map(|o| o.name.as_str()).collect();
+    let mut stats = CompileStats::default();
+    let mut g = import_from(ir, roots, opset)?;
+    stats.imported_nodes = g.live_nodes().count();
+    stats.folded_nodes = infer_and_fold(&mut g)?;
+    crate::fuse::run(&mut g, &mut stats)?;
+    if let Some((_, n)) = g.live_nodes().find(|(_, n)| matches!(n.op, Op::Attention { .. })) {
+        return Err(CompileError::UnsupportedOp {
+            node: n.name.clone(),
+            op: n.origin.clone(),
+            domain: String::new(),
+            reason: "attention runs only in a decoder, over a KV cache the manifest binds".into(),
+        });
+    }
+    let mut outputs = Vec::with_capacity(ir.outputs.len());
+    for o in &ir.outputs {
+        outputs.push(g.find(&o.name).ok_or_else(|| CompileError::tensor(&o.name, "graph output is never produced"))?);
+    }
+    eliminate_dead(&mut g, &outputs);
+    repack(&mut g);
+    let inputs: Vec<String> = ir.inputs.iter().map(|i| i.name.clone()).collect();
+    Plan::build(g, &Binding::default(), &inputs, &outputs, stats)
 }
 
 /// Lowers the nodes that contribute to the logits or the KV outputs, walking
@@ -137,6 +180,12 @@ fn import(ir: &IrGraph, binding: &Binding, opset: i64) -> Result<Graph, CompileE
             }
         }
     }
+    import_from(ir, needed, opset)
+}
+
+/// Lowers, walking backwards from `needed`, every node that computes one of
+/// those values.
+fn import_from<'a>(ir: &'a IrGraph, mut needed: HashSet<&'a str>, opset: i64) -> Result<Graph, CompileError> {
     let mut producers: HashMap<&str, usize> = HashMap::new();
     for (i, n) in ir.nodes.iter().enumerate() {
         for o in n.outputs.iter().filter(|o| !o.is_empty()) {

@@ -5,6 +5,10 @@
 pub enum CompileError {
     #[error("node `{node}`: op {domain}::{op} is not supported by native-cpu: {reason}")]
     UnsupportedOp { node: String, op: String, domain: String, reason: String },
+    /// The op is not one native-cpu lowers at all (as opposed to an
+    /// attribute or input of a lowered op it does not support).
+    #[error("node `{node}`: op {domain}::{op} has no native-cpu kernel")]
+    NoKernel { node: String, op: String, domain: String },
     #[error("node `{node}` ({op}): {reason}")]
     Node { node: String, op: String, reason: String },
     #[error("tensor `{tensor}`: {reason}")]

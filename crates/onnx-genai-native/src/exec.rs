@@ -5,8 +5,9 @@ use crate::kernels::attention::{self, AdditiveBias, Bias, Heads, Layout, RotaryC
 use crate::kernels::elementwise as ew;
 use crate::kernels::layout as ly;
 use crate::kernels::linear::{gated, linear};
+use crate::kernels::math::Reduce;
 use crate::kernels::rotary::{rotary, Angles};
-use crate::kernels::{math, Ctx};
+use crate::kernels::{math, select, Ctx};
 use crate::kv::SeqKv;
 use crate::ops::{Op, PartialAttention};
 use crate::value::{DType, Value};
@@ -42,6 +43,32 @@ pub fn run(op: &Op, inputs: &[Option<&Value>], outputs: &mut [Value], env: &mut 
     if let Op::SkipRmsNorm { eps } = op {
         return skip_rms_norm(*eps, inputs, outputs, &env.ctx);
     }
+    match op {
+        Op::LayerNorm { eps, axis } => return layer_norm(*eps, *axis, inputs, outputs),
+        Op::TopK { axis, largest } => {
+            let k = ints(inputs, 1, "k")?.first().copied().ok_or("k is empty")?;
+            let k = usize::try_from(k).map_err(|_| format!("k={k} is negative"))?;
+            return select::top_k(arg(inputs, 0)?, k, *axis, *largest, outputs);
+        }
+        Op::Split { axis, sizes } => {
+            let x = arg(inputs, 0)?;
+            let len = x.shape.get(ly::axis(*axis, x.shape.len())?).copied().unwrap_or(0);
+            let given = match (sizes, opt(inputs, 1)) {
+                (Some(s), _) => Some(s.as_slice()),
+                (None, Some(v)) => Some(v.ints().ok_or("split sizes must be i64")?),
+                (None, None) => None,
+            };
+            let sizes: Vec<usize> = match given {
+                Some(s) => s
+                    .iter()
+                    .map(|v| usize::try_from(*v).map_err(|_| format!("split size {v}")))
+                    .collect::<Result<_, _>>()?,
+                None => select::even_split(len, outputs.len()),
+            };
+            return select::split(x, *axis, &sizes, outputs);
+        }
+        _ => {}
+    }
     let out = outputs.first_mut().ok_or("no output")?;
     match op {
         Op::Binary(b) => ew::binary(*b, arg(inputs, 0)?, arg(inputs, 1)?, out),
@@ -56,11 +83,12 @@ pub fn run(op: &Op, inputs: &[Option<&Value>], outputs: &mut [Value], env: &mut 
         }
         Op::MatMul => math::matmul(arg(inputs, 0)?, arg(inputs, 1)?, out),
         Op::Gather { axis } => ly::gather(arg(inputs, 0)?, arg(inputs, 1)?, *axis, out),
-        Op::Shape => {
+        Op::Shape { start, end } => {
             let x = arg(inputs, 0)?;
-            let mut o = out.recycle_i64(x.shape.len());
-            o.iter_mut().zip(x.shape.iter()).for_each(|(o, d)| *o = *d as i64);
-            *out = Value::i64([x.shape.len()], o);
+            let dims = &x.shape[ly::shape_span(*start, *end, x.shape.len())];
+            let mut o = out.recycle_i64(dims.len());
+            o.iter_mut().zip(dims).for_each(|(o, d)| *o = *d as i64);
+            *out = Value::i64([dims.len()], o);
             Ok(())
         }
         Op::Range => ly::range(arg(inputs, 0)?, arg(inputs, 1)?, arg(inputs, 2)?, out),
@@ -108,54 +136,86 @@ pub fn run(op: &Op, inputs: &[Option<&Value>], outputs: &mut [Value], env: &mut 
             let parts: Vec<&Value> = inputs.iter().flatten().copied().collect();
             ly::concat(&parts, *axis, out)
         }
-        Op::Softmax { axis } => {
+        Op::Softmax { axis, log } => {
             let x = arg(inputs, 0)?;
-            if ly::axis(*axis, x.shape.len())? + 1 != x.shape.len() {
-                return Err(format!("softmax over axis {axis} of {:?}: only the last axis is supported", x.shape));
+            let a = ly::axis(*axis, x.shape.len())?;
+            if a + 1 == x.shape.len() && !log {
+                math::softmax(x, out)
+            } else {
+                math::softmax_axis(x, a, *log, out)
             }
-            math::softmax(x, out)
         }
-        Op::Reduce { kind, axes, keepdims } => {
+        Op::Reduce { kind, axes, keepdims, noop_empty } => {
             let x = arg(inputs, 0)?;
-            let axes = match axes {
-                Some(a) => a.clone(),
-                None => match opt(inputs, 1) {
-                    Some(v) => v.ints().ok_or("axes must be i64")?.to_vec(),
-                    None => (0..x.shape.len() as i64).collect(),
-                },
+            let axes: &[i64] = match (axes, opt(inputs, 1)) {
+                (Some(a), _) => a,
+                (None, Some(v)) => v.ints().ok_or("axes must be i64")?,
+                (None, None) => &[],
             };
             let rank = x.shape.len();
-            let mut resolved = axes.iter().map(|a| ly::axis(*a, rank)).collect::<Result<Vec<_>, _>>()?;
-            resolved.sort_unstable();
-            let count = resolved.len();
-            if resolved.iter().enumerate().any(|(i, a)| *a != rank - count + i) {
-                return Err(format!("reducing axes {axes:?} of rank {rank}: only trailing axes are supported"));
+            if axes.is_empty() && *noop_empty {
+                return ly::reshaped(x, &x.shape, out);
             }
-            math::reduce(*kind, x, count, *keepdims, out)
+            let mut resolved = if axes.is_empty() {
+                (0..rank).collect()
+            } else {
+                axes.iter().map(|a| ly::axis(*a, rank)).collect::<Result<Vec<_>, _>>()?
+            };
+            resolved.sort_unstable();
+            resolved.dedup();
+            let count = resolved.len();
+            let trailing = resolved.iter().enumerate().all(|(i, a)| *a == rank - count + i);
+            let empty = x.shape.contains(&0);
+            if trailing && count > 0 && !empty && matches!(kind, Reduce::Mean | Reduce::Sum) {
+                math::reduce(*kind, x, count, *keepdims, out)
+            } else {
+                math::reduce_axes(*kind, x, &resolved, *keepdims, out)
+            }
         }
         Op::Tile => ly::tile(arg(inputs, 0)?, ints(inputs, 1, "repeats")?, out),
+        Op::Clip { attrs: Some((lo, hi)) } => {
+            let (lo, hi) = (Value::f32([1], vec![*lo]), Value::f32([1], vec![*hi]));
+            select::clip(arg(inputs, 0)?, Some(&lo), Some(&hi), out)
+        }
+        Op::Clip { attrs: None } => select::clip(arg(inputs, 0)?, opt(inputs, 1), opt(inputs, 2), out),
+        Op::Flatten { axis } => {
+            let x = arg(inputs, 0)?;
+            let rank = x.shape.len() as i64;
+            let a = if *axis < 0 { axis + rank } else { *axis };
+            if !(0..=rank).contains(&a) {
+                return Err(format!("Flatten axis {axis} of rank {rank}"));
+            }
+            let (head, tail) = x.shape.split_at(a as usize);
+            ly::reshaped(x, &[head.iter().product(), tail.iter().product()], out)
+        }
+        Op::ArgExtreme { axis, keepdims, last, min } => {
+            select::arg_extreme(arg(inputs, 0)?, *axis, *keepdims, *last, *min, out)
+        }
+        Op::CumSum { exclusive, reverse } => {
+            let axis = ints(inputs, 1, "axis")?.first().copied().ok_or("axis is empty")?;
+            select::cum_sum(arg(inputs, 0)?, axis, *exclusive, *reverse, out)
+        }
+        Op::Trilu { upper } => {
+            let k = opt(inputs, 1)
+                .map(|v| v.ints().and_then(|k| k.first().copied()).ok_or("k must be an i64 scalar"))
+                .transpose()?;
+            select::trilu(arg(inputs, 0)?, k.unwrap_or(0), *upper, out)
+        }
+        Op::ScatterNd(how) => select::scatter_nd(arg(inputs, 0)?, arg(inputs, 1)?, arg(inputs, 2)?, *how, out),
+        Op::Gemm { alpha, beta, trans_a, trans_b } => {
+            math::gemm(arg(inputs, 0)?, arg(inputs, 1)?, opt(inputs, 2), *alpha, *beta, *trans_a, *trans_b, out)
+        }
+        Op::TopK { .. } | Op::Split { .. } => Err("dispatched above".into()),
         Op::Expand => ly::expand(arg(inputs, 0)?, ints(inputs, 1, "shape")?, out),
-        Op::RmsNorm { eps } => {
+        Op::RmsNorm { eps, axis } => {
             let (x, scale) = (arg(inputs, 0)?, arg(inputs, 1)?);
-            math::norm_width(x, scale)?;
+            math::norm_rows(x, *axis, scale)?;
             let mut o = out.recycle_f32(x.len());
             math::rms_norm(x.as_f32()?, scale.as_f32()?, *eps, &mut o);
             *out = Value::f32(&x.shape, o);
             Ok(())
         }
-        Op::SkipRmsNorm { .. } => Err("dispatched above".into()),
-        Op::LayerNorm { eps } => {
-            let (x, gamma) = (arg(inputs, 0)?, arg(inputs, 1)?);
-            math::norm_width(x, gamma)?;
-            let beta = opt(inputs, 2).map(|b| b.as_f32()).transpose()?;
-            if beta.is_some_and(|b| b.len() != gamma.len()) {
-                return Err("beta and gamma differ in length".into());
-            }
-            let mut o = out.recycle_f32(x.len());
-            math::layer_norm(x.as_f32()?, gamma.as_f32()?, beta, *eps, &mut o);
-            *out = Value::f32(&x.shape, o);
-            Ok(())
-        }
+        Op::SkipRmsNorm { .. } | Op::LayerNorm { .. } => Err("dispatched above".into()),
         Op::Linear { weight, bias } => {
             let x = arg(inputs, 0)?;
             let (m, shape) = rows(x, weight.k, weight.n)?;
@@ -356,6 +416,34 @@ fn rows(x: &Value, k: usize, n: usize) -> Result<(usize, crate::value::Shape), S
 /// Outputs: 0 the normalized sum, 3 the sum itself (1 and 2, mean and
 /// inverse deviation, are not produced; the compiler rejects graphs that
 /// read them).
+/// LayerNormalization with its optional mean and inverse-deviation
+/// outputs (shaped like the input with 1 for each normalized axis).
+fn layer_norm(eps: f32, axis: i64, inputs: &[Option<&Value>], outputs: &mut [Value]) -> Result<(), String> {
+    let (x, gamma) = (arg(inputs, 0)?, arg(inputs, 1)?);
+    let from = math::norm_rows(x, axis, gamma)?;
+    let beta = opt(inputs, 2).map(|b| b.as_f32()).transpose()?;
+    if beta.is_some_and(|b| b.len() != gamma.len()) {
+        return Err("beta and gamma differ in length".into());
+    }
+    let rows = x.len() / gamma.len().max(1);
+    let (first, stats) = outputs.split_first_mut().ok_or("no output")?;
+    let mut o = first.recycle_f32(x.len());
+    if stats.is_empty() {
+        // A decoder's layer norm: no statistics, nothing allocated.
+        math::layer_norm(x.as_f32()?, gamma.as_f32()?, beta, eps, &mut o, None);
+        *first = Value::f32(&x.shape, o);
+        return Ok(());
+    }
+    let (mut mean, mut inv) = (vec![0.0; rows], vec![0.0; rows]);
+    math::layer_norm(x.as_f32()?, gamma.as_f32()?, beta, eps, &mut o, Some((&mut mean, &mut inv)));
+    *first = Value::f32(&x.shape, o);
+    let stat_shape: Vec<usize> = x.shape.iter().enumerate().map(|(i, d)| if i < from { *d } else { 1 }).collect();
+    for (out, values) in stats.iter_mut().zip([mean, inv]) {
+        *out = Value::f32(&stat_shape, values);
+    }
+    Ok(())
+}
+
 fn skip_rms_norm(eps: f32, inputs: &[Option<&Value>], outputs: &mut [Value], ctx: &Ctx) -> Result<(), String> {
     let (x, skip, gamma) = (arg(inputs, 0)?, arg(inputs, 1)?, arg(inputs, 2)?);
     if x.shape != skip.shape {

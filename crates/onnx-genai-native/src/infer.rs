@@ -4,7 +4,7 @@
 //! is an error that the compiler reports against the node.
 
 use crate::graph::{Dims, Meta};
-use crate::kernels::elementwise::broadcast_shape;
+use crate::kernels::elementwise::{broadcast_shape, CmpOp, UnOp};
 use crate::kernels::layout as ly;
 use crate::ops::Op;
 use crate::value::DType;
@@ -74,10 +74,21 @@ pub fn infer(op: &Op, inputs: &[Option<&Meta>], outputs: usize) -> Result<Vec<Ou
             if dt == Some(DType::F16) {
                 require_float("the operand", dt)?;
             }
+            if let Some(dt) = dt.filter(|dt| !matches!(dt, DType::F32 | DType::I64)) {
+                return Err(format!("operands are {dt}: native-cpu computes element-wise in f32 and i64"));
+            }
             single((dt, broadcast(&d(0), &d(1))?))
         }
-        Op::Compare(_) => {
-            same_dtype(t(0), t(1))?;
+        Op::Compare(c) => {
+            let dt = same_dtype(t(0), t(1))?;
+            let ok = match dt {
+                None | Some(DType::F32 | DType::I64) => true,
+                Some(DType::Bool) => *c == CmpOp::Equal,
+                _ => false,
+            };
+            if !ok {
+                return Err(format!("cannot compare {} operands with {c:?}", dt.map_or("?", DType::name)));
+            }
             single((Some(DType::Bool), broadcast(&d(0), &d(1))?))
         }
         Op::Logic(_) => {
@@ -92,23 +103,44 @@ pub fn infer(op: &Op, inputs: &[Option<&Meta>], outputs: usize) -> Result<Vec<Ou
             if u.float_only() {
                 require_float("the input", t(0))?;
             }
+            let ok = match (u, t(0)) {
+                (_, None) => true,
+                (UnOp::Not, Some(dt)) => dt == DType::Bool,
+                (_, Some(dt)) => dt == DType::F32 || (dt == DType::I64 && !u.float_only()),
+            };
+            if !ok {
+                return Err(format!("{u:?} of {} is not supported", t(0).map_or("?", DType::name)));
+            }
             single((t(0), d(0)))
         }
         Op::Where => {
             if let Some(dt) = t(0).filter(|dt| *dt != DType::Bool) {
                 return Err(format!("the condition is {dt}, expected bool"));
             }
-            single((same_dtype(t(1), t(2))?, broadcast(&d(0), &broadcast(&d(1), &d(2))?)?))
+            let dt = same_dtype(t(1), t(2))?;
+            if let Some(dt) = dt.filter(|dt| !matches!(dt, DType::F32 | DType::I64)) {
+                return Err(format!("Where branches are {dt}: native-cpu selects f32 and i64"));
+            }
+            single((dt, broadcast(&d(0), &broadcast(&d(1), &d(2))?)?))
         }
-        Op::Cast(to) => single((Some(*to), d(0))),
+        Op::Cast(to) => {
+            if let Some(from) = t(0).filter(|from| !crate::kernels::elementwise::can_cast(*from, *to)) {
+                return Err(format!("cast from {from} to {to} is not supported"));
+            }
+            single((Some(*to), d(0)))
+        }
         Op::Identity => single((t(0), d(0))),
         Op::MatMul => {
             require_float("input A", t(0))?;
             require_float("input B", t(1))?;
             let (a, b) = (d(0), d(1));
             if let (Some(a), Some(b)) = (&a, &b) {
+                if a.is_empty() || b.is_empty() {
+                    return Err(format!("MatMul of a scalar (ranks {} and {})", a.len(), b.len()));
+                }
                 if a.len() < 2 || b.len() < 2 {
-                    return Err(format!("native MatMul needs rank >= 2, got ranks {} and {}", a.len(), b.len()));
+                    // numpy's 1-D promotion; the kernel drops the axis again.
+                    return single((Some(DType::F32), None));
                 }
                 if let (Some(k1), Some(k2)) = (a[a.len() - 1], b[b.len() - 2]) {
                     if k1 != k2 {
@@ -138,7 +170,9 @@ pub fn infer(op: &Op, inputs: &[Option<&Meta>], outputs: usize) -> Result<Vec<Ou
             };
             single((t(0), dims))
         }
-        Op::Shape => single((Some(DType::I64), d(0).map(|x| vec![Some(x.len())]))),
+        Op::Shape { start, end } => {
+            single((Some(DType::I64), d(0).map(|x| vec![Some(ly::shape_span(*start, *end, x.len()).len())])))
+        }
         Op::Concat { axis } => {
             let mut dt = None;
             let mut out: Option<Vec<Option<usize>>> = None;
@@ -206,14 +240,21 @@ pub fn infer(op: &Op, inputs: &[Option<&Meta>], outputs: usize) -> Result<Vec<Ou
             require_float("the input", t(0))?;
             single((t(0), d(0)))
         }
-        Op::RmsNorm { .. } | Op::LayerNorm { .. } => {
+        Op::RmsNorm { axis, .. } | Op::LayerNorm { axis, .. } => {
             require_float("the input", t(0))?;
-            norm_check(&d(0), &d(1))?;
-            single((Some(DType::F32), d(0)))
+            let x = d(0);
+            let from = x.as_ref().map(|x| ly::axis(*axis, x.len())).transpose()?;
+            norm_check(&x, from, &d(1)).map_err(|e| format!("axis={axis}: {e}"))?;
+            // The statistics keep the leading axes and 1 for each normalized one.
+            let stats =
+                x.as_ref().zip(from).map(|(x, a)| (0..x.len()).map(|i| if i < a { x[i] } else { Some(1) }).collect());
+            let mut outs = vec![(Some(DType::F32), x)];
+            outs.extend((1..outputs).map(|_| (Some(DType::F32), stats.clone())));
+            Ok(outs)
         }
         Op::SkipRmsNorm { .. } => {
             require_float("the input", t(0))?;
-            norm_check(&d(0), &d(2))?;
+            norm_check(&d(0), d(0).map(|x| x.len().saturating_sub(1)), &d(2))?;
             let x = (Some(DType::F32), d(0));
             Ok(vec![x.clone(), (None, None), (None, None), x].into_iter().take(outputs.max(1)).collect())
         }
@@ -238,6 +279,28 @@ pub fn infer(op: &Op, inputs: &[Option<&Meta>], outputs: usize) -> Result<Vec<Ou
             single((Some(DType::F32), d(0)))
         }
         Op::CausalBias { .. } => single((Some(DType::F32), None)),
+        Op::Clip { .. } | Op::CumSum { .. } | Op::Trilu { .. } | Op::ScatterNd(_) => {
+            if let Some(dt) = t(0).filter(|dt| !matches!(dt, DType::F32 | DType::I64)) {
+                return Err(format!("{} of {dt} is not supported", op.name()));
+            }
+            single((t(0), d(0)))
+        }
+        Op::Flatten { .. } => single((t(0), None)),
+        Op::ArgExtreme { .. } | Op::TopK { .. } => {
+            if let Some(dt) = t(0).filter(|dt| !matches!(dt, DType::F32 | DType::I64)) {
+                return Err(format!("{} of {dt} is not supported", op.name()));
+            }
+            if let Op::TopK { .. } = op {
+                return Ok(vec![(t(0), None), (Some(DType::I64), None)]);
+            }
+            single((Some(DType::I64), None))
+        }
+        Op::Split { .. } => Ok((0..outputs).map(|_| (t(0), None)).collect()),
+        Op::Gemm { .. } => {
+            require_float("input A", t(0))?;
+            require_float("input B", t(1))?;
+            single((Some(DType::F32), None))
+        }
         Op::Attention { spec, .. } => {
             for (i, what) in [(0, "query"), (1, "key"), (2, "value")] {
                 if t(i) != Some(DType::F16) {
@@ -263,7 +326,10 @@ pub fn infer(op: &Op, inputs: &[Option<&Meta>], outputs: usize) -> Result<Vec<Ou
             outs.extend((1..outputs).map(|i| (t(3 + i), None)));
             Ok(outs)
         }
-        Op::Reduce { axes: Some(axes), keepdims, .. } if d(0).is_some() => {
+        Op::Reduce { kind, .. } if t(0).is_some_and(|dt| dt != DType::F32 && !(dt == DType::I64 && kind.on_ints())) => {
+            Err(format!("Reduce{kind:?} of {} is not supported", t(0).map_or("?", DType::name)))
+        }
+        Op::Reduce { axes: Some(axes), keepdims, .. } if d(0).is_some() && !axes.is_empty() => {
             let x = d(0).unwrap_or_default();
             let reduced = axes.iter().map(|a| ly::axis(*a, x.len())).collect::<Result<Vec<_>, _>>()?;
             let dims = x
@@ -327,20 +393,35 @@ pub fn infer(op: &Op, inputs: &[Option<&Meta>], outputs: usize) -> Result<Vec<Ou
                 Op::ConstantOfShape(v) => Some(v.dtype()),
                 _ => t(0),
             };
-            if matches!(op, Op::Reduce { .. }) {
-                require_float("the input", dt).or_else(|e| if dt == Some(DType::I64) { Ok(()) } else { Err(e) })?;
+            if let Op::Range = op {
+                // Range follows its operands' type (i64 or f32).
+                let dt = t(0).or(Some(DType::I64));
+                if let Some(dt) = dt.filter(|dt| !matches!(dt, DType::I64 | DType::F32)) {
+                    return Err(format!("Range of {dt} is not supported"));
+                }
+                return single((dt, None));
             }
             single((dt, None))
         }
     }
 }
 
-fn norm_check(x: &Dims, scale: &Dims) -> Result<(), String> {
-    if let (Some(x), Some(s)) = (x, scale) {
+/// The scale must hold one element per normalized position (the axes of
+/// `x` from `from` on).
+fn norm_check(x: &Dims, from: Option<usize>, scale: &Dims) -> Result<(), String> {
+    if let (Some(x), Some(from), Some(s)) = (x, from, scale) {
+        if s.len() != x.len() - from {
+            return Err(format!(
+                "the scale has rank {} but {} axes are normalized (broadcast scales are not supported)",
+                s.len(),
+                x.len() - from
+            ));
+        }
         let n: Option<usize> = s.iter().copied().product();
-        if let (Some(Some(last)), Some(n)) = (x.last(), n) {
-            if *last != n {
-                return Err(format!("the scale has {n} elements, the normalized axis {last}"));
+        let width: Option<usize> = x.get(from..).unwrap_or_default().iter().copied().product();
+        if let (Some(width), Some(n)) = (width, n) {
+            if width != n {
+                return Err(format!("the scale has {n} elements, the normalized axes {width}"));
             }
         }
     }

@@ -23,7 +23,7 @@ mod plan;
 pub mod pool;
 pub mod value;
 
-pub use compile::{compile, compile_with, Binding, CompileStats, LayerBinding, WeightForm};
+pub use compile::{compile, compile_graph, compile_with, Binding, CompileStats, LayerBinding, WeightForm};
 pub use error::{CompileError, RunError};
 pub use model::{compile_package, compile_package_with, NativeModel, NativeSequence, MAX_BATCH, NAME};
 pub use ops::{Op, PartialAttention};

@@ -8,6 +8,7 @@ use crate::error::CompileError;
 use crate::kernels::attention::{Bias, Layout};
 use crate::kernels::elementwise::{BinOp, CmpOp, LogicOp, UnOp};
 use crate::kernels::math::Reduce;
+use crate::kernels::select::Combine;
 use crate::ops::{Op, PartialAttention};
 use crate::value::{DType, Value};
 
@@ -33,6 +34,13 @@ impl Attrs<'_> {
             reason: reason.into(),
         }
     }
+    fn no_kernel(&self) -> CompileError {
+        CompileError::NoKernel {
+            node: self.node.name.clone(),
+            op: self.node.op_type.clone(),
+            domain: if self.node.domain.is_empty() { "ai.onnx".into() } else { self.node.domain.clone() },
+        }
+    }
     fn int(&self, name: &str) -> Result<Option<i64>, CompileError> {
         match self.node.attr(name) {
             None => Ok(None),
@@ -48,6 +56,13 @@ impl Attrs<'_> {
             None => Ok(None),
             Some(AttrValue::Float(v)) => Ok(Some(*v)),
             Some(other) => Err(self.err(format!("attribute `{name}` must be a float, found {other:?}"))),
+        }
+    }
+    fn string(&self, name: &str) -> Result<Option<String>, CompileError> {
+        match self.node.attr(name) {
+            None => Ok(None),
+            Some(AttrValue::String(v)) => Ok(Some(v.clone())),
+            Some(other) => Err(self.err(format!("attribute `{name}` must be a string, found {other:?}"))),
         }
     }
     fn ints(&self, name: &str) -> Result<Option<Vec<i64>>, CompileError> {
@@ -127,6 +142,25 @@ pub fn lower(node: &Node, opset: i64) -> Result<(Op, Vec<usize>), CompileError> 
             "Tanh" => Op::Unary(UnOp::Tanh),
             "Erf" => Op::Unary(UnOp::Erf),
             "Relu" => Op::Unary(UnOp::Relu),
+            "Abs" => Op::Unary(UnOp::Abs),
+            "Sign" => Op::Unary(UnOp::Sign),
+            "Log" => Op::Unary(UnOp::Log),
+            "Cos" => Op::Unary(UnOp::Cos),
+            "Sin" => Op::Unary(UnOp::Sin),
+            "Floor" => Op::Unary(UnOp::Floor),
+            "Ceil" => Op::Unary(UnOp::Ceil),
+            "Round" => Op::Unary(UnOp::Round),
+            "Softplus" => Op::Unary(UnOp::Softplus),
+            "Softsign" => Op::Unary(UnOp::Softsign),
+            "Gelu" => match a.string("approximate")?.as_deref() {
+                None | Some("none") => Op::Unary(UnOp::Gelu),
+                Some("tanh") => Op::Unary(UnOp::GeluTanh),
+                Some(other) => return Err(a.unsupported(format!("approximate=\"{other}\""))),
+            },
+            "Max" | "Min" if node.inputs.len() == 2 => Op::Binary(if op == "Max" { BinOp::Max } else { BinOp::Min }),
+            "Max" | "Min" => {
+                return Err(a.unsupported(format!("{} inputs: only two-input {op} is supported", node.inputs.len())))
+            }
             "Where" => Op::Where,
             "Identity" => Op::Identity,
             "Cast" => {
@@ -137,12 +171,7 @@ pub fn lower(node: &Node, opset: i64) -> Result<(Op, Vec<usize>), CompileError> 
             }
             "MatMul" => Op::MatMul,
             "Gather" => Op::Gather { axis: a.int_or("axis", 0)? },
-            "Shape" => {
-                if a.int("start")?.is_some() || a.int("end")?.is_some() {
-                    return Err(a.unsupported("Shape with start/end"));
-                }
-                Op::Shape
-            }
+            "Shape" => Op::Shape { start: a.int_or("start", 0)?, end: a.int("end")? },
             "Range" => Op::Range,
             "ConstantOfShape" => {
                 let v = match node.attr("value") {
@@ -161,21 +190,75 @@ pub fn lower(node: &Node, opset: i64) -> Result<(Op, Vec<usize>), CompileError> 
             "Transpose" => Op::Transpose(a.ints("perm")?),
             "Slice" => Op::Slice,
             "Concat" => Op::Concat { axis: a.int("axis")?.ok_or_else(|| a.err("missing attribute `axis`"))? },
-            "Softmax" => Op::Softmax { axis: a.int_or("axis", -1)? },
-            "ReduceMean" | "ReduceSum" => {
-                a.require("noop_with_empty_axes", 0, "empty-axes no-op reductions are not supported")?;
-                let kind = if op == "ReduceMean" { Reduce::Mean } else { Reduce::Sum };
-                Op::Reduce { kind, axes: a.ints("axes")?, keepdims: a.int_or("keepdims", 1)? != 0 }
+            "Softmax" | "LogSoftmax" => {
+                let axis = a.int_or("axis", if opset < 13 { 1 } else { -1 })?;
+                if opset < 13 && axis != -1 {
+                    // Before opset 13 the input is flattened to 2-D at `axis`.
+                    return Err(a.unsupported(format!("axis={axis} at opset {opset} (2-D coercion)")));
+                }
+                Op::Softmax { axis, log: op == "LogSoftmax" }
             }
+            "ReduceMean" | "ReduceSum" | "ReduceMax" | "ReduceMin" | "ReduceProd" | "ReduceSumSquare" | "ReduceL1"
+            | "ReduceL2" | "ReduceLogSum" | "ReduceLogSumExp" => {
+                let kind = match op {
+                    "ReduceMean" => Reduce::Mean,
+                    "ReduceSum" => Reduce::Sum,
+                    "ReduceMax" => Reduce::Max,
+                    "ReduceMin" => Reduce::Min,
+                    "ReduceProd" => Reduce::Prod,
+                    "ReduceSumSquare" => Reduce::SumSquare,
+                    "ReduceL1" => Reduce::L1,
+                    "ReduceL2" => Reduce::L2,
+                    "ReduceLogSum" => Reduce::LogSum,
+                    _ => Reduce::LogSumExp,
+                };
+                Op::Reduce {
+                    kind,
+                    axes: a.ints("axes")?,
+                    keepdims: a.int_or("keepdims", 1)? != 0,
+                    noop_empty: a.int_or("noop_with_empty_axes", 0)? != 0,
+                }
+            }
+            "Clip" if opset < 11 => Op::Clip {
+                attrs: Some((a.float("min")?.unwrap_or(f32::NEG_INFINITY), a.float("max")?.unwrap_or(f32::INFINITY))),
+            },
+            "Clip" => Op::Clip { attrs: None },
+            "Flatten" => Op::Flatten { axis: a.int_or("axis", 1)? },
+            "ArgMax" | "ArgMin" => Op::ArgExtreme {
+                axis: a.int_or("axis", 0)?,
+                keepdims: a.int_or("keepdims", 1)? != 0,
+                last: a.int_or("select_last_index", 0)? != 0,
+                min: op == "ArgMin",
+            },
+            "TopK" if opset < 10 => return Err(a.unsupported("TopK before opset 10 (k as an attribute)")),
+            "TopK" => Op::TopK { axis: a.int_or("axis", -1)?, largest: a.int_or("largest", 1)? != 0 },
+            "CumSum" => Op::CumSum { exclusive: a.int_or("exclusive", 0)? != 0, reverse: a.int_or("reverse", 0)? != 0 },
+            "Trilu" => Op::Trilu { upper: a.int_or("upper", 1)? != 0 },
+            "ScatterND" => Op::ScatterNd(match a.string("reduction")?.as_deref() {
+                None | Some("none") => Combine::Replace,
+                Some("add") => Combine::Add,
+                Some("mul") => Combine::Mul,
+                Some("max") => Combine::Max,
+                Some("min") => Combine::Min,
+                Some(other) => return Err(a.unsupported(format!("reduction=\"{other}\""))),
+            }),
+            "Split" => {
+                let sizes = if opset < 13 { a.ints("split")? } else { None };
+                Op::Split { axis: a.int_or("axis", 0)?, sizes }
+            }
+            "Gemm" => Op::Gemm {
+                alpha: a.float("alpha")?.unwrap_or(1.0),
+                beta: a.float("beta")?.unwrap_or(1.0),
+                trans_a: a.int_or("transA", 0)? != 0,
+                trans_b: a.int_or("transB", 0)? != 0,
+            },
             "Tile" => Op::Tile,
             "Expand" => Op::Expand,
             "RMSNormalization" | "SimplifiedLayerNormalization" => {
-                a.require("axis", -1, "only the last axis is normalized")?;
-                Op::RmsNorm { eps: a.float("epsilon")?.unwrap_or(1e-5) }
+                Op::RmsNorm { eps: a.float("epsilon")?.unwrap_or(1e-5), axis: a.int_or("axis", -1)? }
             }
             "LayerNormalization" => {
-                a.require("axis", -1, "only the last axis is normalized")?;
-                Op::LayerNorm { eps: a.float("epsilon")?.unwrap_or(1e-5) }
+                Op::LayerNorm { eps: a.float("epsilon")?.unwrap_or(1e-5), axis: a.int_or("axis", -1)? }
             }
             "RotaryEmbedding" => {
                 a.require("interleaved", 0, "interleaved rotary is not supported")?;
@@ -223,12 +306,11 @@ pub fn lower(node: &Node, opset: i64) -> Result<(Op, Vec<usize>), CompileError> 
                     layer: None,
                 }
             }
-            other => return Err(a.unsupported(format!("`{other}` has no native-cpu kernel"))),
+            _ => return Err(a.no_kernel()),
         },
         (MS_DOMAIN, op) => match op {
             "SimplifiedLayerNormalization" => {
-                a.require("axis", -1, "only the last axis is normalized")?;
-                Op::RmsNorm { eps: a.float("epsilon")?.unwrap_or(1e-5) }
+                Op::RmsNorm { eps: a.float("epsilon")?.unwrap_or(1e-5), axis: a.int_or("axis", -1)? }
             }
             "SkipSimplifiedLayerNormalization" => Op::SkipRmsNorm { eps: a.float("epsilon")?.unwrap_or(1e-5) },
             "RotaryEmbedding" => {
@@ -320,9 +402,9 @@ pub fn lower(node: &Node, opset: i64) -> Result<(Op, Vec<usize>), CompileError> 
                 };
                 Op::MatMulNBits { k: k as usize, n: n as usize, block: block as usize, accuracy_level }
             }
-            other => return Err(a.unsupported(format!("`{other}` has no native-cpu kernel"))),
+            _ => return Err(a.no_kernel()),
         },
-        (domain, _) => return Err(a.unsupported(format!("domain `{domain}` is not supported"))),
+        _ => return Err(a.no_kernel()),
     };
     Ok((op, all))
 }

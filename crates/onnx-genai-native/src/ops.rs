@@ -24,7 +24,11 @@ pub enum Op {
     Gather {
         axis: i64,
     },
-    Shape,
+    /// Dims `start..end` of the input's shape (ONNX clamping).
+    Shape {
+        start: i64,
+        end: Option<i64>,
+    },
     Range,
     ConstantOfShape(Value),
     /// Axes from the attribute (opset < 13) or, when `None`, the second input.
@@ -36,29 +40,79 @@ pub enum Op {
     Concat {
         axis: i64,
     },
+    /// Along one axis (opset 13 semantics); `log` for LogSoftmax.
     Softmax {
         axis: i64,
+        log: bool,
     },
     Reduce {
         kind: Reduce,
         axes: Option<Vec<i64>>,
         keepdims: bool,
+        /// Empty axes leave the input as it is (`noop_with_empty_axes`)
+        /// instead of reducing everything.
+        noop_empty: bool,
     },
     Tile,
     Expand,
-    /// `x / rms(x) * scale` over the last axis (fused, ONNX RMSNormalization,
-    /// com.microsoft SimplifiedLayerNormalization).
+    /// Bounds from attributes (before opset 11) or inputs 1 and 2.
+    Clip {
+        attrs: Option<(f32, f32)>,
+    },
+    Flatten {
+        axis: i64,
+    },
+    /// ArgMax, or ArgMin with `min`.
+    ArgExtreme {
+        axis: i64,
+        keepdims: bool,
+        last: bool,
+        min: bool,
+    },
+    /// Inputs `x, k`; outputs `values, indices`.
+    TopK {
+        axis: i64,
+        largest: bool,
+    },
+    /// Inputs `x, axis`.
+    CumSum {
+        exclusive: bool,
+        reverse: bool,
+    },
+    /// Inputs `x[, k]`.
+    Trilu {
+        upper: bool,
+    },
+    ScatterNd(crate::kernels::select::Combine),
+    /// Sizes from the attribute (before opset 13) or input 1, else `parts`
+    /// even pieces (one per output).
+    Split {
+        axis: i64,
+        sizes: Option<Vec<i64>>,
+    },
+    Gemm {
+        alpha: f32,
+        beta: f32,
+        trans_a: bool,
+        trans_b: bool,
+    },
+    /// `x / rms(x) * scale` over the axes from `axis` on (-1: the last;
+    /// fused, ONNX RMSNormalization, com.microsoft
+    /// SimplifiedLayerNormalization).
     RmsNorm {
         eps: f32,
+        axis: i64,
     },
     /// Inputs `input, skip, gamma[, bias]`; outputs `normed, (mean), (inv_std),
     /// sum` (com.microsoft SkipSimplifiedLayerNormalization).
     SkipRmsNorm {
         eps: f32,
     },
-    /// Inputs `x, gamma[, beta]`.
+    /// Inputs `x, gamma[, beta]`, normalized over the axes from `axis` on;
+    /// outputs `y[, mean, inv_std]`.
     LayerNorm {
         eps: f32,
+        axis: i64,
     },
     /// `x @ W + b` with a packed constant weight.
     Linear {
@@ -138,12 +192,14 @@ impl Op {
             Op::Unary(u) => format!("{u:?}"),
             Op::Cast(t) => format!("Cast({t})"),
             Op::Gather { .. } => "Gather".into(),
+            Op::Shape { .. } => "Shape".into(),
             Op::ConstantOfShape(_) => "ConstantOfShape".into(),
             Op::Unsqueeze(_) => "Unsqueeze".into(),
             Op::Squeeze(_) => "Squeeze".into(),
             Op::Transpose(_) => "Transpose".into(),
             Op::Concat { .. } => "Concat".into(),
-            Op::Softmax { .. } => "Softmax".into(),
+            Op::Softmax { log: false, .. } => "Softmax".into(),
+            Op::Softmax { log: true, .. } => "LogSoftmax".into(),
             Op::Reduce { kind, .. } => format!("Reduce{kind:?}"),
             Op::RmsNorm { .. } => "RmsNorm".into(),
             Op::SkipRmsNorm { .. } => "SkipRmsNorm".into(),

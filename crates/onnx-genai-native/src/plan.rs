@@ -85,6 +85,10 @@ pub struct Plan {
     /// on the rows whose logits are returned (each sequence's last) rather
     /// than on every row of a prefill.
     head: Option<usize>,
+    /// Every graph input a step reads, by name.
+    inputs: Vec<(String, usize)>,
+    /// The values a run returns, by name (a decoder's: its logits).
+    outputs: Vec<(String, Ref)>,
     pub binding: Binding,
     pub stats: CompileStats,
     /// Values the plan computes (before slot sharing).
@@ -106,12 +110,18 @@ pub struct Workspace {
 }
 
 impl Plan {
+    /// Plans `g`: the graph inputs named in `inputs` get slots (in that
+    /// order), `outputs` are kept to the end of a run. A decoder's logits are
+    /// its first output.
     pub(crate) fn build(
         g: Graph,
         binding: &Binding,
-        logits: Vid,
+        inputs: &[String],
+        outputs: &[Vid],
         mut stats: CompileStats,
     ) -> Result<Self, CompileError> {
+        let logits = *outputs.first().ok_or_else(|| CompileError::Graph("the graph has no outputs".into()))?;
+        let kept = |v: Vid| outputs.contains(&v);
         let order: Vec<_> = g.live_nodes().map(|(_, n)| n.clone()).collect();
         // Last step that reads each value.
         let mut last_use = vec![None; g.values.len()];
@@ -142,19 +152,19 @@ impl Plan {
                 slot_class.len() - 1
             })
         };
-        let input_slot = |name: &Option<String>,
-                          slot_of: &mut Vec<Option<usize>>,
-                          free: &mut [Vec<usize>; 6],
-                          alloc: &mut dyn FnMut(&mut [Vec<usize>; 6], usize) -> usize| {
-            let v = name.as_ref().and_then(|n| g.find(n))?;
-            last_use[v]?;
-            let s = alloc(free, class(v));
+        // A graph input gets a slot when a step reads it or it is an output.
+        let mut input_slots = Vec::new();
+        for name in inputs {
+            let Some(v) = g.find(name).filter(|v| last_use[*v].is_some() || kept(*v)) else { continue };
+            let s = alloc(&mut free, class(v));
             slot_of[v] = Some(s);
-            Some(s)
-        };
-        let token_ids = input_slot(&Some(binding.token_ids.clone()), &mut slot_of, &mut free, &mut alloc);
-        let position_ids = input_slot(&binding.position_ids, &mut slot_of, &mut free, &mut alloc);
-        let attention_mask = input_slot(&binding.attention_mask, &mut slot_of, &mut free, &mut alloc);
+            input_slots.push((name.clone(), s));
+        }
+        let input_slot =
+            |name: Option<&String>| name.and_then(|name| input_slots.iter().find(|(n, _)| n == name)).map(|(_, s)| *s);
+        let token_ids = input_slot(Some(&binding.token_ids));
+        let position_ids = input_slot(binding.position_ids.as_ref());
+        let attention_mask = input_slot(binding.attention_mask.as_ref());
         let mut steps = Vec::with_capacity(order.len());
         for (s, n) in order.iter().enumerate() {
             let mut inputs = Vec::with_capacity(n.inputs.len());
@@ -188,14 +198,14 @@ impl Plan {
                 slot_of[*v] = Some(*slot);
             }
             for v in n.inputs.iter().flatten() {
-                if last_use[*v] == Some(s) && *v != logits {
+                if last_use[*v] == Some(s) && !kept(*v) {
                     if let Some(slot) = slot_of[*v].take() {
                         free[class(*v)].push(slot);
                     }
                 }
             }
             for (v, slot) in n.outputs.iter().zip(&outputs) {
-                if last_use[*v].is_none() && *v != logits {
+                if last_use[*v].is_none() && !kept(*v) {
                     slot_of[*v] = None;
                     free[class(*v)].push(*slot);
                 }
@@ -203,8 +213,25 @@ impl Plan {
             steps.push(Step { name: n.name.clone(), op: n.op.clone(), inputs, outputs });
         }
         let head = head_projection(&order, logits);
-        let logits =
-            slot_of[logits].ok_or_else(|| CompileError::tensor(&binding.logits, "no step computes the logits"))?;
+        let mut output_refs = Vec::with_capacity(outputs.len());
+        for v in outputs {
+            let r = if let Some(slot) = slot_of[*v] {
+                Ref::Slot(slot)
+            } else if let Some(k) = &g.values[*v].konst {
+                consts.push(k.clone());
+                Ref::Const(consts.len() - 1)
+            } else {
+                return Err(CompileError::tensor(&g.values[*v].name, "no step computes this output"));
+            };
+            output_refs.push((g.values[*v].name.clone(), r));
+        }
+        // A decoder's logits are computed by a step; a standalone graph's
+        // first output may be a constant, and it has no logits to collect.
+        let logits = match output_refs.first() {
+            Some((_, Ref::Slot(s))) => *s,
+            _ if binding.logits.is_empty() => 0,
+            _ => return Err(CompileError::tensor(&binding.logits, "no step computes the logits")),
+        };
         stats.planned_steps = steps.len();
         let values = order.iter().map(|n| n.outputs.len()).sum();
         let slots = slot_class.len();
@@ -217,6 +244,8 @@ impl Plan {
             attention_mask,
             logits,
             head,
+            inputs: input_slots,
+            outputs: output_refs,
             binding: binding.clone(),
             stats,
             values,
@@ -352,27 +381,8 @@ impl Plan {
         let mut env = Env { ctx, batch: Some(BatchEnv { segments, kvs }) };
         for (index, step) in self.steps.iter().enumerate() {
             let started = profile.is_some().then(Instant::now);
-            let mut outs: SmallVec<[Value; 4]> = step.outputs.iter().map(|s| std::mem::take(&mut slots[*s])).collect();
-            let result = {
-                let ins: SmallVec<[Option<&Value>; 12]> = step
-                    .inputs
-                    .iter()
-                    .map(|r| {
-                        r.map(|r| match r {
-                            Ref::Const(c) => &*self.consts[c],
-                            Ref::Slot(s) => &slots[s],
-                        })
-                    })
-                    .collect();
-                if self.head == Some(index) && segments.len() < rows {
-                    self.head_rows(step, &ins, &mut outs, segments, &env.ctx)
-                } else {
-                    exec::run(&step.op, &ins, &mut outs, &mut env)
-                }
-            };
-            for (s, v) in step.outputs.iter().zip(outs) {
-                slots[*s] = v;
-            }
+            let head_rows = (self.head == Some(index) && segments.len() < rows).then_some(segments);
+            let result = self.exec_step(step, slots, &mut env, head_rows);
             if let (Some(t), Some(first)) = (trace.as_mut(), step.outputs.first()) {
                 t.push(slots[*first].clone());
             }
@@ -388,6 +398,83 @@ impl Plan {
             }
         }
         Ok(())
+    }
+
+    /// Runs one step on the slots: its outputs' buffers are taken out, the
+    /// kernel writes them, they go back (also on error). With `head_rows`
+    /// the step is the logits projection and runs on those rows only.
+    fn exec_step(
+        &self,
+        step: &Step,
+        slots: &mut [Value],
+        env: &mut Env,
+        head_rows: Option<&[Segment]>,
+    ) -> Result<(), String> {
+        let mut outs: SmallVec<[Value; 4]> = step.outputs.iter().map(|s| std::mem::take(&mut slots[*s])).collect();
+        let result = {
+            let ins: SmallVec<[Option<&Value>; 12]> = step
+                .inputs
+                .iter()
+                .map(|r| {
+                    r.map(|r| match r {
+                        Ref::Const(c) => &*self.consts[c],
+                        Ref::Slot(s) => &slots[s],
+                    })
+                })
+                .collect();
+            match head_rows {
+                Some(segments) => self.head_rows(step, &ins, &mut outs, segments, &env.ctx),
+                None => exec::run(&step.op, &ins, &mut outs, env),
+            }
+        };
+        for (s, v) in step.outputs.iter().zip(outs) {
+            slots[*s] = v;
+        }
+        result
+    }
+
+    /// Runs a standalone graph (see [`crate::compile_graph`]) on named
+    /// inputs and returns its outputs in the graph's order. Every input a
+    /// step reads must be given; names the plan does not read are ignored.
+    pub fn evaluate(
+        &self,
+        ws: &mut Workspace,
+        ctx: Ctx<'_>,
+        inputs: Vec<(String, Value)>,
+    ) -> Result<Vec<(String, Value)>, RunError> {
+        let fail = |reason: String| RunError { node: "(graph)".into(), op: "evaluate".into(), reason };
+        if ws.slots.len() != self.slots {
+            *ws = self.workspace();
+        }
+        let mut fed = vec![false; self.inputs.len()];
+        for (name, value) in inputs {
+            if let Some(i) = self.inputs.iter().position(|(n, _)| *n == name) {
+                ws.slots[self.inputs[i].1] = value;
+                fed[i] = true;
+            }
+        }
+        if let Some(i) = fed.iter().position(|f| !f) {
+            return Err(fail(format!("graph input `{}` was not given", self.inputs[i].0)));
+        }
+        let mut env = Env { ctx, batch: None };
+        for step in &self.steps {
+            self.exec_step(step, &mut ws.slots, &mut env, None).map_err(|reason| RunError {
+                node: step.name.clone(),
+                op: step.op.name(),
+                reason,
+            })?;
+        }
+        Ok(self
+            .outputs
+            .iter()
+            .map(|(name, r)| {
+                let value = match r {
+                    Ref::Const(c) => (*self.consts[*c]).clone(),
+                    Ref::Slot(s) => ws.slots[*s].clone(),
+                };
+                (name.clone(), value)
+            })
+            .collect())
     }
 
     /// Writes the graph inputs: token ids, positions (each sequence's own,

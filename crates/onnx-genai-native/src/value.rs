@@ -157,6 +157,21 @@ impl Value {
         }
     }
 
+    /// The ONNX tensor holding this value (for comparing with reference
+    /// outputs).
+    pub fn to_tensor(&self, name: &str) -> onnx_genai_onnx::Tensor {
+        use onnx_genai_onnx::DataType as D;
+        let (dtype, raw): (D, Vec<u8>) = match &self.data {
+            Data::F32(v) => (D::Float, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+            Data::F16(v) => (D::Float16, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+            Data::I64(v) => (D::Int64, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+            Data::Bool(v) => (D::Bool, v.iter().map(|b| u8::from(*b)).collect()),
+            Data::U8(v) => (D::Uint8, v.clone()),
+        };
+        let dims = self.shape.iter().map(|d| *d as i64).collect();
+        onnx_genai_onnx::Tensor { name: name.into(), dtype, dims, raw: raw.into() }
+    }
+
     /// Converts an ONNX initializer or constant tensor.
     pub fn from_tensor(t: &onnx_genai_onnx::Tensor) -> Result<Self, String> {
         use onnx_genai_onnx::DataType as D;

@@ -58,10 +58,10 @@ fn broken_graphs_are_errors_naming_the_node_and_reason() {
             "unsupported op",
             Box::new(|m| {
                 let i = first(m, "Sigmoid");
-                m.graph.nodes[i].op_type = "Softsign".into();
+                m.graph.nodes[i].op_type = "NonMaxSuppression".into();
                 m.graph.nodes[i].name.clone()
             }),
-            "ai.onnx::Softsign is not supported",
+            "ai.onnx::NonMaxSuppression has no native-cpu kernel",
         ),
         (
             "unknown domain",
@@ -70,7 +70,7 @@ fn broken_graphs_are_errors_naming_the_node_and_reason() {
                 m.graph.nodes[i].domain = "com.example".into();
                 m.graph.nodes[i].name.clone()
             }),
-            "domain `com.example` is not supported",
+            "com.example::Sigmoid has no native-cpu kernel",
         ),
         (
             "matmul shape mismatch",

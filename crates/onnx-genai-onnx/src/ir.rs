@@ -321,7 +321,7 @@ impl Model {
     }
 }
 
-type Ctx<'a, 'r> = &'a mut Option<&'r mut Resolver>;
+pub(crate) type Ctx<'a, 'r> = &'a mut Option<&'r mut Resolver>;
 
 fn graph_from_proto(g: proto::GraphProto, ctx: Ctx) -> Result<Graph, OnnxError> {
     let value_infos = |list: Vec<proto::ValueInfoProto>| -> Result<Vec<ValueInfo>, OnnxError> {
@@ -357,7 +357,7 @@ fn value_info_from_proto(v: proto::ValueInfoProto) -> Result<ValueInfo, OnnxErro
     Ok(ValueInfo { name: v.name, dtype, shape })
 }
 
-fn tensor_from_proto(t: proto::TensorProto, ctx: Ctx) -> Result<Tensor, OnnxError> {
+pub(crate) fn tensor_from_proto(t: proto::TensorProto, ctx: Ctx) -> Result<Tensor, OnnxError> {
     let location = format!("initializer '{}'", t.name);
     let dtype = DataType::from_onnx(t.data_type)
         .ok_or_else(|| OnnxError::Unsupported { what: format!("{location}: element type {}", t.data_type) })?;

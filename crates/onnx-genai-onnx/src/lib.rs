@@ -36,6 +36,13 @@ pub fn decode(bytes: &[u8]) -> Result<Model, OnnxError> {
     Model::try_from(proto)
 }
 
+/// Decodes a serialized `TensorProto` with its data inline (the input and
+/// output files of ONNX's backend test cases).
+pub fn decode_tensor(bytes: &[u8]) -> Result<Tensor, OnnxError> {
+    let proto = proto::TensorProto::decode(bytes)?;
+    ir::tensor_from_proto(proto, &mut None)
+}
+
 /// Serializes the IR as a `ModelProto`.
 pub fn encode(model: &Model) -> Vec<u8> {
     proto::ModelProto::from(model).encode_to_vec()

@@ -4,12 +4,14 @@
 
 mod component;
 mod decoder;
+mod graph;
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 pub use component::{ComponentInput, OrtComponent};
 pub use decoder::{OrtModel, OrtSequence};
+pub use graph::OrtGraph;
 
 /// The ONNX Runtime release this crate targets (the `ort` crate's `api-31`).
 pub const ORT_VERSION: &str = "1.31.1";
@@ -70,6 +72,16 @@ pub(crate) fn open_session(
     path: &Path,
     intra_threads: usize,
 ) -> Result<ort::session::Session, onnx_genai_backend::BackendError> {
+    open_session_logging(path, intra_threads, None)
+}
+
+/// [`open_session`] with the session's own log level (`None`: the
+/// environment's).
+pub(crate) fn open_session_logging(
+    path: &Path,
+    intra_threads: usize,
+    log_level: Option<ort::logging::LogLevel>,
+) -> Result<ort::session::Session, onnx_genai_backend::BackendError> {
     let load_err =
         |what: String, reason: String| onnx_genai_backend::BackendError::Load { backend: "ort", what, reason };
     let env = environment().map_err(|e| load_err("ONNX Runtime".into(), e.to_string()))?;
@@ -77,6 +89,9 @@ pub(crate) fn open_session(
     let mut builder = ort::session::Session::builder(env).map_err(|e| file(&e))?;
     if intra_threads > 0 {
         builder = builder.with_intra_threads(intra_threads).map_err(|e| file(&e))?;
+    }
+    if let Some(level) = log_level {
+        builder = builder.with_log_level(level).map_err(|e| file(&e))?;
     }
     builder.commit_from_file(path).map_err(|e| file(&e))
 }

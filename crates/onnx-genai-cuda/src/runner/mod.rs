@@ -11,7 +11,6 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaGraph};
 
-use onnx_genai_native::kernels::elementwise::UnOp;
 use onnx_genai_native::kernels::Runtime;
 use onnx_genai_native::value::{DType, Shape, Value};
 use onnx_genai_native::{Op, Plan, Ref};
@@ -488,15 +487,16 @@ impl Runner {
         let float = |i: usize| dtype(i).is_some_and(is_float);
         let device = match op {
             Op::Linear { .. } | Op::GatedMlp { .. } | Op::Attention { .. } | Op::GatherQ4 { .. } => true,
-            Op::Binary(_) => float(0) && dtype(0) == dtype(1),
-            Op::Unary(u) => float(0) && *u != UnOp::Not,
+            Op::Binary(b) => float(0) && dtype(0) == dtype(1) && ops::binary_code(*b).is_some(),
+            Op::Unary(u) => float(0) && ops::unary_code(*u).is_some(),
             Op::Cast(t) => float(0) && is_float(*t),
             Op::Identity | Op::Reshape | Op::Unsqueeze(_) | Op::Squeeze(_) => float(0) && on_device(0),
             Op::Transpose(_) => float(0),
             Op::Gather { axis } => *axis == 0 && float(0) && dtype(1) == Some(DType::I64),
-            Op::RmsNorm { .. } | Op::SkipRmsNorm { .. } | Op::LayerNorm { .. } => {
-                dtype(0) == Some(DType::F32) && inputs.len() >= 2
-            }
+            // The device kernels normalize the last axis and write no
+            // statistics outputs.
+            Op::RmsNorm { axis: -1, .. } | Op::SkipRmsNorm { .. } => dtype(0) == Some(DType::F32) && inputs.len() >= 2,
+            Op::LayerNorm { axis: -1, .. } => dtype(0) == Some(DType::F32) && inputs.len() >= 2 && outputs.len() == 1,
             Op::Rotary { .. } => dtype(0) == Some(DType::F32),
             _ => false,
         };
@@ -512,18 +512,7 @@ impl Runner {
             Op::GatedMlp { .. } => self.linear(index, input(0)?, out, true),
             Op::Binary(b) => self.binary(*b, input(0)?, input(1)?, out),
             Op::Unary(u) => {
-                let code = match u {
-                    UnOp::Neg => 0,
-                    UnOp::Sqrt => 1,
-                    UnOp::Reciprocal => 2,
-                    UnOp::Exp => 3,
-                    UnOp::Sigmoid => 4,
-                    UnOp::Tanh => 5,
-                    UnOp::Erf => 6,
-                    UnOp::Relu => 7,
-                    UnOp::GeluTanh => 8,
-                    UnOp::Not => return Err(unsupported("Not on the device")),
-                };
+                let code = ops::unary_code(*u).ok_or_else(|| unsupported(format!("{u:?} on the device")))?;
                 self.map(code, input(0)?, out, None)
             }
             Op::Cast(t) => self.map(9, input(0)?, out, Some(*t)),
@@ -531,7 +520,7 @@ impl Runner {
             Op::Transpose(perm) => self.transpose(perm.as_deref(), input(0)?, out),
             Op::Gather { .. } => self.gather(input(0)?, input(1)?, out),
             Op::GatherQ4 { block } => self.gather_q4(*block, inputs, out),
-            Op::RmsNorm { eps } | Op::SkipRmsNorm { eps } | Op::LayerNorm { eps } => {
+            Op::RmsNorm { eps, .. } | Op::SkipRmsNorm { eps } | Op::LayerNorm { eps, .. } => {
                 self.norm(op, *eps, inputs, outputs)
             }
             Op::Rotary { layout, cached } => self.rotary(*layout, *cached, inputs, out),

@@ -2,7 +2,7 @@
 //! elementwise math, layout copies, gathers, normalization, rotary.
 
 use onnx_genai_native::kernels::attention::Layout;
-use onnx_genai_native::kernels::elementwise::{broadcast_shape, BinOp};
+use onnx_genai_native::kernels::elementwise::{broadcast_shape, BinOp, UnOp};
 use onnx_genai_native::kernels::layout as ly;
 use onnx_genai_native::value::{DType, Shape};
 use onnx_genai_native::{Op, Ref};
@@ -173,13 +173,7 @@ impl Runner {
         }
         let n: usize = oshape.iter().product();
         let buf = self.out_buf(out, n * 4)?;
-        let code: i32 = match b {
-            BinOp::Add => 0,
-            BinOp::Sub => 1,
-            BinOp::Mul => 2,
-            BinOp::Div => 3,
-            BinOp::Pow => 4,
-        };
+        let code = binary_code(b).ok_or_else(|| unsupported(format!("{b:?} has no device kernel")))?;
         let (y, ni, round) = (buf.ptr(), n as i32, i32::from(dt == DType::F16));
         let dev = self.device.clone();
         launch!(dev, "binary", grid(n, 256), code, ap, bp, y, ni, bc, round)?;
@@ -399,4 +393,32 @@ impl Runner {
         self.put(out, shape, DType::F32, buf);
         Ok(())
     }
+}
+
+/// The `binary` kernel's code for `b`; `None` runs the step on the host.
+pub(super) fn binary_code(b: BinOp) -> Option<i32> {
+    Some(match b {
+        BinOp::Add => 0,
+        BinOp::Sub => 1,
+        BinOp::Mul => 2,
+        BinOp::Div => 3,
+        BinOp::Pow => 4,
+        _ => return None,
+    })
+}
+
+/// The `map` kernel's code for `u`; `None` runs the step on the host.
+pub(super) fn unary_code(u: UnOp) -> Option<i32> {
+    Some(match u {
+        UnOp::Neg => 0,
+        UnOp::Sqrt => 1,
+        UnOp::Reciprocal => 2,
+        UnOp::Exp => 3,
+        UnOp::Sigmoid => 4,
+        UnOp::Tanh => 5,
+        UnOp::Erf => 6,
+        UnOp::Relu => 7,
+        UnOp::GeluTanh => 8,
+        _ => return None,
+    })
 }

@@ -99,7 +99,9 @@ pub(super) fn attention(g: &Graph, u: &Uses, i: usize) -> Result<Option<Rewrite>
         return Ok(None);
     }
     let (Some(probs), Some(vf)) = (M::input(n, 0), M::input(n, 1)) else { return Ok(None) };
-    let Some((pi, soft)) = m.from(probs, |op| matches!(op, Op::Softmax { axis: -1 | 3 })) else { return Ok(None) };
+    let Some((pi, soft)) = m.from(probs, |op| matches!(op, Op::Softmax { axis: -1 | 3, log: false })) else {
+        return Ok(None);
+    };
     let Some(scores) = M::input(soft, 0) else { return Ok(None) };
     let Some((ai, add)) = m.from(scores, |op| is_bin(op, BinOp::Add)) else { return Ok(None) };
     let mut found = None;

@@ -16,7 +16,7 @@ fn axis1_of(m: &M, v: Vid, nodes: &mut Vec<usize>) -> Option<Vid> {
     if idx != [1] {
         return None;
     }
-    let (si, shape) = m.from(M::input(g, 0)?, |op| matches!(op, Op::Shape))?;
+    let (si, shape) = m.from(M::input(g, 0)?, |op| matches!(op, Op::Shape { start: 0, end: None }))?;
     nodes.extend([gi, si]);
     M::input(shape, 0)
 }

@@ -18,7 +18,7 @@ pub(super) fn rms_of(m: &M, s: Vid) -> Option<(Vid, f32, Vec<usize>)> {
     };
     let (ri, red) = m.from(
         mean,
-        |op| matches!(op, Op::Reduce { kind: Reduce::Mean, keepdims: true, axes: Some(a) } if a.as_slice() == [-1]),
+        |op| matches!(op, Op::Reduce { kind: Reduce::Mean, keepdims: true, axes: Some(a), .. } if a.as_slice() == [-1]),
     )?;
     let sq = M::input(red, 0)?;
     let (qi, square) = m.from(sq, |op| is_bin(op, BinOp::Mul) || is_bin(op, BinOp::Pow))?;
@@ -52,7 +52,7 @@ pub(super) fn rms_norm(g: &Graph, u: &Uses, i: usize) -> Result<Option<Rewrite>,
             continue;
         }
         nodes.extend([di, i]);
-        let op = Op::RmsNorm { eps };
+        let op = Op::RmsNorm { eps, axis: -1 };
         return Ok(Some(Rewrite {
             root: i,
             remove: nodes,
@@ -87,7 +87,7 @@ pub(super) fn layer_norm(g: &Graph, u: &Uses, i: usize) -> Result<Option<Rewrite
             let Some((c2, eps, mut nodes)) = rms_of(&m, s) else { continue };
             let Some((ci, sub)) = m.from(centered, |op| is_bin(op, BinOp::Sub)) else { continue };
             let (Some(x), Some(mean)) = (M::input(sub, 0), M::input(sub, 1)) else { continue };
-            let Some((ri, red)) = m.from(mean, |op| matches!(op, Op::Reduce { kind: Reduce::Mean, keepdims: true, axes: Some(a) } if a.as_slice() == [-1])) else { continue };
+            let Some((ri, red)) = m.from(mean, |op| matches!(op, Op::Reduce { kind: Reduce::Mean, keepdims: true, axes: Some(a), .. } if a.as_slice() == [-1])) else { continue };
             if c2 != centered || M::input(red, 0) != Some(x) {
                 continue;
             }
@@ -100,7 +100,7 @@ pub(super) fn layer_norm(g: &Graph, u: &Uses, i: usize) -> Result<Option<Rewrite
             if !private {
                 continue;
             }
-            let op = Op::LayerNorm { eps };
+            let op = Op::LayerNorm { eps, axis: -1 };
             let inputs = vec![Some(x), Some(gamma), Some(beta)];
             return Ok(Some(Rewrite {
                 root: i,

@@ -11,6 +11,8 @@ pub enum BinOp {
     Mul,
     Div,
     Pow,
+    Max,
+    Min,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -39,15 +41,38 @@ pub enum UnOp {
     Erf,
     Relu,
     Not,
-    /// `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))` (fused only).
+    /// `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))` (fused, or ONNX
+    /// Gelu with `approximate="tanh"`).
     GeluTanh,
+    /// `0.5 x (1 + erf(x / sqrt 2))` (ONNX Gelu).
+    Gelu,
+    Abs,
+    Sign,
+    Log,
+    Cos,
+    Sin,
+    Floor,
+    Ceil,
+    /// Half to even, as ONNX and numpy round.
+    Round,
+    Softplus,
+    Softsign,
 }
 
 impl UnOp {
     /// Whether the op only makes sense on floating-point input.
     pub fn float_only(self) -> bool {
-        !matches!(self, UnOp::Neg | UnOp::Relu | UnOp::Not)
+        !matches!(self, UnOp::Neg | UnOp::Relu | UnOp::Not | UnOp::Abs | UnOp::Sign)
     }
+}
+
+/// Whether [`cast`] converts `from` into `to`.
+pub fn can_cast(from: DType, to: DType) -> bool {
+    use DType::*;
+    matches!(
+        (from, to),
+        (F32 | F16 | I64 | Bool, F32) | (F32 | F16, F16) | (F32 | I64 | Bool, I64) | (F32 | I64 | Bool, Bool)
+    )
 }
 
 /// The broadcast result shape of `a` and `b`, or `None` when incompatible.
@@ -142,6 +167,11 @@ fn apply_f32(op: BinOp, x: f32, y: f32) -> f32 {
                 x.powf(y)
             }
         }
+        // NaN wins, as in numpy's maximum/minimum.
+        BinOp::Max if x.is_nan() || y.is_nan() => f32::NAN,
+        BinOp::Min if x.is_nan() || y.is_nan() => f32::NAN,
+        BinOp::Max => x.max(y),
+        BinOp::Min => x.min(y),
     }
 }
 
@@ -152,6 +182,8 @@ fn apply_i64(op: BinOp, x: i64, y: i64) -> Result<i64, String> {
         BinOp::Mul => x.wrapping_mul(y),
         BinOp::Div => x.checked_div(y).ok_or("integer division by zero")?,
         BinOp::Pow => x.wrapping_pow(u32::try_from(y).map_err(|_| "negative integer exponent")?),
+        BinOp::Max => x.max(y),
+        BinOp::Min => x.min(y),
     })
 }
 
@@ -252,9 +284,15 @@ pub fn unary(op: UnOp, a: &Value, out: &mut Value) -> Result<(), String> {
             o.iter_mut().zip(x).for_each(|(o, x)| *o = !x);
             *out = Value::bool(shape, o);
         }
-        (Data::I64(x), UnOp::Neg | UnOp::Relu) => {
+        (Data::I64(x), UnOp::Neg | UnOp::Relu | UnOp::Abs | UnOp::Sign) => {
             let mut o = out.recycle_i64(x.len());
-            o.iter_mut().zip(x).for_each(|(o, x)| *o = if op == UnOp::Neg { x.wrapping_neg() } else { (*x).max(0) });
+            let f = |x: i64| match op {
+                UnOp::Neg => x.wrapping_neg(),
+                UnOp::Abs => x.wrapping_abs(),
+                UnOp::Sign => x.signum(),
+                _ => x.max(0),
+            };
+            o.iter_mut().zip(x).for_each(|(o, x)| *o = f(*x));
             *out = Value::i64(shape, o);
         }
         (Data::F32(x), op) if op != UnOp::Not => {
@@ -272,6 +310,20 @@ pub fn unary(op: UnOp, a: &Value, out: &mut Value) -> Result<(), String> {
                     let inner = (2.0 / std::f32::consts::PI).sqrt() * (x + 0.044715 * x * x * x);
                     0.5 * x * (1.0 + inner.tanh())
                 }
+                UnOp::Gelu => 0.5 * x * (1.0 + erf(x * std::f32::consts::FRAC_1_SQRT_2)),
+                UnOp::Abs => x.abs(),
+                UnOp::Sign if x.is_nan() => x,
+                UnOp::Sign if x == 0.0 => 0.0,
+                UnOp::Sign => x.signum(),
+                UnOp::Log => x.ln(),
+                UnOp::Cos => x.cos(),
+                UnOp::Sin => x.sin(),
+                UnOp::Floor => x.floor(),
+                UnOp::Ceil => x.ceil(),
+                UnOp::Round => x.round_ties_even(),
+                // ln(1 + e^x) without overflow for large x.
+                UnOp::Softplus => x.max(0.0) + (-x.abs()).exp().ln_1p(),
+                UnOp::Softsign => x / (1.0 + x.abs()),
                 UnOp::Not => x,
             };
             o.iter_mut().zip(x).for_each(|(o, x)| *o = f(*x));

@@ -41,6 +41,15 @@ pub fn reshaped(src: &Value, shape: &[usize], out: &mut Value) -> Result<(), Str
     Ok(())
 }
 
+/// The axes `start..end` of a rank-`rank` shape that ONNX Shape returns
+/// (negative values count from the end; both are clamped).
+pub fn shape_span(start: i64, end: Option<i64>, rank: usize) -> std::ops::Range<usize> {
+    let r = rank as i64;
+    let clamp = |v: i64| (if v < 0 { v + r } else { v }).clamp(0, r) as usize;
+    let (s, e) = (clamp(start), clamp(end.unwrap_or(r)));
+    s..e.max(s)
+}
+
 /// Resolves an axis that may count from the end.
 pub fn axis(axis: i64, rank: usize) -> Result<usize, String> {
     let r = rank as i64;
@@ -349,6 +358,18 @@ pub fn range(start: &Value, limit: &Value, delta: &Value, out: &mut Value) -> Re
             *out = Value::i64([n], o);
             Ok(())
         }
-        _ => Err("Range needs i64 scalars and a non-zero delta".into()),
+        _ => {
+            let scalar = |v: &Value| v.as_f32().ok().and_then(|x| (x.len() == 1).then(|| x[0]));
+            match (scalar(start), scalar(limit), scalar(delta)) {
+                (Some(s), Some(l), Some(d)) if d != 0.0 => {
+                    let n = ((l - s) / d).ceil().max(0.0) as usize;
+                    let mut o = out.recycle_f32(n);
+                    o.iter_mut().enumerate().for_each(|(i, o)| *o = s + i as f32 * d);
+                    *out = Value::f32([n], o);
+                    Ok(())
+                }
+                _ => Err("Range needs three i64 or three f32 scalars and a non-zero delta".into()),
+            }
+        }
     }
 }

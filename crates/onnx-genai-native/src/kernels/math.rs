@@ -22,10 +22,114 @@ pub fn softmax(x: &Value, out: &mut Value) -> Result<(), String> {
     Ok(())
 }
 
+/// Softmax (or log-softmax) along `axis` of `x` (any axis; rows are
+/// gathered with a stride when the axis is not the last).
+pub fn softmax_axis(x: &Value, axis: usize, log: bool, out: &mut Value) -> Result<(), String> {
+    let v = x.as_f32()?;
+    let d = x.shape.get(axis).copied().ok_or_else(|| format!("axis {axis} of {:?}", x.shape))?;
+    let inner: usize = x.shape[axis + 1..].iter().product();
+    let mut o = out.recycle_f32(v.len());
+    if d > 0 && inner > 0 {
+        let mut row = vec![0.0f32; d];
+        for (block, dst) in v.chunks_exact(d * inner).zip(o.chunks_exact_mut(d * inner)) {
+            for j in 0..inner {
+                row.iter_mut().enumerate().for_each(|(i, r)| *r = block[i * inner + j]);
+                if log {
+                    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let lse = max + row.iter().map(|r| (r - max).exp()).sum::<f32>().ln();
+                    row.iter_mut().for_each(|r| *r -= lse);
+                } else {
+                    softmax_row(&mut row);
+                }
+                row.iter().enumerate().for_each(|(i, r)| dst[i * inner + j] = *r);
+            }
+        }
+    }
+    *out = Value::f32(x.shape.clone(), o);
+    Ok(())
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Reduce {
     Mean,
     Sum,
+    Max,
+    Min,
+    Prod,
+    SumSquare,
+    L1,
+    L2,
+    LogSum,
+    LogSumExp,
+}
+
+impl Reduce {
+    /// Whether the reduction is defined on i64 (exactly) here.
+    pub fn on_ints(self) -> bool {
+        matches!(self, Reduce::Sum | Reduce::Max | Reduce::Min | Reduce::Prod)
+    }
+
+    fn row_f32(self, row: &[f32]) -> f32 {
+        let sum = |f: fn(f32) -> f32| row.iter().map(|x| f(*x)).sum::<f32>();
+        match self {
+            Reduce::Sum => sum(|x| x),
+            Reduce::Mean => sum(|x| x) / row.len() as f32,
+            Reduce::Max => row.iter().copied().fold(f32::NEG_INFINITY, f32::max),
+            Reduce::Min => row.iter().copied().fold(f32::INFINITY, f32::min),
+            Reduce::Prod => row.iter().product(),
+            Reduce::SumSquare => sum(|x| x * x),
+            Reduce::L1 => sum(f32::abs),
+            Reduce::L2 => sum(|x| x * x).sqrt(),
+            Reduce::LogSum => sum(|x| x).ln(),
+            Reduce::LogSumExp => {
+                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                if max.is_infinite() {
+                    max
+                } else {
+                    max + row.iter().map(|x| (x - max).exp()).sum::<f32>().ln()
+                }
+            }
+        }
+    }
+
+    fn row_i64(self, row: &[i64]) -> i64 {
+        match self {
+            Reduce::Max => row.iter().copied().max().unwrap_or(i64::MIN),
+            Reduce::Min => row.iter().copied().min().unwrap_or(i64::MAX),
+            Reduce::Prod => row.iter().fold(1i64, |a, b| a.wrapping_mul(*b)),
+            _ => row.iter().fold(0i64, |a, b| a.wrapping_add(*b)),
+        }
+    }
+}
+
+/// Reduces `x` over `axes` (sorted, distinct, any positions): the reduced
+/// axes are moved last, then each row is reduced.
+pub fn reduce_axes(kind: Reduce, x: &Value, axes: &[usize], keepdims: bool, out: &mut Value) -> Result<(), String> {
+    let rank = x.shape.len();
+    let kept: Vec<usize> = (0..rank).filter(|a| !axes.contains(a)).collect();
+    let perm: Vec<usize> = kept.iter().chain(axes).copied().collect();
+    let mut moved = Value::default();
+    super::layout::transpose(x, &perm, &mut moved)?;
+    let inner: usize = axes.iter().map(|a| x.shape[*a]).product();
+    let outer: usize = kept.iter().map(|a| x.shape[*a]).product();
+    let shape: Vec<usize> = if keepdims {
+        (0..rank).map(|a| if axes.contains(&a) { 1 } else { x.shape[a] }).collect()
+    } else {
+        kept.iter().map(|a| x.shape[*a]).collect()
+    };
+    let rows = |n: usize| (0..outer).map(move |r| r * n..(r + 1) * n);
+    match &moved.data {
+        crate::value::Data::F32(v) => {
+            let o: Vec<f32> = rows(inner).map(|r| kind.row_f32(&v[r])).collect();
+            *out = Value::f32(shape, o);
+        }
+        crate::value::Data::I64(v) if kind.on_ints() => {
+            let o: Vec<i64> = rows(inner).map(|r| kind.row_i64(&v[r])).collect();
+            *out = Value::i64(shape, o);
+        }
+        _ => return Err(format!("Reduce{kind:?} of {} is not supported", x.dtype())),
+    }
+    Ok(())
 }
 
 /// Reduces the trailing `count` axes (the only form decoder graphs use;
@@ -75,17 +179,44 @@ pub fn rms_norm(x: &[f32], scale: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
-/// `(x - mean) / sqrt(var + eps) * gamma + beta` over the last axis.
-pub fn layer_norm(x: &[f32], gamma: &[f32], beta: Option<&[f32]>, eps: f32, out: &mut [f32]) {
+/// `(x - mean) / sqrt(var + eps) * gamma + beta` over rows of
+/// `gamma.len()`; each row's mean and inverse deviation go to `stats` when
+/// given (one element per row each).
+pub fn layer_norm(
+    x: &[f32],
+    gamma: &[f32],
+    beta: Option<&[f32]>,
+    eps: f32,
+    out: &mut [f32],
+    mut stats: Option<(&mut [f32], &mut [f32])>,
+) {
     let d = gamma.len();
-    for (row, o) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+    if d == 0 {
+        return;
+    }
+    for (r, (row, o)) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)).enumerate() {
         let mean = row.iter().sum::<f32>() / d as f32;
         let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / d as f32;
         let inv = 1.0 / (var + eps).sqrt();
+        if let Some((means, invs)) = stats.as_mut() {
+            (means[r], invs[r]) = (mean, inv);
+        }
         for (i, (o, v)) in o.iter_mut().zip(row).enumerate() {
             *o = (v - mean) * inv * gamma[i] + beta.map_or(0.0, |b| b[i]);
         }
     }
+}
+
+/// Checks a normalization over the axes of `x` from `axis` on against its
+/// scale (one element per normalized position); returns the first
+/// normalized axis.
+pub fn norm_rows(x: &Value, axis: i64, scale: &Value) -> Result<usize, String> {
+    let from = super::layout::axis(axis, x.shape.len())?;
+    let width: usize = x.shape[from..].iter().product();
+    if width == 0 || scale.len() != width {
+        return Err(format!("scale has {} elements, the normalized axes of {:?} hold {width}", scale.len(), x.shape));
+    }
+    Ok(from)
 }
 
 /// Checks a normalization's operands and returns the row width.
@@ -97,8 +228,30 @@ pub fn norm_width(x: &Value, scale: &Value) -> Result<usize, String> {
     Ok(d)
 }
 
-/// `a @ b` for f32 tensors of rank >= 2 with broadcast batch axes.
+/// `a @ b` for f32 tensors with broadcast batch axes; a 1-D operand is a
+/// row (`a`) or column (`b`) whose axis is dropped from the result, as in
+/// numpy.
 pub fn matmul(a: &Value, b: &Value, out: &mut Value) -> Result<(), String> {
+    if a.shape.len() == 1 || b.shape.len() == 1 {
+        let (a1, b1) = (a.shape.len() == 1, b.shape.len() == 1);
+        let mut va = a.clone();
+        let mut vb = b.clone();
+        if a1 {
+            va.shape.insert(0, 1);
+        }
+        if b1 {
+            vb.shape.push(1);
+        }
+        matmul(&va, &vb, out)?;
+        let rank = out.shape.len();
+        if b1 {
+            out.shape.remove(rank - 1);
+        }
+        if a1 {
+            out.shape.remove(out.shape.len() - 1 - usize::from(!b1));
+        }
+        return Ok(());
+    }
     let (x, y) = (a.as_f32()?, b.as_f32()?);
     let (ra, rb) = (a.shape.len(), b.shape.len());
     if ra < 2 || rb < 2 {
@@ -139,6 +292,45 @@ pub fn matmul(a: &Value, b: &Value, out: &mut Value) -> Result<(), String> {
     let mut shape = batch;
     shape.extend([m, n]);
     *out = Value::f32(shape, o);
+    Ok(())
+}
+
+/// ONNX Gemm: `alpha * op(a) @ op(b) + beta * c` with `op` transposing
+/// when asked; `c` broadcasts to `[m, n]`.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm(
+    a: &Value,
+    b: &Value,
+    c: Option<&Value>,
+    alpha: f32,
+    beta: f32,
+    trans_a: bool,
+    trans_b: bool,
+    out: &mut Value,
+) -> Result<(), String> {
+    let (x, y) = (a.as_f32()?, b.as_f32()?);
+    let (&[ra, ca], &[rb, cb]) = (a.shape.as_slice(), b.shape.as_slice()) else {
+        return Err(format!("Gemm needs 2-D operands, got {:?} and {:?}", a.shape, b.shape));
+    };
+    let (m, k, sa) = if trans_a { (ca, ra, (1, ca)) } else { (ra, ca, (ca, 1)) };
+    let (k2, n, sb) = if trans_b { (cb, rb, (1, cb)) } else { (rb, cb, (cb, 1)) };
+    if k != k2 {
+        return Err(format!("Gemm inner dimensions differ: {k} vs {k2}"));
+    }
+    let mut o = out.recycle_f32(m * n);
+    sgemm(m, k, n, x, sa, y, sb, &mut o);
+    o.iter_mut().for_each(|v| *v *= alpha);
+    let mut result = Value::f32([m, n], o);
+    if let Some(c) = c.filter(|_| beta != 0.0) {
+        let scaled = Value::f32(&c.shape, c.as_f32()?.iter().map(|v| v * beta).collect());
+        let mut sum = Value::default();
+        super::elementwise::binary(super::elementwise::BinOp::Add, &result, &scaled, &mut sum)?;
+        if sum.shape.as_slice() != [m, n] {
+            return Err(format!("C {:?} does not broadcast to [{m}, {n}]", c.shape));
+        }
+        result = sum;
+    }
+    *out = result;
     Ok(())
 }
 

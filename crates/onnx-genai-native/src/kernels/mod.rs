@@ -15,6 +15,7 @@ pub mod linear_int8;
 pub mod math;
 mod portable;
 pub mod rotary;
+pub mod select;
 pub mod simd;
 pub mod tiled;
 pub mod weights;

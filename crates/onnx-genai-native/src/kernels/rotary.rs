@@ -14,7 +14,8 @@ pub enum Angles<'a> {
     Cached { cos: &'a [f32], sin: &'a [f32], positions: &'a [i64] },
 }
 
-/// Rotates every `[head_dim]` row of `x` (batch 1, laid out as `layout`);
+/// Rotates every `[head_dim]` row of `x` (laid out as `layout`; cached
+/// angles take one position per batch row and token, or a start position);
 /// the head count follows from the shape and `head_dim`.
 pub fn rotary(x: &Value, head_dim: usize, layout: Layout, angles: &Angles, out: &mut Value) -> Result<(), String> {
     if head_dim == 0 || !head_dim.is_multiple_of(2) {
@@ -25,10 +26,18 @@ pub fn rotary(x: &Value, head_dim: usize, layout: Layout, angles: &Angles, out: 
         (Layout::SeqFirst, [_, _, hidden]) if hidden % head_dim == 0 => hidden / head_dim,
         _ => return Err(format!("input {:?} does not fit {layout:?} rows of {head_dim}", x.shape)),
     };
-    let seq = layout.seq_len(&x.shape, heads, head_dim)?;
+    let batch = x.shape.first().copied().unwrap_or(1);
+    let mut per_row = x.shape.clone();
+    if let Some(b) = per_row.first_mut() {
+        *b = 1;
+    }
+    let seq = layout.seq_len(&per_row, heads, head_dim)?;
     let half = head_dim / 2;
     let xs = x.as_f32()?;
     match angles {
+        Angles::Gathered { .. } if batch != 1 => {
+            return Err(format!("gathered cos/sin tables rotate batch 1, the input is {:?}", x.shape));
+        }
         Angles::Gathered { cos, sin } if cos.len() != seq * head_dim || sin.len() != seq * head_dim => {
             return Err(format!(
                 "cos/sin hold {} values, {seq} positions x {head_dim} need {}",
@@ -36,24 +45,25 @@ pub fn rotary(x: &Value, head_dim: usize, layout: Layout, angles: &Angles, out: 
                 seq * head_dim
             ));
         }
-        Angles::Cached { positions, .. } if positions.len() != seq && positions.len() != 1 => {
-            return Err(format!("{} position ids for {seq} positions", positions.len()));
+        Angles::Cached { positions, .. } if positions.len() != batch * seq && positions.len() != 1 => {
+            return Err(format!("{} position ids for {batch} x {seq} positions", positions.len()));
         }
         _ => {}
     }
     let mut o = out.recycle_f32(xs.len());
-    for h in 0..heads {
-        for t in 0..seq {
-            let at = match layout {
-                Layout::HeadsFirst => (h * seq + t) * head_dim,
-                Layout::SeqFirst => (t * heads + h) * head_dim,
-            };
+    for (b, h, t) in (0..batch).flat_map(|b| (0..heads).flat_map(move |h| (0..seq).map(move |t| (b, h, t)))) {
+        {
+            let at = b * heads * seq * head_dim
+                + match layout {
+                    Layout::HeadsFirst => (h * seq + t) * head_dim,
+                    Layout::SeqFirst => (t * heads + h) * head_dim,
+                };
             let row = &xs[at..at + head_dim];
             let dst = &mut o[at..at + head_dim];
             let (cos, sin, stride) = match angles {
                 Angles::Gathered { cos, sin } => (&cos[t * head_dim..], &sin[t * head_dim..], 1),
                 Angles::Cached { cos, sin, positions } => {
-                    let pos = if positions.len() == 1 { positions[0] + t as i64 } else { positions[t] };
+                    let pos = if positions.len() == 1 { positions[0] + t as i64 } else { positions[b * seq + t] };
                     let p = usize::try_from(pos).map_err(|_| format!("negative position id {pos}"))?;
                     if (p + 1) * half > cos.len() || (p + 1) * half > sin.len() {
                         return Err(format!(

@@ -1,0 +1,303 @@
+//! Index-computing kernels that standard ONNX graphs use around a decoder:
+//! arg-extrema, top-k, cumulative sums, triangular masks, scatters,
+//! splits and clipping. Each views its input as `[outer, axis, inner]`.
+
+use crate::value::{Data, Value};
+
+use super::layout::{axis as resolve, select};
+
+/// `(outer, len, inner)` of `shape` around `axis`.
+fn around(shape: &[usize], axis: usize) -> (usize, usize, usize) {
+    (shape[..axis].iter().product(), shape[axis], shape[axis + 1..].iter().product())
+}
+
+/// The elements as f64 for ordering (f32 and i64 inputs).
+fn ordered(x: &Value) -> Result<Vec<f64>, String> {
+    match &x.data {
+        Data::F32(v) => Ok(v.iter().map(|x| f64::from(*x)).collect()),
+        Data::I64(v) => Ok(v.iter().map(|x| *x as f64).collect()),
+        _ => Err(format!("ordering {} values is not supported", x.dtype())),
+    }
+}
+
+/// ArgMax (or ArgMin with `min`) along `axis`; ties go to the first index
+/// unless `last`.
+pub fn arg_extreme(x: &Value, axis: i64, keepdims: bool, last: bool, min: bool, out: &mut Value) -> Result<(), String> {
+    let a = resolve(axis, x.shape.len())?;
+    let (outer, len, inner) = around(&x.shape, a);
+    if len == 0 {
+        return Err(format!("arg-extreme over the empty axis {a} of {:?}", x.shape));
+    }
+    let v = ordered(x)?;
+    let mut o = out.recycle_i64(outer * inner);
+    for p in 0..outer {
+        for q in 0..inner {
+            let at = |i: usize| v[(p * len + i) * inner + q];
+            let mut best = 0;
+            for i in 1..len {
+                let (cur, b) = (at(i), at(best));
+                let better = if min { cur < b } else { cur > b };
+                if better || (last && cur == b) {
+                    best = i;
+                }
+            }
+            o[p * inner + q] = best as i64;
+        }
+    }
+    let mut shape = x.shape.to_vec();
+    if keepdims {
+        shape[a] = 1;
+    } else {
+        shape.remove(a);
+    }
+    *out = Value::i64(shape, o);
+    Ok(())
+}
+
+/// TopK: the `k` largest (or smallest) along `axis` and their indices;
+/// equal values keep the lower index first.
+pub fn top_k(x: &Value, k: usize, axis: i64, largest: bool, outputs: &mut [Value]) -> Result<(), String> {
+    let a = resolve(axis, x.shape.len())?;
+    let (outer, len, inner) = around(&x.shape, a);
+    if k > len {
+        return Err(format!("k={k} exceeds the axis length {len}"));
+    }
+    let v = ordered(x)?;
+    let mut index = Vec::with_capacity(outer * k * inner);
+    let mut order: Vec<usize> = Vec::with_capacity(len);
+    let mut picks = vec![0i64; outer * k * inner];
+    for p in 0..outer {
+        for q in 0..inner {
+            let at = |i: usize| v[(p * len + i) * inner + q];
+            order.clear();
+            order.extend(0..len);
+            order.sort_by(|&i, &j| {
+                let (x, y) = (at(i), at(j));
+                let by_value = if largest { y.total_cmp(&x) } else { x.total_cmp(&y) };
+                by_value.then(i.cmp(&j))
+            });
+            for (r, i) in order.iter().take(k).enumerate() {
+                picks[(p * k + r) * inner + q] = *i as i64;
+            }
+        }
+    }
+    for p in 0..outer {
+        for r in 0..k {
+            for q in 0..inner {
+                index.push((p * len + picks[(p * k + r) * inner + q] as usize) * inner + q);
+            }
+        }
+    }
+    let mut shape = x.shape.to_vec();
+    shape[a] = k;
+    let [values, indices, ..] = outputs else { return Err("TopK has two outputs".into()) };
+    select(x, &index, &shape, values);
+    *indices = Value::i64(shape, picks);
+    Ok(())
+}
+
+/// Cumulative sum along `axis`, optionally exclusive and/or reversed.
+pub fn cum_sum(x: &Value, axis: i64, exclusive: bool, reverse: bool, out: &mut Value) -> Result<(), String> {
+    let a = resolve(axis, x.shape.len())?;
+    let (outer, len, inner) = around(&x.shape, a);
+    fn scan<T: Copy + std::ops::Add<Output = T> + Default>(
+        v: &[T],
+        (outer, len, inner): (usize, usize, usize),
+        exclusive: bool,
+        reverse: bool,
+    ) -> Vec<T> {
+        let mut o = vec![T::default(); v.len()];
+        for p in 0..outer {
+            for q in 0..inner {
+                let mut acc = T::default();
+                for step in 0..len {
+                    let i = if reverse { len - 1 - step } else { step };
+                    let at = (p * len + i) * inner + q;
+                    if exclusive {
+                        o[at] = acc;
+                        acc = acc + v[at];
+                    } else {
+                        acc = acc + v[at];
+                        o[at] = acc;
+                    }
+                }
+            }
+        }
+        o
+    }
+    let dims = (outer, len, inner);
+    *out = match &x.data {
+        Data::F32(v) => Value::f32(&x.shape, scan(v, dims, exclusive, reverse)),
+        Data::I64(v) => Value::i64(&x.shape, scan(v, dims, exclusive, reverse)),
+        _ => return Err(format!("CumSum of {} is not supported", x.dtype())),
+    };
+    Ok(())
+}
+
+/// Trilu: keeps the upper (or lower) triangle of the last two axes from
+/// diagonal `k`, zeroing the rest.
+pub fn trilu(x: &Value, k: i64, upper: bool, out: &mut Value) -> Result<(), String> {
+    let rank = x.shape.len();
+    if rank < 2 {
+        return Err(format!("Trilu needs rank >= 2, got {:?}", x.shape));
+    }
+    let (rows, cols) = (x.shape[rank - 2], x.shape[rank - 1]);
+    let keep = |i: usize| {
+        let (r, c) = ((i / cols % rows.max(1)) as i64, (i % cols.max(1)) as i64);
+        if upper {
+            c - r >= k
+        } else {
+            c - r <= k
+        }
+    };
+    *out = match &x.data {
+        Data::F32(v) => {
+            Value::f32(&x.shape, v.iter().enumerate().map(|(i, x)| if keep(i) { *x } else { 0.0 }).collect())
+        }
+        Data::I64(v) => Value::i64(&x.shape, v.iter().enumerate().map(|(i, x)| if keep(i) { *x } else { 0 }).collect()),
+        Data::Bool(v) => Value::bool(&x.shape, v.iter().enumerate().map(|(i, x)| keep(i) && *x).collect()),
+        _ => return Err(format!("Trilu of {} is not supported", x.dtype())),
+    };
+    Ok(())
+}
+
+/// How ScatterND combines an update with the element it lands on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Combine {
+    Replace,
+    Add,
+    Mul,
+    Max,
+    Min,
+}
+
+/// ScatterND: `data` with `updates` written at the index tuples of
+/// `indices` (`[.., r]` tuples address the first `r` axes).
+pub fn scatter_nd(data: &Value, indices: &Value, updates: &Value, how: Combine, out: &mut Value) -> Result<(), String> {
+    let idx = indices.as_i64()?;
+    let r = *indices.shape.last().ok_or("indices need at least one axis")?;
+    if r == 0 || r > data.shape.len() {
+        return Err(format!("index tuples of {r} for data of rank {}", data.shape.len()));
+    }
+    let slab: usize = data.shape[r..].iter().product();
+    let tuples = idx.len() / r;
+    if updates.len() != tuples * slab {
+        return Err(format!(
+            "updates hold {} elements, {tuples} slabs of {slab} need {}",
+            updates.len(),
+            tuples * slab
+        ));
+    }
+    let mut offsets = Vec::with_capacity(tuples);
+    for t in idx.chunks_exact(r) {
+        let mut at = 0usize;
+        for (axis, i) in t.iter().enumerate() {
+            let dim = data.shape[axis] as i64;
+            let i = if *i < 0 { i + dim } else { *i };
+            if !(0..dim).contains(&i) {
+                return Err(format!("index {i} is out of range for axis {axis} of {:?}", data.shape));
+            }
+            at = at * data.shape[axis] + i as usize;
+        }
+        offsets.push(at * slab);
+    }
+    fn apply<T: Copy>(o: &mut [T], u: &[T], offsets: &[usize], slab: usize, f: impl Fn(T, T) -> T) {
+        for (t, base) in offsets.iter().enumerate() {
+            for j in 0..slab {
+                o[base + j] = f(o[base + j], u[t * slab + j]);
+            }
+        }
+    }
+    *out = match (&data.data, &updates.data) {
+        (Data::F32(d), Data::F32(u)) => {
+            let mut o = d.clone();
+            apply(&mut o, u, &offsets, slab, |a: f32, b: f32| match how {
+                Combine::Replace => b,
+                Combine::Add => a + b,
+                Combine::Mul => a * b,
+                Combine::Max => a.max(b),
+                Combine::Min => a.min(b),
+            });
+            Value::f32(&data.shape, o)
+        }
+        (Data::I64(d), Data::I64(u)) => {
+            let mut o = d.clone();
+            apply(&mut o, u, &offsets, slab, |a: i64, b: i64| match how {
+                Combine::Replace => b,
+                Combine::Add => a.wrapping_add(b),
+                Combine::Mul => a.wrapping_mul(b),
+                Combine::Max => a.max(b),
+                Combine::Min => a.min(b),
+            });
+            Value::i64(&data.shape, o)
+        }
+        _ => return Err(format!("ScatterND of {} with {} updates", data.dtype(), updates.dtype())),
+    };
+    Ok(())
+}
+
+/// Splits `x` along `axis` into pieces of `sizes` (which must add up to
+/// the axis length).
+pub fn split(x: &Value, axis: i64, sizes: &[usize], outputs: &mut [Value]) -> Result<(), String> {
+    let a = resolve(axis, x.shape.len())?;
+    let (outer, len, inner) = around(&x.shape, a);
+    if sizes.iter().sum::<usize>() != len || sizes.len() != outputs.len() {
+        return Err(format!(
+            "split sizes {sizes:?} into {} outputs do not cover axis {a} of {:?}",
+            outputs.len(),
+            x.shape
+        ));
+    }
+    let mut start = 0;
+    for (size, out) in sizes.iter().zip(outputs.iter_mut()) {
+        let mut index = Vec::with_capacity(outer * size * inner);
+        for p in 0..outer {
+            let base = (p * len + start) * inner;
+            index.extend(base..base + size * inner);
+        }
+        let mut shape = x.shape.to_vec();
+        shape[a] = *size;
+        select(x, &index, &shape, out);
+        start += size;
+    }
+    Ok(())
+}
+
+/// The sizes of an even split of `len` into `parts` (the last may be
+/// smaller, as ONNX's `num_outputs` splits).
+pub fn even_split(len: usize, parts: usize) -> Vec<usize> {
+    let each = len.div_ceil(parts.max(1));
+    (0..parts).map(|i| each.min(len.saturating_sub(i * each))).collect()
+}
+
+/// Clip to `[min, max]` (either bound optional).
+pub fn clip(x: &Value, min: Option<&Value>, max: Option<&Value>, out: &mut Value) -> Result<(), String> {
+    fn bound<T: Copy>(v: Option<&Value>, get: fn(&Value) -> Result<&[T], String>) -> Result<Option<T>, String> {
+        v.map(|v| get(v).and_then(|s| s.first().copied().ok_or_else(|| "an empty bound".to_string()))).transpose()
+    }
+    *out = match &x.data {
+        Data::F32(v) => {
+            let (lo, hi) = (bound(min, Value::as_f32)?, bound(max, Value::as_f32)?);
+            Value::f32(
+                &x.shape,
+                v.iter()
+                    .map(|x| {
+                        let x = lo.map_or(*x, |l| if *x < l { l } else { *x });
+                        hi.map_or(x, |h| if x > h { h } else { x })
+                    })
+                    .collect(),
+            )
+        }
+        Data::I64(v) => {
+            let (lo, hi) = (bound(min, Value::as_i64)?, bound(max, Value::as_i64)?);
+            Value::i64(
+                &x.shape,
+                v.iter()
+                    .map(|x| hi.map_or((*x).max(lo.unwrap_or(i64::MIN)), |h| (*x).max(lo.unwrap_or(i64::MIN)).min(h)))
+                    .collect(),
+            )
+        }
+        _ => return Err(format!("Clip of {} is not supported", x.dtype())),
+    };
+    Ok(())
+}

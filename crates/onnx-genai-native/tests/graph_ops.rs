@@ -1,0 +1,95 @@
+//! Standalone graphs (`compile_graph` + `Plan::evaluate`): what ONNX's node
+//! cases drive (`cargo xtask onnx-tests`), checked here on kernels those
+//! cases cannot reach on native-cpu (their CumSum inputs are f64 and i32)
+//! and on the evaluator's own contract.
+
+use onnx_genai_native::kernels::Runtime;
+use onnx_genai_native::value::Value;
+use onnx_genai_native::{compile_graph, CompileError};
+use onnx_genai_onnx::builder::attr_int;
+use onnx_genai_onnx::{DataType, Dim, GraphBuilder, Model};
+
+fn graph(build: impl FnOnce(&mut GraphBuilder)) -> Model {
+    let mut g = GraphBuilder::new("case", 18);
+    build(&mut g);
+    g.finish(9, "test")
+}
+
+fn run(model: &Model, inputs: Vec<(&str, Value)>) -> Vec<Value> {
+    let plan = compile_graph(model).unwrap_or_else(|e| panic!("compile: {e}"));
+    let runtime = Runtime::serial();
+    let inputs = inputs.into_iter().map(|(n, v)| (n.to_string(), v)).collect();
+    let out = plan.evaluate(&mut plan.workspace(), runtime.ctx(), inputs).unwrap_or_else(|e| panic!("run: {e}"));
+    out.into_iter().map(|(_, v)| v).collect()
+}
+
+fn f32_input(g: &mut GraphBuilder, name: &str, dims: &[i64]) {
+    g.input(name, DataType::Float, dims.iter().map(|d| Dim::Fixed(*d)).collect());
+}
+
+/// CumSum along axis 1 of a 2x3 f32 tensor, in all four modes, against
+/// sums written out by hand.
+#[test]
+fn cum_sum_runs_forward_backward_inclusive_and_exclusive() {
+    let x = Value::f32([2, 3], vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+    let cases = [
+        (0, 0, vec![1.0, 3.0, 6.0, 4.0, 9.0, 15.0]),
+        (1, 0, vec![0.0, 1.0, 3.0, 0.0, 4.0, 9.0]),
+        (0, 1, vec![6.0, 5.0, 3.0, 15.0, 11.0, 6.0]),
+        (1, 1, vec![5.0, 3.0, 0.0, 11.0, 6.0, 0.0]),
+    ];
+    for (exclusive, reverse, want) in cases {
+        let model = graph(|g| {
+            f32_input(g, "x", &[2, 3]);
+            let axis = g.const_i64(&[1]);
+            let y = g.op_with(
+                "CumSum",
+                &["x", &axis],
+                vec![attr_int("exclusive", exclusive), attr_int("reverse", reverse)],
+            );
+            g.output(&y, DataType::Float, vec![Dim::Fixed(2), Dim::Fixed(3)]);
+        });
+        let out = run(&model, vec![("x", x.clone())]);
+        assert_eq!(out[0].as_f32().unwrap(), want.as_slice(), "exclusive={exclusive} reverse={reverse}");
+    }
+}
+
+/// Softmax over a leading axis normalizes each column, not each row.
+#[test]
+fn softmax_normalizes_along_any_axis() {
+    let model = graph(|g| {
+        f32_input(g, "x", &[2, 2]);
+        let y = g.op_with("Softmax", &["x"], vec![attr_int("axis", 0)]);
+        g.output(&y, DataType::Float, vec![Dim::Fixed(2), Dim::Fixed(2)]);
+    });
+    let out = run(&model, vec![("x", Value::f32([2, 2], vec![0.0, 5.0, 0.0, -5.0]))]);
+    let y = out[0].as_f32().unwrap();
+    assert!((y[0] - 0.5).abs() < 1e-6 && (y[2] - 0.5).abs() < 1e-6, "{y:?}");
+    assert!((y[1] + y[3] - 1.0).abs() < 1e-6 && y[1] > 0.99, "{y:?}");
+}
+
+/// An input the caller leaves out is a named run error, not a kernel
+/// reading an empty buffer; an op without a kernel is `NoKernel` at
+/// compile time.
+#[test]
+fn missing_inputs_and_unknown_ops_are_named() {
+    let model = graph(|g| {
+        f32_input(g, "a", &[2]);
+        f32_input(g, "b", &[2]);
+        let y = g.op("Add", &["a", "b"]);
+        g.output(&y, DataType::Float, vec![Dim::Fixed(2)]);
+    });
+    let plan = compile_graph(&model).unwrap();
+    let runtime = Runtime::serial();
+    let err = plan
+        .evaluate(&mut plan.workspace(), runtime.ctx(), vec![("a".into(), Value::f32([2], vec![1.0, 2.0]))])
+        .unwrap_err();
+    assert!(err.to_string().contains("graph input `b` was not given"), "{err}");
+
+    let unknown = graph(|g| {
+        f32_input(g, "x", &[2]);
+        let y = g.op("Mish", &["x"]);
+        g.output(&y, DataType::Float, vec![Dim::Fixed(2)]);
+    });
+    assert!(matches!(compile_graph(&unknown), Err(CompileError::NoKernel { op, .. }) if op == "Mish"));
+}
