@@ -138,10 +138,11 @@ pub fn compile_graph(model: &Model) -> Result<Plan, CompileError> {
     stats.folded_nodes = infer_and_fold(&mut g)?;
     crate::fuse::run(&mut g, &mut stats)?;
     if let Some((_, n)) = g.live_nodes().find(|(_, n)| matches!(n.op, Op::Attention { .. })) {
+        let (domain, op) = n.origin.split_once("::").unwrap_or(("ai.onnx", n.origin.as_str()));
         return Err(CompileError::UnsupportedOp {
             node: n.name.clone(),
-            op: n.origin.clone(),
-            domain: String::new(),
+            op: op.into(),
+            domain: domain.into(),
             reason: "attention runs only in a decoder, over a KV cache the manifest binds".into(),
         });
     }

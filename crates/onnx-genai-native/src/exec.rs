@@ -206,6 +206,36 @@ pub fn run(op: &Op, inputs: &[Option<&Value>], outputs: &mut [Value], env: &mut 
             math::gemm(arg(inputs, 0)?, arg(inputs, 1)?, opt(inputs, 2), *alpha, *beta, *trans_a, *trans_b, out)
         }
         Op::TopK { .. } | Op::Split { .. } => Err("dispatched above".into()),
+        Op::Nary { op, mean } => {
+            let parts: Vec<&Value> = inputs.iter().flatten().copied().collect();
+            let (first, rest) = parts.split_first().ok_or("no operands")?;
+            let mut acc = (*first).clone();
+            for p in rest {
+                let mut next = Value::default();
+                ew::binary(*op, &acc, p, &mut next)?;
+                acc = next;
+            }
+            if *mean {
+                let count = Value::f32([1], vec![parts.len() as f32]);
+                ew::binary(ew::BinOp::Div, &acc, &count, out)
+            } else {
+                *out = acc;
+                Ok(())
+            }
+        }
+        Op::CastLike => ew::cast(arg(inputs, 0)?, arg(inputs, 1)?.dtype(), out),
+        Op::Size => {
+            *out = Value::i64([], vec![arg(inputs, 0)?.len() as i64]);
+            Ok(())
+        }
+        Op::GatherElements { axis } => select::gather_elements(arg(inputs, 0)?, arg(inputs, 1)?, *axis, out),
+        Op::Hardmax { axis } => select::hardmax(arg(inputs, 0)?, *axis, out),
+        Op::Einsum(equation) => {
+            let parts: Vec<&Value> = inputs.iter().flatten().copied().collect();
+            select::einsum(equation, &parts, out)
+        }
+        Op::Activation(act) => ew::activation(*act, arg(inputs, 0)?, out),
+        Op::Classify { nan, positive, negative } => ew::classify(arg(inputs, 0)?, *nan, *positive, *negative, out),
         Op::Expand => ly::expand(arg(inputs, 0)?, ints(inputs, 1, "shape")?, out),
         Op::RmsNorm { eps, axis } => {
             let (x, scale) = (arg(inputs, 0)?, arg(inputs, 1)?);

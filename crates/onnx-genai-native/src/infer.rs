@@ -296,6 +296,42 @@ pub fn infer(op: &Op, inputs: &[Option<&Meta>], outputs: usize) -> Result<Vec<Ou
             single((Some(DType::I64), None))
         }
         Op::Split { .. } => Ok((0..outputs).map(|_| (t(0), None)).collect()),
+        Op::Nary { mean, .. } => {
+            let mut dt = None;
+            let mut dims = Some(Vec::new());
+            for i in 0..inputs.len() {
+                dt = same_dtype(dt, t(i))?;
+                dims = broadcast(&dims, &d(i))?;
+            }
+            if let Some(dt) = dt.filter(|dt| !(*dt == DType::F32 || (*dt == DType::I64 && !mean))) {
+                return Err(format!("{} of {dt} is not supported", op.name()));
+            }
+            single((dt, dims))
+        }
+        Op::CastLike => {
+            let to = t(1).ok_or("the target type (input 1) is not known at compile time")?;
+            if let Some(from) = t(0).filter(|from| !crate::kernels::elementwise::can_cast(*from, to)) {
+                return Err(format!("cast from {from} to {to} is not supported"));
+            }
+            single((Some(to), d(0)))
+        }
+        Op::Size => single((Some(DType::I64), Some(Vec::new()))),
+        Op::GatherElements { .. } => {
+            if let Some(dt) = t(1).filter(|dt| *dt != DType::I64) {
+                return Err(format!("indices are {dt}, expected i64"));
+            }
+            single((t(0), d(1)))
+        }
+        Op::Hardmax { .. } | Op::Einsum(_) | Op::Activation(_) => {
+            for i in 0..inputs.len() {
+                require_float("the input", t(i))?;
+            }
+            single((Some(DType::F32), if matches!(op, Op::Einsum(_)) { None } else { d(0) }))
+        }
+        Op::Classify { .. } => {
+            require_float("the input", t(0))?;
+            single((Some(DType::Bool), d(0)))
+        }
         Op::Gemm { .. } => {
             require_float("input A", t(0))?;
             require_float("input B", t(1))?;

@@ -6,7 +6,7 @@ use onnx_genai_onnx::ir::{AttrValue, Node};
 
 use crate::error::CompileError;
 use crate::kernels::attention::{Bias, Layout};
-use crate::kernels::elementwise::{BinOp, CmpOp, LogicOp, UnOp};
+use crate::kernels::elementwise::{Activation, BinOp, CmpOp, LogicOp, UnOp};
 use crate::kernels::math::Reduce;
 use crate::kernels::select::Combine;
 use crate::ops::{Op, PartialAttention};
@@ -158,9 +158,59 @@ pub fn lower(node: &Node, opset: i64) -> Result<(Op, Vec<usize>), CompileError> 
                 Some(other) => return Err(a.unsupported(format!("approximate=\"{other}\""))),
             },
             "Max" | "Min" if node.inputs.len() == 2 => Op::Binary(if op == "Max" { BinOp::Max } else { BinOp::Min }),
-            "Max" | "Min" => {
-                return Err(a.unsupported(format!("{} inputs: only two-input {op} is supported", node.inputs.len())))
+            "Max" | "Min" | "Sum" | "Mean" => {
+                let fold = match op {
+                    "Max" => BinOp::Max,
+                    "Min" => BinOp::Min,
+                    _ => BinOp::Add,
+                };
+                Op::Nary { op: fold, mean: op == "Mean" }
             }
+            "Mod" => Op::Binary(if a.int_or("fmod", 0)? != 0 { BinOp::Fmod } else { BinOp::Mod }),
+            "PRelu" => Op::Binary(BinOp::PRelu),
+            "Xor" => Op::Logic(LogicOp::Xor),
+            "Tan" => Op::Unary(UnOp::Tan),
+            "Asin" => Op::Unary(UnOp::Asin),
+            "Acos" => Op::Unary(UnOp::Acos),
+            "Atan" => Op::Unary(UnOp::Atan),
+            "Sinh" => Op::Unary(UnOp::Sinh),
+            "Cosh" => Op::Unary(UnOp::Cosh),
+            "Asinh" => Op::Unary(UnOp::Asinh),
+            "Acosh" => Op::Unary(UnOp::Acosh),
+            "Atanh" => Op::Unary(UnOp::Atanh),
+            "Mish" => Op::Unary(UnOp::Mish),
+            "HardSwish" => Op::Unary(UnOp::HardSwish),
+            "LeakyRelu" => Op::Activation(Activation::LeakyRelu { alpha: a.float("alpha")?.unwrap_or(0.01) }),
+            "Elu" => Op::Activation(Activation::Elu { alpha: a.float("alpha")?.unwrap_or(1.0) }),
+            "Celu" => Op::Activation(Activation::Celu { alpha: a.float("alpha")?.unwrap_or(1.0) }),
+            "Selu" => Op::Activation(Activation::Selu {
+                alpha: a.float("alpha")?.unwrap_or(1.673_263_2),
+                gamma: a.float("gamma")?.unwrap_or(1.050_701),
+            }),
+            "HardSigmoid" => Op::Activation(Activation::HardSigmoid {
+                alpha: a.float("alpha")?.unwrap_or(0.2),
+                beta: a.float("beta")?.unwrap_or(0.5),
+            }),
+            "ThresholdedRelu" => {
+                Op::Activation(Activation::ThresholdedRelu { alpha: a.float("alpha")?.unwrap_or(1.0) })
+            }
+            "IsNaN" => Op::Classify { nan: true, positive: false, negative: false },
+            "IsInf" => Op::Classify {
+                nan: false,
+                positive: a.int_or("detect_positive", 1)? != 0,
+                negative: a.int_or("detect_negative", 1)? != 0,
+            },
+            "CastLike" => {
+                if a.int("saturate")?.is_some_and(|s| s != 1) {
+                    return Err(a.unsupported("saturate=0 (float8 targets)"));
+                }
+                Op::CastLike
+            }
+            "Size" => Op::Size,
+            "GatherElements" => Op::GatherElements { axis: a.int_or("axis", 0)? },
+            "Hardmax" if opset < 13 => return Err(a.unsupported(format!("Hardmax at opset {opset} (2-D coercion)"))),
+            "Hardmax" => Op::Hardmax { axis: a.int_or("axis", -1)? },
+            "Einsum" => Op::Einsum(a.string("equation")?.ok_or_else(|| a.err("missing attribute `equation`"))?),
             "Where" => Op::Where,
             "Identity" => Op::Identity,
             "Cast" => {
@@ -272,7 +322,9 @@ pub fn lower(node: &Node, opset: i64) -> Result<(Op, Vec<usize>), CompileError> 
                 return Ok((Op::Rotary { layout, cached: true }, vec![0, 3, 1, 2]));
             }
             "Attention" => {
-                a.require("softcap", 0, "softcap is not supported")?;
+                if a.float("softcap")?.is_some_and(|s| s != 0.0) {
+                    return Err(a.unsupported("softcap is not supported"));
+                }
                 a.require("qk_matmul_output_mode", 0, "qk matmul outputs are not supported")?;
                 a.input_absent(6, "nonpad_kv_seqlen")?;
                 if node.outputs.get(3).is_some_and(|n| !n.is_empty()) {

@@ -90,6 +90,30 @@ pub enum Op {
         axis: i64,
         sizes: Option<Vec<i64>>,
     },
+    /// Two or more operands folded left to right (`mean` divides by the
+    /// count): ONNX Sum, Mean, and Max/Min of other than two inputs.
+    Nary {
+        op: crate::kernels::elementwise::BinOp,
+        mean: bool,
+    },
+    /// Cast to the element type of input 1.
+    CastLike,
+    /// The element count, an i64 scalar.
+    Size,
+    GatherElements {
+        axis: i64,
+    },
+    Hardmax {
+        axis: i64,
+    },
+    Einsum(String),
+    Activation(crate::kernels::elementwise::Activation),
+    /// IsNaN (`nan`), or IsInf for the signs set.
+    Classify {
+        nan: bool,
+        positive: bool,
+        negative: bool,
+    },
     Gemm {
         alpha: f32,
         beta: f32,

@@ -88,8 +88,44 @@ fn missing_inputs_and_unknown_ops_are_named() {
 
     let unknown = graph(|g| {
         f32_input(g, "x", &[2]);
-        let y = g.op("Mish", &["x"]);
+        let y = g.op("Shrink", &["x"]);
         g.output(&y, DataType::Float, vec![Dim::Fixed(2)]);
     });
-    assert!(matches!(compile_graph(&unknown), Err(CompileError::NoKernel { op, .. }) if op == "Mish"));
+    assert!(matches!(compile_graph(&unknown), Err(CompileError::NoKernel { op, .. }) if op == "Shrink"));
+}
+
+/// Einsum (ONNX's own Einsum cases feed f64, which native-cpu refuses):
+/// transpose, row sums, an inner product, a diagonal and a batched matrix
+/// product, each against the answer written out.
+#[test]
+fn einsum_covers_the_common_two_operand_forms() {
+    use onnx_genai_onnx::builder::attr_string;
+    let m = Value::f32([2, 2], vec![1.0, 2.0, 3.0, 4.0]);
+    let v = Value::f32([2], vec![5.0, 6.0]);
+    let cases: Vec<(&str, Vec<Value>, Vec<f32>)> = vec![
+        ("ij->ji", vec![m.clone()], vec![1.0, 3.0, 2.0, 4.0]),
+        ("ij->i", vec![m.clone()], vec![3.0, 7.0]),
+        ("i,i->", vec![v.clone(), v.clone()], vec![61.0]),
+        ("ii->i", vec![m.clone()], vec![1.0, 4.0]),
+        ("ij,j->i", vec![m.clone(), v.clone()], vec![17.0, 39.0]),
+        (
+            "bij,bjk->bik",
+            vec![Value::f32([2, 1, 2], vec![1.0, 2.0, 3.0, 4.0]), Value::f32([2, 2, 1], vec![5.0, 6.0, 7.0, 8.0])],
+            vec![17.0, 53.0],
+        ),
+    ];
+    for (equation, operands, want) in cases {
+        let names: Vec<String> = (0..operands.len()).map(|i| format!("x{i}")).collect();
+        let model = graph(|g| {
+            for (n, x) in names.iter().zip(&operands) {
+                f32_input(g, n, &x.shape.iter().map(|d| *d as i64).collect::<Vec<_>>());
+            }
+            let ins: Vec<&str> = names.iter().map(String::as_str).collect();
+            let y = g.op_with("Einsum", &ins, vec![attr_string("equation", equation)]);
+            g.output(&y, DataType::Float, vec![]);
+        });
+        let inputs = names.iter().map(String::as_str).zip(operands.iter().cloned()).collect();
+        let out = run(&model, inputs);
+        assert_eq!(out[0].as_f32().unwrap(), want.as_slice(), "{equation}");
+    }
 }

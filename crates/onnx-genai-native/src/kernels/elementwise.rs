@@ -13,6 +13,12 @@ pub enum BinOp {
     Pow,
     Max,
     Min,
+    /// Integer modulo with the divisor's sign (ONNX Mod, `fmod=0`).
+    Mod,
+    /// Truncated modulo with the dividend's sign (`fmod=1`, C's fmod).
+    Fmod,
+    /// `x` where `x >= 0`, else `slope * x` (ONNX PRelu).
+    PRelu,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -28,6 +34,7 @@ pub enum CmpOp {
 pub enum LogicOp {
     And,
     Or,
+    Xor,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -57,6 +64,90 @@ pub enum UnOp {
     Round,
     Softplus,
     Softsign,
+    Tan,
+    Asin,
+    Acos,
+    Atan,
+    Sinh,
+    Cosh,
+    Asinh,
+    Acosh,
+    Atanh,
+    /// `x * tanh(softplus(x))`.
+    Mish,
+    /// `x * max(0, min(1, x / 6 + 1/2))`.
+    HardSwish,
+}
+
+/// Activations with parameters (ONNX attributes).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Activation {
+    LeakyRelu { alpha: f32 },
+    Elu { alpha: f32 },
+    Celu { alpha: f32 },
+    Selu { alpha: f32, gamma: f32 },
+    HardSigmoid { alpha: f32, beta: f32 },
+    ThresholdedRelu { alpha: f32 },
+}
+
+impl Activation {
+    pub fn apply(self, x: f32) -> f32 {
+        match self {
+            Activation::LeakyRelu { alpha } => {
+                if x < 0.0 {
+                    alpha * x
+                } else {
+                    x
+                }
+            }
+            Activation::Elu { alpha } => {
+                if x < 0.0 {
+                    alpha * (x.exp() - 1.0)
+                } else {
+                    x
+                }
+            }
+            Activation::Celu { alpha } => x.max(0.0) + (0.0f32).min(alpha * ((x / alpha).exp() - 1.0)),
+            Activation::Selu { alpha, gamma } => {
+                if x <= 0.0 {
+                    gamma * (alpha * x.exp() - alpha)
+                } else {
+                    gamma * x
+                }
+            }
+            Activation::HardSigmoid { alpha, beta } => (alpha * x + beta).clamp(0.0, 1.0),
+            Activation::ThresholdedRelu { alpha } => {
+                if x > alpha {
+                    x
+                } else {
+                    0.0
+                }
+            }
+        }
+    }
+}
+
+/// A parametric activation of an f32 tensor.
+pub fn activation(act: Activation, a: &Value, out: &mut Value) -> Result<(), String> {
+    let x = a.as_f32()?;
+    let mut o = out.recycle_f32(x.len());
+    o.iter_mut().zip(x).for_each(|(o, x)| *o = act.apply(*x));
+    *out = Value::f32(a.shape.clone(), o);
+    Ok(())
+}
+
+/// IsNaN, or IsInf for the signs asked.
+pub fn classify(a: &Value, nan: bool, positive: bool, negative: bool, out: &mut Value) -> Result<(), String> {
+    let x = a.as_f32()?;
+    let test = |x: f32| {
+        if nan {
+            x.is_nan()
+        } else {
+            (positive && x == f32::INFINITY) || (negative && x == f32::NEG_INFINITY)
+        }
+    };
+    *out = Value::bool(a.shape.clone(), x.iter().map(|x| test(*x)).collect());
+    Ok(())
 }
 
 impl UnOp {
@@ -172,6 +263,22 @@ fn apply_f32(op: BinOp, x: f32, y: f32) -> f32 {
         BinOp::Min if x.is_nan() || y.is_nan() => f32::NAN,
         BinOp::Max => x.max(y),
         BinOp::Min => x.min(y),
+        BinOp::Mod => {
+            let r = x % y;
+            if r != 0.0 && (r < 0.0) != (y < 0.0) {
+                r + y
+            } else {
+                r
+            }
+        }
+        BinOp::Fmod => x % y,
+        BinOp::PRelu => {
+            if x < 0.0 {
+                x * y
+            } else {
+                x
+            }
+        }
     }
 }
 
@@ -184,6 +291,23 @@ fn apply_i64(op: BinOp, x: i64, y: i64) -> Result<i64, String> {
         BinOp::Pow => x.wrapping_pow(u32::try_from(y).map_err(|_| "negative integer exponent")?),
         BinOp::Max => x.max(y),
         BinOp::Min => x.min(y),
+        BinOp::Mod if y == 0 => return Err("integer modulo by zero".into()),
+        BinOp::Mod => {
+            let r = x.wrapping_rem(y);
+            if r != 0 && (r < 0) != (y < 0) {
+                r + y
+            } else {
+                r
+            }
+        }
+        BinOp::Fmod => x.checked_rem(y).ok_or("integer modulo by zero")?,
+        BinOp::PRelu => {
+            if x < 0 {
+                x.wrapping_mul(y)
+            } else {
+                x
+            }
+        }
     })
 }
 
@@ -250,6 +374,7 @@ pub fn logic(op: LogicOp, a: &Value, b: &Value, out: &mut Value) -> Result<(), S
         o[i] = match op {
             LogicOp::And => x[ia] && y[ib],
             LogicOp::Or => x[ia] || y[ib],
+            LogicOp::Xor => x[ia] != y[ib],
         }
     });
     *out = Value::bool(shape, o);
@@ -324,6 +449,17 @@ pub fn unary(op: UnOp, a: &Value, out: &mut Value) -> Result<(), String> {
                 // ln(1 + e^x) without overflow for large x.
                 UnOp::Softplus => x.max(0.0) + (-x.abs()).exp().ln_1p(),
                 UnOp::Softsign => x / (1.0 + x.abs()),
+                UnOp::Tan => x.tan(),
+                UnOp::Asin => x.asin(),
+                UnOp::Acos => x.acos(),
+                UnOp::Atan => x.atan(),
+                UnOp::Sinh => x.sinh(),
+                UnOp::Cosh => x.cosh(),
+                UnOp::Asinh => x.asinh(),
+                UnOp::Acosh => x.acosh(),
+                UnOp::Atanh => x.atanh(),
+                UnOp::Mish => x * (x.max(0.0) + (-x.abs()).exp().ln_1p()).tanh(),
+                UnOp::HardSwish => x * (x / 6.0 + 0.5).clamp(0.0, 1.0),
                 UnOp::Not => x,
             };
             o.iter_mut().zip(x).for_each(|(o, x)| *o = f(*x));

@@ -301,3 +301,117 @@ pub fn clip(x: &Value, min: Option<&Value>, max: Option<&Value>, out: &mut Value
     };
     Ok(())
 }
+
+/// GatherElements: `out[.., i, ..] = data[.., indices[.., i, ..], ..]`
+/// along `axis` (indices and output share a shape).
+pub fn gather_elements(data: &Value, indices: &Value, axis: i64, out: &mut Value) -> Result<(), String> {
+    let rank = data.shape.len();
+    let a = resolve(axis, rank)?;
+    let idx = indices.as_i64()?;
+    if indices.shape.len() != rank {
+        return Err(format!("indices {:?} and data {:?} differ in rank", indices.shape, data.shape));
+    }
+    let strides: Vec<usize> = (0..rank).map(|i| data.shape[i + 1..].iter().product()).collect();
+    let dim = data.shape[a] as i64;
+    let mut index = Vec::with_capacity(idx.len());
+    let mut coord = vec![0usize; rank];
+    for i in idx {
+        let i = if *i < 0 { *i + dim } else { *i };
+        if !(0..dim).contains(&i) {
+            return Err(format!("index {i} is out of range for axis {a} of size {dim}"));
+        }
+        let mut at = 0;
+        for (axis_i, c) in coord.iter().enumerate() {
+            let c = if axis_i == a { i as usize } else { *c };
+            if c >= data.shape[axis_i] {
+                return Err(format!("indices {:?} exceed data {:?} off the gather axis", indices.shape, data.shape));
+            }
+            at += c * strides[axis_i];
+        }
+        index.push(at);
+        for axis_i in (0..rank).rev() {
+            coord[axis_i] += 1;
+            if coord[axis_i] < indices.shape[axis_i] {
+                break;
+            }
+            coord[axis_i] = 0;
+        }
+    }
+    select(data, &index, &indices.shape, out);
+    Ok(())
+}
+
+/// Hardmax along `axis`: 1 at the first maximum, 0 elsewhere.
+pub fn hardmax(x: &Value, axis: i64, out: &mut Value) -> Result<(), String> {
+    let a = resolve(axis, x.shape.len())?;
+    let (outer, len, inner) = around(&x.shape, a);
+    let v = x.as_f32()?;
+    let mut o = vec![0.0f32; v.len()];
+    for p in 0..outer {
+        for q in 0..inner {
+            let at = |i: usize| (p * len + i) * inner + q;
+            if let Some(best) = (0..len).reduce(|b, i| if v[at(i)] > v[at(b)] { i } else { b }) {
+                o[at(best)] = 1.0;
+            }
+        }
+    }
+    *out = Value::f32(&x.shape, o);
+    Ok(())
+}
+
+/// Einsum over one or two operands, by walking every assignment of the
+/// equation's letters (the sizes here are small; decoders that use Einsum
+/// for a batched product get the same answer as a MatMul).
+pub fn einsum(equation: &str, inputs: &[&Value], out: &mut Value) -> Result<(), String> {
+    let eq: String = equation.chars().filter(|c| !c.is_whitespace()).collect();
+    let (lhs, rhs) = eq.split_once("->").ok_or("an Einsum without `->` (implicit output) is not supported")?;
+    let terms: Vec<&str> = lhs.split(',').collect();
+    if terms.len() != inputs.len() || terms.iter().chain([&rhs]).any(|t| t.contains('.')) {
+        return Err(format!("equation `{equation}` for {} inputs (ellipses are not supported)", inputs.len()));
+    }
+    let mut letters: Vec<char> = Vec::new();
+    let mut sizes: Vec<usize> = Vec::new();
+    for (term, x) in terms.iter().zip(inputs) {
+        if term.chars().count() != x.shape.len() {
+            return Err(format!("`{term}` names {} axes, the input has shape {:?}", term.len(), x.shape));
+        }
+        for (c, d) in term.chars().zip(x.shape.iter()) {
+            match letters.iter().position(|l| *l == c) {
+                Some(i) if sizes[i] != *d => return Err(format!("`{c}` is {} and {d}", sizes[i])),
+                Some(_) => {}
+                None => {
+                    letters.push(c);
+                    sizes.push(*d);
+                }
+            }
+        }
+    }
+    let pos =
+        |c: char| letters.iter().position(|l| *l == c).ok_or_else(|| format!("output letter `{c}` is not an input's"));
+    let out_axes: Vec<usize> = rhs.chars().map(pos).collect::<Result<_, _>>()?;
+    let in_axes: Vec<Vec<usize>> = terms.iter().map(|t| t.chars().map(pos).collect()).collect::<Result<_, _>>()?;
+    let values: Vec<&[f32]> = inputs.iter().map(|x| x.as_f32()).collect::<Result<_, _>>()?;
+    let out_shape: Vec<usize> = out_axes.iter().map(|a| sizes[*a]).collect();
+    let mut o = vec![0.0f32; out_shape.iter().product()];
+    let total: usize = sizes.iter().product();
+    let mut assign = vec![0usize; letters.len()];
+    let flat = |axes: &[usize], dims: &[usize], assign: &[usize]| {
+        axes.iter().zip(dims).fold(0, |acc, (a, d)| acc * d + assign[*a])
+    };
+    for _ in 0..total {
+        let mut product = 1.0f32;
+        for ((axes, x), v) in in_axes.iter().zip(inputs).zip(&values) {
+            product *= v[flat(axes, &x.shape, &assign)];
+        }
+        o[flat(&out_axes, &out_shape, &assign)] += product;
+        for i in (0..assign.len()).rev() {
+            assign[i] += 1;
+            if assign[i] < sizes[i] {
+                break;
+            }
+            assign[i] = 0;
+        }
+    }
+    *out = Value::f32(out_shape, o);
+    Ok(())
+}
