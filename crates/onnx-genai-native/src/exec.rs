@@ -192,7 +192,11 @@ pub fn run(op: &Op, inputs: &[Option<&Value>], outputs: &mut [Value], env: &mut 
             select::arg_extreme(arg(inputs, 0)?, *axis, *keepdims, *last, *min, out)
         }
         Op::CumSum { exclusive, reverse } => {
-            let axis = ints(inputs, 1, "axis")?.first().copied().ok_or("axis is empty")?;
+            let axis = match arg(inputs, 1)? {
+                v if v.dtype() == DType::I32 => v.as_i32()?.first().map(|a| i64::from(*a)),
+                v => v.as_i64()?.first().copied(),
+            };
+            let axis = axis.ok_or("axis is empty")?;
             select::cum_sum(arg(inputs, 0)?, axis, *exclusive, *reverse, out)
         }
         Op::Trilu { upper } => {

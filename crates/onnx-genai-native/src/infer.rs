@@ -279,7 +279,13 @@ pub fn infer(op: &Op, inputs: &[Option<&Meta>], outputs: usize) -> Result<Vec<Ou
             single((Some(DType::F32), d(0)))
         }
         Op::CausalBias { .. } => single((Some(DType::F32), None)),
-        Op::Clip { .. } | Op::CumSum { .. } | Op::Trilu { .. } | Op::ScatterNd(_) => {
+        Op::CumSum { .. } => {
+            if let Some(dt) = t(0).filter(|dt| !matches!(dt, DType::F32 | DType::F64 | DType::I64 | DType::I32)) {
+                return Err(format!("CumSum of {dt} is not supported"));
+            }
+            single((t(0), d(0)))
+        }
+        Op::Clip { .. } | Op::Trilu { .. } | Op::ScatterNd(_) => {
             if let Some(dt) = t(0).filter(|dt| !matches!(dt, DType::F32 | DType::I64)) {
                 return Err(format!("{} of {dt} is not supported", op.name()));
             }
@@ -322,11 +328,18 @@ pub fn infer(op: &Op, inputs: &[Option<&Meta>], outputs: usize) -> Result<Vec<Ou
             }
             single((t(0), d(1)))
         }
-        Op::Hardmax { .. } | Op::Einsum(_) | Op::Activation(_) => {
+        Op::Einsum(_) => {
+            let dt = (0..inputs.len()).try_fold(None, |acc, i| same_dtype(acc, t(i)))?;
+            if let Some(dt) = dt.filter(|dt| !matches!(dt, DType::F32 | DType::F64)) {
+                return Err(format!("Einsum of {dt} is not supported"));
+            }
+            single((dt.or(Some(DType::F32)), None))
+        }
+        Op::Hardmax { .. } | Op::Activation(_) => {
             for i in 0..inputs.len() {
                 require_float("the input", t(i))?;
             }
-            single((Some(DType::F32), if matches!(op, Op::Einsum(_)) { None } else { d(0) }))
+            single((Some(DType::F32), d(0)))
         }
         Op::Classify { .. } => {
             require_float("the input", t(0))?;

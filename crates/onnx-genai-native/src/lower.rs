@@ -95,6 +95,26 @@ fn cast_target(code: i64) -> Option<DType> {
     }
 }
 
+/// An Einsum equation in explicit form (`->` and the output letters; the
+/// implicit output is the letters used once, in alphabetical order),
+/// without whitespace. Ellipses are refused.
+fn explicit_einsum(equation: &str) -> Result<String, String> {
+    let eq: String = equation.chars().filter(|c| !c.is_whitespace()).collect();
+    if eq.contains('.') {
+        return Err(format!("equation `{equation}`: ellipses (`...`) are not supported"));
+    }
+    if !eq.chars().all(|c| c.is_ascii_alphabetic() || c == ',' || c == '-' || c == '>') {
+        return Err(format!("equation `{equation}` has characters other than letters, `,` and `->`"));
+    }
+    if eq.contains("->") {
+        return Ok(eq);
+    }
+    let mut once: Vec<char> = eq.chars().filter(|c| c.is_ascii_alphabetic()).collect();
+    once.sort_unstable();
+    let output: String = once.iter().filter(|c| eq.chars().filter(|d| d == *c).count() == 1).collect();
+    Ok(format!("{eq}->{output}"))
+}
+
 /// The constant a `Constant` node defines.
 pub fn constant_value(node: &Node) -> Result<Value, CompileError> {
     let a = Attrs { node };
@@ -210,13 +230,16 @@ pub fn lower(node: &Node, opset: i64) -> Result<(Op, Vec<usize>), CompileError> 
             "GatherElements" => Op::GatherElements { axis: a.int_or("axis", 0)? },
             "Hardmax" if opset < 13 => return Err(a.unsupported(format!("Hardmax at opset {opset} (2-D coercion)"))),
             "Hardmax" => Op::Hardmax { axis: a.int_or("axis", -1)? },
-            "Einsum" => Op::Einsum(a.string("equation")?.ok_or_else(|| a.err("missing attribute `equation`"))?),
+            "Einsum" => {
+                let equation = a.string("equation")?.ok_or_else(|| a.err("missing attribute `equation`"))?;
+                Op::Einsum(explicit_einsum(&equation).map_err(|e| a.unsupported(e))?)
+            }
             "Where" => Op::Where,
             "Identity" => Op::Identity,
             "Cast" => {
                 let to = a.int("to")?.ok_or_else(|| a.err("missing attribute `to`"))?;
                 Op::Cast(cast_target(to).ok_or_else(|| {
-                    a.unsupported(format!("cast to ONNX type {to}: native-cpu computes in f32, f16, i64 and bool"))
+                    a.unsupported(format!("cast to ONNX type {to}: native-cpu holds f32, f16, f64, i64, i32 and bool"))
                 })?)
             }
             "MatMul" => Op::MatMul,

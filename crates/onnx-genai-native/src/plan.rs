@@ -142,11 +142,13 @@ impl Plan {
             Some(DType::I64) => 2,
             Some(DType::Bool) => 3,
             Some(DType::U8) => 4,
-            None => 5,
+            Some(DType::F64) => 5,
+            Some(DType::I32) => 6,
+            None => 7,
         };
-        let mut free: [Vec<usize>; 6] = Default::default();
+        let mut free: [Vec<usize>; 8] = Default::default();
         let mut slot_class: Vec<usize> = Vec::new();
-        let mut alloc = |free: &mut [Vec<usize>; 6], c: usize| {
+        let mut alloc = |free: &mut [Vec<usize>; 8], c: usize| {
             free[c].pop().unwrap_or_else(|| {
                 slot_class.push(c);
                 slot_class.len() - 1

@@ -16,6 +16,10 @@ pub enum DType {
     I64,
     Bool,
     U8,
+    /// Storage and the few kernels that compute in it (standalone graphs:
+    /// ONNX's node cases); decoders never produce it.
+    F64,
+    I32,
 }
 
 impl DType {
@@ -27,6 +31,8 @@ impl DType {
             D::Int64 => Self::I64,
             D::Bool => Self::Bool,
             D::Uint8 => Self::U8,
+            D::Double => Self::F64,
+            D::Int32 => Self::I32,
             _ => return None,
         })
     }
@@ -38,6 +44,8 @@ impl DType {
             Self::I64 => "i64",
             Self::Bool => "bool",
             Self::U8 => "u8",
+            Self::F64 => "f64",
+            Self::I32 => "i32",
         }
     }
 }
@@ -55,6 +63,8 @@ pub enum Data {
     I64(Vec<i64>),
     Bool(Vec<bool>),
     U8(Vec<u8>),
+    F64(Vec<f64>),
+    I32(Vec<i32>),
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -108,6 +118,12 @@ impl Value {
     pub fn u8(shape: impl AsRef<[usize]>, v: Vec<u8>) -> Self {
         Self { shape: Shape::from_slice(shape.as_ref()), data: Data::U8(v) }
     }
+    pub fn f64(shape: impl AsRef<[usize]>, v: Vec<f64>) -> Self {
+        Self { shape: Shape::from_slice(shape.as_ref()), data: Data::F64(v) }
+    }
+    pub fn i32(shape: impl AsRef<[usize]>, v: Vec<i32>) -> Self {
+        Self { shape: Shape::from_slice(shape.as_ref()), data: Data::I32(v) }
+    }
 
     pub fn dtype(&self) -> DType {
         match self.data {
@@ -116,6 +132,8 @@ impl Value {
             Data::I64(_) => DType::I64,
             Data::Bool(_) => DType::Bool,
             Data::U8(_) => DType::U8,
+            Data::F64(_) => DType::F64,
+            Data::I32(_) => DType::I32,
         }
     }
 
@@ -126,6 +144,8 @@ impl Value {
             Data::I64(v) => v.len(),
             Data::Bool(v) => v.len(),
             Data::U8(v) => v.len(),
+            Data::F64(v) => v.len(),
+            Data::I32(v) => v.len(),
         }
     }
 
@@ -138,6 +158,8 @@ impl Value {
     typed_access!(as_i64, recycle_i64, I64, i64, 0);
     typed_access!(as_bool, recycle_bool, Bool, bool, false);
     typed_access!(as_u8, recycle_u8, U8, u8, 0);
+    typed_access!(as_f64, recycle_f64, F64, f64, 0.0);
+    typed_access!(as_i32, recycle_i32, I32, i32, 0);
 
     /// A scalar or one-element tensor as f32 (used for constants such as
     /// epsilons and scales).
@@ -167,6 +189,8 @@ impl Value {
             Data::I64(v) => (D::Int64, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
             Data::Bool(v) => (D::Bool, v.iter().map(|b| u8::from(*b)).collect()),
             Data::U8(v) => (D::Uint8, v.clone()),
+            Data::F64(v) => (D::Double, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+            Data::I32(v) => (D::Int32, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
         };
         let dims = self.shape.iter().map(|d| *d as i64).collect();
         onnx_genai_onnx::Tensor { name: name.into(), dtype, dims, raw: raw.into() }
@@ -200,6 +224,12 @@ impl Value {
             }
             D::Bool => Data::Bool(t.raw.iter().map(|b| *b != 0).collect()),
             D::Uint8 => Data::U8(t.raw.to_vec()),
+            D::Double => {
+                Data::F64(t.raw.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap_or([0; 8]))).collect())
+            }
+            D::Int32 => {
+                Data::I32(t.raw.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap_or([0; 4]))).collect())
+            }
             other => return Err(format!("{other} tensors are not supported by native-cpu")),
         };
         Ok(Self { shape, data })

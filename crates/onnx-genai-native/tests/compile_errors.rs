@@ -127,10 +127,10 @@ fn broken_graphs_are_errors_naming_the_node_and_reason() {
             "cast to an unsupported dtype",
             Box::new(|m| {
                 let i = first(m, "Cast");
-                m.graph.nodes[i].attributes[0].value = AttrValue::Int(DataType::Int32.onnx_code().into());
+                m.graph.nodes[i].attributes[0].value = AttrValue::Int(DataType::Int8.onnx_code().into());
                 m.graph.nodes[i].name.clone()
             }),
-            "cast to ONNX type 6",
+            "cast to ONNX type 3",
         ),
         (
             "logits not a graph output",

@@ -641,6 +641,8 @@ fn elem_bytes(t: DType) -> usize {
     match t {
         DType::I64 => 8,
         DType::U8 | DType::Bool => 1,
+        DType::F64 => 8,
+        DType::I32 => 4,
         _ => 4,
     }
 }

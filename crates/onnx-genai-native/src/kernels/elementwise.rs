@@ -157,13 +157,10 @@ impl UnOp {
     }
 }
 
-/// Whether [`cast`] converts `from` into `to`.
+/// Whether [`cast`] converts `from` into `to` (every numeric and boolean
+/// pair; u8 holds 4-bit blocks and is never cast).
 pub fn can_cast(from: DType, to: DType) -> bool {
-    use DType::*;
-    matches!(
-        (from, to),
-        (F32 | F16 | I64 | Bool, F32) | (F32 | F16, F16) | (F32 | I64 | Bool, I64) | (F32 | I64 | Bool, Bool)
-    )
+    from != DType::U8 && to != DType::U8
 }
 
 /// The broadcast result shape of `a` and `b`, or `None` when incompatible.
@@ -499,7 +496,6 @@ pub fn cast(a: &Value, to: DType, out: &mut Value) -> Result<(), String> {
     let shape = a.shape.clone();
     let n = a.len();
     *out = match (&a.data, to) {
-        (Data::F32(x), DType::F32) => Value::f32(shape, x.clone()),
         (Data::F16(x), DType::F32) => {
             let mut o = out.recycle_f32(n);
             x.iter().zip(o.iter_mut()).for_each(|(x, o)| *o = x.to_f32());
@@ -510,16 +506,45 @@ pub fn cast(a: &Value, to: DType, out: &mut Value) -> Result<(), String> {
             x.iter().zip(o.iter_mut()).for_each(|(x, o)| *o = f16::from_f32(*x));
             Value { shape, data: Data::F16(o) }
         }
-        (Data::F16(x), DType::F16) => Value { shape, data: Data::F16(x.clone()) },
-        (Data::I64(x), DType::F32) => Value::f32(shape, x.iter().map(|v| *v as f32).collect()),
-        (Data::I64(x), DType::I64) => Value::i64(shape, x.clone()),
-        (Data::I64(x), DType::Bool) => Value::bool(shape, x.iter().map(|v| *v != 0).collect()),
-        (Data::F32(x), DType::I64) => Value::i64(shape, x.iter().map(|v| *v as i64).collect()),
-        (Data::F32(x), DType::Bool) => Value::bool(shape, x.iter().map(|v| *v != 0.0).collect()),
-        (Data::Bool(x), DType::Bool) => Value::bool(shape, x.clone()),
-        (Data::Bool(x), DType::I64) => Value::i64(shape, x.iter().map(|v| i64::from(*v)).collect()),
-        (Data::Bool(x), DType::F32) => Value::f32(shape, x.iter().map(|v| f32::from(u8::from(*v))).collect()),
-        _ => return Err(format!("cast from {} to {to} is not supported", a.dtype())),
+        (_, to) if a.dtype() == to => Value { shape, data: a.data.clone() },
+        _ => {
+            // Integers stay integers on the way (an i64 beyond 2^53 is not
+            // rounded through f64); floats go through f64, which holds f32
+            // and f16 exactly, so each cast rounds once. Floats to integers
+            // truncate toward zero, as ONNX's Cast does.
+            let num: Vec<Num> = match &a.data {
+                Data::F32(v) => v.iter().map(|x| Num::F(f64::from(*x))).collect(),
+                Data::F16(v) => v.iter().map(|x| Num::F(x.to_f64())).collect(),
+                Data::F64(v) => v.iter().map(|x| Num::F(*x)).collect(),
+                Data::I64(v) => v.iter().map(|x| Num::I(*x)).collect(),
+                Data::I32(v) => v.iter().map(|x| Num::I(i64::from(*x))).collect(),
+                Data::Bool(v) => v.iter().map(|x| Num::I(i64::from(*x))).collect(),
+                Data::U8(_) => return Err(format!("cast from u8 to {to} is not supported")),
+            };
+            let f = |v: &Num| match *v {
+                Num::F(f) => f,
+                Num::I(i) => i as f64,
+            };
+            let i = |v: &Num| match *v {
+                Num::F(f) => f as i64,
+                Num::I(i) => i,
+            };
+            match to {
+                DType::F32 => Value::f32(shape, num.iter().map(|v| f(v) as f32).collect()),
+                DType::F16 => Value { shape, data: Data::F16(num.iter().map(|v| f16::from_f64(f(v))).collect()) },
+                DType::F64 => Value::f64(shape, num.iter().map(f).collect()),
+                DType::I64 => Value::i64(shape, num.iter().map(i).collect()),
+                DType::I32 => Value::i32(shape, num.iter().map(|v| i(v) as i32).collect()),
+                DType::Bool => Value::bool(shape, num.iter().map(|v| f(v) != 0.0).collect()),
+                DType::U8 => return Err(format!("cast from {} to u8 is not supported", a.dtype())),
+            }
+        }
     };
     Ok(())
+}
+
+/// An element on its way through [`cast`].
+enum Num {
+    F(f64),
+    I(i64),
 }

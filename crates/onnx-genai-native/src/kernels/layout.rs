@@ -17,6 +17,8 @@ pub fn select(src: &Value, index: &[usize], shape: &[usize], out: &mut Value) {
         Data::Bool(v) => Value::bool(shape, pick(v, index, out.recycle_bool(n))),
         Data::F16(v) => Value::f16(shape, pick(v, index, out.recycle_f16(n))),
         Data::U8(v) => Value::u8(shape, pick(v, index, out.recycle_u8(n))),
+        Data::F64(v) => Value::f64(shape, pick(v, index, out.recycle_f64(n))),
+        Data::I32(v) => Value::i32(shape, pick(v, index, out.recycle_i32(n))),
     };
 }
 
@@ -37,6 +39,8 @@ pub fn reshaped(src: &Value, shape: &[usize], out: &mut Value) -> Result<(), Str
         Data::Bool(v) => Value::bool(shape, copy(v, out.recycle_bool(n))),
         Data::F16(v) => Value::f16(shape, copy(v, out.recycle_f16(n))),
         Data::U8(v) => Value::u8(shape, copy(v, out.recycle_u8(n))),
+        Data::F64(v) => Value::f64(shape, copy(v, out.recycle_f64(n))),
+        Data::I32(v) => Value::i32(shape, copy(v, out.recycle_i32(n))),
     };
     Ok(())
 }
@@ -262,6 +266,8 @@ fn join(parts: &[&Value]) -> Value {
         Data::Bool(_) => Data::Bool(cat(parts, |p| p.as_bool().unwrap_or(&[]))),
         Data::F16(_) => Data::F16(cat(parts, |p| p.as_f16().unwrap_or(&[]))),
         Data::U8(_) => Data::U8(cat(parts, |p| p.as_u8().unwrap_or(&[]))),
+        Data::F64(_) => Data::F64(cat(parts, |p| p.as_f64().unwrap_or(&[]))),
+        Data::I32(_) => Data::I32(cat(parts, |p| p.as_i32().unwrap_or(&[]))),
     };
     Value { shape, data }
 }
@@ -295,6 +301,8 @@ pub fn gather(data: &Value, indices: &Value, axis_attr: i64, out: &mut Value) ->
             Data::I64(v) => Value::i64(&shape, rows(v, idx, dim, inner, out.recycle_i64(0))?),
             Data::Bool(v) => Value::bool(&shape, rows(v, idx, dim, inner, out.recycle_bool(0))?),
             Data::U8(v) => Value::u8(&shape, rows(v, idx, dim, inner, out.recycle_u8(0))?),
+            Data::F64(v) => Value::f64(&shape, rows(v, idx, dim, inner, out.recycle_f64(0))?),
+            Data::I32(v) => Value::i32(&shape, rows(v, idx, dim, inner, out.recycle_i32(0))?),
         };
         return Ok(());
     }

@@ -128,7 +128,9 @@ pub fn cum_sum(x: &Value, axis: i64, exclusive: bool, reverse: bool, out: &mut V
     let dims = (outer, len, inner);
     *out = match &x.data {
         Data::F32(v) => Value::f32(&x.shape, scan(v, dims, exclusive, reverse)),
+        Data::F64(v) => Value::f64(&x.shape, scan(v, dims, exclusive, reverse)),
         Data::I64(v) => Value::i64(&x.shape, scan(v, dims, exclusive, reverse)),
+        Data::I32(v) => Value::i32(&x.shape, scan(v, dims, exclusive, reverse)),
         _ => return Err(format!("CumSum of {} is not supported", x.dtype())),
     };
     Ok(())
@@ -390,28 +392,58 @@ pub fn einsum(equation: &str, inputs: &[&Value], out: &mut Value) -> Result<(), 
         |c: char| letters.iter().position(|l| *l == c).ok_or_else(|| format!("output letter `{c}` is not an input's"));
     let out_axes: Vec<usize> = rhs.chars().map(pos).collect::<Result<_, _>>()?;
     let in_axes: Vec<Vec<usize>> = terms.iter().map(|t| t.chars().map(pos).collect()).collect::<Result<_, _>>()?;
-    let values: Vec<&[f32]> = inputs.iter().map(|x| x.as_f32()).collect::<Result<_, _>>()?;
     let out_shape: Vec<usize> = out_axes.iter().map(|a| sizes[*a]).collect();
-    let mut o = vec![0.0f32; out_shape.iter().product()];
-    let total: usize = sizes.iter().product();
-    let mut assign = vec![0usize; letters.len()];
-    let flat = |axes: &[usize], dims: &[usize], assign: &[usize]| {
-        axes.iter().zip(dims).fold(0, |acc, (a, d)| acc * d + assign[*a])
+    let shapes: Vec<&[usize]> = inputs.iter().map(|x| x.shape.as_slice()).collect();
+    let plan =
+        Contraction { sizes: &sizes, in_axes: &in_axes, shapes: &shapes, out_axes: &out_axes, out_shape: &out_shape };
+    *out = match inputs.first().map(|x| x.dtype()) {
+        Some(crate::value::DType::F64) => {
+            let values: Vec<&[f64]> = inputs.iter().map(|x| x.as_f64()).collect::<Result<_, _>>()?;
+            Value::f64(&out_shape, plan.run(&values))
+        }
+        _ => {
+            let values: Vec<&[f32]> = inputs.iter().map(|x| x.as_f32()).collect::<Result<_, _>>()?;
+            Value::f32(&out_shape, plan.run(&values))
+        }
     };
-    for _ in 0..total {
-        let mut product = 1.0f32;
-        for ((axes, x), v) in in_axes.iter().zip(inputs).zip(&values) {
-            product *= v[flat(axes, &x.shape, &assign)];
-        }
-        o[flat(&out_axes, &out_shape, &assign)] += product;
-        for i in (0..assign.len()).rev() {
-            assign[i] += 1;
-            if assign[i] < sizes[i] {
-                break;
-            }
-            assign[i] = 0;
-        }
-    }
-    *out = Value::f32(out_shape, o);
     Ok(())
+}
+
+/// An Einsum with its letters resolved: each letter's size, the letters of
+/// each input and of the output.
+struct Contraction<'a> {
+    sizes: &'a [usize],
+    in_axes: &'a [Vec<usize>],
+    shapes: &'a [&'a [usize]],
+    out_axes: &'a [usize],
+    out_shape: &'a [usize],
+}
+
+impl Contraction<'_> {
+    fn run<T>(&self, values: &[&[T]]) -> Vec<T>
+    where
+        T: Copy + Default + std::ops::Mul<Output = T> + std::ops::AddAssign + From<u8>,
+    {
+        let mut o = vec![T::default(); self.out_shape.iter().product()];
+        let total: usize = self.sizes.iter().product();
+        let mut assign = vec![0usize; self.sizes.len()];
+        let flat = |axes: &[usize], dims: &[usize], assign: &[usize]| {
+            axes.iter().zip(dims).fold(0, |acc, (a, d)| acc * d + assign[*a])
+        };
+        for _ in 0..total {
+            let mut product = T::from(1u8);
+            for ((axes, dims), v) in self.in_axes.iter().zip(self.shapes).zip(values) {
+                product = product * v[flat(axes, dims, &assign)];
+            }
+            o[flat(self.out_axes, self.out_shape, &assign)] += product;
+            for i in (0..assign.len()).rev() {
+                assign[i] += 1;
+                if assign[i] < self.sizes[i] {
+                    break;
+                }
+                assign[i] = 0;
+            }
+        }
+        o
+    }
 }
