@@ -76,13 +76,13 @@ pub fn run(options: Options) -> Result<()> {
         bail!("no node cases selected under {}", root.display());
     }
     let started = Instant::now();
-    let runtime = onnx_genai_native::kernels::Runtime::serial();
     // A panicking kernel is caught and reported as its case's error; the
     // default hook would print a backtrace banner for each.
     let hook = std::panic::take_hook();
     std::panic::set_hook(Box::new(|_| {}));
-    let results: Vec<_> = cases.iter().map(|c| onnx_node::run_case(c, recorded.tolerance(&c.name), &runtime)).collect();
+    let results = run_time_boxed(&cases, &recorded);
     std::panic::set_hook(hook);
+    let results = results?;
     let report = util::target().join("conformance/onnx-node.md");
     std::fs::create_dir_all(report.parent().context("report path")?)?;
     std::fs::write(&report, ratchet::markdown(VERSION, &results))?;
@@ -133,6 +133,33 @@ pub fn run(options: Options) -> Result<()> {
     }
     println!("onnx-tests: every case matches {}", path.display());
     Ok(())
+}
+
+/// Seconds any one case may take: the cases are tiny (all 1,765 run in
+/// about 2 s), so a case past this is a kernel that hangs or explodes.
+const CASE_SECONDS: u64 = 30;
+
+/// Runs the cases on a worker thread; a case that overruns its time box
+/// fails the run, naming it (the worker is abandoned with the process).
+fn run_time_boxed(cases: &[onnx_node::Case], recorded: &ratchet::Ratchet) -> Result<Vec<onnx_node::CaseResult>> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let work: Vec<_> = cases.iter().map(|c| (c.clone(), recorded.tolerance(&c.name))).collect();
+    std::thread::spawn(move || {
+        let runtime = onnx_genai_native::kernels::Runtime::serial();
+        for (case, tolerance) in work {
+            if tx.send(onnx_node::run_case(&case, tolerance, &runtime)).is_err() {
+                return;
+            }
+        }
+    });
+    let mut results = Vec::with_capacity(cases.len());
+    for case in cases {
+        match rx.recv_timeout(std::time::Duration::from_secs(CASE_SECONDS)) {
+            Ok(result) => results.push(result),
+            Err(_) => bail!("node case {} did not finish within {CASE_SECONDS} s", case.name),
+        }
+    }
+    Ok(results)
 }
 
 fn header() -> String {
