@@ -94,7 +94,7 @@ pub fn run(op: &Op, inputs: &[Option<&Value>], outputs: &mut [Value], env: &mut 
         Op::Range => ly::range(arg(inputs, 0)?, arg(inputs, 1)?, arg(inputs, 2)?, out),
         Op::ConstantOfShape(v) => {
             let shape: Vec<usize> = ints(inputs, 0, "shape")?.iter().map(|d| (*d).max(0) as usize).collect();
-            let n = shape.iter().product();
+            let n = ly::checked_elements(&shape)?;
             let index = vec![0; n];
             ly::select(v, &index, &shape, out);
             Ok(())

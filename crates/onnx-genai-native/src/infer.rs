@@ -422,7 +422,9 @@ pub fn infer(op: &Op, inputs: &[Option<&Meta>], outputs: usize) -> Result<Vec<Ou
                         let dim = dim as i64;
                         let norm = |v: i64| if v < 0 { v + dim } else { v };
                         let (b, e) = (norm(*start).clamp(0, dim), norm(*end).clamp(0, dim));
-                        Some(if e > b { ((e - b + step - 1) / step) as usize } else { 0 })
+                        // Counted without forming `e - b + step`, which
+                        // overflows for a step near i64::MAX.
+                        Some(if e > b { ((e - b - 1) as u64 / step as u64 + 1) as usize } else { 0 })
                     }
                     _ => None,
                 };

@@ -129,3 +129,53 @@ fn einsum_covers_the_common_two_operand_forms() {
         assert_eq!(out[0].as_f32().unwrap(), want.as_slice(), "{equation}");
     }
 }
+
+/// Issue 20, finding 1: shapes a graph computes from its own constants are
+/// checked before anything is allocated. A `ConstantOfShape` of
+/// [2^21, 2^21] and a `Range` of 2^40 elements are compile errors naming the
+/// node (they used to abort on an 8–35 TB allocation while folding), and a
+/// `Slice` with step i64::MAX visits one element instead of overflowing.
+#[test]
+fn crafted_sizes_are_errors_not_aborts() {
+    use onnx_genai_onnx::Tensor;
+    let huge_fill = graph(|g| {
+        let shape = g.initializer(Tensor::from_i64("shape", vec![2], &[1 << 21, 1 << 21]));
+        let y = g.op("ConstantOfShape", &[&shape]);
+        g.output(&y, DataType::Float, vec![]);
+    });
+    let err = compile_graph(&huge_fill).unwrap_err().to_string();
+    assert!(err.contains("ConstantOfShape") && err.contains("more than"), "{err}");
+
+    let huge_range = graph(|g| {
+        let start = g.scalar_i64(0);
+        let limit = g.scalar_i64(1 << 40);
+        let delta = g.scalar_i64(1);
+        let y = g.op("Range", &[&start, &limit, &delta]);
+        g.output(&y, DataType::Int64, vec![]);
+    });
+    let err = compile_graph(&huge_range).unwrap_err().to_string();
+    assert!(err.contains("Range") && err.contains("more than"), "{err}");
+
+    let far_step = graph(|g| {
+        f32_input(g, "x", &[5]);
+        let starts = g.const_i64(&[1]);
+        let ends = g.const_i64(&[5]);
+        let axes = g.const_i64(&[0]);
+        let steps = g.const_i64(&[i64::MAX]);
+        let y = g.op("Slice", &["x", &starts, &ends, &axes, &steps]);
+        g.output(&y, DataType::Float, vec![]);
+    });
+    let out = run(&far_step, vec![("x", Value::f32([5], vec![0.0, 1.0, 2.0, 3.0, 4.0]))]);
+    assert_eq!(out[0].as_f32().unwrap(), &[1.0]);
+    let back = graph(|g| {
+        f32_input(g, "x", &[5]);
+        let starts = g.const_i64(&[4]);
+        let ends = g.const_i64(&[i64::MIN]);
+        let axes = g.const_i64(&[0]);
+        let steps = g.const_i64(&[i64::MIN]);
+        let y = g.op("Slice", &["x", &starts, &ends, &axes, &steps]);
+        g.output(&y, DataType::Float, vec![]);
+    });
+    let out = run(&back, vec![("x", Value::f32([5], vec![0.0, 1.0, 2.0, 3.0, 4.0]))]);
+    assert_eq!(out[0].as_f32().unwrap(), &[4.0]);
+}

@@ -124,6 +124,10 @@ impl Resolver {
         }
         let file = match self.files.get(&canonical) {
             Some(f) => f.clone(),
+            // Opening a FIFO or a device would block or stream forever.
+            None if !canonical.is_file() => {
+                return Err(err(location, "not a regular file (a FIFO, device or directory)".into()));
+            }
             None => {
                 let f = Arc::new(MappedFile::open(&canonical).map_err(|e| err(location, format!("cannot map: {e}")))?);
                 self.files.insert(canonical, f.clone());

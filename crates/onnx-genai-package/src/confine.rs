@@ -31,6 +31,14 @@ pub fn resolve(root: &Path, relative: &str, file: &str, field: &str) -> Result<P
             format!("`{relative}` resolves outside the package (a symlink leaves the directory)"),
             "copy the file into the package instead of linking to it",
         )),
+        // Reading a FIFO or a device would block or stream forever.
+        (Ok(target), Ok(_)) if !target.is_file() => Err(Diagnostic::error(
+            Code::PKG013,
+            file,
+            field,
+            format!("`{relative}` is not a regular file (a FIFO, device or directory)"),
+            "put the file itself in the package",
+        )),
         (Ok(_), Ok(_)) => Ok(joined),
         _ if std::fs::symlink_metadata(&joined).is_ok() => Err(Diagnostic::error(
             Code::PKG011,

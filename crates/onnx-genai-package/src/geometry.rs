@@ -32,8 +32,17 @@ impl KvGeometry {
 
     /// Bytes one token occupies across every layer's key and value tensors:
     /// `sum over layers of 2 * kv_heads * head_dim * dtype_bytes`.
+    /// Saturates rather than wraps: validation bounds the sizes so that it
+    /// never needs to, but a figure admission trusts must never come out small.
     pub fn bytes_per_token(&self) -> u64 {
-        self.layers.iter().map(|l| 2 * u64::from(l.kv_heads) * u64::from(l.head_dim) * self.dtype.size_bytes()).sum()
+        self.layers
+            .iter()
+            .map(|l| {
+                (2 * u64::from(l.kv_heads))
+                    .saturating_mul(u64::from(l.head_dim))
+                    .saturating_mul(self.dtype.size_bytes())
+            })
+            .fold(0u64, u64::saturating_add)
     }
 }
 

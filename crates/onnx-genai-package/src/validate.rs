@@ -57,7 +57,11 @@ pub fn validate(root: &Path) -> (Report, Checked) {
         return (report, checked);
     };
     let ctx = Ctx { root, dialect: checked.dialect };
-    check_architecture(&ctx, m, &mut report);
+    if !check_architecture(&ctx, m, &mut report) {
+        // Later checks walk the layers and heads; with sizes out of bounds
+        // they would allocate per layer (billions of entries) first.
+        return (report, checked);
+    }
     let mut models = Vec::new();
     for (ci, component) in m.components.iter().enumerate() {
         let field = ctx.component_field(ci, "file");
@@ -212,9 +216,30 @@ pub fn parse_native(text: &str, report: &mut Report) -> Option<Manifest> {
     Some(m)
 }
 
-fn check_architecture(ctx: &Ctx, m: &Manifest, report: &mut Report) {
+/// Upper bounds on the architecture's sizes: far above any released model,
+/// low enough that every product the runtime forms from them (KV bytes per
+/// token, per-layer tables) fits its integer type and allocates sanely.
+pub const ARCHITECTURE_BOUNDS: [(&str, u32); 7] = [
+    ("hidden_size", 1 << 20),
+    ("num_layers", 1 << 12),
+    ("num_attention_heads", 1 << 12),
+    ("num_kv_heads", 1 << 12),
+    ("head_dim", 1 << 14),
+    ("vocab_size", 1 << 24),
+    ("max_sequence_length", 1 << 24),
+];
+
+fn bound_of(key: &str) -> u32 {
+    ARCHITECTURE_BOUNDS.iter().find(|(k, _)| *k == key).map_or(u32::MAX, |(_, b)| *b)
+}
+
+/// Reports what is wrong with the architecture; returns whether its sizes
+/// are within [`ARCHITECTURE_BOUNDS`], which every later check that
+/// allocates per layer relies on.
+fn check_architecture(ctx: &Ctx, m: &Manifest, report: &mut Report) -> bool {
     let a = &m.architecture;
     let file = ctx.manifest_file();
+    let mut bounded = true;
     for (key, value) in [
         ("hidden_size", a.hidden_size),
         ("num_layers", a.num_layers),
@@ -230,6 +255,15 @@ fn check_architecture(ctx: &Ctx, m: &Manifest, report: &mut Report) {
                 file,
                 ctx.arch_field(key),
                 format!("`{key}` is 0"),
+                "give the model's real size",
+            ));
+        } else if value > bound_of(key) {
+            bounded = false;
+            report.push(Diagnostic::error(
+                Code::PKG031,
+                file,
+                ctx.arch_field(key),
+                format!("`{key}` is {value}, above the supported {}", bound_of(key)),
                 "give the model's real size",
             ));
         }
@@ -253,7 +287,23 @@ fn check_architecture(ctx: &Ctx, m: &Manifest, report: &mut Report) {
                 "give one entry per layer, or drop `layers` when all layers are alike",
             ));
         }
+        for (i, l) in layers.iter().enumerate() {
+            for (key, value) in [("kv_heads", l.kv_heads), ("head_dim", l.head_dim)] {
+                let bound = bound_of(if key == "kv_heads" { "num_kv_heads" } else { "head_dim" });
+                if value == 0 || value > bound {
+                    bounded &= value <= bound;
+                    report.push(Diagnostic::error(
+                        Code::PKG031,
+                        file,
+                        format!("kv_cache.layers[{i}].{key}"),
+                        format!("`{key}` is {value}; it must be between 1 and {bound}"),
+                        "give the layer's real KV geometry",
+                    ));
+                }
+            }
+        }
     }
+    bounded
 }
 
 /// Positions past a rotary cos/sin cache have no angle: a context length

@@ -45,6 +45,33 @@ pub fn reshaped(src: &Value, shape: &[usize], out: &mut Value) -> Result<(), Str
     Ok(())
 }
 
+/// The most elements a kernel creates in one tensor (2^32: 16 GiB of f32,
+/// above any real decoder's largest value, a prefill's logits included).
+/// Shapes computed from a graph's own constants or inputs are checked
+/// against it before anything is allocated, so a crafted `ConstantOfShape`
+/// or `Range` is an error naming the node, not an abort.
+pub const MAX_ELEMENTS: usize = 1 << 32;
+
+/// The element count of `shape`, or an error when it overflows or passes
+/// [`MAX_ELEMENTS`].
+pub fn checked_elements(shape: &[usize]) -> Result<usize, String> {
+    shape
+        .iter()
+        .try_fold(1usize, |acc, d| acc.checked_mul(*d))
+        .filter(|n| *n <= MAX_ELEMENTS)
+        .ok_or_else(|| format!("shape {shape:?} holds more than {MAX_ELEMENTS} elements"))
+}
+
+/// How many elements a slice visits going `span` (> 0) positions at
+/// `step` per move, without overflowing for any step.
+fn visits(span: i64, step: i64) -> i64 {
+    if span <= 0 {
+        0
+    } else {
+        ((span - 1) as u64 / step.unsigned_abs()) as i64 + 1
+    }
+}
+
 /// The axes `start..end` of a rank-`rank` shape that ONNX Shape returns
 /// (negative values count from the end; both are clamped).
 pub fn shape_span(start: i64, end: Option<i64>, rank: usize) -> std::ops::Range<usize> {
@@ -196,14 +223,16 @@ pub fn slice(
         let (start, end) = (norm(*start), norm(*end));
         let (first, count) = if step > 0 {
             let (b, e) = (start.clamp(0, dim), end.clamp(0, dim));
-            (b, if e > b { (e - b + step - 1) / step } else { 0 })
+            (b, visits(e - b, step))
         } else {
             let (b, e) = (start.clamp(-1, dim - 1), end.clamp(-1, dim - 1));
-            (b, if b > e { (b - e + (-step) - 1) / (-step) } else { 0 })
+            (b, visits(b - e, step))
         };
         counts[a] = count as usize;
         base += first as isize * s[a] as isize;
-        walk[a] = step as isize * s[a] as isize;
+        // A step past the axis visits one element; clamping keeps the stride
+        // from overflowing where it is never taken.
+        walk[a] = step.clamp(-dim.max(1), dim.max(1)) as isize * s[a] as isize;
     }
     let index = if counts.contains(&0) { Vec::new() } else { strided_index(base as usize, &counts, &walk) };
     select(src, &index, &counts, out);
@@ -327,7 +356,15 @@ pub fn tile(src: &Value, repeats: &[i64], out: &mut Value) -> Result<(), String>
     if repeats.len() != src.shape.len() || repeats.iter().any(|r| *r < 0) {
         return Err(format!("repeats {repeats:?} do not fit rank {}", src.shape.len()));
     }
-    let shape: Vec<usize> = src.shape.iter().zip(repeats).map(|(d, r)| d * *r as usize).collect();
+    let shape: Vec<usize> = src
+        .shape
+        .iter()
+        .zip(repeats)
+        .map(|(d, r)| {
+            d.checked_mul(*r as usize).ok_or_else(|| format!("tiling {:?} by {repeats:?} overflows", src.shape))
+        })
+        .collect::<Result<_, _>>()?;
+    checked_elements(&shape)?;
     // Built axis by axis from the innermost: each axis repeats the block of
     // source indices assembled so far.
     let s = strides(&src.shape);
@@ -360,7 +397,11 @@ pub fn range(start: &Value, limit: &Value, delta: &Value, out: &mut Value) -> Re
     let scalar = |v: &Value| v.as_i64().ok().and_then(|x| (x.len() == 1).then(|| x[0]));
     match (scalar(start), scalar(limit), scalar(delta)) {
         (Some(s), Some(l), Some(d)) if d != 0 => {
-            let n = ((l - s) as f64 / d as f64).ceil().max(0.0) as usize;
+            let n = ((l as f64 - s as f64) / d as f64).ceil().max(0.0);
+            if n > MAX_ELEMENTS as f64 {
+                return Err(format!("Range({s}, {l}, {d}) has {n} elements, more than {MAX_ELEMENTS}"));
+            }
+            let n = n as usize;
             let mut o = out.recycle_i64(n);
             o.iter_mut().enumerate().for_each(|(i, o)| *o = s + i as i64 * d);
             *out = Value::i64([n], o);
@@ -370,7 +411,11 @@ pub fn range(start: &Value, limit: &Value, delta: &Value, out: &mut Value) -> Re
             let scalar = |v: &Value| v.as_f32().ok().and_then(|x| (x.len() == 1).then(|| x[0]));
             match (scalar(start), scalar(limit), scalar(delta)) {
                 (Some(s), Some(l), Some(d)) if d != 0.0 => {
-                    let n = ((l - s) / d).ceil().max(0.0) as usize;
+                    let n = ((l - s) / d).ceil().max(0.0);
+                    if n.is_nan() || n > MAX_ELEMENTS as f32 {
+                        return Err(format!("Range({s}, {l}, {d}) has {n} elements, more than {MAX_ELEMENTS}"));
+                    }
+                    let n = n as usize;
                     let mut o = out.recycle_f32(n);
                     o.iter_mut().enumerate().for_each(|(i, o)| *o = s + i as f32 * d);
                     *out = Value::f32([n], o);

@@ -93,6 +93,10 @@ pub enum Mutation {
         file: String,
         bytes: usize,
     },
+    /// Replace `file` with a named pipe (nothing ever writes to it).
+    Fifo {
+        file: String,
+    },
     /// Replace `file` with a symlink to a copy of it outside the package.
     SymlinkOutside {
         file: String,
@@ -163,6 +167,12 @@ pub fn apply(dir: &Path, mutation: &Mutation) {
                 }
             }
             std::fs::write(&path, proto.encode_to_vec()).unwrap();
+        }
+        Mutation::Fifo { file } => {
+            let path = dir.join(file);
+            std::fs::remove_file(&path).unwrap();
+            let made = std::process::Command::new("mkfifo").arg(&path).status().unwrap();
+            assert!(made.success(), "mkfifo {}", path.display());
         }
         Mutation::SymlinkOutside { file } => {
             let outside = dir.parent().unwrap().join(format!("outside-{file}"));
