@@ -324,6 +324,16 @@ impl Model {
 pub(crate) type Ctx<'a, 'r> = &'a mut Option<&'r mut Resolver>;
 
 fn graph_from_proto(g: proto::GraphProto, ctx: Ctx) -> Result<Graph, OnnxError> {
+    if let Some(sparse) = g.sparse_initializer.first() {
+        let name = sparse.values.as_ref().map_or("", |v| v.name.as_str());
+        return Err(OnnxError::Unsupported {
+            what: format!(
+                "graph `{}`: sparse initializer `{name}` ({} in all): sparse tensors are not supported; store it dense",
+                g.name,
+                g.sparse_initializer.len()
+            ),
+        });
+    }
     let value_infos = |list: Vec<proto::ValueInfoProto>| -> Result<Vec<ValueInfo>, OnnxError> {
         list.into_iter().map(value_info_from_proto).collect()
     };

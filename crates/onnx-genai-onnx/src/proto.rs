@@ -60,6 +60,20 @@ pub struct GraphProto {
     pub output: Vec<ValueInfoProto>,
     #[prost(message, repeated, tag = "13")]
     pub value_info: Vec<ValueInfoProto>,
+    /// Decoded only to be refused: the IR holds no sparse tensors, and
+    /// ignoring them would leave their external data unchecked.
+    #[prost(message, repeated, tag = "15")]
+    pub sparse_initializer: Vec<SparseTensorProto>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct SparseTensorProto {
+    #[prost(message, optional, tag = "1")]
+    pub values: Option<TensorProto>,
+    #[prost(message, optional, tag = "2")]
+    pub indices: Option<TensorProto>,
+    #[prost(int64, repeated, tag = "3")]
+    pub dims: Vec<i64>,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]

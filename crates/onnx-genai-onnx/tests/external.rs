@@ -126,3 +126,31 @@ fn a_wrong_length_is_named() {
     });
     assert!(external_error(&path).contains("`length` is 8 but the tensor's dims need 12 bytes"));
 }
+
+/// Issue 20, finding 6: a sparse initializer whose values live in external
+/// data outside the model's directory used to pass (the reader skipped
+/// sparse initializers unread, so their paths went unchecked). The IR holds
+/// no sparse tensors, so any sparse initializer is a typed refusal naming it.
+#[test]
+fn a_sparse_initializer_is_refused_not_skipped() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = written(dir.path());
+    edit(&path, |p| {
+        let g = p.graph.as_mut().unwrap();
+        let mut values = g.initializer[0].clone();
+        values.name = "escaping".into();
+        values.external_data.iter_mut().find(|e| e.key == "location").unwrap().value = "../../etc/passwd".into();
+        g.sparse_initializer.push(onnx_genai_onnx::proto::SparseTensorProto {
+            values: Some(values),
+            indices: None,
+            dims: vec![3],
+        });
+    });
+    match read_model(&path) {
+        Err(e @ OnnxError::Unsupported { .. }) => {
+            let text = e.to_string();
+            assert!(text.contains("sparse initializer `escaping`"), "{text}");
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}

@@ -27,8 +27,21 @@ pub fn deserialize_closed<T: DeserializeOwned>(
     codes: &SchemaCodes,
     report: &mut Report,
 ) -> Option<T> {
-    // Each round removes one key, so the number of keys bounds the rounds.
+    // Each round removes one key, so the number of keys bounds the rounds;
+    // each round re-reads the document, so the rounds are capped too (8,000
+    // unknown keys once took seconds).
+    let mut unknown_keys = 0;
     for _ in 0..=count_keys(&tree) {
+        if unknown_keys == MAX_UNKNOWN_KEYS {
+            report.push(Diagnostic::error(
+                codes.unknown_key,
+                file,
+                "",
+                format!("more than {MAX_UNKNOWN_KEYS} unknown keys; the rest are not listed"),
+                "fix the keys above (is this the right kind of file?)",
+            ));
+            return None;
+        }
         let err = match serde_path_to_error::deserialize::<_, T>(tree.clone()) {
             Ok(value) => return Some(value),
             Err(err) => err,
@@ -58,6 +71,7 @@ pub fn deserialize_closed<T: DeserializeOwned>(
             if !remove_key(&mut tree, &parent, &unknown) {
                 return None;
             }
+            unknown_keys += 1;
             continue;
         }
         let hint = if let Some(rest) = message.strip_prefix("unknown variant `") {
@@ -77,6 +91,74 @@ pub fn deserialize_closed<T: DeserializeOwned>(
         return None;
     }
     None
+}
+
+/// Unknown keys reported one by one before the rest are summarized.
+pub const MAX_UNKNOWN_KEYS: usize = 50;
+
+/// How deep a manifest's lists and maps may nest.
+pub const MAX_NESTING: usize = 32;
+
+/// Checks that the flow collections (`[...]`, `{...}`) of a YAML or JSON
+/// text nest at most [`MAX_NESTING`] deep; returns the depth reached when
+/// they do not. Run before parsing: a parser walks 100,000 levels slowly
+/// (or not at all). Brackets inside quoted scalars, comments and block
+/// scalars (`|`, `>`: where chat templates live, Jinja braces and all) are
+/// not structure and are skipped.
+pub fn check_nesting(text: &str) -> Result<(), usize> {
+    let mut depth = 0usize;
+    // Indentation of the key whose block scalar is being skipped.
+    let mut block: Option<usize> = None;
+    for line in text.lines() {
+        let indent = line.len() - line.trim_start().len();
+        if let Some(owner) = block {
+            if line.trim().is_empty() || indent > owner {
+                continue;
+            }
+            block = None;
+        }
+        let (mut quote, mut escaped, mut prev) = (None::<char>, false, ' ');
+        let mut content_end = 0;
+        for (at, c) in line.char_indices() {
+            match quote {
+                Some('"') if c == '\\' && !escaped => {
+                    escaped = true;
+                    continue;
+                }
+                Some(q) if c == q && !escaped => quote = None,
+                Some(_) => {}
+                // A quote opens a scalar only where a value starts.
+                None if (c == '"' || c == '\'') && matches!(prev, ' ' | ':' | '-' | '[' | '{' | ',') => quote = Some(c),
+                None if c == '#' && prev.is_whitespace() => break,
+                None if c == '[' || c == '{' => {
+                    depth += 1;
+                    if depth > MAX_NESTING {
+                        return Err(depth);
+                    }
+                }
+                None if c == ']' || c == '}' => depth = depth.saturating_sub(1),
+                None => {}
+            }
+            escaped = false;
+            if !c.is_whitespace() {
+                content_end = at + c.len_utf8();
+            }
+            prev = c;
+        }
+        let content = line[..content_end].trim_end();
+        let indicator = content.trim_end_matches(|c: char| c == '-' || c == '+' || c.is_ascii_digit());
+        if quote.is_none()
+            && (indicator.ends_with(": |")
+                || indicator.ends_with(": >")
+                || indicator == "|"
+                || indicator == ">"
+                || indicator.ends_with("- |")
+                || indicator.ends_with("- >"))
+        {
+            block = Some(indent);
+        }
+    }
+    Ok(())
 }
 
 fn count_keys(tree: &Tree) -> usize {
@@ -165,6 +247,41 @@ mod tests {
     const CODES: SchemaCodes = SchemaCodes { unknown_key: Code::PKG003, bad_value: Code::PKG004 };
 
     /// Every unknown key is reported, at its own path, not just the first one.
+    /// Issue 20, finding 4: 100,000 nested lists are refused before the
+    /// parser sees them; brackets that are text (a chat template's Jinja in
+    /// a block scalar, quoted strings, comments) are not counted.
+    #[test]
+    fn deep_nesting_is_refused_and_text_is_not_structure() {
+        let deep = format!("extra: {}{}", "[".repeat(100_000), "]".repeat(100_000));
+        assert_eq!(check_nesting(&deep), Err(MAX_NESTING + 1));
+        let maps = format!("a: {}{}", "{b: ".repeat(40), "}".repeat(40));
+        assert!(check_nesting(&maps).is_err());
+        let jinja = "{# a comment #}{% if x %}{{ 'it' }}{% endif %}\n".repeat(40);
+        let template = format!(
+            "name: it's fine\nchat_template: |-\n  {}\nnote: \"[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[\" # {{{{{{{{\nlist: [[1, 2], {{a: [3]}}]\n",
+            jinja.replace('\n', "\n  ")
+        );
+        assert_eq!(check_nesting(&template), Ok(()), "{template}");
+    }
+
+    /// Issue 20, finding 4: 8,000 unknown keys once took seconds (each
+    /// reported key re-read the whole document); now the first
+    /// `MAX_UNKNOWN_KEYS` are listed and the rest summarized.
+    #[test]
+    fn unknown_keys_past_the_cap_are_summarized() {
+        let mut map = serde_json::Map::new();
+        map.insert("name".into(), "x".into());
+        map.insert("inner".into(), serde_json::json!([]));
+        for i in 0..8000 {
+            map.insert(format!("k{i}"), 1.into());
+        }
+        let mut report = Report::default();
+        let parsed: Option<Outer> = deserialize_closed(Tree::Object(map), "f.yaml", &CODES, &mut report);
+        assert!(parsed.is_none());
+        assert_eq!(report.diagnostics.len(), MAX_UNKNOWN_KEYS + 1, "{report}");
+        assert!(report.diagnostics.last().is_some_and(|d| d.message.contains("more than 50 unknown keys")));
+    }
+
     #[test]
     fn reports_every_unknown_key_with_path_and_suggestion() {
         let tree = serde_json::json!({

@@ -148,6 +148,9 @@ impl Ctx<'_> {
     }
 }
 
+/// The largest manifest (`package.yaml`, `genai_config.json`) read.
+const MAX_MANIFEST_BYTES: u64 = 4 << 20;
+
 fn read_text(root: &Path, file: &str, report: &mut Report) -> Option<String> {
     let path = match confine::resolve(root, file, file, "") {
         Ok(p) => p,
@@ -159,6 +162,17 @@ fn read_text(root: &Path, file: &str, report: &mut Report) -> Option<String> {
             return None;
         }
     };
+    // A manifest is a few kilobytes; a huge one is refused before parsing.
+    if std::fs::metadata(&path).is_ok_and(|m| m.len() > MAX_MANIFEST_BYTES) {
+        report.push(Diagnostic::error(
+            Code::PKG001,
+            file,
+            "",
+            format!("larger than {MAX_MANIFEST_BYTES} bytes"),
+            "a manifest describes the package; weights and vocabularies live in their own files",
+        ));
+        return None;
+    }
     match std::fs::read(&path) {
         Ok(bytes) => match String::from_utf8(bytes) {
             Ok(text) => Some(text),
@@ -188,6 +202,19 @@ fn read_text(root: &Path, file: &str, report: &mut Report) -> Option<String> {
 
 /// Parses `package.yaml` text against the closed schema.
 pub fn parse_native(text: &str, report: &mut Report) -> Option<Manifest> {
+    if let Err(depth) = crate::schema::check_nesting(text) {
+        report.push(Diagnostic::error(
+            Code::PKG002,
+            MANIFEST_FILE,
+            "",
+            format!(
+                "nested {depth} levels deep; a manifest nests at most {} (lists and maps)",
+                crate::schema::MAX_NESTING
+            ),
+            "a manifest is a few levels of maps and lists; fix the brackets",
+        ));
+        return None;
+    }
     let tree: Tree = match serde_yaml_ng::from_str(text) {
         Ok(t) => t,
         Err(e) => {
