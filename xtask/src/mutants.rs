@@ -21,10 +21,6 @@ pub fn run(opts: Options) -> Result<()> {
     let out = util::target().join("mutants");
     let _lock = RunLock::take(&out).map_err(anyhow::Error::msg)?;
     let root = util::root();
-    let mut runner = Runner::new(root.clone(), out.join("scratch"), out.join("target"));
-    runner.envs.push(("ORT_DYLIB_PATH".into(), lib.display().to_string()));
-    runner.shared_target = vec!["python".into(), "onnxruntime".into()];
-    runner.prepare().map_err(anyhow::Error::msg)?;
     let selection = Selection {
         battery: opts.battery,
         mutant: opts.mutant,
@@ -32,6 +28,12 @@ pub fn run(opts: Options) -> Result<()> {
         ..Selection::default()
     };
     let catalogs = mutants::load(&root)?;
+    // Before the scratch copy and any build: a misspelled name fails at once.
+    mutants::check_selection(&catalogs, &selection).map_err(anyhow::Error::msg)?;
+    let mut runner = Runner::new(root.clone(), out.join("scratch"), out.join("target"));
+    runner.envs.push(("ORT_DYLIB_PATH".into(), lib.display().to_string()));
+    runner.shared_target = vec!["python".into(), "onnxruntime".into()];
+    runner.prepare().map_err(anyhow::Error::msg)?;
     for c in catalogs.iter().filter(|c| selection.battery.as_ref().is_none_or(|b| *b == c.battery)) {
         println!("==> battery {}: {} mutants over {}", c.battery, c.mutants.len(), c.packages.join(", "));
     }

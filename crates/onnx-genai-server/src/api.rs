@@ -110,6 +110,19 @@ impl Sampling {
         if self.max_new_tokens() == Some(0) {
             return Err(ApiError::param("max_tokens", "max_tokens must be at least 1"));
         }
+        // Every stop string is matched against the text after every token:
+        // the list and each string are bounded (OpenAI allows 4).
+        if let Some(Stop::Many(v)) = &self.stop {
+            if v.len() > MAX_STOPS {
+                return Err(ApiError::param("stop", format!("at most {MAX_STOPS} stop sequences, got {}", v.len())));
+            }
+        }
+        if let Some(long) = self.stops().iter().find(|s| s.chars().count() > MAX_STOP_CHARS) {
+            return Err(ApiError::param(
+                "stop",
+                format!("a stop sequence is at most {MAX_STOP_CHARS} characters, got {}", long.chars().count()),
+            ));
+        }
         Ok(())
     }
 
@@ -128,6 +141,11 @@ impl Sampling {
         .collect()
     }
 }
+
+/// Stop sequences a request may give (OpenAI's limit).
+pub const MAX_STOPS: usize = 4;
+/// Characters in one stop sequence.
+pub const MAX_STOP_CHARS: usize = 256;
 
 pub fn usage(prompt: usize, completion: usize) -> Value {
     json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})

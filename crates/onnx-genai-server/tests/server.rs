@@ -326,6 +326,19 @@ fn bad_requests_get_openai_errors() {
             400,
             "max_tokens must be at least 1",
         ),
+        (
+            json!({"model": M, "messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]})
+                .to_string(),
+            &[],
+            400,
+            "at most 4 stop sequences, got 5",
+        ),
+        (
+            json!({"model": M, "messages": [{"role": "user", "content": "hi"}], "stop": "x".repeat(300)}).to_string(),
+            &[],
+            400,
+            "a stop sequence is at most 256 characters",
+        ),
         (json!({"model": M}).to_string(), &[], 400, "missing field `messages`"),
         (chat(M, "hi", 2).to_string(), &[("x-session-id", "sess_unknown")], 404, "no session `sess_unknown`"),
         (

@@ -140,12 +140,32 @@ impl MutantResult {
 
 /// Runs every selected battery of `catalogs` in the prepared scratch tree
 /// of `runner`; `on_result` sees each mutant's result as it lands.
+/// A `--battery` or `--mutant` that names nothing is an error listing
+/// what exists (a misspelling used to select zero mutants and pass).
+pub fn check_selection(catalogs: &[Catalog], selection: &Selection) -> Result<(), String> {
+    let batteries: Vec<&str> = catalogs.iter().map(|c| c.battery.as_str()).collect();
+    if let Some(b) = &selection.battery {
+        if !batteries.contains(&b.as_str()) {
+            return Err(format!("no battery `{b}`; the batteries are {}", batteries.join(", ")));
+        }
+    }
+    if let Some(id) = &selection.mutant {
+        let in_scope = catalogs.iter().filter(|c| selection.battery.as_ref().is_none_or(|b| *b == c.battery));
+        let ids: Vec<&str> = in_scope.flat_map(|c| c.mutants.iter().map(|m| m.id.as_str())).collect();
+        if !ids.contains(&id.as_str()) {
+            return Err(format!("no mutant `{id}` in the selected batteries; their mutants are {}", ids.join(", ")));
+        }
+    }
+    Ok(())
+}
+
 pub fn run_all(
     runner: &Runner,
     catalogs: &[Catalog],
     selection: &Selection,
     mut on_result: impl FnMut(&MutantResult),
 ) -> Result<Report, String> {
+    check_selection(catalogs, selection)?;
     let started = Instant::now();
     let mut report = Report::default();
     for catalog in catalogs {

@@ -18,7 +18,7 @@ use crate::HarnessError;
 mod battery;
 mod runner;
 
-pub use battery::{run_all, Problem, Report, Selection};
+pub use battery::{check_selection, run_all, Problem, Report, Selection};
 pub use runner::{run_limited, RunLock, Runner, TestRun};
 
 #[derive(Clone, Debug, Deserialize)]
@@ -146,6 +146,28 @@ mod tests {
     }
 
     /// A second run cannot start while the lock is held; it can after.
+    /// Issue 21: a misspelled `--battery` or `--mutant` is an error naming
+    /// what exists, never a run of zero mutants that passes.
+    #[test]
+    fn a_selection_that_names_nothing_is_an_error() {
+        let catalogs = load(&root()).unwrap();
+        let select = |battery: Option<&str>, mutant: Option<&str>| Selection {
+            battery: battery.map(str::to_string),
+            mutant: mutant.map(str::to_string),
+            ..Selection::default()
+        };
+        let first = &catalogs[0];
+        assert!(check_selection(&catalogs, &select(Some(&first.battery), Some(&first.mutants[0].id))).is_ok());
+        assert!(check_selection(&catalogs, &select(None, None)).is_ok());
+        let err = check_selection(&catalogs, &select(Some("admision"), None)).unwrap_err();
+        assert!(err.contains("no battery `admision`") && err.contains(&first.battery), "{err}");
+        let err = check_selection(&catalogs, &select(None, Some("no-such-mutant"))).unwrap_err();
+        assert!(err.contains("no mutant `no-such-mutant`"), "{err}");
+        let other = catalogs.iter().find(|c| c.battery != first.battery).unwrap();
+        let err = check_selection(&catalogs, &select(Some(&other.battery), Some(&first.mutants[0].id))).unwrap_err();
+        assert!(err.contains("no mutant"), "a mutant of another battery is not in scope: {err}");
+    }
+
     #[test]
     fn the_lock_refuses_a_nested_run() {
         let dir = tempfile::tempdir().unwrap();
