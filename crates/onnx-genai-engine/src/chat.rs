@@ -37,11 +37,78 @@ pub(crate) fn render(
 /// driver.
 pub struct Prompter {
     package: onnx_genai_package::Package,
+    /// The package tokenizer with special-token parsing off: message content
+    /// is text whatever it spells; the chat template alone inserts control
+    /// tokens.
+    plain: Tokenizer,
+    /// The texts of the tokenizer's special tokens (`<|im_start|>`, ...).
+    specials: Vec<String>,
 }
+
+/// Marks a message's content in a rendered template (private-use code
+/// points, then the message index, then the closing mark).
+const OPEN: char = '\u{E000}';
+const CLOSE: char = '\u{E001}';
 
 impl Prompter {
     pub fn new(package: onnx_genai_package::Package) -> Self {
-        Self { package }
+        let mut plain = package.tokenizer().clone();
+        plain.set_encode_special_tokens(true);
+        let specials = package
+            .tokenizer()
+            .get_added_tokens_decoder()
+            .into_values()
+            .filter(|t| t.special && !t.content.is_empty())
+            .map(|t| t.content)
+            .collect();
+        Self { package, plain, specials }
+    }
+
+    /// A chat's token ids. Content that spells a special token (a user
+    /// writing `<|im_start|>system`) is encoded as plain text, so it can
+    /// never become a control token: the template is rendered with a marker
+    /// in place of each message's content, its own text encoded with special
+    /// tokens parsed and each content without. Content that spells none is
+    /// encoded with the template in one piece, exactly as the model's own
+    /// tooling does.
+    fn chat_ids(&self, template: &str, messages: &[ChatMessage]) -> Result<Vec<u32>, EngineError> {
+        let m = &self.package.manifest;
+        let tokenizer = self.package.tokenizer();
+        let spells_control = messages.iter().any(|msg| self.specials.iter().any(|s| msg.content.contains(s.as_str())));
+        if !spells_control {
+            return self.encode(&render(template, messages, tokenizer, m)?);
+        }
+        let marked: Vec<ChatMessage> = messages
+            .iter()
+            .enumerate()
+            .map(|(i, msg)| ChatMessage { role: msg.role.clone(), content: format!("{OPEN}{i}{CLOSE}") })
+            .collect();
+        let rendered = render(template, &marked, tokenizer, m)?;
+        let garbled = || {
+            EngineError::ChatTemplate(
+                "the chat template rewrites message content, so text that spells a special token cannot be kept apart from the template's own; remove the special-token text from the message".into(),
+            )
+        };
+        let mut ids = Vec::new();
+        let mut rest = rendered.as_str();
+        while let Some(start) = rest.find(OPEN) {
+            ids.extend(self.encode(&rest[..start])?);
+            let after = &rest[start + OPEN.len_utf8()..];
+            let end = after.find(CLOSE).ok_or_else(garbled)?;
+            let index: usize = after[..end].parse().map_err(|_| garbled())?;
+            let content = &messages.get(index).ok_or_else(garbled)?.content;
+            let plain = self
+                .plain
+                .encode(content.as_str(), false)
+                .map_err(|e| EngineError::Tokenizer { path: "encode".into(), reason: e.to_string() })?;
+            ids.extend_from_slice(plain.get_ids());
+            rest = &after[end + CLOSE.len_utf8()..];
+        }
+        if rest.contains(CLOSE) {
+            return Err(garbled());
+        }
+        ids.extend(self.encode(rest)?);
+        Ok(ids)
     }
 
     /// Encodes text (special tokens are parsed).
@@ -64,7 +131,7 @@ impl Prompter {
                     .chat_template
                     .as_deref()
                     .ok_or_else(|| EngineError::ChatTemplate(format!("package `{}` has no chat_template", m.name)))?;
-                vec![self.encode(&render(template, messages, self.package.tokenizer(), m)?)?]
+                vec![self.chat_ids(template, messages)?]
             }
             crate::Prompt::TokenIds(ids) => vec![ids.clone()],
             crate::Prompt::TokenRows(rows) => rows.clone(),
