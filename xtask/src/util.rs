@@ -22,13 +22,51 @@ pub fn target() -> PathBuf {
 }
 
 /// The commit HEAD names (`unknown` outside a git checkout).
+/// HEAD's commit, marked `-dirty` when the tree differs from it (changed
+/// or untracked files): a report must not claim a commit it did not test.
 pub fn commit() -> String {
-    Command::new("git")
-        .args(["rev-parse", "HEAD"])
-        .current_dir(root())
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_else(|| "unknown".into())
+    commit_of(&root())
+}
+
+fn commit_of(dir: &std::path::Path) -> String {
+    let git = |args: &[&str]| {
+        Command::new("git")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    let Some(head) = git(&["rev-parse", "HEAD"]) else { return "unknown".into() };
+    match git(&["status", "--porcelain"]) {
+        Some(changes) if !changes.is_empty() => format!("{head}-dirty"),
+        _ => head,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 21: a report stamped from a modified tree says so.
+    #[test]
+    fn a_dirty_tree_is_marked() {
+        let dir = tempfile::tempdir().unwrap();
+        let git = |args: &[&str]| {
+            let ok = Command::new("git").args(args).current_dir(dir.path()).output().unwrap().status.success();
+            assert!(ok, "git {args:?}");
+        };
+        git(&["init", "-q"]);
+        std::fs::write(dir.path().join("a.txt"), "one").unwrap();
+        git(&["add", "a.txt"]);
+        git(&["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one"]);
+        let clean = commit_of(dir.path());
+        assert_eq!(clean.len(), 40, "{clean}");
+        std::fs::write(dir.path().join("a.txt"), "two").unwrap();
+        assert_eq!(commit_of(dir.path()), format!("{clean}-dirty"));
+        git(&["checkout", "-q", "a.txt"]);
+        std::fs::write(dir.path().join("new.txt"), "x").unwrap();
+        assert_eq!(commit_of(dir.path()), format!("{clean}-dirty"), "untracked files count");
+    }
 }
