@@ -15,7 +15,6 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use onnx_genai_engine::{BackendKind, Engine, Scheduler};
 use onnx_genai_server::client::{call, Stream};
-use onnx_genai_server::DriverOptions;
 use serde_json::json;
 
 use crate::load::percentile;
@@ -79,7 +78,7 @@ pub fn run(opts: Options) -> Result<()> {
     let macs = onnx_genai_native::compile_package(engine.package()).map(|p| p.projection_macs()).unwrap_or(0);
     let isa = onnx_genai_native::kernels::isa::Isa::best();
     let peak = onnx_genai_native::kernels::isa::peak_macs(isa, opts.threads.max(1));
-    let server = onnx_genai_server::start_with(vec![engine], "127.0.0.1:0", 64, DriverOptions::default())?;
+    let server = onnx_genai_server::start_with(vec![engine], "127.0.0.1:0", Default::default())?;
     let addr = server.addr;
     println!(
         "==> {model} on {} ({} threads), max_tokens {}, FMA peak {:.1} GFLOP/s",

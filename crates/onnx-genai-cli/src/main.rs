@@ -3,6 +3,7 @@
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
@@ -58,6 +59,27 @@ enum Command {
         backend: BackendKind,
         #[arg(long, default_value_t = 0)]
         threads: usize,
+        /// Require `Authorization: Bearer <KEY>` on every route but /health.
+        #[arg(long)]
+        api_key: Option<String>,
+        /// A Host name requests may be addressed to (repeatable). A server on
+        /// a loopback address accepts only loopback names and these; one on
+        /// another address accepts any Host unless names are given.
+        #[arg(long = "allowed-host")]
+        allowed_hosts: Vec<String>,
+        /// Seconds a client may take to send a request head; also how long an
+        /// idle keep-alive connection stays open.
+        #[arg(long, default_value_t = 15)]
+        header_timeout_s: u64,
+        /// Seconds a request may take until its response starts (504 after).
+        #[arg(long, default_value_t = 600)]
+        request_timeout_s: u64,
+        /// Connections served at once; one more is answered 503.
+        #[arg(long, default_value_t = 512)]
+        max_connections: usize,
+        /// Log lines as text or as JSON objects (one per line, with request ids).
+        #[arg(long, value_enum, default_value = "text")]
+        log_format: Format,
     },
     /// Report every problem of a package (exit 1 when any is an error).
     Validate {
@@ -137,6 +159,16 @@ fn main() -> ExitCode {
     }
 }
 
+/// Server logs on stderr: `info` and above, as text or one JSON object per
+/// line (spans carry each request's id).
+fn init_logs(format: Format) {
+    let builder = tracing_subscriber::fmt().with_writer(std::io::stderr).with_max_level(tracing::Level::INFO);
+    let _ = match format {
+        Format::Text => builder.try_init(),
+        Format::Json => builder.json().try_init(),
+    };
+}
+
 fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
         Command::Validate { package, format } => validate(&package, format),
@@ -159,7 +191,14 @@ fn run(cli: Cli) -> Result<ExitCode> {
             stall_timeout_s,
             backend,
             threads,
+            api_key,
+            allowed_hosts,
+            header_timeout_s,
+            request_timeout_s,
+            max_connections,
+            log_format,
         } => {
+            init_logs(log_format);
             let budget = match kv_budget_bytes {
                 Some(b) => {
                     eprintln!("KV budget: {} MiB (--kv-budget-bytes)", b >> 20);
@@ -186,13 +225,21 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 let engine = Engine::open(p, backend, threads).with_context(|| format!("opening {}", p.display()))?;
                 engines.push(engine.with_scheduler(scheduler.clone()).with_prefill_chunk(prefill_chunk));
             }
-            let options = onnx_genai_server::DriverOptions {
+            let driver = onnx_genai_server::DriverOptions {
                 queue_limit,
-                admission_wait: std::time::Duration::from_millis(admission_wait_ms),
-                stall_timeout: std::time::Duration::from_secs(stall_timeout_s),
+                admission_wait: Duration::from_millis(admission_wait_ms),
+                stall_timeout: Duration::from_secs(stall_timeout_s),
                 ..Default::default()
             };
-            let server = onnx_genai_server::start_with(engines, &format!("{host}:{port}"), max_sessions, options)?;
+            let http = onnx_genai_server::HttpOptions {
+                api_key,
+                allowed_hosts,
+                header_timeout: Duration::from_secs(header_timeout_s),
+                request_timeout: Duration::from_secs(request_timeout_s),
+                max_connections,
+            };
+            let options = onnx_genai_server::ServerOptions { max_sessions, driver, http };
+            let server = onnx_genai_server::start_with(engines, &format!("{host}:{port}"), options)?;
             eprintln!("serving on http://{} (Ctrl-C stops)", server.addr);
             server.wait();
             Ok(ExitCode::SUCCESS)

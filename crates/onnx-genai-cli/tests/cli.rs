@@ -147,3 +147,54 @@ fn bad_input_fails_cleanly() {
         assert!(!text(&o).1.contains("panicked"), "{:?}", text(&o));
     }
 }
+
+/// `serve --log-format json` writes one JSON object per line, and the line
+/// that records an answer carries the request id the client got back in
+/// `x-request-id` and the status it got (issue 20: structured logs).
+#[test]
+fn serve_logs_json_lines_with_request_ids() {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let dir = built("tiny-llama-gqa");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_onnx-genai"))
+        .args(["serve", dir.path().to_str().unwrap(), "--port", "0", "--log-format", "json"])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    let mut addr = None;
+    for _ in 0..50 {
+        let mut line = String::new();
+        if stderr.read_line(&mut line).unwrap() == 0 {
+            break;
+        }
+        if let Some(a) = line.trim().strip_prefix("serving on http://") {
+            addr = Some(a.split_whitespace().next().unwrap().to_string());
+            break;
+        }
+    }
+    let addr = addr.expect("serve printed no address");
+    let mut s = std::net::TcpStream::connect(&addr).unwrap();
+    write!(s, "GET /v1/models HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n\r\n").unwrap();
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let id = answer
+        .lines()
+        .find_map(|l| l.strip_prefix("x-request-id: "))
+        .expect("no x-request-id")
+        .trim()
+        .to_string();
+    // The log line is written before the answer leaves; stop the server.
+    child.kill().unwrap();
+    let _ = child.wait();
+    let mut rest = String::new();
+    stderr.read_to_string(&mut rest).unwrap();
+    let answered = rest
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|v| v["fields"]["message"] == "answered")
+        .unwrap_or_else(|| panic!("no JSON `answered` line in {rest}"));
+    assert_eq!(answered["span"]["request_id"], id.as_str(), "{answered}");
+    assert_eq!(answered["span"]["route"], "/v1/models", "{answered}");
+    assert_eq!(answered["fields"]["status"], 200, "{answered}");
+}

@@ -32,10 +32,14 @@ impl Reply {
 fn send(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> io::Result<TcpStream> {
     let mut s = TcpStream::connect(addr)?;
     s.set_read_timeout(Some(Duration::from_secs(20)))?;
-    let mut req = format!(
-        "{method} {path} HTTP/1.1\r\nhost: onnx-genai\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n",
-        body.len()
-    );
+    let mut req = format!("{method} {path} HTTP/1.1\r\nconnection: close\r\ncontent-length: {}\r\n", body.len());
+    // Defaults the caller may replace (tests send foreign hosts and types).
+    let host = addr.to_string();
+    for (k, v) in [("host", host.as_str()), ("content-type", "application/json")] {
+        if !headers.iter().any(|(h, _)| h.eq_ignore_ascii_case(k)) {
+            req.push_str(&format!("{k}: {v}\r\n"));
+        }
+    }
     for (k, v) in headers {
         req.push_str(&format!("{k}: {v}\r\n"));
     }

@@ -48,6 +48,30 @@ impl ApiError {
         Self::new(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", message)
     }
 
+    /// No or a wrong API key (OpenAI's `invalid_api_key`).
+    pub fn unauthorized(message: impl Into<String>) -> Self {
+        Self { code: Some("invalid_api_key"), ..Self::new(StatusCode::UNAUTHORIZED, "invalid_request_error", message) }
+    }
+
+    /// A request this server must not answer (a foreign Host name).
+    pub fn forbidden(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::FORBIDDEN, "permission_error", message)
+    }
+
+    pub fn unsupported_media(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::UNSUPPORTED_MEDIA_TYPE, "invalid_request_error", message)
+    }
+
+    /// The request outlived the server's request timeout.
+    pub fn timeout(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::GATEWAY_TIMEOUT, "timeout_error", message)
+    }
+
+    /// Transient refusal before any request is read (connection limit).
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self { retry_after: Some(1), ..Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", message) }
+    }
+
     /// A failure inside the server; the client sees no internal text.
     pub fn internal() -> Self {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "the server failed to generate; see its log")

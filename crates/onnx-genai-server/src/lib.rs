@@ -7,6 +7,9 @@ mod api;
 pub mod client;
 mod driver;
 mod error;
+mod guard;
+mod listen;
+mod metrics;
 mod routes;
 mod sessions;
 
@@ -22,6 +25,7 @@ use onnx_genai_engine::Engine;
 
 pub use driver::{Driver, DriverOptions};
 pub use error::ApiError;
+pub use guard::HttpOptions;
 pub use routes::SESSION_HEADER;
 use sessions::Registry;
 
@@ -31,6 +35,54 @@ pub const BODY_LIMIT: usize = 1 << 20;
 pub struct AppState {
     drivers: BTreeMap<String, Driver>,
     registry: Arc<Registry>,
+    http: HttpOptions,
+    /// The Host names requests may name (`None`: any).
+    hosts: Option<Vec<String>>,
+    metrics: Arc<metrics::Metrics>,
+}
+
+impl AppState {
+    fn gauges(&self) -> Gauges {
+        let mut g = Gauges {
+            sessions: self.registry.active(),
+            leases: self.registry.leased(),
+            reserved_bytes: 0,
+            admitted: 0,
+            turns: 0,
+            running: 0,
+            stalled: 0,
+            widest_step: 0,
+            waiting: 0,
+            idle_kv_bytes: 0,
+        };
+        for d in self.drivers.values() {
+            g.reserved_bytes += d.scheduler.reserved_bytes();
+            g.admitted += d.counters.admitted.load(Ordering::SeqCst);
+            g.turns += d.counters.turns.load(Ordering::SeqCst);
+            g.running += d.counters.running.load(Ordering::SeqCst);
+            g.stalled += d.counters.stalled.load(Ordering::SeqCst);
+            g.widest_step = g.widest_step.max(d.counters.widest_step.load(Ordering::SeqCst));
+            g.waiting += d.counters.waiting.load(Ordering::SeqCst);
+            g.idle_kv_bytes += d.counters.idle_kv_bytes.load(Ordering::SeqCst);
+        }
+        g
+    }
+}
+
+/// How a server runs: sessions, the models' drivers, and HTTP.
+#[derive(Clone, Debug)]
+pub struct ServerOptions {
+    /// Sessions bound at once (beyond it the least recently used idle one
+    /// is evicted).
+    pub max_sessions: usize,
+    pub driver: DriverOptions,
+    pub http: HttpOptions,
+}
+
+impl Default for ServerOptions {
+    fn default() -> Self {
+        Self { max_sessions: 64, driver: DriverOptions::default(), http: HttpOptions::default() }
+    }
 }
 
 /// Gauges that must return to their baseline when the server is idle.
@@ -63,30 +115,7 @@ pub struct RunningServer {
 
 impl RunningServer {
     pub fn gauges(&self) -> Gauges {
-        let drivers = self.state.drivers.values();
-        let mut g = Gauges {
-            sessions: self.state.registry.active(),
-            leases: self.state.registry.leased(),
-            reserved_bytes: 0,
-            admitted: 0,
-            turns: 0,
-            running: 0,
-            stalled: 0,
-            widest_step: 0,
-            waiting: 0,
-            idle_kv_bytes: 0,
-        };
-        for d in drivers {
-            g.reserved_bytes += d.scheduler.reserved_bytes();
-            g.admitted += d.counters.admitted.load(Ordering::SeqCst);
-            g.turns += d.counters.turns.load(Ordering::SeqCst);
-            g.running += d.counters.running.load(Ordering::SeqCst);
-            g.stalled += d.counters.stalled.load(Ordering::SeqCst);
-            g.widest_step = g.widest_step.max(d.counters.widest_step.load(Ordering::SeqCst));
-            g.waiting += d.counters.waiting.load(Ordering::SeqCst);
-            g.idle_kv_bytes += d.counters.idle_kv_bytes.load(Ordering::SeqCst);
-        }
-        g
+        self.state.gauges()
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -123,44 +152,52 @@ pub enum ServeError {
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/health", get(routes::health))
+        .route("/metrics", get(routes::metrics))
         .route("/v1/models", get(routes::models))
         .route("/v1/chat/completions", post(routes::chat_completions))
         .route("/v1/completions", post(routes::completions))
         .route("/v1/sessions", post(routes::create_session))
         .route("/v1/sessions/{id}", delete(routes::delete_session))
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), guard::gate))
         .with_state(state)
 }
 
 /// Starts serving `engines` (model name = package name) on `addr`
 /// (`127.0.0.1:0` picks a free port) with at most `max_sessions` sessions.
 pub fn start(engines: Vec<Engine>, addr: &str, max_sessions: usize) -> Result<RunningServer, ServeError> {
-    start_with(engines, addr, max_sessions, DriverOptions::default())
+    start_with(engines, addr, ServerOptions { max_sessions, ..ServerOptions::default() })
 }
 
-/// [`start`] with the drivers' queue and slow-client limits.
-pub fn start_with(
-    engines: Vec<Engine>,
-    addr: &str,
-    max_sessions: usize,
-    options: DriverOptions,
-) -> Result<RunningServer, ServeError> {
+/// [`start`] with every limit: drivers' queues and slow clients, HTTP
+/// timeouts, connections, the API key and the Host names.
+pub fn start_with(engines: Vec<Engine>, addr: &str, options: ServerOptions) -> Result<RunningServer, ServeError> {
     if engines.is_empty() {
         return Err(ServeError::NoModels);
     }
+    let bind_err = |reason: String| ServeError::Bind { addr: addr.into(), reason };
+    let listener = std::net::TcpListener::bind(addr).map_err(|e| bind_err(e.to_string()))?;
+    listener.set_nonblocking(true).map_err(|e| bind_err(e.to_string()))?;
+    let local = listener.local_addr().map_err(|e| bind_err(e.to_string()))?;
     let mut drivers = BTreeMap::new();
     for engine in engines {
         let name = engine.package().manifest.name.clone();
         if drivers.contains_key(&name) {
             return Err(ServeError::DuplicateModel(name));
         }
-        drivers.insert(name.clone(), Driver::spawn(name, engine, options));
+        drivers.insert(name.clone(), Driver::spawn(name, engine, options.driver));
     }
-    let state = Arc::new(AppState { drivers, registry: Registry::new(max_sessions.max(1)) });
-    let bind_err = |reason: String| ServeError::Bind { addr: addr.into(), reason };
-    let listener = std::net::TcpListener::bind(addr).map_err(|e| bind_err(e.to_string()))?;
-    listener.set_nonblocking(true).map_err(|e| bind_err(e.to_string()))?;
-    let local = listener.local_addr().map_err(|e| bind_err(e.to_string()))?;
+    let hosts = guard::host_policy(local, &options.http.allowed_hosts);
+    let metrics = Arc::new(metrics::Metrics::new());
+    let http = options.http;
+    let (max_connections, header_timeout) = (http.max_connections, http.header_timeout);
+    let state = Arc::new(AppState {
+        drivers,
+        registry: Registry::new(options.max_sessions.max(1)),
+        http,
+        hosts,
+        metrics: metrics.clone(),
+    });
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let app = router(state.clone());
     let runtime =
@@ -173,9 +210,7 @@ pub fn start_with(
                 let shutdown = async {
                     let _ = rx.await;
                 };
-                if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(shutdown).await {
-                    tracing::error!("server stopped: {e}");
-                }
+                listen::serve(listener, app, max_connections, header_timeout, metrics, shutdown).await;
             })
         })
         .map_err(|e| bind_err(e.to_string()))?;

@@ -21,6 +21,7 @@ use tokio::sync::mpsc;
 use crate::api::{self, ChatRequest, CompletionRequest, SessionRequest};
 use crate::driver::{Command, Driver, Event, Promise};
 use crate::error::ApiError;
+use crate::metrics::TokenClock;
 use crate::sessions::{mint_id, Placement};
 use crate::AppState;
 
@@ -29,6 +30,11 @@ pub const SESSION_HEADER: &str = "x-session-id";
 
 pub async fn health() -> Json<Value> {
     Json(json!({"status": "ok"}))
+}
+
+pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    let text = state.metrics.render(&state.gauges());
+    ([(axum::http::header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], text).into_response()
 }
 
 pub async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
@@ -151,6 +157,7 @@ async fn run_turn(
     kind: Kind,
 ) -> Result<Response, ApiError> {
     opts.check()?;
+    let clock = state.metrics.token_clock();
     let driver = driver(state, &opts.model)?;
     // L1: the lease comes before anything queues; L8: no session, no lease.
     let lease = match headers.get(SESSION_HEADER) {
@@ -188,9 +195,9 @@ async fn run_turn(
     };
     if opts.stream {
         let include_usage = opts.stream_options.as_ref().is_some_and(|o| o.include_usage);
-        Ok(Sse::new(stream_events(reply, rx, include_usage)).into_response())
+        Ok(Sse::new(stream_events(reply, rx, clock, include_usage)).into_response())
     } else {
-        collect(reply, rx).await.map(|v| Json(v).into_response())
+        collect(reply, rx, clock).await.map(|v| Json(v).into_response())
     }
 }
 
@@ -227,11 +234,12 @@ fn apply_stops(text: &mut String, stops: &[String]) -> bool {
     false
 }
 
-async fn collect(reply: Reply, mut rx: mpsc::Receiver<Event>) -> Result<Value, ApiError> {
+async fn collect(reply: Reply, mut rx: mpsc::Receiver<Event>, mut clock: TokenClock) -> Result<Value, ApiError> {
     let mut text = String::new();
     while let Some(event) = rx.recv().await {
         match event {
             Event::Delta(d) => {
+                clock.token();
                 text.push_str(&d);
                 if apply_stops(&mut text, &reply.stops) {
                     // Dropping the receiver stops the generation.
@@ -276,25 +284,27 @@ fn chunk(reply: &Reply, delta: Option<&str>, finish: Option<&str>, first: bool) 
 }
 
 enum StreamState {
-    Open { rx: mpsc::Receiver<Event>, text: String, first: bool },
+    Open { rx: mpsc::Receiver<Event>, text: String, first: bool, clock: TokenClock },
     Done,
 }
 
 fn stream_events(
     reply: Reply,
     rx: mpsc::Receiver<Event>,
+    clock: TokenClock,
     include_usage: bool,
 ) -> impl Stream<Item = Result<SseEvent, Infallible>> {
     let reply = Arc::new(reply);
-    let start = StreamState::Open { rx, text: String::new(), first: true };
+    let start = StreamState::Open { rx, text: String::new(), first: true, clock };
     stream::unfold(start, move |state| {
         let reply = reply.clone();
         async move {
-            let StreamState::Open { mut rx, mut text, first } = state else { return None };
+            let StreamState::Open { mut rx, mut text, first, mut clock } = state else { return None };
             let data = |v: Value| SseEvent::default().data(v.to_string());
             let done = SseEvent::default().data("[DONE]");
             match rx.recv().await {
                 Some(Event::Delta(d)) => {
+                    clock.token();
                     let before = text.len();
                     text.push_str(&d);
                     if apply_stops(&mut text, &reply.stops) {
@@ -308,7 +318,7 @@ fn stream_events(
                     }
                     Some((
                         stream::iter(vec![Ok(data(chunk(&reply, Some(&d), None, first)))]),
-                        StreamState::Open { rx, text, first: false },
+                        StreamState::Open { rx, text, first: false, clock },
                     ))
                 }
                 Some(Event::Finished(result)) => {

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use onnx_genai_engine::Scheduler;
-use onnx_genai_server::{start_with, DriverOptions, RunningServer};
+use onnx_genai_server::{start_with, DriverOptions, RunningServer, ServerOptions};
 use serde_json::json;
 use support::{call, engine, eventually, package, Gate};
 
@@ -29,8 +29,9 @@ fn serve(hold: &Gate, line: &Gate, room: u64) -> (Vec<tempfile::TempDir>, Runnin
     let (hold_bpt, bpt) = (hp.kv_geometry().unwrap().bytes_per_token(), p.kv_geometry().unwrap().bytes_per_token());
     let scheduler = Scheduler::new(48 * hold_bpt + room * bpt);
     let engines = vec![engine(&hp, hold, scheduler.clone()), engine(&p, line, scheduler)];
-    let options = DriverOptions { admission_wait: Duration::from_secs(20), ..DriverOptions::default() };
-    let server = start_with(engines, "127.0.0.1:0", 8, options).unwrap();
+    let driver = DriverOptions { admission_wait: Duration::from_secs(20), ..DriverOptions::default() };
+    let server =
+        start_with(engines, "127.0.0.1:0", ServerOptions { max_sessions: 8, driver, ..Default::default() }).unwrap();
     let tokenizer = p.tokenizer().clone();
     let count = move |text: &str| tokenizer.encode(text, false).unwrap().get_ids().len();
     (vec![hold_dir, dir], server, count)
@@ -112,7 +113,7 @@ fn batching_drops_a_request_cancelled_while_queued() {
     let mut client = std::net::TcpStream::connect(s.addr).unwrap();
     write!(
         client,
-        "POST /v1/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        "POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
         body.len()
     )
     .unwrap();
