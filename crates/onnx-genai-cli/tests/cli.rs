@@ -178,12 +178,7 @@ fn serve_logs_json_lines_with_request_ids() {
     let mut answer = String::new();
     s.read_to_string(&mut answer).unwrap();
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
-    let id = answer
-        .lines()
-        .find_map(|l| l.strip_prefix("x-request-id: "))
-        .expect("no x-request-id")
-        .trim()
-        .to_string();
+    let id = answer.lines().find_map(|l| l.strip_prefix("x-request-id: ")).expect("no x-request-id").trim().to_string();
     // The log line is written before the answer leaves; stop the server.
     child.kill().unwrap();
     let _ = child.wait();

@@ -49,6 +49,9 @@ impl Drop for Promise {
     }
 }
 
+/// Resolves (by being dropped) once a turn no longer holds anything.
+pub type Released = oneshot::Sender<()>;
+
 /// What a turn streams back.
 pub enum Event {
     Delta(String),
@@ -64,6 +67,11 @@ pub enum Command {
         lease: Option<Lease>,
         admission: Promise,
         events: mpsc::Sender<Event>,
+        /// Dropped when the engine's work on the turn is over (its lease
+        /// and reservation released): a route that ends a response early
+        /// (a stop string) waits for it, so the client's next turn never
+        /// meets its own lease.
+        released: Released,
     },
     /// Opens an engine session under an id the route minted (the route does
     /// not wait: a busy driver must not stall session creation).
@@ -196,6 +204,7 @@ struct Running {
     stalled_since: Option<Instant>,
     /// The client is gone (its channel closed).
     gone: bool,
+    released: Released,
 }
 
 impl Running {
@@ -228,6 +237,7 @@ struct Waiting {
     admission: Promise,
     events: mpsc::Sender<Event>,
     until: Instant,
+    released: Released,
 }
 
 struct Loop<'a> {
@@ -277,11 +287,11 @@ impl<'a> Loop<'a> {
 
     fn take(&mut self, command: Command) {
         match command {
-            Command::Generate { request, lease, admission, events } => {
+            Command::Generate { request, lease, admission, events, released } => {
                 self.queued.fetch_sub(1, Ordering::SeqCst);
                 self.counters.turns.fetch_add(1, Ordering::SeqCst);
                 let until = Instant::now() + self.options.admission_wait;
-                self.line.push_back(Waiting { request, lease, admission, events, until });
+                self.line.push_back(Waiting { request, lease, admission, events, until, released });
                 self.admit_waiting();
             }
             Command::OpenSession { id } => {
@@ -313,16 +323,23 @@ impl<'a> Loop<'a> {
                     w.admission.resolve(Ok(()));
                 })
             }));
-            let Waiting { lease, mut admission, events, until, request } = w;
+            let Waiting { lease, mut admission, events, until, request, released } = w;
             match admitted {
                 Ok(Ok(turn)) => {
-                    let running =
-                        Running { turn, lease, events, backlog: VecDeque::new(), stalled_since: None, gone: false };
+                    let running = Running {
+                        turn,
+                        lease,
+                        events,
+                        backlog: VecDeque::new(),
+                        stalled_since: None,
+                        gone: false,
+                        released,
+                    };
                     self.running.push(running);
                 }
                 Ok(Err(e)) if deferred(&e) && Instant::now() < until => {
                     // Not yet: it keeps its place at the front of the line.
-                    self.line.push_front(Waiting { request, lease, admission, events, until });
+                    self.line.push_front(Waiting { request, lease, admission, events, until, released });
                     break;
                 }
                 Ok(Err(e)) => {
@@ -389,12 +406,13 @@ impl<'a> Loop<'a> {
     }
 
     fn end(&mut self, done: Running) {
-        let Running { turn, lease, events, mut backlog, gone, .. } = done;
+        let Running { turn, lease, events, mut backlog, gone, released, .. } = done;
         let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| self.engine.finish(turn)));
         // The engine's work is over: release the session before the client
         // hears the end, so its next turn never meets a stale lease (L2; L9
         // allows trailing, but clients should not see it).
         drop(lease);
+        drop(released);
         let last = match outcome {
             Ok(Ok(result)) => Event::Finished(result),
             Ok(Err(e)) => Event::Failed(from_engine(&e)),

@@ -184,7 +184,8 @@ async fn run_turn(
     };
     let (admission, admitted) = Promise::new();
     let (events, rx) = mpsc::channel(16);
-    driver.send(Command::Generate { request: Box::new(request), lease, admission, events })?;
+    let (released, ended) = tokio::sync::oneshot::channel();
+    driver.send(Command::Generate { request: Box::new(request), lease, admission, events, released })?;
     // A9: no header before the engine decided.
     admitted.await.map_err(|_| ApiError::internal())??;
     let reply = Reply {
@@ -195,9 +196,9 @@ async fn run_turn(
     };
     if opts.stream {
         let include_usage = opts.stream_options.as_ref().is_some_and(|o| o.include_usage);
-        Ok(Sse::new(stream_events(reply, rx, clock, include_usage)).into_response())
+        Ok(Sse::new(stream_events(reply, Turn { rx, ended, clock }, include_usage)).into_response())
     } else {
-        collect(reply, rx, clock).await.map(|v| Json(v).into_response())
+        collect(reply, Turn { rx, ended, clock }).await.map(|v| Json(v).into_response())
     }
 }
 
@@ -234,15 +235,33 @@ fn apply_stops(text: &mut String, stops: &[String]) -> bool {
     false
 }
 
-async fn collect(reply: Reply, mut rx: mpsc::Receiver<Event>, mut clock: TokenClock) -> Result<Value, ApiError> {
+/// A running turn as its route sees it.
+struct Turn {
+    rx: mpsc::Receiver<Event>,
+    /// Resolves when the driver no longer holds anything for the turn.
+    ended: tokio::sync::oneshot::Receiver<()>,
+    clock: TokenClock,
+}
+
+impl Turn {
+    /// Stops the generation early (a stop string) and waits until its
+    /// lease and reservation are released, so the answer never outruns
+    /// them (issue 20: the session is free when the client hears the end).
+    async fn stop(self) {
+        drop(self.rx);
+        let _ = self.ended.await;
+    }
+}
+
+async fn collect(reply: Reply, mut turn: Turn) -> Result<Value, ApiError> {
     let mut text = String::new();
-    while let Some(event) = rx.recv().await {
+    while let Some(event) = turn.rx.recv().await {
         match event {
             Event::Delta(d) => {
-                clock.token();
+                turn.clock.token();
                 text.push_str(&d);
                 if apply_stops(&mut text, &reply.stops) {
-                    // Dropping the receiver stops the generation.
+                    turn.stop().await;
                     return Ok(body(&reply, &text, "stop", None));
                 }
             }
@@ -284,30 +303,26 @@ fn chunk(reply: &Reply, delta: Option<&str>, finish: Option<&str>, first: bool) 
 }
 
 enum StreamState {
-    Open { rx: mpsc::Receiver<Event>, text: String, first: bool, clock: TokenClock },
+    Open { turn: Turn, text: String, first: bool },
     Done,
 }
 
-fn stream_events(
-    reply: Reply,
-    rx: mpsc::Receiver<Event>,
-    clock: TokenClock,
-    include_usage: bool,
-) -> impl Stream<Item = Result<SseEvent, Infallible>> {
+fn stream_events(reply: Reply, turn: Turn, include_usage: bool) -> impl Stream<Item = Result<SseEvent, Infallible>> {
     let reply = Arc::new(reply);
-    let start = StreamState::Open { rx, text: String::new(), first: true, clock };
+    let start = StreamState::Open { turn, text: String::new(), first: true };
     stream::unfold(start, move |state| {
         let reply = reply.clone();
         async move {
-            let StreamState::Open { mut rx, mut text, first, mut clock } = state else { return None };
+            let StreamState::Open { mut turn, mut text, first } = state else { return None };
             let data = |v: Value| SseEvent::default().data(v.to_string());
             let done = SseEvent::default().data("[DONE]");
-            match rx.recv().await {
+            match turn.rx.recv().await {
                 Some(Event::Delta(d)) => {
-                    clock.token();
+                    turn.clock.token();
                     let before = text.len();
                     text.push_str(&d);
                     if apply_stops(&mut text, &reply.stops) {
+                        turn.stop().await;
                         let tail = text[before.min(text.len())..].to_string();
                         let events = vec![
                             Ok(data(chunk(&reply, Some(&tail), None, first))),
@@ -318,7 +333,7 @@ fn stream_events(
                     }
                     Some((
                         stream::iter(vec![Ok(data(chunk(&reply, Some(&d), None, first)))]),
-                        StreamState::Open { rx, text, first: false, clock },
+                        StreamState::Open { turn, text, first: false },
                     ))
                 }
                 Some(Event::Finished(result)) => {

@@ -218,6 +218,8 @@ fn metrics_count_requests_tokens_latencies_and_live_gauges() {
     assert_eq!(call(s.addr, "POST", "/v1/chat/completions", &[], "{").status, 400);
     let session = call(s.addr, "POST", "/v1/sessions", &[], &json!({"model": M}).to_string());
     assert_eq!(session.status, 200);
+    // Counters settle after the answer (L9); scrape once they have.
+    assert!(eventually(Duration::from_secs(10), || idle(&s)), "{:?}", s.gauges());
     let r = call(s.addr, "GET", "/metrics", &[], "");
     assert_eq!(r.status, 200);
     assert!(r.header("content-type").is_some_and(|c| c.starts_with("application/openmetrics-text")));

@@ -252,6 +252,58 @@ fn a_disconnect_mid_stream_releases_lease_and_reservation() {
     assert_eq!(turn(&s, M, Some(&sid), "still there?", 2).status, 200);
 }
 
+/// Pins L2 for answers cut short by a stop string: the answer never
+/// outruns the turn's lease. The model step after the stop text is held at the gate, so the turn still holds
+/// its session when the route sees the stop (the stop string is the
+/// text of the fewest greedy tokens that have any). The answer (JSON or stream)
+/// must wait until the engine let go; once it arrives the session is free
+/// and the client's next turn on it succeeds.
+#[test]
+fn a_stop_string_answer_comes_after_the_session_is_free() {
+    let gate = Gate::default();
+    let (_d, s) = serve(&[M], &gate, u64::MAX / 2, 8);
+    // The fewest greedy tokens whose text is not blank, and that text.
+    let (tokens, stop) = (1..=8)
+        .find_map(|k| {
+            let r = turn(&s, M, None, "Tell me a story", k);
+            assert_eq!(r.status, 200, "{}", r.body);
+            let text = r.json()["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+            (!text.trim().is_empty()).then_some((k as usize, text))
+        })
+        .expect("eight greedy tokens with no text");
+    for streamed in [false, true] {
+        let sid = session(&s, M);
+        let mut body = chat(M, "Tell me a story", 64);
+        body["stop"] = json!([stop]);
+        body["stream"] = json!(streamed);
+        gate.close();
+        // The steps up to the one that yields the stop text pass (the
+        // prefill yields the first token); the next step holds.
+        gate.allow(tokens);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (addr, id) = (s.addr, sid.clone());
+        let client = std::thread::spawn(move || {
+            let r = call(addr, "POST", "/v1/chat/completions", &[("x-session-id", &id)], &body.to_string());
+            let _ = tx.send(r);
+        });
+        gate.wait_held(if streamed { 2 } else { 1 });
+        let early = rx.recv_timeout(Duration::from_millis(300));
+        assert!(early.is_err(), "streamed {streamed}: answered while the turn still held the session: {early:?}");
+        assert_eq!(s.gauges().leases, 1);
+        gate.open();
+        let r = rx.recv_timeout(Duration::from_secs(20)).expect("no answer after the gate opened");
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(s.gauges().leases, 0, "streamed {streamed}: the answer came before the lease was released");
+        client.join().unwrap();
+        if streamed {
+            assert!(r.body.contains("\"finish_reason\":\"stop\""), "{}", r.body);
+        } else {
+            assert_eq!(r.json()["choices"][0]["finish_reason"], "stop");
+        }
+        assert_eq!(turn(&s, M, Some(&sid), "and then?", 2).status, 200);
+    }
+}
+
 /// Pins A9 (with A2): the route waits for admission before any header; a
 /// request that never fits the budget is 400, one that does not fit now is
 /// 429 `resource_limit_error` with a stable message and `Retry-After`; a

@@ -19,12 +19,15 @@ pub fn package(name: &str) -> (tempfile::TempDir, Package) {
     (dir, package)
 }
 
+/// (closed, calls held so far, calls still let through while closed)
+type GateState = (bool, usize, usize);
+
 /// Holds every backend call while closed, so a turn stays mid-flight (its
 /// lease and reservation held) for as long as a test needs; records the
 /// length of every prefill the model ran, in order; fails every model step
 /// while `failing` is set (a backend error after admission).
 #[derive(Clone, Default)]
-pub struct Gate(Arc<(Mutex<(bool, usize)>, Condvar)>, Arc<Mutex<Vec<usize>>>, Arc<std::sync::atomic::AtomicBool>);
+pub struct Gate(Arc<(Mutex<GateState>, Condvar)>, Arc<Mutex<Vec<usize>>>, Arc<std::sync::atomic::AtomicBool>);
 
 impl Gate {
     /// While set, every model step fails with a backend error.
@@ -37,6 +40,10 @@ impl Gate {
     }
     pub fn close(&self) {
         self.0 .0.lock().unwrap().0 = true;
+    }
+    /// While closed, lets the next `n` calls through before holding again.
+    pub fn allow(&self, n: usize) {
+        self.0 .0.lock().unwrap().2 = n;
     }
     pub fn open(&self) {
         self.0 .0.lock().unwrap().0 = false;
@@ -54,6 +61,10 @@ impl Gate {
     }
     fn pass(&self) {
         let mut g = self.0 .0.lock().unwrap();
+        if g.0 && g.2 > 0 {
+            g.2 -= 1;
+            return;
+        }
         if g.0 {
             g.1 += 1;
             self.0 .1.notify_all();
