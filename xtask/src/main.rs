@@ -5,6 +5,7 @@ mod bench_peer;
 mod bench_real;
 mod conformance;
 mod cuda_compile;
+mod fuzz;
 mod gpu;
 mod lanes;
 mod load;
@@ -154,6 +155,25 @@ enum Command {
         #[arg(long, default_value_t = 20)]
         minutes: u64,
     },
+    /// Coverage-guided fuzzing (nightly, libFuzzer): every target, or one, for a time each;
+    /// reports executions and findings (target/fuzz/report.md). --seeds rewrites fuzz/corpus/.
+    Fuzz {
+        /// Only this target (package, onnx, gguf, chat, http).
+        #[arg(long)]
+        target: Option<String>,
+        /// Seconds each target runs.
+        #[arg(long, default_value_t = 60)]
+        time: u64,
+        /// Memory limit (MiB) of the fuzzer and of any one allocation.
+        #[arg(long, default_value_t = 2048)]
+        rss_limit_mb: u64,
+        /// Seconds one input may take before it counts as a hang.
+        #[arg(long, default_value_t = 10)]
+        input_timeout: u64,
+        /// Rewrite the committed seed corpora (fuzz/corpus/) instead of fuzzing.
+        #[arg(long)]
+        seeds: bool,
+    },
     /// Everything CI checks: `cargo xtask ci` (the lane audit, then every lane this machine can run).
     Test,
     /// The lane audit, then every lane of conformance/lanes.yaml this machine can run, with a summary table.
@@ -217,6 +237,9 @@ fn main() -> ExitCode {
         }
         Command::Mutants { compare: true, minutes, .. } => mutants_compare::run(minutes.max(1)),
         Command::Mutants { battery, mutant, shard, .. } => mutants::run(mutants::Options { battery, mutant, shard }),
+        Command::Fuzz { target, time, rss_limit_mb, input_timeout, seeds } => {
+            fuzz::run(fuzz::Options { target, time, rss_limit_mb, input_timeout, seeds })
+        }
         Command::Test | Command::Ci => lanes::ci(),
         Command::Lane { name } => lane(&name),
         Command::Lanes { audit, emit_workflow } => lanes_command(audit, emit_workflow),

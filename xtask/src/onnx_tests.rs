@@ -26,7 +26,7 @@ pub struct Options {
 }
 
 /// Ensures the node cases are unpacked under target/onnx-node/node.
-fn provision() -> Result<PathBuf> {
+pub(crate) fn provision() -> Result<PathBuf> {
     let dir = util::target().join("onnx-node");
     let cases = dir.join("node");
     let stamp = dir.join(format!("onnx-{VERSION}.unpacked"));

@@ -33,8 +33,9 @@ enum Command {
         host: String,
         #[arg(long, default_value_t = 8080)]
         port: u16,
-        /// Sessions bound at once; beyond it the least recently used idle one is evicted.
-        #[arg(long, default_value_t = 64)]
+        /// Sessions bound at once; beyond it an idle one is evicted: the least
+        /// recently used of the client holding the most.
+        #[arg(long, default_value_t = onnx_genai_server::ServerOptions::default().max_sessions)]
         max_sessions: usize,
         /// KV cache bytes all models may reserve together (default: half of
         /// the memory available when the server starts).
@@ -45,23 +46,25 @@ enum Command {
         #[arg(long, default_value_t = 256)]
         prefill_chunk: usize,
         /// Requests that may wait for a model's driver; beyond it: 429.
-        #[arg(long, default_value_t = 256)]
+        #[arg(long, default_value_t = onnx_genai_server::DriverOptions::default().queue_limit)]
         queue_limit: usize,
         /// Milliseconds a request that does not fit the KV budget waits in
         /// line (first come, first served) before it is refused with 429.
-        #[arg(long, default_value_t = 500)]
+        #[arg(long, default_value_t = onnx_genai_server::DriverOptions::default().admission_wait.as_millis() as u64)]
         admission_wait_ms: u64,
         /// Seconds a stream may go unread before its request is cancelled.
-        #[arg(long, default_value_t = 30)]
+        #[arg(long, default_value_t = onnx_genai_server::DriverOptions::default().stall_timeout.as_secs())]
         stall_timeout_s: u64,
         /// Decode backend (ort, native-cpu).
         #[arg(long, default_value = "ort")]
         backend: BackendKind,
         #[arg(long, default_value_t = 0)]
         threads: usize,
-        /// Require `Authorization: Bearer <KEY>` on every route but /health.
-        #[arg(long)]
-        api_key: Option<String>,
+        /// Require `Authorization: Bearer <KEY>` on every route but /health
+        /// (repeatable: any of the keys; each key is one client, and
+        /// sessions belong to the key that created them).
+        #[arg(long = "api-key")]
+        api_keys: Vec<String>,
         /// A Host name requests may be addressed to (repeatable). A server on
         /// a loopback address accepts only loopback names and these; one on
         /// another address accepts any Host unless names are given.
@@ -69,13 +72,13 @@ enum Command {
         allowed_hosts: Vec<String>,
         /// Seconds a client may take to send a request head; also how long an
         /// idle keep-alive connection stays open.
-        #[arg(long, default_value_t = 15)]
+        #[arg(long, default_value_t = onnx_genai_server::HttpOptions::default().header_timeout.as_secs())]
         header_timeout_s: u64,
         /// Seconds a request may take until its response starts (504 after).
-        #[arg(long, default_value_t = 600)]
+        #[arg(long, default_value_t = onnx_genai_server::HttpOptions::default().request_timeout.as_secs())]
         request_timeout_s: u64,
         /// Connections served at once; one more is answered 503.
-        #[arg(long, default_value_t = 512)]
+        #[arg(long, default_value_t = onnx_genai_server::HttpOptions::default().max_connections)]
         max_connections: usize,
         /// Log lines as text or as JSON objects (one per line, with request ids).
         #[arg(long, value_enum, default_value = "text")]
@@ -191,7 +194,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             stall_timeout_s,
             backend,
             threads,
-            api_key,
+            api_keys,
             allowed_hosts,
             header_timeout_s,
             request_timeout_s,
@@ -232,7 +235,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 ..Default::default()
             };
             let http = onnx_genai_server::HttpOptions {
-                api_key,
+                api_keys,
                 allowed_hosts,
                 header_timeout: Duration::from_secs(header_timeout_s),
                 request_timeout: Duration::from_secs(request_timeout_s),

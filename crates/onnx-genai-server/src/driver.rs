@@ -13,7 +13,7 @@
 
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc as std_mpsc, Arc};
 use std::time::{Duration, Instant};
 
@@ -81,6 +81,10 @@ pub enum Command {
     CloseSession {
         id: SessionId,
     },
+    /// Makes the driver thread panic outside every guard: how the tests
+    /// kill a driver.
+    #[cfg(test)]
+    Die,
 }
 
 /// How a driver runs its model's turns.
@@ -127,6 +131,9 @@ pub struct Counters {
     /// KV bytes the model's idle sessions keep (what the budget reserves for
     /// them at rest, B2).
     pub idle_kv_bytes: AtomicU64,
+    /// The driver thread died (a panic outside the guards around the
+    /// engine): the model answers 503 and `/health` is red.
+    pub dead: AtomicBool,
 }
 
 #[derive(Clone)]
@@ -154,7 +161,13 @@ impl Driver {
         let queued = Arc::new(AtomicUsize::new(0));
         let (c, q) = (counters.clone(), queued.clone());
         let name = format!("driver-{model}");
-        let spawned = std::thread::Builder::new().name(name).spawn(move || Loop::new(engine, &c, &q, options).run(&rx));
+        let supervised = move || {
+            let ran = std::panic::catch_unwind(AssertUnwindSafe(|| Loop::new(engine, &c, &q, options).run(&rx)));
+            if ran.is_err() {
+                bury(&c, &rx);
+            }
+        };
+        let spawned = std::thread::Builder::new().name(name).spawn(supervised);
         if let Err(e) = spawned {
             // Commands sent to a driver that never started are dropped,
             // which resolves their promises with an error.
@@ -177,7 +190,23 @@ impl Driver {
         SessionId(self.next_session.fetch_add(1, Ordering::SeqCst))
     }
 
+    /// Whether the driver thread still runs.
+    pub fn alive(&self) -> bool {
+        !self.counters.dead.load(Ordering::SeqCst)
+    }
+
+    /// Why a dead driver's model refuses work.
+    pub fn down(&self) -> ApiError {
+        ApiError::unavailable(format!(
+            "model `{}` is down: its driver stopped after an internal error (see the server log); restart the server",
+            self.model
+        ))
+    }
+
     pub fn send(&self, command: Command) -> Result<(), ApiError> {
+        if !self.alive() {
+            return Err(self.down());
+        }
         if let Command::Generate { .. } = command {
             // Bounded: a full queue refuses (transient) instead of growing.
             if self.queued.fetch_add(1, Ordering::SeqCst) >= self.queue_limit {
@@ -188,8 +217,28 @@ impl Driver {
                 )));
             }
         }
-        // A send error drops the command, resolving its promise.
-        self.tx.send(command).map_err(|_| ApiError::internal())
+        // A send error drops the command, resolving its promise; the
+        // receiver is gone only once the driver is dead.
+        self.tx.send(command).map_err(|_| self.down())
+    }
+}
+
+/// After the driver's loop panicked: unwinding dropped the loop and its
+/// engine, so every running turn's lease, reservation and event channel is
+/// released (its client hears the stream end); the driver is marked dead
+/// and the commands still queued are refused with 503 before the channel
+/// closes (later sends see the mark).
+fn bury(counters: &Counters, rx: &std_mpsc::Receiver<Command>) {
+    counters.dead.store(true, Ordering::SeqCst);
+    counters.running.store(0, Ordering::SeqCst);
+    counters.waiting.store(0, Ordering::SeqCst);
+    counters.idle_kv_bytes.store(0, Ordering::SeqCst);
+    tracing::error!("a model driver died; its model answers 503 until the server restarts");
+    let down = || ApiError::unavailable("the model is down: its driver stopped after an internal error");
+    while let Ok(command) = rx.try_recv() {
+        if let Command::Generate { mut admission, .. } = command {
+            admission.resolve(Err(down()));
+        }
     }
 }
 
@@ -295,14 +344,21 @@ impl<'a> Loop<'a> {
                 self.admit_waiting();
             }
             Command::OpenSession { id } => {
-                if let Err(e) = self.engine.open_session(id) {
-                    // Its first turn reports the session as gone.
-                    tracing::error!("cannot open {id}: {e}");
+                // A backend that fails (or panics) making the sequence fails
+                // this session alone; its first turn reports it gone.
+                match std::panic::catch_unwind(AssertUnwindSafe(|| self.engine.open_session(id))) {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => tracing::error!("cannot open {id}: {e}"),
+                    Err(_) => tracing::error!("opening {id} panicked"),
                 }
             }
             Command::CloseSession { id } => {
-                let _ = self.engine.close_session(id);
+                if std::panic::catch_unwind(AssertUnwindSafe(|| self.engine.close_session(id))).is_err() {
+                    tracing::error!("closing {id} panicked");
+                }
             }
+            #[cfg(test)]
+            Command::Die => panic!("driver death injected by a test"),
         }
     }
 

@@ -92,6 +92,9 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// The code of a turn on a session the engine does not have.
+pub const SESSION_GONE: &str = "session_not_found";
+
 /// Maps an engine error to what the client may see.
 pub fn from_engine(err: &onnx_genai_engine::EngineError) -> ApiError {
     use onnx_genai_engine::{AdmissionError, EngineError};
@@ -109,9 +112,7 @@ pub fn from_engine(err: &onnx_genai_engine::EngineError) -> ApiError {
         EngineError::Tensor { .. } | EngineError::ChatTemplate(_) | EngineError::Tokenizer { .. } => {
             ApiError::invalid(err.to_string())
         }
-        EngineError::UnknownSession(_) => {
-            ApiError::not_found("session_not_found", "the session is gone; create a new one")
-        }
+        EngineError::UnknownSession(_) => ApiError::not_found(SESSION_GONE, "the session is gone; create a new one"),
         EngineError::SessionBusy(_) => ApiError::conflict("the session is running another turn"),
         EngineError::Package(_) | EngineError::Backend(_) | EngineError::Panicked { .. } => {
             tracing::error!("generation failed: {err}");

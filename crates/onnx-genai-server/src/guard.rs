@@ -7,21 +7,23 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use axum::extract::{Request, State};
+use axum::extract::{MatchedPath, Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, Method};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use tracing::Instrument;
 
 use crate::error::ApiError;
+use crate::sessions::Owner;
 use crate::AppState;
 
 /// Who may call, from where, and for how long.
 #[derive(Clone, Debug)]
 pub struct HttpOptions {
-    /// Required as `Authorization: Bearer <key>` on every route but
-    /// `/health`.
-    pub api_key: Option<String>,
+    /// Keys one of which is required as `Authorization: Bearer <key>` on
+    /// every route but `/health` (none: no key needed). Each key is one
+    /// client: sessions belong to the key that created them.
+    pub api_keys: Vec<String>,
     /// Host names (without port) requests may be addressed to. Empty: any,
     /// unless the server listens on a loopback address, where `localhost`,
     /// `127.0.0.1` and `::1` are always allowed and nothing else is unless
@@ -40,7 +42,7 @@ pub struct HttpOptions {
 impl Default for HttpOptions {
     fn default() -> Self {
         Self {
-            api_key: None,
+            api_keys: Vec::new(),
             allowed_hosts: Vec::new(),
             header_timeout: Duration::from_secs(15),
             request_timeout: Duration::from_secs(600),
@@ -58,20 +60,6 @@ pub(crate) fn host_policy(bound: std::net::SocketAddr, listed: &[String]) -> Opt
         return None;
     }
     Some(hosts)
-}
-
-/// The route a path belongs to, as a bounded label (ids are not labels).
-pub(crate) fn route_of(path: &str) -> &'static str {
-    match path {
-        "/health" => "/health",
-        "/metrics" => "/metrics",
-        "/v1/models" => "/v1/models",
-        "/v1/chat/completions" => "/v1/chat/completions",
-        "/v1/completions" => "/v1/completions",
-        "/v1/sessions" => "/v1/sessions",
-        p if p.starts_with("/v1/sessions/") => "/v1/sessions/{id}",
-        _ => "other",
-    }
 }
 
 /// The host part of a Host header: without port, brackets or case.
@@ -94,8 +82,20 @@ fn same_secret(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// Refuses a request that may not reach the routes.
-fn check(state: &AppState, method: &Method, route: &str, headers: &HeaderMap) -> Result<(), ApiError> {
+/// The peer address of a request's connection (set by the accept loop).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Peer(pub std::net::SocketAddr);
+
+/// Refuses a request that may not reach the routes; else says who sent it:
+/// the API key it used (by position, never the key itself), or without
+/// keys its IP address.
+fn check(
+    state: &AppState,
+    method: &Method,
+    route: &str,
+    headers: &HeaderMap,
+    peer: Option<Peer>,
+) -> Result<Owner, ApiError> {
     if let Some(allowed) = &state.hosts {
         let host = headers.get(header::HOST).and_then(|v| v.to_str().ok()).map(host_name);
         if !host.as_ref().is_some_and(|h| allowed.iter().any(|a| a == h)) {
@@ -106,20 +106,38 @@ fn check(state: &AppState, method: &Method, route: &str, headers: &HeaderMap) ->
             )));
         }
     }
-    if let Some(key) = &state.http.api_key {
-        if route != "/health" {
-            let given = headers
-                .get(header::AUTHORIZATION)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.trim().split_once(' '))
-                .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
-                .map(|(_, token)| token.trim());
-            if !given.is_some_and(|g| same_secret(g.as_bytes(), key.as_bytes())) {
+    let mut owner = Owner(match peer {
+        Some(Peer(addr)) => format!("ip-{}", addr.ip()),
+        None => "local".into(),
+    });
+    let keys = &state.http.api_keys;
+    if !keys.is_empty() && route != "/health" {
+        let given = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map(|(_, token)| token.trim());
+        // Every key is compared, so the time taken does not tell which
+        // matched either.
+        let matched =
+            given.and_then(|g| {
+                keys.iter().enumerate().fold(None, |found, (i, key)| {
+                    if same_secret(g.as_bytes(), key.as_bytes()) {
+                        Some(i)
+                    } else {
+                        found
+                    }
+                })
+            });
+        match matched {
+            Some(i) => owner = Owner(format!("key-{i}")),
+            None => {
                 return Err(ApiError::unauthorized(if given.is_some() {
                     "Incorrect API key provided."
                 } else {
                     "You didn't provide an API key. Send it as `Authorization: Bearer <key>`."
-                }));
+                }))
             }
         }
     }
@@ -133,21 +151,27 @@ fn check(state: &AppState, method: &Method, route: &str, headers: &HeaderMap) ->
             return Err(ApiError::unsupported_media("send the body as JSON with `Content-Type: application/json`"));
         }
     }
-    Ok(())
+    Ok(owner)
 }
 
 /// The middleware: checks, the timeout, the request id, the log line and
 /// the count.
-pub async fn gate(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
+pub async fn gate(State(state): State<Arc<AppState>>, mut request: Request, next: Next) -> Response {
     let started = Instant::now();
     let id = format!("req-{}", crate::sessions::random_hex());
-    let route = route_of(request.uri().path());
+    // The route's pattern (`/v1/sessions/{id}`), never the path: ids must
+    // not become metric labels. Unrouted paths share one label.
+    let route = request.extensions().get::<MatchedPath>().map_or("other", MatchedPath::as_str).to_string();
     let method = request.method().clone();
-    let span = tracing::info_span!("request", request_id = %id, %method, route);
+    let span = tracing::info_span!("request", request_id = %id, %method, route = %route);
     let limit = state.http.request_timeout;
     let mut response = async {
-        if let Err(e) = check(&state, &method, route, request.headers()) {
-            return e.into_response();
+        let peer = request.extensions().get::<Peer>().copied();
+        match check(&state, &method, &route, request.headers(), peer) {
+            Ok(owner) => {
+                request.extensions_mut().insert(owner);
+            }
+            Err(e) => return e.into_response(),
         }
         match tokio::time::timeout(limit, next.run(request)).await {
             Ok(r) => r,
@@ -165,7 +189,7 @@ pub async fn gate(State(state): State<Arc<AppState>>, request: Request, next: Ne
         response.headers_mut().insert("x-request-id", v);
     }
     let status = response.status().as_u16();
-    state.metrics.request(route, status);
+    state.metrics.request(&route, status);
     span.in_scope(|| {
         tracing::info!(status, elapsed_ms = started.elapsed().as_secs_f64() * 1e3, "answered");
     });
@@ -174,7 +198,7 @@ pub async fn gate(State(state): State<Arc<AppState>>, request: Request, next: Ne
 
 #[cfg(test)]
 mod tests {
-    use super::{host_name, host_policy, route_of, same_secret};
+    use super::{host_name, host_policy, same_secret};
 
     /// A Host header names a host with or without a port, IPv6 in brackets.
     #[test]
@@ -203,12 +227,5 @@ mod tests {
         assert!(same_secret(b"sk-abc", b"sk-abc"));
         assert!(!same_secret(b"sk-abd", b"sk-abc"));
         assert!(!same_secret(b"sk-ab", b"sk-abc"));
-    }
-
-    /// Session ids never become metric labels.
-    #[test]
-    fn routes_are_bounded_labels() {
-        assert_eq!(route_of("/v1/sessions/sess-123"), "/v1/sessions/{id}");
-        assert_eq!(route_of("/anything/else"), "other");
     }
 }

@@ -5,6 +5,8 @@
 
 mod api;
 pub mod client;
+#[cfg(test)]
+mod death_tests;
 mod driver;
 mod error;
 mod guard;
@@ -54,6 +56,7 @@ impl AppState {
             widest_step: 0,
             waiting: 0,
             idle_kv_bytes: 0,
+            models_down: 0,
         };
         for d in self.drivers.values() {
             g.reserved_bytes += d.scheduler.reserved_bytes();
@@ -64,6 +67,7 @@ impl AppState {
             g.widest_step = g.widest_step.max(d.counters.widest_step.load(Ordering::SeqCst));
             g.waiting += d.counters.waiting.load(Ordering::SeqCst);
             g.idle_kv_bytes += d.counters.idle_kv_bytes.load(Ordering::SeqCst);
+            g.models_down += usize::from(!d.alive());
         }
         g
     }
@@ -103,6 +107,8 @@ pub struct Gauges {
     pub waiting: u64,
     /// KV bytes idle sessions keep (reserved for them at rest, B2).
     pub idle_kv_bytes: u64,
+    /// Models whose driver died (they answer 503, `/health` is red).
+    pub models_down: usize,
 }
 
 /// A server bound to a socket, running on its own runtime thread.

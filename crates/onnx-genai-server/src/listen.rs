@@ -34,9 +34,9 @@ pub(crate) async fn serve(
     let permits = Arc::new(Semaphore::new(max_connections.max(1)));
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
-        let stream = tokio::select! {
+        let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
+                Ok(accepted) => accepted,
                 Err(e) => {
                     // Out of descriptors or a reset before accept: back off
                     // instead of spinning on the error.
@@ -52,7 +52,9 @@ pub(crate) async fn serve(
             tokio::spawn(refuse(stream, max_connections));
             continue;
         };
-        let service = TowerToHyperService::new(app.clone());
+        // Requests carry their peer address (a client's identity on a
+        // server without API keys).
+        let service = TowerToHyperService::new(app.clone().layer(axum::Extension(crate::guard::Peer(peer))));
         let metrics = metrics.clone();
         tokio::spawn(async move {
             let _open = metrics.connection_opened();

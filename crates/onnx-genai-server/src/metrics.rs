@@ -35,6 +35,7 @@ pub struct Metrics {
     running: Gauge,
     kv_reserved: Gauge,
     kv_idle: Gauge,
+    models_down: Gauge,
 }
 
 impl Default for Metrics {
@@ -81,6 +82,7 @@ impl Metrics {
             "KV cache bytes admission has reserved (running turns and idle sessions)",
         );
         let kv_idle = gauge(&mut registry, "kv_idle_session_bytes", "KV cache bytes idle sessions keep resident");
+        let models_down = gauge(&mut registry, "models_down", "Models whose driver died (they answer 503)");
         Self {
             registry,
             requests,
@@ -95,10 +97,11 @@ impl Metrics {
             running,
             kv_reserved,
             kv_idle,
+            models_down,
         }
     }
 
-    pub fn request(&self, route: &'static str, status: u16) {
+    pub fn request(&self, route: &str, status: u16) {
         self.requests.get_or_create(&vec![("route", route.to_string()), ("status", status.to_string())]).inc();
     }
 
@@ -128,6 +131,7 @@ impl Metrics {
         set(&self.running, now.running);
         set(&self.kv_reserved, now.reserved_bytes);
         set(&self.kv_idle, now.idle_kv_bytes);
+        set(&self.models_down, now.models_down as u64);
         let mut out = String::new();
         // Writing into a String cannot fail.
         let _ = encode(&mut out, &self.registry);

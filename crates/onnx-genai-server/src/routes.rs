@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{Path, State};
-use axum::http::HeaderMap;
+use axum::extract::{Extension, Path, State};
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -20,16 +20,22 @@ use tokio::sync::mpsc;
 
 use crate::api::{self, ChatRequest, CompletionRequest, SessionRequest};
 use crate::driver::{Command, Driver, Event, Promise};
-use crate::error::ApiError;
+use crate::error::{ApiError, SESSION_GONE};
 use crate::metrics::TokenClock;
-use crate::sessions::{mint_id, Placement};
+use crate::sessions::{mint_id, Owner, Placement};
 use crate::AppState;
 
 /// The header a turn names its session with.
 pub const SESSION_HEADER: &str = "x-session-id";
 
-pub async fn health() -> Json<Value> {
-    Json(json!({"status": "ok"}))
+/// 200 `ok` while every model's driver runs; 503 naming the models whose
+/// driver died (a supervisor or load balancer restarts the server).
+pub async fn health(State(state): State<Arc<AppState>>) -> Response {
+    let down: Vec<&str> = state.drivers.values().filter(|d| !d.alive()).map(|d| d.model.as_str()).collect();
+    if down.is_empty() {
+        return Json(json!({"status": "ok"})).into_response();
+    }
+    (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "unhealthy", "models_down": down}))).into_response()
 }
 
 pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
@@ -46,11 +52,16 @@ pub async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
     Json(json!({"object": "list", "data": data}))
 }
 
+/// A model's driver, if it is served and alive (a dead one answers 503).
 fn driver<'a>(state: &'a AppState, model: &str) -> Result<&'a Driver, ApiError> {
-    state.drivers.get(model).ok_or_else(|| {
+    let driver = state.drivers.get(model).ok_or_else(|| {
         let known: Vec<&str> = state.drivers.keys().map(String::as_str).collect();
         ApiError::not_found("model_not_found", format!("no model `{model}` (served: {})", known.join(", ")))
-    })
+    })?;
+    if !driver.alive() {
+        return Err(driver.down());
+    }
+    Ok(driver)
 }
 
 /// The request body, or an OpenAI-shaped error (413 past the size limit).
@@ -66,11 +77,12 @@ fn body_of(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
 
 pub async fn create_session(
     State(state): State<Arc<AppState>>,
+    Extension(owner): Extension<Owner>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
     let req: SessionRequest = api::parse(&body_of(body)?)?;
     let driver = driver(&state, &req.model)?.clone();
-    let (slot, evicted) = state.registry.reserve()?;
+    let (slot, evicted) = state.registry.reserve(&owner)?;
     if let Some(victim) = evicted {
         if let Some(d) = state.drivers.get(&victim.model) {
             let _ = d.send(Command::CloseSession { id: victim.engine });
@@ -79,7 +91,7 @@ pub async fn create_session(
     let engine = driver.mint_session();
     let id = mint_id();
     let placement = Placement { model: req.model.clone(), worker: 0, engine };
-    state.registry.bind(slot, &id, placement)?;
+    state.registry.bind(slot, &id, placement, owner)?;
     // Queued before any turn can name the session, so the driver opens it first.
     driver.send(Command::OpenSession { id: engine })?;
     Ok(Json(json!({"id": id, "object": "session", "model": req.model})))
@@ -87,9 +99,10 @@ pub async fn create_session(
 
 pub async fn delete_session(
     State(state): State<Arc<AppState>>,
+    Extension(owner): Extension<Owner>,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    let placement = state.registry.close(&id)?;
+    let placement = state.registry.close(&id, &owner)?;
     if let Some(d) = state.drivers.get(&placement.model) {
         let _ = d.send(Command::CloseSession { id: placement.engine });
     }
@@ -105,6 +118,7 @@ enum Kind {
 
 pub async fn chat_completions(
     State(state): State<Arc<AppState>>,
+    Extension(owner): Extension<Owner>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
@@ -129,13 +143,14 @@ pub async fn chat_completions(
         if messages.is_empty() {
             return Err(ApiError::param("messages", "messages must not be empty"));
         }
-        run_turn(&state, &headers, Prompt::Chat(messages), req.common, Kind::Chat).await
+        run_turn(&state, &owner, &headers, Prompt::Chat(messages), req.common, Kind::Chat).await
     };
     turn.await.unwrap_or_else(IntoResponse::into_response)
 }
 
 pub async fn completions(
     State(state): State<Arc<AppState>>,
+    Extension(owner): Extension<Owner>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
@@ -144,13 +159,14 @@ pub async fn completions(
         if req.prompt.is_empty() {
             return Err(ApiError::param("prompt", "prompt must not be empty"));
         }
-        run_turn(&state, &headers, Prompt::Text(req.prompt), req.common, Kind::Text).await
+        run_turn(&state, &owner, &headers, Prompt::Text(req.prompt), req.common, Kind::Text).await
     };
     turn.await.unwrap_or_else(IntoResponse::into_response)
 }
 
 async fn run_turn(
     state: &AppState,
+    owner: &Owner,
     headers: &HeaderMap,
     prompt: Prompt,
     opts: api::Sampling,
@@ -160,12 +176,13 @@ async fn run_turn(
     let clock = state.metrics.token_clock();
     let driver = driver(state, &opts.model)?;
     // L1: the lease comes before anything queues; L8: no session, no lease.
-    let lease = match headers.get(SESSION_HEADER) {
+    let session_id = match headers.get(SESSION_HEADER) {
         None => None,
-        Some(v) => {
-            let id = v.to_str().map_err(|_| ApiError::invalid("the X-Session-Id header is not text"))?;
-            Some(state.registry.lease(&opts.model, id)?)
-        }
+        Some(v) => Some(v.to_str().map_err(|_| ApiError::invalid("the X-Session-Id header is not text"))?.to_string()),
+    };
+    let lease = match &session_id {
+        None => None,
+        Some(id) => Some(state.registry.lease(&opts.model, id, owner)?),
     };
     // Tokenize (and render the chat template) here, off the model's driver.
     let prompter = driver.prompter.clone();
@@ -187,7 +204,16 @@ async fn run_turn(
     let (released, ended) = tokio::sync::oneshot::channel();
     driver.send(Command::Generate { request: Box::new(request), lease, admission, events, released })?;
     // A9: no header before the engine decided.
-    admitted.await.map_err(|_| ApiError::internal())??;
+    let decided = admitted.await.map_err(|_| ApiError::internal())?;
+    if let (Err(e), Some(id)) = (&decided, &session_id) {
+        if e.code == Some(SESSION_GONE) {
+            // The engine has no such session (its opening failed): unbind
+            // the id too, so the registry does not keep a session that
+            // cannot take a turn. Its lease is gone with the refusal.
+            let _ = state.registry.close(id, owner);
+        }
+    }
+    decided?;
     let reply = Reply {
         model: opts.model.clone(),
         kind,

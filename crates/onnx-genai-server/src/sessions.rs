@@ -3,6 +3,14 @@
 //! the session's exclusive lease before anything queues (L1); the lease
 //! travels with the turn and releases on `Drop` (L2). Close, eviction and
 //! capacity decisions are made under the registry's one lock (L4–L7).
+//!
+//! A session belongs to the client that created it (its [`Owner`]): to any
+//! other client its id names no session (404), so an id is a capability only
+//! in its owner's hands. When room must be made, the victim is an idle
+//! session of the client holding the most (the creator's new one counted),
+//! least recently used among those: a client that opens many sessions
+//! pushes out its own before anyone else's, and no client can aim an
+//! eviction at another's conversation.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -19,9 +27,15 @@ pub struct Placement {
     pub engine: SessionId,
 }
 
+/// Who a request comes from: the API key it used or, on a server without
+/// keys, its IP address (set by the guard on every request).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Owner(pub String);
+
 #[derive(Debug)]
 struct Entry {
     placement: Placement,
+    owner: Owner,
     leased: bool,
     last_used: u64,
 }
@@ -86,10 +100,11 @@ impl Registry {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Takes the exclusive lease of session `id` for a turn on `model`.
-    pub fn lease(self: &Arc<Self>, model: &str, id: &str) -> Result<Lease, ApiError> {
+    /// Takes the exclusive lease of session `id` for a turn on `model` by
+    /// `owner` (another client's session is unknown to it).
+    pub fn lease(self: &Arc<Self>, model: &str, id: &str, owner: &Owner) -> Result<Lease, ApiError> {
         let mut inner = self.lock();
-        let e = inner.sessions.get_mut(id).ok_or_else(|| unknown(id))?;
+        let e = inner.sessions.get_mut(id).filter(|e| e.owner == *owner).ok_or_else(|| unknown(id))?;
         if e.placement.model != model {
             return Err(ApiError::conflict(format!(
                 "session `{id}` belongs to model `{}`, not `{model}`",
@@ -104,19 +119,25 @@ impl Registry {
         Ok(Lease { registry: self.clone(), id: id.into(), placement })
     }
 
-    /// Decides capacity for one new session: a free slot, or the least
-    /// recently used idle session, evicted by taking its lease (L5) and
-    /// unbinding it — returned so its engine session can be closed. Refused
-    /// when every session is mid-turn (L6).
-    pub fn reserve(self: &Arc<Self>) -> Result<(Slot, Option<Placement>), ApiError> {
+    /// Decides capacity for one new session of `owner`: a free slot, or an
+    /// idle session evicted by taking its lease (L5) and unbinding it —
+    /// returned so its engine session can be closed. The victim is the least
+    /// recently used idle session of the client holding the most sessions,
+    /// `owner`'s new one counted. Refused when every session is mid-turn
+    /// (L6).
+    pub fn reserve(self: &Arc<Self>, owner: &Owner) -> Result<(Slot, Option<Placement>), ApiError> {
         let mut inner = self.lock();
         let mut evicted = None;
         if inner.sessions.len() + inner.pending >= self.max_sessions {
+            let mut held: HashMap<&Owner, usize> = HashMap::from([(owner, 1)]);
+            for e in inner.sessions.values() {
+                *held.entry(&e.owner).or_default() += 1;
+            }
             let victim = inner
                 .sessions
                 .iter()
                 .filter(|(_, e)| !e.leased)
-                .min_by_key(|(_, e)| e.last_used)
+                .max_by_key(|(_, e)| (held.get(&e.owner).copied().unwrap_or(0), std::cmp::Reverse(e.last_used)))
                 .map(|(id, _)| id.clone());
             let Some(victim) = victim else {
                 return Err(ApiError::busy(format!(
@@ -131,24 +152,25 @@ impl Registry {
         Ok((Slot { registry: self.clone(), bound: false }, evicted))
     }
 
-    /// Binds `id` in a reserved slot (L7: an id is bound once).
-    pub fn bind(&self, mut slot: Slot, id: &str, placement: Placement) -> Result<(), ApiError> {
+    /// Binds `id` for `owner` in a reserved slot (L7: an id is bound once).
+    pub fn bind(&self, mut slot: Slot, id: &str, placement: Placement, owner: Owner) -> Result<(), ApiError> {
         let mut inner = self.lock();
         if inner.sessions.contains_key(id) {
             return Err(ApiError::conflict(format!("session `{id}` already exists")));
         }
         inner.tick += 1;
         let last_used = inner.tick;
-        inner.sessions.insert(id.into(), Entry { placement, leased: false, last_used });
+        inner.sessions.insert(id.into(), Entry { placement, owner, leased: false, last_used });
         inner.pending -= 1;
         slot.bound = true;
         Ok(())
     }
 
-    /// Close: finds, checks the lease and unbinds under one lock (L4).
-    pub fn close(&self, id: &str) -> Result<Placement, ApiError> {
+    /// Close by `owner`: finds, checks the lease and unbinds under one lock
+    /// (L4).
+    pub fn close(&self, id: &str, owner: &Owner) -> Result<Placement, ApiError> {
         let mut inner = self.lock();
-        match inner.sessions.get(id) {
+        match inner.sessions.get(id).filter(|e| e.owner == *owner) {
             None => Err(unknown(id)),
             Some(e) if e.leased => {
                 Err(ApiError::conflict(format!("session `{id}` is busy with a turn; close it after the turn")))
@@ -169,7 +191,7 @@ impl Registry {
 }
 
 fn unknown(id: &str) -> ApiError {
-    ApiError::not_found("session_not_found", format!("no session `{id}`: create one with POST /v1/sessions"))
+    ApiError::not_found(crate::error::SESSION_GONE, format!("no session `{id}`: create one with POST /v1/sessions"))
 }
 
 /// A fresh random public session id.
@@ -193,6 +215,10 @@ pub fn random_hex() -> String {
 mod tests {
     use super::*;
 
+    fn me() -> Owner {
+        Owner("key-0".into())
+    }
+
     fn placement(engine: u64) -> Placement {
         Placement { model: "m".into(), worker: 0, engine: SessionId(engine) }
     }
@@ -202,15 +228,15 @@ mod tests {
     #[test]
     fn bind_is_exact() {
         let r = Registry::new(4);
-        let (slot, evicted) = r.reserve().unwrap();
+        let (slot, evicted) = r.reserve(&me()).unwrap();
         assert!(evicted.is_none());
-        r.bind(slot, "s1", placement(1)).unwrap();
+        r.bind(slot, "s1", placement(1), me()).unwrap();
         assert_eq!(r.active(), 1);
-        let (slot, _) = r.reserve().unwrap();
-        assert_eq!(r.bind(slot, "s1", placement(2)).unwrap_err().status, axum::http::StatusCode::CONFLICT);
+        let (slot, _) = r.reserve(&me()).unwrap();
+        assert_eq!(r.bind(slot, "s1", placement(2), me()).unwrap_err().status, axum::http::StatusCode::CONFLICT);
         assert_eq!(r.active(), 1);
-        assert_eq!(r.lease("m", "s1").unwrap().placement, placement(1), "the first binding survives");
-        r.close("s1").unwrap();
+        assert_eq!(r.lease("m", "s1", &me()).unwrap().placement, placement(1), "the first binding survives");
+        r.close("s1", &me()).unwrap();
         assert_eq!(r.active(), 0);
         assert_eq!(r.lock().pending, 0, "a refused bind gives its slot back");
     }
@@ -221,13 +247,13 @@ mod tests {
     #[test]
     fn pending_inserts_count_against_capacity() {
         let r = Registry::new(2);
-        let (a, _) = r.reserve().unwrap();
-        let (b, _) = r.reserve().unwrap();
-        assert_eq!(r.reserve().unwrap_err().status, axum::http::StatusCode::TOO_MANY_REQUESTS);
+        let (a, _) = r.reserve(&me()).unwrap();
+        let (b, _) = r.reserve(&me()).unwrap();
+        assert_eq!(r.reserve(&me()).unwrap_err().status, axum::http::StatusCode::TOO_MANY_REQUESTS);
         drop(a);
-        let (c, _) = r.reserve().unwrap();
-        r.bind(b, "b", placement(1)).unwrap();
-        r.bind(c, "c", placement(2)).unwrap();
+        let (c, _) = r.reserve(&me()).unwrap();
+        r.bind(b, "b", placement(1), me()).unwrap();
+        r.bind(c, "c", placement(2), me()).unwrap();
         assert_eq!((r.active(), r.lock().pending), (2, 0));
     }
 
@@ -240,21 +266,70 @@ mod tests {
         for _ in 0..32 {
             let r = Registry::new(2);
             for (id, engine) in [("old", 1), ("new", 2)] {
-                let (slot, _) = r.reserve().unwrap();
-                r.bind(slot, id, placement(engine)).unwrap();
+                let (slot, _) = r.reserve(&me()).unwrap();
+                r.bind(slot, id, placement(engine), me()).unwrap();
             }
-            let (_slot, evicted) = r.reserve().unwrap();
+            let (_slot, evicted) = r.reserve(&me()).unwrap();
             assert_eq!(evicted, Some(placement(1)), "the older binding goes first");
 
             let r = Registry::new(2);
             for (id, engine) in [("a", 1), ("b", 2)] {
-                let (slot, _) = r.reserve().unwrap();
-                r.bind(slot, id, placement(engine)).unwrap();
+                let (slot, _) = r.reserve(&me()).unwrap();
+                r.bind(slot, id, placement(engine), me()).unwrap();
             }
-            drop(r.lease("m", "b").unwrap());
-            drop(r.lease("m", "a").unwrap());
-            let (_slot, evicted) = r.reserve().unwrap();
+            drop(r.lease("m", "b", &me()).unwrap());
+            drop(r.lease("m", "a", &me()).unwrap());
+            let (_slot, evicted) = r.reserve(&me()).unwrap();
             assert_eq!(evicted, Some(placement(2)), "a finished turn makes its session the most recent");
         }
+    }
+
+    /// A session belongs to its creator: to another client its id names
+    /// nothing (404) — no turn, no close — while its owner uses it as ever.
+    #[test]
+    fn another_clients_session_is_unknown() {
+        let r = Registry::new(4);
+        let (slot, _) = r.reserve(&me()).unwrap();
+        r.bind(slot, "mine", placement(1), me()).unwrap();
+        let stranger = Owner("key-1".into());
+        assert_eq!(r.lease("m", "mine", &stranger).unwrap_err().status, axum::http::StatusCode::NOT_FOUND);
+        assert_eq!(r.close("mine", &stranger).unwrap_err().status, axum::http::StatusCode::NOT_FOUND);
+        drop(r.lease("m", "mine", &me()).unwrap());
+        assert_eq!(r.close("mine", &me()).unwrap(), placement(1));
+    }
+
+    /// Room is made from the client holding the most sessions (the
+    /// creator's new one counted), least recently used among its own: a
+    /// client opening session after session evicts its own, never the one
+    /// session another client keeps, however old that one is.
+    #[test]
+    fn eviction_takes_from_the_largest_holder() {
+        let other = Owner("key-1".into());
+        let r = Registry::new(3);
+        let (slot, _) = r.reserve(&other).unwrap();
+        r.bind(slot, "theirs", placement(1), other.clone()).unwrap();
+        for (i, engine) in (2..12).enumerate() {
+            let (slot, evicted) = r.reserve(&me()).unwrap();
+            if i >= 2 {
+                assert_ne!(evicted, Some(placement(1)), "another client's only session was evicted");
+                assert!(evicted.is_some(), "room is made when full");
+            }
+            r.bind(slot, &format!("mine-{i}"), placement(engine), me()).unwrap();
+        }
+        assert!(r.lease("m", "theirs", &other).is_ok(), "the other client's session survived");
+        // When the other client is the largest holder, its own LRU goes.
+        let r = Registry::new(3);
+        for (id, engine) in [("t1", 1), ("t2", 2)] {
+            let (slot, _) = r.reserve(&other).unwrap();
+            r.bind(slot, id, placement(engine), other.clone()).unwrap();
+        }
+        let (slot, _) = r.reserve(&me()).unwrap();
+        r.bind(slot, "m1", placement(3), me()).unwrap();
+        let (_slot, evicted) = r.reserve(&me()).unwrap();
+        assert_eq!(
+            evicted,
+            Some(placement(1)),
+            "2 held by the other client against 1 + 1 of mine: tie goes to the oldest"
+        );
     }
 }

@@ -5,17 +5,13 @@
 
 mod support;
 
-use std::sync::{Arc, Barrier};
+use std::sync::Arc;
 use std::time::Duration;
 
 use onnx_genai_engine::Scheduler;
 use onnx_genai_server::{start, RunningServer};
 use serde_json::json;
-use support::{call, engine, eventually, package, post, stream, Gate};
-
-fn chat(model: &str, text: &str, max: u32) -> serde_json::Value {
-    json!({"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max, "temperature": 0})
-}
+use support::{call, chat, engine, eventually, package, post, stream, together, Gate};
 
 fn serve(names: &[&str], gate: &Gate, budget: u64, max_sessions: usize) -> (Vec<tempfile::TempDir>, RunningServer) {
     let mut dirs = Vec::new();
@@ -41,21 +37,6 @@ fn turn(s: &RunningServer, model: &str, sid: Option<&str>, text: &str, max: u32)
 }
 
 /// Runs `n` copies of `f` released together; returns their results.
-fn together<T: Send + 'static>(n: usize, f: impl Fn(usize) -> T + Send + Sync + 'static) -> Vec<T> {
-    let barrier = Arc::new(Barrier::new(n));
-    let f = Arc::new(f);
-    let handles: Vec<_> = (0..n)
-        .map(|i| {
-            let (b, f) = (barrier.clone(), f.clone());
-            std::thread::spawn(move || {
-                b.wait();
-                f(i)
-            })
-        })
-        .collect();
-    handles.into_iter().map(|h| h.join().unwrap()).collect()
-}
-
 const M: &str = "tiny-llama-gqa";
 
 /// Pins L1, L2, L8, L9: while one turn holds a session, N overlapping turns

@@ -6,6 +6,7 @@
 pub mod quant;
 pub mod tokenizer;
 pub mod weights;
+pub mod writer;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -192,9 +193,16 @@ impl Gguf {
             })?;
             let offset = r.u64(&format!("offset of `{name}`"))?;
             let elements = dims.iter().try_fold(1u64, |a, d| a.checked_mul(*d));
-            let bytes = elements.and_then(|e| ty.bytes_for(e)).ok_or_else(|| {
-                r.corrupt(at, &format!("`{name}`"), format!("{dims:?} is not a whole number of {ty:?} blocks"))
-            })?;
+            let too_large = || r.corrupt(at, &format!("`{name}`"), format!("{dims:?} {ty:?} values overflow 64 bits"));
+            let elements = elements.ok_or_else(too_large)?;
+            if !elements.is_multiple_of(ty.block().0) {
+                return Err(r.corrupt(
+                    at,
+                    &format!("`{name}`"),
+                    format!("{dims:?} is not a whole number of {ty:?} blocks"),
+                ));
+            }
+            let bytes = ty.bytes_for(elements).ok_or_else(too_large)?;
             infos.push(TensorInfo { name, dims, ty, offset, bytes });
         }
         let data_start = r.pos.div_ceil(alignment) * alignment;

@@ -54,10 +54,14 @@ impl TensorType {
         }
     }
 
-    /// Bytes holding `elements` values; `None` unless whole blocks.
+    /// Bytes holding `elements` values; `None` unless whole blocks, or when
+    /// the count does not fit a u64 (a crafted header's dimensions).
     pub fn bytes_for(self, elements: u64) -> Option<u64> {
         let (per, bytes) = self.block();
-        elements.is_multiple_of(per).then(|| elements / per * bytes)
+        if !elements.is_multiple_of(per) {
+            return None;
+        }
+        (elements / per).checked_mul(bytes)
     }
 }
 

@@ -4,70 +4,8 @@
 use half::f16;
 
 use super::quant::{dequantize, TensorType};
+use super::writer::{string, Writer};
 use super::*;
-
-/// Writes a GGUF v3 file the way the format describes it.
-#[derive(Default)]
-pub(crate) struct Writer {
-    kvs: Vec<(String, u32, Vec<u8>)>,
-    tensors: Vec<(String, Vec<u64>, u32, Vec<u8>)>,
-}
-
-fn string(s: &str) -> Vec<u8> {
-    let mut b = (s.len() as u64).to_le_bytes().to_vec();
-    b.extend_from_slice(s.as_bytes());
-    b
-}
-
-impl Writer {
-    pub fn kv(&mut self, key: &str, ty: u32, payload: Vec<u8>) -> &mut Self {
-        self.kvs.push((key.into(), ty, payload));
-        self
-    }
-
-    pub fn str(&mut self, key: &str, v: &str) -> &mut Self {
-        self.kv(key, 8, string(v))
-    }
-
-    pub fn u32(&mut self, key: &str, v: u32) -> &mut Self {
-        self.kv(key, 4, v.to_le_bytes().to_vec())
-    }
-
-    pub fn tensor(&mut self, name: &str, dims: &[u64], ty: u32, data: Vec<u8>) -> &mut Self {
-        self.tensors.push((name.into(), dims.to_vec(), ty, data));
-        self
-    }
-
-    pub fn bytes(&self) -> Vec<u8> {
-        let mut b = b"GGUF".to_vec();
-        b.extend(3u32.to_le_bytes());
-        b.extend((self.tensors.len() as u64).to_le_bytes());
-        b.extend((self.kvs.len() as u64).to_le_bytes());
-        for (k, ty, payload) in &self.kvs {
-            b.extend(string(k));
-            b.extend(ty.to_le_bytes());
-            b.extend(payload);
-        }
-        let mut offset = 0u64;
-        let mut offsets = Vec::new();
-        for (name, dims, ty, data) in &self.tensors {
-            b.extend(string(name));
-            b.extend((dims.len() as u32).to_le_bytes());
-            dims.iter().for_each(|d| b.extend(d.to_le_bytes()));
-            b.extend(ty.to_le_bytes());
-            b.extend(offset.to_le_bytes());
-            offsets.push(offset);
-            offset = (offset + data.len() as u64).div_ceil(32) * 32;
-        }
-        b.resize(b.len().div_ceil(32) * 32, 0);
-        let start = b.len();
-        for ((_, _, _, data), off) in self.tensors.iter().zip(offsets) {
-            b.resize(start + off as usize, 0);
-            b.extend(data);
-        }
-        b
-    }
-}
 
 fn f16_bytes(v: f32) -> [u8; 2] {
     f16::from_f32(v).to_le_bytes()
@@ -174,6 +112,12 @@ fn corrupt_headers_are_named() {
     w.tensor("odd", &[31], 8, vec![0; 34]);
     let err = Gguf::parse(w.bytes()).unwrap_err().to_string();
     assert!(err.contains("not a whole number of Q8_0 blocks"), "{err}");
+    // 2^62 f32 values count in a u64, their bytes do not (found by the gguf
+    // fuzz target: the multiplication overflowed).
+    let mut w = Writer::default();
+    w.tensor("huge", &[1 << 62], 0, vec![]);
+    let err = Gguf::parse(w.bytes()).unwrap_err().to_string();
+    assert!(err.contains("`huge`") && err.contains("overflow 64 bits"), "{err}");
 }
 
 /// Q8_0: d = 0.5; q = -128, -1, 0, 1, 127, then zeros.
@@ -277,16 +221,10 @@ fn unsupported_models_are_named() {
     };
     assert!(tokenizer_error("llama", "default").contains("tokenizer model `llama` is not supported"));
     let mut w = Writer::default();
-    let array = |items: &[&str]| {
-        let mut p = 8u32.to_le_bytes().to_vec();
-        p.extend((items.len() as u64).to_le_bytes());
-        items.iter().for_each(|s| p.extend(string(s)));
-        p
-    };
     w.str("tokenizer.ggml.model", "gpt2")
         .str("tokenizer.ggml.pre", "qwen2")
-        .kv("tokenizer.ggml.tokens", 9, array(&["a", "b", "ab"]))
-        .kv("tokenizer.ggml.merges", 9, array(&["a b"]));
+        .strings("tokenizer.ggml.tokens", &["a", "b", "ab"])
+        .strings("tokenizer.ggml.merges", &["a b"]);
     let g = Gguf::parse(w.bytes()).unwrap();
     let err = super::tokenizer::tokenizer_json(&g).unwrap_err().to_string();
     assert!(err.contains("pre-tokenizer `qwen2` is not supported"), "{err}");
@@ -296,23 +234,17 @@ fn unsupported_models_are_named() {
 /// encodes with its merge.
 #[test]
 fn a_small_vocabulary_becomes_a_tokenizer() {
-    let array = |items: &[&str]| {
-        let mut p = 8u32.to_le_bytes().to_vec();
-        p.extend((items.len() as u64).to_le_bytes());
-        items.iter().for_each(|s| p.extend(string(s)));
-        p
-    };
     let mut w = Writer::default();
     w.str("tokenizer.ggml.model", "gpt2")
         .str("tokenizer.ggml.pre", "smollm")
-        .kv("tokenizer.ggml.tokens", 9, array(&["<|end|>", "a", "b", "ab", "1", "2"]))
+        .strings("tokenizer.ggml.tokens", &["<|end|>", "a", "b", "ab", "1", "2"])
         .kv("tokenizer.ggml.token_type", 9, {
             let mut p = 5u32.to_le_bytes().to_vec();
             p.extend(6u64.to_le_bytes());
             [3i32, 1, 1, 1, 1, 1].iter().for_each(|t| p.extend(t.to_le_bytes()));
             p
         })
-        .kv("tokenizer.ggml.merges", 9, array(&["a b"]));
+        .strings("tokenizer.ggml.merges", &["a b"]);
     let g = Gguf::parse(w.bytes()).unwrap();
     let t = tokenizers::Tokenizer::from_bytes(super::tokenizer::tokenizer_json(&g).unwrap().as_bytes()).unwrap();
     let enc = t.encode("ab12<|end|>", false).unwrap();

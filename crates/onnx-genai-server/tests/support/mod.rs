@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use std::path::Path;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Barrier, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use onnx_genai_backend::{BackendError, DecodeModel, Entry, Sequence};
@@ -24,15 +24,34 @@ type GateState = (bool, usize, usize);
 
 /// Holds every backend call while closed, so a turn stays mid-flight (its
 /// lease and reservation held) for as long as a test needs; records the
-/// length of every prefill the model ran, in order; fails every model step
-/// while `failing` is set (a backend error after admission).
+/// length of every prefill the model ran, in order; injects a [`Fault`]
+/// while one is set.
 #[derive(Clone, Default)]
-pub struct Gate(Arc<(Mutex<GateState>, Condvar)>, Arc<Mutex<Vec<usize>>>, Arc<std::sync::atomic::AtomicBool>);
+pub struct Gate(Arc<(Mutex<GateState>, Condvar)>, Arc<Mutex<Vec<usize>>>, Arc<Mutex<Fault>>);
+
+/// What the gated backend does wrong.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Fault {
+    #[default]
+    None,
+    /// Every model step returns a backend error (after admission).
+    StepFails,
+    /// Every model step panics.
+    StepPanics,
+    /// Making a sequence (a session's or a request's) panics.
+    SequencePanics,
+}
 
 impl Gate {
     /// While set, every model step fails with a backend error.
     pub fn failing(&self, on: bool) {
-        self.2.store(on, std::sync::atomic::Ordering::SeqCst);
+        self.fault(if on { Fault::StepFails } else { Fault::None });
+    }
+    pub fn fault(&self, fault: Fault) {
+        *self.2.lock().unwrap() = fault;
+    }
+    fn current(&self) -> Fault {
+        *self.2.lock().unwrap()
     }
     /// The prompt lengths the model prefilled, in the order it ran them.
     pub fn prefills(&self) -> Vec<usize> {
@@ -91,14 +110,19 @@ impl DecodeModel for Gated {
         self.inner.context_length()
     }
     fn new_sequence(&self) -> Box<dyn Sequence> {
+        if self.gate.current() == Fault::SequencePanics {
+            panic!("injected: the backend cannot make a sequence");
+        }
         self.inner.new_sequence()
     }
     fn step(&self, batch: &mut [Entry<'_>]) -> Result<(), BackendError> {
         self.gate.pass();
         let prefills = batch.iter().map(|e| e.input.positions()).filter(|n| *n > 1);
         self.gate.1.lock().unwrap().extend(prefills);
-        if self.gate.2.load(std::sync::atomic::Ordering::SeqCst) {
-            return Err(BackendError::Run { backend: "gated", reason: "injected failure".into() });
+        match self.gate.current() {
+            Fault::StepFails => return Err(BackendError::Run { backend: "gated", reason: "injected failure".into() }),
+            Fault::StepPanics => panic!("injected: the backend panicked in a step"),
+            Fault::None | Fault::SequencePanics => {}
         }
         self.inner.step(batch)
     }
@@ -136,4 +160,25 @@ pub fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
         std::thread::sleep(Duration::from_millis(5));
     }
     f()
+}
+
+/// A greedy chat request body.
+pub fn chat(model: &str, text: &str, max: u32) -> serde_json::Value {
+    serde_json::json!({"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max, "temperature": 0})
+}
+
+/// Runs `f(0..n)` on `n` threads released together by a barrier.
+pub fn together<T: Send + 'static>(n: usize, f: impl Fn(usize) -> T + Send + Sync + 'static) -> Vec<T> {
+    let barrier = Arc::new(Barrier::new(n));
+    let f = Arc::new(f);
+    let handles: Vec<_> = (0..n)
+        .map(|i| {
+            let (b, f) = (barrier.clone(), f.clone());
+            std::thread::spawn(move || {
+                b.wait();
+                f(i)
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
 }

@@ -1,0 +1,71 @@
+//! A driver that dies (a panic outside the guards around the engine) takes
+//! nothing with it: its model answers 503 and `/health` turns red, while
+//! the leases, reservations and sessions it held are released (issue 20:
+//! "a supervised driver whose death turns /health red and answers 503").
+//! The death is injected with the test-only `Command::Die`; everything
+//! else is the real server on loopback.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use onnx_genai_engine::{BackendKind, Engine};
+use serde_json::json;
+
+use crate::client::call;
+use crate::driver::Command;
+use crate::{start_with, ServerOptions};
+
+const MODEL: &str = "tiny-llama-gqa";
+
+fn engine(dir: &Path) -> Engine {
+    let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../../packages/{MODEL}/spec.yaml"));
+    onnx_genai_build::build_package(&onnx_genai_build::read_spec(&spec).unwrap(), dir).unwrap();
+    Engine::open(dir, BackendKind::NativeCpu, 1).unwrap()
+}
+
+#[test]
+fn a_dead_driver_answers_503_turns_health_red_and_holds_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start_with(vec![engine(dir.path())], "127.0.0.1:0", ServerOptions::default()).unwrap();
+    let turn = |headers: &[(&str, &str)]| {
+        let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3});
+        call(server.addr, "POST", "/v1/chat/completions", headers, &body.to_string()).unwrap()
+    };
+    let baseline = server.gauges();
+    assert_eq!(turn(&[]).status, 200);
+    let made = call(server.addr, "POST", "/v1/sessions", &[], &json!({"model": MODEL}).to_string()).unwrap();
+    let id = made.json()["id"].as_str().unwrap().to_string();
+    assert_eq!(turn(&[(crate::SESSION_HEADER, &id)]).status, 200);
+    // The driver publishes what idle sessions keep after the turn (L9).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while server.gauges().idle_kv_bytes == 0 {
+        assert!(Instant::now() < deadline, "the idle session keeps no KV: {:?}", server.gauges());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(call(server.addr, "GET", "/health", &[], "").unwrap().status, 200);
+
+    server.state.drivers[MODEL].send(Command::Die).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while server.state.drivers[MODEL].alive() {
+        assert!(Instant::now() < deadline, "the driver did not die");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+
+    let health = call(server.addr, "GET", "/health", &[], "").unwrap();
+    assert_eq!(health.status, 503, "{}", health.body);
+    assert_eq!(health.json()["models_down"], json!([MODEL]));
+    for reply in [turn(&[]), turn(&[(crate::SESSION_HEADER, &id)])] {
+        assert_eq!(reply.status, 503, "{}", reply.body);
+        assert!(reply.body.contains("is down"), "{}", reply.body);
+    }
+    let refused = call(server.addr, "POST", "/v1/sessions", &[], &json!({"model": MODEL}).to_string()).unwrap();
+    assert_eq!(refused.status, 503, "{}", refused.body);
+    // What the dead driver's engine held went with it.
+    let g = server.gauges();
+    assert_eq!((g.leases, g.running, g.waiting, g.reserved_bytes, g.idle_kv_bytes), (0, 0, 0, 0, 0), "{g:?}");
+    assert_eq!(g.models_down, 1);
+    assert_eq!(baseline.models_down, 0);
+    let metrics = call(server.addr, "GET", "/metrics", &[], "").unwrap();
+    assert!(metrics.body.contains("models_down 1"), "{}", metrics.body);
+    server.stop();
+}
