@@ -233,6 +233,7 @@ mod tests {
             commands: Vec::new(),
             select,
             requires: None,
+            empty: None,
         }
     }
 

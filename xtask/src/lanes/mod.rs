@@ -38,6 +38,10 @@ pub struct Lane {
     pub select: Vec<Rule>,
     #[serde(default)]
     pub requires: Option<Hardware>,
+    /// Why a lane selects no tests (its commands are its checks); a lane
+    /// that runs no tests without saying why fails.
+    #[serde(default)]
+    pub empty: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
@@ -238,12 +242,19 @@ pub fn run_lane(lane: &Lane) -> Result<LaneRun> {
         }
     }
     if lane.select.is_empty() {
-        return Ok(done(0, "passed".into(), true));
+        return Ok(match &lane.empty {
+            Some(why) => done(0, format!("passed (no tests: {why})"), true),
+            None => done(0, "selects no tests and does not say why (`empty: <reason>`)".into(), false),
+        });
     }
     let binaries = build_test_binaries(&lane.features)?;
     let mut total = 0;
     for rule in &lane.select {
         for b in binaries.iter().filter(|b| rule.selects_binary(b)) {
+            // What the audit selects from this binary is what must pass: a
+            // filter that drifted, a test that stopped running or one run
+            // twice shows as a different count.
+            let expected = list_tests(b)?.iter().filter(|(t, ignored)| !ignored && rule.selects(b, t)).count();
             let mut c = Command::new(&b.executable);
             c.current_dir(&b.dir).env("ORT_DYLIB_PATH", &lib).arg("--test-threads=2");
             c.args(&rule.include);
@@ -254,11 +265,19 @@ pub fn run_lane(lane: &Lane) -> Result<LaneRun> {
             let out = c.stderr(std::process::Stdio::inherit()).output()?;
             let stdout = String::from_utf8_lossy(&out.stdout);
             print!("{stdout}");
-            total += passed(&stdout);
+            let ran = passed(&stdout);
+            total += ran;
             if !out.status.success() {
                 return Ok(done(total, format!("{} {} failed", b.package, b.target), false));
             }
+            if ran != expected {
+                let what = format!("{} {}: {ran} tests passed, the lane selects {expected}", b.package, b.target);
+                return Ok(done(total, what, false));
+            }
         }
+    }
+    if total == 0 && lane.empty.is_none() {
+        return Ok(done(0, "ran no tests and does not say why (`empty: <reason>`)".into(), false));
     }
     Ok(done(total, "passed".into(), true))
 }
@@ -323,6 +342,26 @@ mod tests {
     fn passed_counts_sum_over_summaries() {
         let out = "test result: ok. 3 passed; 0 failed; 1 ignored\n\ntest result: ok. 12 passed; 0 failed\n";
         assert_eq!(passed(out), 15);
+    }
+
+    /// Issue 21: a lane that runs no tests fails unless it says why.
+    #[test]
+    fn a_lane_without_tests_must_say_why() {
+        let mut lane = Lane {
+            name: "commands-only".into(),
+            backend: "none".into(),
+            needs: Vec::new(),
+            features: Vec::new(),
+            commands: vec![vec!["true".into()]],
+            select: Vec::new(),
+            requires: None,
+            empty: None,
+        };
+        let silent = run_lane(&lane).unwrap();
+        assert!(!silent.ok && silent.result.contains("does not say why"), "{}", silent.result);
+        lane.empty = Some("its command is the check".into());
+        let declared = run_lane(&lane).unwrap();
+        assert!(declared.ok, "{}", declared.result);
     }
 
     /// A rule selects by package, target and name substrings.
