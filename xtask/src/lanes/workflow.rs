@@ -1,6 +1,8 @@
-//! `.github/workflows/ci.yml`, generated from `conformance/lanes.yaml`: one
-//! job per lane, each running `cargo xtask lane NAME` (which does its own
-//! set-up). A test fails when the committed file and the lanes disagree.
+//! `.github/workflows/ci.yml`, generated from `conformance/lanes.yaml`: the
+//! lane audit as a job of its own (every test runs in some lane, T3), then
+//! one job per lane, each running `cargo xtask lane NAME` (which does its
+//! own set-up). A test fails when the committed file and the lanes
+//! disagree.
 
 use std::fmt::Write as _;
 
@@ -15,6 +17,9 @@ pub fn render(file: &LaneFile) -> String {
          on:\n  push:\n  pull_request:\n\
          jobs:\n",
     );
+    y.push_str("  audit:\n    name: \"lane audit\"\n    runs-on: ubuntu-latest\n");
+    y.push_str(STEPS);
+    y.push_str("      - run: cargo xtask lanes --audit\n");
     for lane in &file.lanes {
         let _ = writeln!(y, "  {}:", lane.name);
         let _ = writeln!(y, "    name: \"{} ({})\"", lane.name, lane.backend);
@@ -27,20 +32,21 @@ pub fn render(file: &LaneFile) -> String {
                 let _ = writeln!(y, "    runs-on: ubuntu-latest");
             }
         }
-        y.push_str(
-            "    steps:\n\
-             \x20     - uses: actions/checkout@v4\n\
-             \x20     - uses: dtolnay/rust-toolchain@stable\n\
-             \x20       with:\n\
-             \x20         components: rustfmt, clippy\n\
-             \x20     - uses: actions/setup-python@v5\n\
-             \x20       with:\n\
-             \x20         python-version: \"3.12\"\n",
-        );
+        y.push_str(STEPS);
         let _ = writeln!(y, "      - run: cargo xtask lane {}", lane.name);
     }
     y
 }
+
+/// What every job does before its command.
+const STEPS: &str = "    steps:\n\
+                     \x20     - uses: actions/checkout@v4\n\
+                     \x20     - uses: dtolnay/rust-toolchain@stable\n\
+                     \x20       with:\n\
+                     \x20         components: rustfmt, clippy\n\
+                     \x20     - uses: actions/setup-python@v5\n\
+                     \x20       with:\n\
+                     \x20         python-version: \"3.12\"\n";
 
 #[cfg(test)]
 mod tests {
@@ -68,5 +74,6 @@ mod tests {
             );
         }
         assert!(y.contains("runs-on: [self-hosted, gpu]"));
+        assert!(y.contains("\n  audit:\n") && y.contains("run: cargo xtask lanes --audit\n"), "the audit is a job");
     }
 }
