@@ -81,6 +81,7 @@ pub fn run(opts: Options) -> Result<()> {
     let root = util::root();
     let ctx = Context::new(&root, &util::target().join("packages"), opts.threads);
     let mut real_exports = Vec::new();
+    let mut skipped = Vec::new();
     if !opts.no_real {
         for model in crate::real::models()? {
             // On by default when the wheel is reachable; a fetch failure
@@ -96,6 +97,20 @@ pub fn run(opts: Options) -> Result<()> {
                 Err(e) => {
                     println!("==> real-model lane SKIPPED ({}): {e:#}", model.name);
                     filter.no_real = true;
+                    // The reports say so too: a skipped model is not a pass.
+                    skipped.push(CheckResult {
+                        name: format!("real::{}::fetch", model.name),
+                        suite: "real",
+                        package: model.name.clone(),
+                        variant: "-",
+                        backend: "-".into(),
+                        status: Status::Skipped,
+                        summary: format!("not fetched, so not checked: {e:#}"),
+                        seconds: 0.0,
+                        parity: None,
+                        batch: None,
+                        golden_text: None,
+                    });
                 }
             }
         }
@@ -107,7 +122,7 @@ pub fn run(opts: Options) -> Result<()> {
     if selected.is_empty() && real_exports.is_empty() {
         bail!("no package matched {:?}", opts.package);
     }
-    let mut results: Vec<CheckResult> = Vec::new();
+    let mut results: Vec<CheckResult> = skipped;
     let stages: usize = selected.iter().map(|b| b.spec.variants().len() * 3).sum::<usize>() + real_exports.len() * 3;
     println!("==> validate, ONNX Runtime load, native compile ({stages} stages)");
     for b in &selected {
@@ -177,8 +192,16 @@ pub fn run(opts: Options) -> Result<()> {
         print_result(results.len() + 1, stages, &r);
         results.push(r);
     }
-    let checks = filter.apply(discover(&root)?);
-    let mut checks = checks;
+    let mut checks = filter.apply(discover(&root)?);
+    if checks.is_empty() {
+        bail!(
+            "the filters select no checks (package {:?}, backend {:?}, suite {:?}); parity compares a native backend \
+             against ONNX Runtime, so it has no ort checks",
+            opts.package,
+            opts.backend,
+            opts.suite
+        );
+    }
     checks.sort_by_key(|c| (c.suite.order(), c.name.clone()));
     println!("==> {} checks (parity, then goldens)", checks.len());
     let n = checks.len();
@@ -207,9 +230,9 @@ pub fn run(opts: Options) -> Result<()> {
     std::fs::write(dir.join("report.md"), report.markdown())?;
     std::fs::write(dir.join("report.json"), report.json())?;
     std::fs::write(dir.join("junit.xml"), report.junit())?;
-    println!("\n| suite | passed | failed |\n|---|---:|---:|");
-    for (suite, (p, f)) in report.by_suite() {
-        println!("| {suite:<14} | {p:>6} | {f:>6} |");
+    println!("\n| suite | passed | failed | skipped |\n|---|---:|---:|---:|");
+    for (suite, (p, f, k)) in report.by_suite() {
+        println!("| {suite:<14} | {p:>6} | {f:>6} | {k:>7} |");
     }
     println!("\nreports: {0}/report.md, {0}/report.json, {0}/junit.xml (commit {1})", dir.display(), report.commit);
     let failed = report.failures();

@@ -20,15 +20,19 @@ impl Report {
         self.results.iter().filter(|r| r.status == Status::Failed).count()
     }
 
-    /// Per suite: (passed, failed).
-    pub fn by_suite(&self) -> BTreeMap<&'static str, (usize, usize)> {
-        let mut m: BTreeMap<&'static str, (usize, usize)> = BTreeMap::new();
+    pub fn skipped(&self) -> usize {
+        self.results.iter().filter(|r| r.status == Status::Skipped).count()
+    }
+
+    /// Per suite: (passed, failed, skipped).
+    pub fn by_suite(&self) -> BTreeMap<&'static str, (usize, usize, usize)> {
+        let mut m: BTreeMap<&'static str, (usize, usize, usize)> = BTreeMap::new();
         for r in &self.results {
             let e = m.entry(r.suite).or_default();
-            if r.status == Status::Passed {
-                e.0 += 1;
-            } else {
-                e.1 += 1;
+            match r.status {
+                Status::Passed => e.0 += 1,
+                Status::Failed => e.1 += 1,
+                Status::Skipped => e.2 += 1,
             }
         }
         m
@@ -37,13 +41,17 @@ impl Report {
     pub fn markdown(&self) -> String {
         let mut s = String::new();
         let _ = writeln!(s, "# Conformance report\n\ncommit `{}`\n", self.commit);
-        let _ = writeln!(s, "| suite | passed | failed |\n|---|---:|---:|");
-        for (suite, (p, f)) in self.by_suite() {
-            let _ = writeln!(s, "| {suite} | {p} | {f} |");
+        let _ = writeln!(s, "| suite | passed | failed | skipped |\n|---|---:|---:|---:|");
+        for (suite, (p, f, k)) in self.by_suite() {
+            let _ = writeln!(s, "| {suite} | {p} | {f} | {k} |");
         }
         let _ = writeln!(s, "\n| check | status | seconds | summary |\n|---|---|---:|---|");
         for r in &self.results {
-            let status = if r.status == Status::Passed { "pass" } else { "**FAIL**" };
+            let status = match r.status {
+                Status::Passed => "pass",
+                Status::Failed => "**FAIL**",
+                Status::Skipped => "*skipped*",
+            };
             let _ = writeln!(s, "| `{}` | {status} | {:.2} | {} |", r.name, r.seconds, r.summary.replace('|', "\\|"));
         }
         s
@@ -61,17 +69,19 @@ impl Report {
         let mut s = String::from("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n");
         let _ = writeln!(
             s,
-            "<testsuites name=\"onnx-genai conformance\" tests=\"{}\" failures=\"{}\">",
+            "<testsuites name=\"onnx-genai conformance\" tests=\"{}\" failures=\"{}\" skipped=\"{}\">",
             self.results.len(),
-            self.failures()
+            self.failures(),
+            self.skipped()
         );
         let _ = writeln!(s, "  <properties><property name=\"commit\" value=\"{}\"/></properties>", xml(&self.commit));
         for (suite, results) in suites {
             let failures = results.iter().filter(|r| r.status == Status::Failed).count();
+            let skipped = results.iter().filter(|r| r.status == Status::Skipped).count();
             let time: f64 = results.iter().map(|r| r.seconds).sum();
             let _ = writeln!(
                 s,
-                "  <testsuite name=\"{suite}\" tests=\"{}\" failures=\"{failures}\" time=\"{time:.3}\">",
+                "  <testsuite name=\"{suite}\" tests=\"{}\" failures=\"{failures}\" skipped=\"{skipped}\" time=\"{time:.3}\">",
                 results.len()
             );
             for r in results {
@@ -83,10 +93,16 @@ impl Report {
                     xml(&r.name),
                     r.seconds
                 );
-                if r.status == Status::Failed {
-                    let _ = writeln!(s, ">\n      <failure message=\"{}\"/>\n    </testcase>", xml(&r.summary));
-                } else {
-                    let _ = writeln!(s, "><system-out>{}</system-out></testcase>", xml(&r.summary));
+                match r.status {
+                    Status::Failed => {
+                        let _ = writeln!(s, ">\n      <failure message=\"{}\"/>\n    </testcase>", xml(&r.summary));
+                    }
+                    Status::Skipped => {
+                        let _ = writeln!(s, ">\n      <skipped message=\"{}\"/>\n    </testcase>", xml(&r.summary));
+                    }
+                    Status::Passed => {
+                        let _ = writeln!(s, "><system-out>{}</system-out></testcase>", xml(&r.summary));
+                    }
                 }
             }
             let _ = writeln!(s, "  </testsuite>");
@@ -132,5 +148,26 @@ mod tests {
         assert!(x.contains("x &lt; y &amp; &quot;z&quot;"));
         assert!(r.markdown().contains("**FAIL**"));
         assert_eq!(r.failures(), 1);
+    }
+
+    /// A skipped check (a real model that could not be fetched) is in every
+    /// report, as skipped and not as passed (issue 21).
+    #[test]
+    fn skipped_checks_are_reported_as_skipped() {
+        let r = Report {
+            commit: "abc".into(),
+            results: vec![
+                result("a", Status::Passed, "ok"),
+                result("real::fetch", Status::Skipped, "the wheel could not be fetched"),
+            ],
+        };
+        assert_eq!((r.failures(), r.skipped()), (0, 1));
+        assert_eq!(r.by_suite()["parity"], (1, 0, 1));
+        assert!(
+            r.junit().contains("skipped=\"1\"")
+                && r.junit().contains("<skipped message=\"the wheel could not be fetched\"/>")
+        );
+        assert!(r.markdown().contains("| `real::fetch` | *skipped* |"));
+        assert!(r.json().contains("\"status\": \"skipped\""));
     }
 }

@@ -128,6 +128,9 @@ pub fn open_backend(backend: &str, package: &Package, threads: usize) -> Result<
 pub enum Status {
     Passed,
     Failed,
+    /// Not run, and the report says why (a real model whose wheel could not
+    /// be fetched).
+    Skipped,
 }
 
 #[derive(Clone, Debug, Serialize)]
