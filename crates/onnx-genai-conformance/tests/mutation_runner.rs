@@ -48,7 +48,8 @@ fn processes_mentioning(needle: &str) -> Vec<String> {
 /// - `dirties-the-tree` is caught by a test that writes a tracked file
 ///   (as proptest does), and the runner puts that file back;
 /// - battery `drifted` is FILTER-DRIFT and battery `baseline-red` is
-///   BASELINE-RED, and neither judges a mutant;
+///   BASELINE-RED, battery `baseline-short` (its one test is ignored) is
+///   BASELINE-SHORT, and none of them judges a mutant;
 /// - the scratch tree is byte-identical to the source afterwards, the
 ///   user's tree is untouched, and both reports are written.
 #[test]
@@ -61,7 +62,7 @@ fn the_runner_reports_each_known_verdict() {
     let mut runner = Runner::new(source.clone(), scratch.clone(), work.path().join("target"));
     runner.prepare().unwrap();
     let catalogs = mutants::load(&source).unwrap();
-    assert_eq!(catalogs.len(), 3);
+    assert_eq!(catalogs.len(), 4);
     let selection = Selection { min_limit: Duration::from_secs(20), ..Selection::default() };
     let mut seen = Vec::new();
     let report = mutants::run_all(&runner, &catalogs, &selection, |r| seen.push(r.id.clone())).unwrap();
@@ -90,8 +91,13 @@ fn the_runner_reports_each_known_verdict() {
         .problems
         .iter()
         .any(|p| matches!(p, Problem::BaselineRed { battery, .. } if battery == "baseline-red")));
+    assert!(report.problems.contains(&Problem::BaselineShort {
+        battery: "baseline-short".into(),
+        passed: 0,
+        selected: 1
+    }));
     assert!(!report.problems.iter().any(|p| matches!(p, Problem::NotRestored { .. })), "{:?}", report.problems);
-    assert!(report.result("never-run").is_none() && report.result("never-judged").is_none());
+    assert!(["never-run", "never-judged", "never-killed"].iter().all(|id| report.result(id).is_none()));
     assert_eq!(seen.len(), 7);
     assert_eq!(report.failures(), 5);
     assert!(!report.passed());
@@ -103,7 +109,7 @@ fn the_runner_reports_each_known_verdict() {
     let json: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
     assert_eq!(json["commit"], "0123abc");
     assert_eq!(json["results"].as_array().unwrap().len(), 7);
-    assert_eq!(json["problems"].as_array().unwrap().len(), 2);
+    assert_eq!(json["problems"].as_array().unwrap().len(), 3);
     let md = std::fs::read_to_string(out.join("report.md")).unwrap();
     assert!(md.contains("MISSED") && md.contains("CATALOG-DRIFT") && md.contains("FILTER-DRIFT"), "{md}");
 }

@@ -43,6 +43,9 @@ pub enum Problem {
     FilterDrift { battery: String, selected: usize, declared: usize },
     /// The unmutated tests do not pass, so a failure would prove nothing.
     BaselineRed { battery: String, detail: String },
+    /// The baseline passed fewer tests than the filter selects: an ignored
+    /// (or otherwise skipped) killer can never catch a mutant.
+    BaselineShort { battery: String, passed: usize, selected: usize },
     /// The scratch tree differs from the source after restoring.
     NotRestored { files: Vec<String> },
 }
@@ -57,6 +60,11 @@ impl fmt::Display for Problem {
                 )
             }
             Problem::BaselineRed { battery, detail } => write!(f, "BASELINE-RED {battery}: {detail}"),
+            Problem::BaselineShort { battery, passed, selected } => write!(
+                f,
+                "BASELINE-SHORT {battery}: the baseline passed {passed} of the {selected} tests the filter selects \
+                 (an ignored or skipped test kills no mutant)"
+            ),
             Problem::NotRestored { files } => {
                 write!(f, "NOT-RESTORED: the scratch tree differs from the source after restoring: {files:?}")
             }
@@ -183,7 +191,15 @@ pub fn run_all(
         }
         let baseline_started = Instant::now();
         match runner.run(catalog, selection.baseline_limit)? {
-            TestRun::Passed { .. } => {}
+            TestRun::Passed { count } if count == listed.len() => {}
+            TestRun::Passed { count } => {
+                report.problems.push(Problem::BaselineShort {
+                    battery: catalog.battery.clone(),
+                    passed: count,
+                    selected: listed.len(),
+                });
+                continue;
+            }
             other => {
                 report
                     .problems
