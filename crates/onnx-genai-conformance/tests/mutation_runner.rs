@@ -46,7 +46,8 @@ fn processes_mentioning(needle: &str) -> Vec<String> {
 /// - `spins` (an endless loop) times out, and the timeout kills the test
 ///   binary, not only cargo;
 /// - `dirties-the-tree` is caught by a test that writes a tracked file
-///   (as proptest does), and the runner puts that file back;
+///   (as proptest does) and creates an untracked one, and the runner puts
+///   the one back and removes the other;
 /// - battery `drifted` is FILTER-DRIFT and battery `baseline-red` is
 ///   BASELINE-RED, battery `baseline-short` (its one test is ignored) is
 ///   BASELINE-SHORT, and none of them judges a mutant;
@@ -80,7 +81,8 @@ fn the_runner_reports_each_known_verdict() {
     let dirty = report.result("dirties-the-tree").unwrap();
     assert!(matches!(&dirty.verdict, Verdict::Caught { by } if by.contains(&"ok_fits_leaves_no_trace".to_string())));
     assert!(!dirty.is_failure());
-    assert_eq!(dirty.restored, ["state.txt"]);
+    assert_eq!(dirty.restored, ["left-behind.txt", "state.txt"]);
+    assert!(!scratch.join("left-behind.txt").exists());
     assert!(report.results.iter().filter(|r| r.id != "dirties-the-tree").all(|r| r.restored.is_empty()));
     let target = work.path().join("target");
     let left = processes_mentioning(&target.display().to_string());

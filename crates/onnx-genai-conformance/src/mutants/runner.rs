@@ -87,13 +87,37 @@ impl Runner {
         Ok(())
     }
 
-    /// Files whose scratch copy differs from what was copied (should be none).
+    /// Files whose scratch copy differs from what was copied, and files that
+    /// were not copied at all (a test that writes a new file into the tree):
+    /// should be none. `target/` (the linked runtimes) is not the tree.
     pub fn differences(&self) -> Vec<String> {
-        self.snapshot
+        let mut out: Vec<String> = self
+            .snapshot
             .iter()
             .filter(|(rel, bytes)| std::fs::read(self.scratch.join(rel)).ok().as_ref() != Some(*bytes))
             .map(|(rel, _)| rel.clone())
-            .collect()
+            .collect();
+        let mut stack = vec![self.scratch.clone()];
+        while let Some(dir) = stack.pop() {
+            let Ok(entries) = std::fs::read_dir(&dir) else { continue };
+            for e in entries.flatten() {
+                let path = e.path();
+                let Ok(rel) = path.strip_prefix(&self.scratch) else { continue };
+                let rel = rel.to_string_lossy().to_string();
+                let kind = e.file_type();
+                if kind.as_ref().is_ok_and(|k| k.is_dir()) {
+                    if rel != "target" && rel != ".git" {
+                        stack.push(path);
+                    }
+                } else if !self.snapshot.contains_key(&rel) && e.file_name() != "Cargo.lock" {
+                    // (cargo writes a lock file beside a manifest that has
+                    // none; that is the build, not a test)
+                    out.push(rel);
+                }
+            }
+        }
+        out.sort();
+        out
     }
 
     fn cargo(&self, catalog: &Catalog, extra: &[&str]) -> Command {
@@ -194,8 +218,11 @@ impl Runner {
         // failing case): the next mutant must start from the source again.
         let restored = self.differences();
         for rel in &restored {
-            if let Some(bytes) = self.snapshot.get(rel) {
-                std::fs::write(self.scratch.join(rel), bytes).map_err(|e| format!("{rel}: {e}"))?;
+            let path = self.scratch.join(rel);
+            match self.snapshot.get(rel) {
+                Some(bytes) => std::fs::write(&path, bytes).map_err(|e| format!("{rel}: {e}"))?,
+                // Written by a test, never part of the tree.
+                None => std::fs::remove_file(&path).map_err(|e| format!("{rel}: {e}"))?,
             }
         }
         let unexpected = match &verdict {
