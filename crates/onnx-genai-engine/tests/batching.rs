@@ -144,6 +144,7 @@ fn batch_generates_what_each_request_generates_alone() {
         let probe = Arc::new(Probe::default());
         let mut e = engine(kind, &package, u64::MAX / 2, &probe).with_prefill_chunk(5);
         let got = together(&mut e, &reqs, &[0, 0, 3, 6]);
+        assert_eq!(got.len(), want.len(), "{}", kind.name());
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             assert_eq!(g.as_ref().unwrap(), w, "{}: request {i} in a batch", kind.name());
         }

@@ -67,6 +67,7 @@ fn streamed_text_deltas_build_the_final_text() {
             Flow::Continue
         })
         .unwrap();
+    assert!(!text.is_empty() && result.token_ids.len() == 12, "nothing streamed: {result:?}");
     assert!(result.text.starts_with(&text), "{text:?} vs {:?}", result.text);
 }
 
@@ -94,6 +95,13 @@ fn seeded_sampling_is_reproducible_and_differs_from_greedy_somewhere() {
     assert_eq!(sample(&mut engine, 7), sample(&mut engine, 7));
     let runs: std::collections::BTreeSet<Vec<u32>> = (0..4).map(|s| sample(&mut engine, s)).collect();
     assert!(runs.len() > 1, "different seeds all gave {runs:?}");
+    let greedy = GenerateRequest {
+        max_new_tokens: Some(16),
+        sampling: Sampling { temperature: 0.0, ..Sampling::default() },
+        ..GenerateRequest::text("Once upon a time")
+    };
+    let greedy = engine.generate(&greedy, &mut |_| Flow::Continue).unwrap().token_ids;
+    assert!(runs.iter().any(|r| *r != greedy), "every seeded run equals greedy decoding: {greedy:?}");
 }
 
 #[test]
@@ -205,6 +213,7 @@ fn truncate_then_refeed_matches_an_uninterrupted_run_on_every_backend() {
         b.truncate(3).unwrap();
         assert_eq!(b.kv_len(), 3, "{}", kind.name());
         let again = b.forward(&tokens[3..]).unwrap();
+        assert_eq!(full.len(), again.len(), "{}", kind.name());
         let max = full.iter().zip(&again).map(|(a, c)| (a - c).abs()).fold(0.0f32, f32::max);
         assert!(max < 1e-5, "{}: truncate+refeed differs by {max}", kind.name());
         // A different continuation after truncation must not see the old one.
@@ -214,6 +223,7 @@ fn truncate_then_refeed_matches_an_uninterrupted_run_on_every_backend() {
         let mut fresh_input = tokens[..3].to_vec();
         fresh_input.extend([1, 2]);
         let fresh = b.forward(&fresh_input).unwrap();
+        assert_eq!(fresh.len(), other.len(), "{}", kind.name());
         let max = fresh.iter().zip(&other).map(|(a, c)| (a - c).abs()).fold(0.0f32, f32::max);
         assert!(max < 1e-5, "{}: stale cache after truncate ({max})", kind.name());
     }

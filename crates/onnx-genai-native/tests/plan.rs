@@ -182,7 +182,9 @@ fn a_ragged_batch_step_matches_each_sequence_alone() {
                 .collect();
             model.step(&mut batch).unwrap();
         }
+        assert_eq!(alone.len(), logits.len());
         for (i, (a, b)) in alone.iter().zip(&logits).enumerate() {
+            assert_eq!(a.len(), b.len(), "sequence {i}");
             let worst = a.iter().zip(b).map(|(x, y)| (x - y).abs() / (tol + tol * x.abs())).fold(0.0f32, f32::max);
             assert!(worst <= 1.0, "{name} {variant:?} sequence {i}: batched logits off by {worst}x the tier");
             assert_eq!(seqs[i].kv_len(), prompts[i].len() + nexts[i].len());

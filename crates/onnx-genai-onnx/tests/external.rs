@@ -58,6 +58,7 @@ fn external_data_round_trips_and_onnx_runtime_loads_it() {
     assert!(dir.path().join("model.onnx.data").is_file());
     let back = read_model(&path).unwrap();
     let original = model();
+    assert_eq!(back.graph.initializers.len(), original.graph.initializers.len());
     for (a, b) in back.graph.initializers.iter().zip(&original.graph.initializers) {
         assert!(a.raw.is_mapped(), "{} was copied, not mapped", a.name);
         assert_eq!((&a.name, a.dims.clone(), a.to_f32().unwrap()), (&b.name, b.dims.clone(), b.to_f32().unwrap()));

@@ -60,6 +60,7 @@ fn incremental_decode_matches_full_prefix_on_every_package() {
         assert_eq!(step.kv_len(), 5);
         let got = feed(&mut step, &package, &tokens[5..]).unwrap();
         assert_eq!(step.kv_len(), 6);
+        assert_eq!(expected.len(), got.len(), "{}", spec.display());
         let max_diff = expected.iter().zip(&got).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
         // f16 packages round the cached KV to f16 in both runs identically.
         assert!(max_diff < 1e-4, "{}: incremental logits differ by {max_diff}", spec.display());

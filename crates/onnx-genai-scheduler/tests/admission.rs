@@ -127,20 +127,21 @@ fn waiters_are_served_in_arrival_order_until_their_deadline() {
     let s = Scheduler::new(10 * BPT);
     let holder = s.admit(&req(5, 5)).unwrap();
     let order = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let spawn = |name: &'static str, delay_ms: u64| {
+    let spawn = |name: &'static str| {
         let (s, order) = (s.clone(), order.clone());
         std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(delay_ms));
             let r = AdmissionRequest { wait_until: Some(Instant::now() + Duration::from_secs(10)), ..req(5, 5) };
-            let a = s.admit(&r).unwrap();
+            let a = s.admit(&r).unwrap_or_else(|e| panic!("{name} was never admitted: {e:?}"));
             order.lock().unwrap().push(name);
-            std::thread::sleep(Duration::from_millis(20));
             drop(a);
         })
     };
-    let first = spawn("first", 0);
-    let second = spawn("second", 50);
-    std::thread::sleep(Duration::from_millis(150));
+    // Each waiter is in line before the next arrives: arrival order is
+    // what the queue says, not what a sleep hopes for.
+    let first = spawn("first");
+    queued(&s, 1);
+    let second = spawn("second");
+    queued(&s, 2);
     // A non-waiting request may not jump the queue.
     assert!(matches!(s.admit(&req(1, 1)), Err(AdmissionError::Deferred { .. })));
     drop(holder);
@@ -177,8 +178,10 @@ fn timed_out_and_queued_refusals_carry_the_numbers() {
             s.admit(&r).map(|a| a.bytes())
         })
     };
+    // Until the waiter is queued, a small request still fits.
+    let deadline = Instant::now() + Duration::from_secs(10);
     while s.admit(&req(1, 1)).is_ok() {
-        // Until the waiter is queued, a small request still fits.
+        assert!(Instant::now() < deadline, "a request is still admitted 10 s after a waiter began waiting");
         std::thread::yield_now();
     }
     assert_eq!(
@@ -222,27 +225,23 @@ fn a_small_waiter_does_not_overtake_a_large_one() {
     let wait = |name: &'static str, prompt: u64| {
         let (s, order) = (s.clone(), order.clone());
         std::thread::spawn(move || {
-            let r = AdmissionRequest { wait_until: Some(Instant::now() + Duration::from_secs(20)), ..req(prompt, 1) };
-            let a = s.admit(&r).unwrap();
+            let r = AdmissionRequest { wait_until: Some(Instant::now() + Duration::from_secs(10)), ..req(prompt, 1) };
+            let a = s.admit(&r).unwrap_or_else(|e| {
+                panic!("{name} was never admitted ({e:?}): a later waiter took the room it was waiting for")
+            });
             order.lock().unwrap().push(name);
             a
         })
     };
-    let queued = |n: usize| {
-        while s.waiting() < n {
-            std::thread::yield_now();
-        }
-    };
     let large = wait("large", 15);
-    queued(1);
+    queued(&s, 1);
     let small = wait("small", 4);
-    queued(2);
+    queued(&s, 2);
     // 7 free: enough for the small waiter (5), not the large one (16);
-    // the release wakes both.
+    // the release wakes both. Had the small one overtaken, it would hold 5
+    // and the large one (16) could not fit even once the holder leaves:
+    // the large waiter's deadline then fails the test, with that message.
     drop(spare);
-    std::thread::sleep(Duration::from_millis(100));
-    assert!(order.lock().unwrap().is_empty(), "the small waiter overtook: {:?}", order.lock().unwrap());
-    assert_eq!(s.waiting(), 2);
     // The large one goes first; the small one (16 + 5 > 20) only after it.
     drop(holder);
     let large = large.join().unwrap();
@@ -251,6 +250,15 @@ fn a_small_waiter_does_not_overtake_a_large_one() {
     drop(small.join().unwrap());
     assert_eq!(*order.lock().unwrap(), ["large", "small"]);
     assert_eq!(s.waiting(), 0);
+}
+
+/// Waits (at most 10 s) until `n` requests wait in line.
+fn queued(s: &Scheduler, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while s.waiting() < n {
+        assert!(Instant::now() < deadline, "{n} waiters never queued ({} did)", s.waiting());
+        std::thread::yield_now();
+    }
 }
 
 #[derive(Clone, Debug)]

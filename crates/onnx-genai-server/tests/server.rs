@@ -173,7 +173,7 @@ fn eviction_skips_busy_sessions_and_capacity_is_strict() {
     let full = post(s.addr, "/v1/sessions", &json!({"model": M}));
     assert_eq!(full.status, 429, "{}", full.body);
     assert_eq!(full.error_type(), "resource_limit_error");
-    assert!(full.header("retry-after").is_some());
+    assert_eq!(full.header("retry-after"), Some("1"), "a transient refusal says when to retry");
     gate.open();
     assert_eq!(busy.join().unwrap().status, 200, "the busy session was not evicted under its turn");
     assert_eq!(busy_c.join().unwrap().status, 200);
@@ -312,7 +312,7 @@ fn the_admission_promise_decides_the_status() {
     let later = turn(&s, "tiny-gpt2", None, "wait", 4);
     assert_eq!(later.status, 429, "{}", later.body);
     assert_eq!(later.error_type(), "resource_limit_error");
-    assert!(later.header("retry-after").is_some());
+    assert_eq!(later.header("retry-after"), Some("1"), "a transient refusal says when to retry");
     // Streaming too: the status comes from the admission decision, not a
     // 200 followed by an error event.
     let mut body = chat("tiny-gpt2", "wait", 4);

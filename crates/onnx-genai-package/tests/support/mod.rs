@@ -15,12 +15,16 @@ pub fn spec_path(name: &str) -> PathBuf {
     workspace().join("packages").join(name).join("spec.yaml")
 }
 
+/// The shipped packages' names; never empty (a loop over none would pass
+/// without checking anything).
 pub fn shipped_packages() -> Vec<String> {
-    onnx_genai_build::spec_files(&workspace().join("packages"))
+    let names: Vec<String> = onnx_genai_build::spec_files(&workspace().join("packages"))
         .unwrap()
         .iter()
         .filter_map(|p| p.parent()?.file_name().map(|n| n.to_string_lossy().into_owned()))
-        .collect()
+        .collect();
+    assert!(names.len() >= 4, "expected the shipped packages under packages/, found {names:?}");
+    names
 }
 
 #[derive(Clone, Copy, Debug, Deserialize, PartialEq)]
