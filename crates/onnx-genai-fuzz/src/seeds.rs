@@ -180,7 +180,7 @@ fn http_seeds() -> Vec<(String, Vec<u8>)> {
     let stream = format!(
         r#"{{"model":"{m}","messages":[{{"role":"user","content":"hi"}}],"max_tokens":4,"stream":true,"stop":["a"],"temperature":0.7,"seed":3}}"#
     );
-    let text = format!(r#"{{"model":"{m}","prompt":"once upon","max_tokens":3,"logprobs":2}}"#);
+    let text = format!(r#"{{"model":"{m}","prompt":"once upon","max_tokens":3,"user":"seed"}}"#);
     let streamed = format!(r#"{{"model":"{m}","prompt":"abc","max_tokens":2,"stream":true}}"#);
     let session = format!(r#"{{"model":"{m}"}}"#);
     let parts = format!(

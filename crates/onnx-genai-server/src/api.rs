@@ -1,5 +1,5 @@
-//! The OpenAI wire format: request bodies (parsed leniently about fields we
-//! do not use, strictly about the ones we do) and response bodies.
+//! The OpenAI wire format: request bodies (every field checked against
+//! `fields.rs`: served, or refused naming it) and response bodies.
 
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -61,8 +61,9 @@ pub struct Sampling {
     pub stream: bool,
     #[serde(default)]
     pub stream_options: Option<StreamOptions>,
+    /// The end user, for the log.
     #[serde(default)]
-    pub n: Option<u32>,
+    pub user: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -84,10 +85,12 @@ pub struct SessionRequest {
     pub model: String,
 }
 
-/// Parses a JSON body into `T`, with an OpenAI-shaped error naming the field.
-pub fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+/// Parses a JSON body into `T`, refusing any field `fields` does not serve,
+/// with an OpenAI-shaped error naming the field.
+pub fn parse<T: serde::de::DeserializeOwned>(body: &[u8], fields: &[crate::fields::Field]) -> Result<T, ApiError> {
     let value: Value =
         serde_json::from_slice(body).map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}")))?;
+    crate::fields::check(&value, fields)?;
     serde_json::from_value(value).map_err(|e| ApiError::invalid(format!("invalid request body: {e}")))
 }
 
@@ -103,9 +106,6 @@ impl Sampling {
             if !(p > 0.0 && p <= 1.0) {
                 return Err(ApiError::param("top_p", format!("top_p must be in (0, 1], got {p}")));
             }
-        }
-        if self.n.is_some_and(|n| n != 1) {
-            return Err(ApiError::param("n", "only n = 1 is supported"));
         }
         if self.max_new_tokens() == Some(0) {
             return Err(ApiError::param("max_tokens", "max_tokens must be at least 1"));

@@ -9,6 +9,7 @@ pub mod client;
 mod death_tests;
 mod driver;
 mod error;
+pub mod fields;
 mod guard;
 mod listen;
 mod metrics;

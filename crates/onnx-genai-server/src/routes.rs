@@ -21,6 +21,7 @@ use tokio::sync::mpsc;
 use crate::api::{self, ChatRequest, CompletionRequest, SessionRequest};
 use crate::driver::{Command, Driver, Event, Promise};
 use crate::error::{ApiError, SESSION_GONE};
+use crate::fields;
 use crate::metrics::TokenClock;
 use crate::sessions::{mint_id, Owner, Placement};
 use crate::AppState;
@@ -80,7 +81,7 @@ pub async fn create_session(
     Extension(owner): Extension<Owner>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
-    let req: SessionRequest = api::parse(&body_of(body)?)?;
+    let req: SessionRequest = api::parse(&body_of(body)?, &fields::sessions())?;
     let driver = driver(&state, &req.model)?.clone();
     let (slot, evicted) = state.registry.reserve(&owner)?;
     if let Some(victim) = evicted {
@@ -123,7 +124,7 @@ pub async fn chat_completions(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let turn = async {
-        let req: ChatRequest = api::parse(&body_of(body)?)?;
+        let req: ChatRequest = api::parse(&body_of(body)?, &fields::chat())?;
         let mut messages = Vec::with_capacity(req.messages.len());
         for (i, m) in req.messages.into_iter().enumerate() {
             let content = match m.content {
@@ -155,7 +156,7 @@ pub async fn completions(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let turn = async {
-        let req: CompletionRequest = api::parse(&body_of(body)?)?;
+        let req: CompletionRequest = api::parse(&body_of(body)?, &fields::completions())?;
         if req.prompt.is_empty() {
             return Err(ApiError::param("prompt", "prompt must not be empty"));
         }
@@ -173,6 +174,9 @@ async fn run_turn(
     kind: Kind,
 ) -> Result<Response, ApiError> {
     opts.check()?;
+    if let Some(user) = &opts.user {
+        tracing::info!(user = %user, "end user");
+    }
     let clock = state.metrics.token_clock();
     let driver = driver(state, &opts.model)?;
     // L1: the lease comes before anything queues; L8: no session, no lease.
@@ -197,7 +201,9 @@ async fn run_turn(
         temperature: opts.temperature.unwrap_or(1.0),
         top_k: 0,
         top_p: opts.top_p.unwrap_or(1.0),
-        seed: opts.seed.unwrap_or(0),
+        // Without a seed, each request samples its own way (OpenAI's
+        // behaviour); with one, the same request gives the same text.
+        seed: opts.seed.unwrap_or_else(crate::sessions::random_u64),
     };
     let (admission, admitted) = Promise::new();
     let (events, rx) = mpsc::channel(16);

@@ -201,6 +201,16 @@ pub fn mint_id() -> String {
 
 /// 32 random hex digits.
 pub fn random_hex() -> String {
+    random_bytes().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A random 64-bit number (a request's sampling seed when it names none).
+pub fn random_u64() -> u64 {
+    let b = random_bytes();
+    u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]])
+}
+
+fn random_bytes() -> [u8; 16] {
     let mut bytes = [0u8; 16];
     // The OS random source failing is not recoverable; fall back to time so
     // ids stay unique within a process.
@@ -208,7 +218,7 @@ pub fn random_hex() -> String {
         let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
         bytes.copy_from_slice(&t.to_le_bytes());
     }
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+    bytes
 }
 
 #[cfg(test)]

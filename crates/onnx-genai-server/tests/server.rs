@@ -351,7 +351,7 @@ fn bad_requests_get_openai_errors() {
             json!({"model": M, "messages": [{"role": "user", "content": "hi"}], "n": 2}).to_string(),
             &[],
             400,
-            "only n = 1",
+            "`n` is served only at its default 1",
         ),
         (
             json!({"model": M, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}).to_string(),
@@ -423,4 +423,74 @@ fn wire_format() {
         post(s.addr, "/v1/completions", &json!({"model": M, "prompt": "Once upon", "max_tokens": 3, "temperature": 0}));
     assert_eq!(text.json()["object"], "text_completion");
     assert_eq!(call(s.addr, "GET", "/health", &[], "").status, 200);
+}
+
+/// Issue 19, nothing silently ignored: every field of both endpoints'
+/// tables behaves as its table says over HTTP — a served field with its
+/// example is answered 200; a field served only at its default is answered
+/// 200 at the default and 400 naming it otherwise; a refused field is 400
+/// naming it; a field OpenAI does not define is 400 naming it.
+#[test]
+fn every_request_field_is_served_or_refused_by_name() {
+    use onnx_genai_server::fields::{self, Support};
+    let gate = Gate::default();
+    let (_d, s) = serve(&[M], &gate, u64::MAX, 8);
+    let endpoints = [
+        ("/v1/chat/completions", fields::chat(), json!({"model": M, "messages": [{"role": "user", "content": "hi"}]})),
+        ("/v1/completions", fields::completions(), json!({"model": M, "prompt": "hi"})),
+    ];
+    for (path, table, base) in endpoints {
+        let send = |name: &str, value: serde_json::Value| {
+            let mut body = base.clone();
+            body["max_tokens"] = json!(2);
+            body[name] = value;
+            call(s.addr, "POST", path, &[], &body.to_string())
+        };
+        let refused = |r: &support::Reply, name: &str| {
+            assert_eq!(r.status, 400, "{path} {name}: {}", r.body);
+            assert_eq!(r.json()["error"]["param"], name, "{path}: {}", r.body);
+        };
+        for f in &table {
+            let example: serde_json::Value = serde_json::from_str(f.example).unwrap();
+            match f.support {
+                Support::Served if base.get(f.name).is_some() || f.name == "max_tokens" => {}
+                Support::Served => {
+                    let r = send(f.name, example);
+                    assert_eq!(r.status, 200, "{path} {}: {}", f.name, r.body);
+                }
+                Support::DefaultOnly(default) => {
+                    let r = send(f.name, serde_json::from_str(default).unwrap());
+                    assert_eq!(r.status, 200, "{path} {} at its default: {}", f.name, r.body);
+                    refused(&send(f.name, example), f.name);
+                }
+                Support::Refused => refused(&send(f.name, example), f.name),
+            }
+        }
+        let unknown = send("temprature", json!(0.5));
+        refused(&unknown, "temprature");
+        assert!(unknown.body.contains("unrecognized request argument"), "{}", unknown.body);
+    }
+}
+
+/// Issue 19: without a seed, each request samples its own way (the seed no
+/// longer defaults to 0); with one, the same request gives the same text.
+#[test]
+fn requests_without_a_seed_sample_differently() {
+    let gate = Gate::default();
+    let (_d, s) = serve(&[M], &gate, u64::MAX, 8);
+    let body = |seed: Option<u64>| {
+        let mut b = json!({"model": M, "prompt": "Once upon", "max_tokens": 12, "temperature": 1.5});
+        if let Some(seed) = seed {
+            b["seed"] = json!(seed);
+        }
+        b
+    };
+    let text = |b: &serde_json::Value| {
+        let r = post(s.addr, "/v1/completions", b);
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()["choices"][0]["text"].as_str().unwrap().to_string()
+    };
+    assert_eq!(text(&body(Some(11))), text(&body(Some(11))), "a seed reproduces");
+    let unseeded: std::collections::BTreeSet<String> = (0..4).map(|_| text(&body(None))).collect();
+    assert!(unseeded.len() > 1, "four unseeded requests gave one text: {unseeded:?}");
 }

@@ -1,0 +1,198 @@
+//! Which fields of OpenAI's request bodies this server serves and which it
+//! refuses: nothing is accepted and then ignored. A field is served, served
+//! only at its default (a penalty of 0, `n` of 1 — what the server does
+//! anyway), or refused with 400 `invalid_request_error` naming it; a field
+//! OpenAI does not define is refused as unrecognized, as OpenAI does. The
+//! README's table is generated from these lists (a test keeps them equal)
+//! and another test walks them over HTTP.
+
+use serde_json::Value;
+
+use crate::error::ApiError;
+
+/// How a field is treated.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Support {
+    Served,
+    /// Accepted only with this JSON value (or `null`); refused otherwise.
+    DefaultOnly(&'static str),
+    Refused,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct Field {
+    pub name: &'static str,
+    pub support: Support,
+    /// What the server does with it, or why it refuses it.
+    pub note: &'static str,
+    /// A value for the tests: one that is served (`Served`), or one that is
+    /// refused (`DefaultOnly`, `Refused`).
+    pub example: &'static str,
+}
+
+const fn served(name: &'static str, note: &'static str, example: &'static str) -> Field {
+    Field { name, support: Support::Served, note, example }
+}
+
+const fn default_only(name: &'static str, default: &'static str, note: &'static str, example: &'static str) -> Field {
+    Field { name, support: Support::DefaultOnly(default), note, example }
+}
+
+const fn refused(name: &'static str, note: &'static str, example: &'static str) -> Field {
+    Field { name, support: Support::Refused, note, example }
+}
+
+/// Fields both endpoints share.
+const COMMON: [Field; 14] = [
+    served("model", "the package name", "\"m\""),
+    served("max_tokens", "new tokens at most", "2"),
+    served("temperature", "0 to 2; 0 is greedy", "0.5"),
+    served("top_p", "nucleus sampling, (0, 1]", "0.9"),
+    served("seed", "reproducible sampling; without it each request draws its own", "7"),
+    served("stop", "up to 4 strings of up to 256 characters", "[\"zzz\"]"),
+    served("stream", "server-sent events", "false"),
+    served("stream_options", "`include_usage`", "{\"include_usage\": true}"),
+    served("user", "an end-user id, written to the request's log line", "\"u-1\""),
+    default_only("n", "1", "one choice per request", "2"),
+    default_only("frequency_penalty", "0", "no penalties yet", "0.5"),
+    default_only("presence_penalty", "0", "no penalties yet", "0.5"),
+    default_only("logit_bias", "{}", "no biases yet", "{\"1\": 5}"),
+    refused("service_tier", "one tier", "\"flex\""),
+];
+
+const CHAT_ONLY: [Field; 16] = [
+    served(
+        "messages",
+        "system, user and assistant text (text parts too)",
+        "[{\"role\": \"user\", \"content\": \"hi\"}]",
+    ),
+    served("max_completion_tokens", "as `max_tokens` (wins over it)", "2"),
+    default_only("logprobs", "false", "no log probabilities yet", "true"),
+    refused("top_logprobs", "no log probabilities yet", "2"),
+    default_only(
+        "response_format",
+        "{\"type\": \"text\"}",
+        "no constrained decoding yet",
+        "{\"type\": \"json_object\"}",
+    ),
+    refused("tools", "no tool calling yet", "[]"),
+    default_only("tool_choice", "\"none\"", "no tool calling yet", "\"auto\""),
+    refused("parallel_tool_calls", "no tool calling yet", "true"),
+    refused("functions", "deprecated by OpenAI; no tool calling", "[]"),
+    refused("function_call", "deprecated by OpenAI; no tool calling", "\"auto\""),
+    default_only("store", "false", "nothing is stored", "true"),
+    refused("metadata", "nothing is stored", "{}"),
+    default_only("modalities", "[\"text\"]", "text out only", "[\"audio\"]"),
+    refused("audio", "text out only", "{}"),
+    refused("prediction", "no predicted outputs", "{}"),
+    refused("reasoning_effort", "not a reasoning model server", "\"low\""),
+];
+
+const COMPLETION_ONLY: [Field; 5] = [
+    served("prompt", "one string", "\"hi\""),
+    default_only("echo", "false", "the prompt is not echoed", "true"),
+    default_only("best_of", "1", "one candidate", "2"),
+    default_only("logprobs", "null", "no log probabilities yet", "2"),
+    refused("suffix", "no insertion", "\"end\""),
+];
+
+/// The fields of `POST /v1/chat/completions`.
+pub fn chat() -> Vec<Field> {
+    COMMON.iter().chain(&CHAT_ONLY).copied().collect()
+}
+
+/// The fields of `POST /v1/completions`.
+pub fn completions() -> Vec<Field> {
+    COMMON.iter().chain(&COMPLETION_ONLY).copied().collect()
+}
+
+/// The fields of `POST /v1/sessions`.
+pub fn sessions() -> Vec<Field> {
+    vec![served("model", "the package name", "\"m\"")]
+}
+
+/// Numbers compare by value (`0` and `0.0` are one default).
+fn same(a: &Value, b: &Value) -> bool {
+    match (a.as_f64(), b.as_f64()) {
+        (Some(x), Some(y)) => x == y,
+        _ => a == b,
+    }
+}
+
+/// Refuses a body naming a field `fields` does not serve (at the value
+/// given).
+pub fn check(body: &Value, fields: &[Field]) -> Result<(), ApiError> {
+    let Some(object) = body.as_object() else { return Ok(()) };
+    for (key, value) in object {
+        let Some(field) = fields.iter().find(|f| f.name == key) else {
+            return Err(ApiError::param(key, format!("unrecognized request argument supplied: {key}")));
+        };
+        match field.support {
+            Support::Served => {}
+            Support::DefaultOnly(default) => {
+                let default: Value = serde_json::from_str(default).unwrap_or(Value::Null);
+                if !value.is_null() && !same(value, &default) {
+                    return Err(ApiError::param(
+                        key,
+                        format!("`{key}` is served only at its default {default} on this server ({})", field.note),
+                    ));
+                }
+            }
+            Support::Refused => {
+                return Err(ApiError::param(key, format!("`{key}` is not supported by this server ({})", field.note)))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The README's table of both endpoints' fields.
+pub fn markdown() -> String {
+    let mut out = String::from("| field | chat | completions | what the server does |\n|---|---|---|---|\n");
+    let (chat, text) = (chat(), completions());
+    let mut names: Vec<&str> = chat.iter().chain(&text).map(|f| f.name).collect();
+    names.dedup();
+    let mut seen = std::collections::BTreeSet::new();
+    for name in names {
+        if !seen.insert(name) {
+            continue;
+        }
+        let status = |list: &[Field]| match list.iter().find(|f| f.name == name) {
+            None => "—".to_string(),
+            Some(f) => match f.support {
+                Support::Served => "served".into(),
+                Support::DefaultOnly(d) => format!("only `{d}`"),
+                Support::Refused => "refused (400)".into(),
+            },
+        };
+        let note = chat.iter().chain(&text).filter(|f| f.name == name).map(|f| f.note).collect::<Vec<_>>();
+        let mut note = note;
+        note.dedup();
+        out.push_str(&format!("| `{name}` | {} | {} | {} |\n", status(&chat), status(&text), note.join("; ")));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    /// The README's table is the one these lists make: change a field
+    /// here, then paste `markdown()` between the README's markers.
+    #[test]
+    fn the_readme_table_matches_the_lists() {
+        let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md")).unwrap();
+        let start = readme.find("<!-- request-fields:begin -->\n").expect("README marker") + 30;
+        let end = readme.find("<!-- request-fields:end -->").expect("README marker");
+        assert_eq!(&readme[start..end], super::markdown(), "README's request-field table differs from fields.rs");
+    }
+
+    /// Every example parses, and every default is JSON.
+    #[test]
+    fn examples_and_defaults_are_json() {
+        for f in super::chat().into_iter().chain(super::completions()) {
+            assert!(serde_json::from_str::<serde_json::Value>(f.example).is_ok(), "{}", f.name);
+            if let super::Support::DefaultOnly(d) = f.support {
+                assert!(serde_json::from_str::<serde_json::Value>(d).is_ok(), "{}", f.name);
+            }
+        }
+    }
+}
