@@ -49,7 +49,7 @@ const COMMON: [Field; 14] = [
     served("temperature", "0 to 2; 0 is greedy", "0.5"),
     served("top_p", "nucleus sampling, (0, 1]", "0.9"),
     served("seed", "reproducible sampling; without it each request draws its own", "7"),
-    served("stop", "up to 4 strings of up to 256 characters", "[\"zzz\"]"),
+    served("stop", "up to 4 strings of up to 256 characters; a stream holds back text that may begin one", "[\"zzz\"]"),
     served("stream", "server-sent events", "false"),
     served("stream_options", "`include_usage`", "{\"include_usage\": true}"),
     served("user", "an end-user id, written to the request's log line", "\"u-1\""),

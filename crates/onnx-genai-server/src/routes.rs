@@ -335,27 +335,45 @@ fn chunk(reply: &Reply, delta: Option<&str>, finish: Option<&str>, first: bool) 
 }
 
 enum StreamState {
-    Open { turn: Turn, text: String, first: bool },
+    /// `text` is everything generated; its first `sent` bytes went out.
+    Open {
+        turn: Turn,
+        text: String,
+        sent: usize,
+        first: bool,
+    },
     Done,
+}
+
+/// Bytes at the end of `text` that could begin a stop string: held back
+/// from a stream until the next tokens decide, so a stop string split
+/// across tokens never leaks its first part.
+fn undecided_tail(text: &str, stops: &[String]) -> usize {
+    stops
+        .iter()
+        .flat_map(|stop| {
+            stop.char_indices().skip(1).map(|(i, _)| &stop[..i]).filter(|prefix| text.ends_with(prefix)).map(str::len)
+        })
+        .max()
+        .unwrap_or(0)
 }
 
 fn stream_events(reply: Reply, turn: Turn, include_usage: bool) -> impl Stream<Item = Result<SseEvent, Infallible>> {
     let reply = Arc::new(reply);
-    let start = StreamState::Open { turn, text: String::new(), first: true };
+    let start = StreamState::Open { turn, text: String::new(), sent: 0, first: true };
     stream::unfold(start, move |state| {
         let reply = reply.clone();
         async move {
-            let StreamState::Open { mut turn, mut text, first } = state else { return None };
+            let StreamState::Open { mut turn, mut text, sent, first } = state else { return None };
             let data = |v: Value| SseEvent::default().data(v.to_string());
             let done = SseEvent::default().data("[DONE]");
             match turn.rx.recv().await {
                 Some(Event::Delta(d)) => {
                     turn.clock.token();
-                    let before = text.len();
                     text.push_str(&d);
                     if apply_stops(&mut text, &reply.stops) {
                         turn.stop().await;
-                        let tail = text[before.min(text.len())..].to_string();
+                        let tail = text[sent.min(text.len())..].to_string();
                         let events = vec![
                             Ok(data(chunk(&reply, Some(&tail), None, first))),
                             Ok(data(chunk(&reply, None, Some("stop"), false))),
@@ -363,14 +381,27 @@ fn stream_events(reply: Reply, turn: Turn, include_usage: bool) -> impl Stream<I
                         ];
                         return Some((stream::iter(events), StreamState::Done));
                     }
+                    let ready = text.len() - undecided_tail(&text, &reply.stops);
+                    if ready <= sent {
+                        // All of it may yet be a stop string: nothing to send.
+                        return Some((stream::iter(Vec::new()), StreamState::Open { turn, text, sent, first }));
+                    }
+                    let piece = text[sent..ready].to_string();
                     Some((
-                        stream::iter(vec![Ok(data(chunk(&reply, Some(&d), None, first)))]),
-                        StreamState::Open { turn, text, first: false },
+                        stream::iter(vec![Ok(data(chunk(&reply, Some(&piece), None, first)))]),
+                        StreamState::Open { turn, text, sent: ready, first: false },
                     ))
                 }
                 Some(Event::Finished(result)) => {
-                    let mut events =
-                        vec![Ok(data(chunk(&reply, None, Some(finish_reason(result.finish_reason)), first)))];
+                    let mut events = Vec::new();
+                    let first = if sent < text.len() {
+                        // What was held back was no stop string after all.
+                        events.push(Ok(data(chunk(&reply, Some(&text[sent..]), None, first))));
+                        false
+                    } else {
+                        first
+                    };
+                    events.push(Ok(data(chunk(&reply, None, Some(finish_reason(result.finish_reason)), first))));
                     if include_usage {
                         let mut u = chunk(&reply, None, None, false);
                         u["choices"] = json!([]);
@@ -391,6 +422,18 @@ fn stream_events(reply: Reply, turn: Turn, include_usage: bool) -> impl Stream<I
 #[cfg(test)]
 mod tests {
     use super::apply_stops;
+
+    /// Issue 19: a stream holds back exactly the end of the text that could
+    /// still become a stop string.
+    #[test]
+    fn the_undecided_tail_is_the_longest_stop_prefix_at_the_end() {
+        let stops = vec!["END".to_string(), "\n\n".to_string()];
+        assert_eq!(super::undecided_tail("hello E", &stops), 1);
+        assert_eq!(super::undecided_tail("hello EN", &stops), 2);
+        assert_eq!(super::undecided_tail("hello\n", &stops), 1);
+        assert_eq!(super::undecided_tail("hello", &stops), 0);
+        assert_eq!(super::undecided_tail("héé", &["éé!".to_string()]), 4, "whole characters");
+    }
 
     /// `stop` cuts at the earliest stop string, and only when one occurs.
     #[test]

@@ -494,3 +494,48 @@ fn requests_without_a_seed_sample_differently() {
     let unseeded: std::collections::BTreeSet<String> = (0..4).map(|_| text(&body(None))).collect();
     assert!(unseeded.len() > 1, "four unseeded requests gave one text: {unseeded:?}");
 }
+
+/// Issue 19: a stop string that spans two tokens never leaks its first part
+/// into a stream — the text that could begin a stop string is held back
+/// until the next token decides — and what was held back goes out when it
+/// turns out not to be one.
+#[test]
+fn a_stop_string_split_across_tokens_does_not_leak_into_the_stream() {
+    let gate = Gate::default();
+    let (_d, s) = serve(&[M], &gate, u64::MAX, 8);
+    let deltas = |stop: Option<&str>| {
+        let mut body = chat(M, "Tell me a story", 24);
+        body["stream"] = json!(true);
+        if let Some(stop) = stop {
+            body["stop"] = json!([stop]);
+        }
+        let mut sse = stream(s.addr, "/v1/chat/completions", &[], &body);
+        let mut out = Vec::new();
+        while let Some(d) = sse.next_data() {
+            if d == "[DONE]" {
+                break;
+            }
+            let v: serde_json::Value = serde_json::from_str(&d).unwrap();
+            if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
+                out.push(c.to_string());
+            }
+        }
+        out
+    };
+    let greedy = deltas(None);
+    let full: String = greedy.concat();
+    // A stop string made of the last character of one token and the first
+    // of the next.
+    let (k, _) = greedy
+        .windows(2)
+        .enumerate()
+        .find(|(_, w)| !w[0].is_empty() && !w[1].is_empty())
+        .expect("two non-empty tokens in a row");
+    let stop: String = greedy[k].chars().last().into_iter().chain(greedy[k + 1].chars().next()).collect();
+    let expected = &full[..full.find(&stop).unwrap()];
+    let streamed: String = deltas(Some(&stop)).concat();
+    assert_eq!(streamed, expected, "stop {stop:?} over tokens {:?} {:?}", greedy[k], greedy[k + 1]);
+    // A prefix of a stop string that never completes is sent in the end.
+    let unfinished = format!("{stop}\u{1F980}never");
+    assert_eq!(deltas(Some(&unfinished)).concat(), full, "held-back text was lost");
+}
