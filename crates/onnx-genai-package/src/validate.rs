@@ -56,6 +56,9 @@ pub fn validate(root: &Path) -> (Report, Checked) {
     let Some(m) = manifest.as_mut() else {
         return (report, checked);
     };
+    if checked.dialect == Dialect::GenaiConfig {
+        complete_genai(root, m, &mut report);
+    }
     let ctx = Ctx { root, dialect: checked.dialect };
     if !check_architecture(&ctx, m, &mut report) {
         // Later checks walk the layers and heads; with sizes out of bounds
@@ -150,6 +153,34 @@ impl Ctx<'_> {
 
 /// The largest manifest (`package.yaml`, `genai_config.json`) read.
 const MAX_MANIFEST_BYTES: u64 = 4 << 20;
+
+/// What an ONNX Runtime GenAI package says outside `genai_config.json`:
+/// its name is its directory's (two imported packages can be served
+/// together), its chat template is `chat_template.jinja` or the
+/// `chat_template` of `tokenizer_config.json` (Hugging Face's two places).
+fn complete_genai(root: &Path, m: &mut Manifest, report: &mut Report) {
+    let dir = std::fs::canonicalize(root).unwrap_or_else(|_| root.to_path_buf());
+    if let Some(name) = dir.file_name().map(|n| n.to_string_lossy().to_string()).filter(|n| !n.is_empty()) {
+        m.name = name;
+    }
+    const JINJA: &str = "chat_template.jinja";
+    const TOKENIZER_CONFIG: &str = "tokenizer_config.json";
+    if std::fs::symlink_metadata(root.join(JINJA)).is_ok() {
+        m.chat_template = read_text(root, JINJA, report);
+    } else if std::fs::symlink_metadata(root.join(TOKENIZER_CONFIG)).is_ok() {
+        let Some(text) = read_text(root, TOKENIZER_CONFIG, report) else { return };
+        match serde_json::from_str::<serde_json::Value>(&text) {
+            Ok(config) => m.chat_template = config["chat_template"].as_str().map(str::to_string),
+            Err(e) => report.push(Diagnostic::warning(
+                Code::PKG101,
+                TOKENIZER_CONFIG,
+                "",
+                format!("not valid JSON ({e}), so its chat template is not used"),
+                "fix the JSON, or ship the template as chat_template.jinja",
+            )),
+        }
+    }
+}
 
 fn read_text(root: &Path, file: &str, report: &mut Report) -> Option<String> {
     let path = match confine::resolve(root, file, file, "") {

@@ -1,0 +1,34 @@
+//! An ONNX Runtime GenAI package is read whole (issue 18, part 3): its name
+//! is its directory's, so two imported packages can be served side by
+//! side, and its chat template comes from `chat_template.jinja` or else the
+//! `chat_template` of `tokenizer_config.json`.
+
+mod support;
+
+use onnx_genai_package::Package;
+use support::{build, Layout};
+
+#[test]
+fn name_and_chat_template_come_with_the_package() {
+    let parent = tempfile::tempdir().unwrap();
+    let dir = parent.path().join("my-smol-int4");
+    build("tiny-llama-gqa", Layout::OrtGenai, &dir);
+    let p = Package::open(&dir).unwrap();
+    assert_eq!(p.manifest.name, "my-smol-int4");
+    let from_config = p.manifest.chat_template.clone().expect("the template of tokenizer_config.json");
+    assert!(from_config.contains("<|im_start|>"), "{from_config}");
+
+    // chat_template.jinja wins when both are there.
+    std::fs::write(dir.join("chat_template.jinja"), "{% for m in messages %}{{ m.content }}{% endfor %}").unwrap();
+    let p = Package::open(&dir).unwrap();
+    assert_eq!(p.manifest.chat_template.as_deref(), Some("{% for m in messages %}{{ m.content }}{% endfor %}"));
+
+    // A template that does not parse is a diagnostic, like a manifest's.
+    std::fs::write(dir.join("chat_template.jinja"), "{% for m in messages %}").unwrap();
+    assert!(Package::open(&dir).is_err(), "a broken template must not open");
+
+    // Without either file there is no template (and no error).
+    std::fs::remove_file(dir.join("chat_template.jinja")).unwrap();
+    std::fs::remove_file(dir.join("tokenizer_config.json")).unwrap();
+    assert_eq!(Package::open(&dir).unwrap().manifest.chat_template, None);
+}
