@@ -89,6 +89,10 @@ enum Command {
         package: PathBuf,
         #[arg(long, value_enum, default_value = "text")]
         format: Format,
+        /// List every diagnostic (by default, ones that differ only by a
+        /// layer number print once with a count).
+        #[arg(long)]
+        verbose: bool,
     },
     /// Build a package from an architecture spec (`packages/<name>/spec.yaml`).
     Build {
@@ -174,7 +178,7 @@ fn init_logs(format: Format) {
 
 fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
-        Command::Validate { package, format } => validate(&package, format),
+        Command::Validate { package, format, verbose } => validate(&package, format, verbose),
         Command::Build { spec, out, variant } => {
             let spec = onnx_genai_build::read_spec(&spec)?;
             onnx_genai_build::build_variant(&spec, variant, &out)?;
@@ -314,11 +318,12 @@ fn run(cli: Cli) -> Result<ExitCode> {
     }
 }
 
-fn validate(dir: &std::path::Path, format: Format) -> Result<ExitCode> {
+fn validate(dir: &std::path::Path, format: Format, verbose: bool) -> Result<ExitCode> {
     let (report, _) = onnx_genai_package::validate(dir);
     match format {
         Format::Json => println!("{}", serde_json::to_string_pretty(&report)?),
         Format::Text if report.diagnostics.is_empty() => println!("{}: ok", dir.display()),
+        Format::Text if verbose => print!("{}", report.verbose()),
         Format::Text => print!("{report}"),
     }
     Ok(if report.has_errors() { ExitCode::FAILURE } else { ExitCode::SUCCESS })

@@ -161,10 +161,63 @@ impl Report {
     }
 }
 
+/// Digits replaced: diagnostics that differ only by a layer or tensor
+/// number share this shape.
+fn shape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if c.is_ascii_digit() {
+            if !out.ends_with('#') {
+                out.push('#');
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+impl Report {
+    /// The diagnostics in groups that differ only by numbers (one per
+    /// layer, say), each group in its first member's place.
+    pub fn grouped(&self) -> Vec<Vec<&Diagnostic>> {
+        let mut groups: Vec<Vec<&Diagnostic>> = Vec::new();
+        let mut index: std::collections::BTreeMap<(Severity, Code, String, String, String, String), usize> =
+            std::collections::BTreeMap::new();
+        for d in &self.diagnostics {
+            let key = (d.severity, d.code, d.file.clone(), shape(&d.field), shape(&d.message), shape(&d.hint));
+            match index.get(&key) {
+                Some(&i) => groups[i].push(d),
+                None => {
+                    index.insert(key, groups.len());
+                    groups.push(vec![d]);
+                }
+            }
+        }
+        groups
+    }
+
+    /// Every diagnostic on its own (`validate --verbose`).
+    pub fn verbose(&self) -> String {
+        self.diagnostics.iter().map(|d| format!("{d}\n")).collect()
+    }
+}
+
+/// Diagnostics that differ only by numbers print once, with a count and
+/// the fields (or messages) of the others.
 impl std::fmt::Display for Report {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        for d in &self.diagnostics {
-            writeln!(f, "{d}")?;
+        for group in self.grouped() {
+            writeln!(f, "{}", group[0])?;
+            if group.len() > 1 {
+                let names: Vec<&str> = group[1..]
+                    .iter()
+                    .map(|d| if d.field.is_empty() { d.message.as_str() } else { d.field.as_str() })
+                    .collect();
+                let shown = names.iter().take(6).copied().collect::<Vec<_>>().join(", ");
+                let more = if names.len() > 6 { ", ..." } else { "" };
+                writeln!(f, "  (and {} more like it: {shown}{more}; --verbose lists each)", names.len())?;
+            }
         }
         Ok(())
     }
@@ -206,5 +259,33 @@ mod tests {
         assert_eq!(nearest("hiden_size", &["hidden_size", "head_dim"]), Some("hidden_size"));
         assert_eq!(nearest("num_kv_head", &["num_kv_heads", "num_layers"]), Some("num_kv_heads"));
         assert_eq!(nearest("completely_else", &["hidden_size", "head_dim"]), None);
+    }
+}
+
+#[cfg(test)]
+mod grouping_tests {
+    use super::*;
+
+    /// Issue 18: a warning repeated per layer prints once with a count and
+    /// the other fields; different messages stay apart; `verbose` keeps all.
+    #[test]
+    fn repeated_diagnostics_collapse_by_shape() {
+        let mut r = Report::default();
+        for layer in 0..30 {
+            r.push(Diagnostic::warning(
+                Code::PKG030,
+                "model.onnx",
+                format!("past_key_values.{layer}.key"),
+                format!("head dim of layer {layer} is not fixed"),
+                "fix it",
+            ));
+        }
+        r.push(Diagnostic::error(Code::PKG030, "model.onnx", "other", "something else", "fix it"));
+        let text = r.to_string();
+        assert_eq!(r.grouped().len(), 2);
+        assert_eq!(text.matches("warning[").count(), 1, "{text}");
+        assert!(text.contains("(and 29 more like it: past_key_values.1.key, past_key_values.2.key"), "{text}");
+        assert!(text.contains("error[PKG030] model.onnx @ other: something else"), "{text}");
+        assert_eq!(r.verbose().matches("warning[").count(), 30);
     }
 }
