@@ -77,6 +77,8 @@ pub enum Code {
     PKG104,
     /// A `genai_config.json` feature this project does not support.
     PKG105,
+    /// `search.max_length` beyond the model's `context_length`.
+    PKG106,
 }
 
 impl std::fmt::Display for Code {
