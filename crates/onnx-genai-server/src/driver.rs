@@ -23,16 +23,17 @@ use tokio::sync::{mpsc, oneshot};
 use crate::error::{from_engine, ApiError};
 use crate::sessions::Lease;
 
-/// Resolves a route's wait for admission.
-pub struct Promise(Option<oneshot::Sender<Result<(), ApiError>>>);
+/// Resolves a route's wait for admission: the prompt tokens admission
+/// counted (carried and new, A5: the answer's `usage`), or the refusal.
+pub struct Promise(Option<oneshot::Sender<Result<u64, ApiError>>>);
 
 impl Promise {
-    pub fn new() -> (Self, oneshot::Receiver<Result<(), ApiError>>) {
+    pub fn new() -> (Self, oneshot::Receiver<Result<u64, ApiError>>) {
         let (tx, rx) = oneshot::channel();
         (Self(Some(tx)), rx)
     }
 
-    fn resolve(&mut self, outcome: Result<(), ApiError>) -> bool {
+    fn resolve(&mut self, outcome: Result<u64, ApiError>) -> bool {
         match self.0.take() {
             Some(tx) => {
                 let _ = tx.send(outcome);
@@ -374,9 +375,9 @@ impl<'a> Loop<'a> {
             }
             let counters = self.counters;
             let admitted = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                self.engine.admit(&w.request, &mut |_| {
+                self.engine.admit(&w.request, &mut |admitted| {
                     counters.admitted.fetch_add(1, Ordering::SeqCst);
-                    w.admission.resolve(Ok(()));
+                    w.admission.resolve(Ok(admitted.prompt_tokens));
                 })
             }));
             let Waiting { lease, mut admission, events, until, request, released } = w;

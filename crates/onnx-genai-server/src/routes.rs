@@ -219,10 +219,11 @@ async fn run_turn(
             let _ = state.registry.close(id, owner);
         }
     }
-    decided?;
+    let prompt_tokens = decided?;
     let reply = Reply {
         model: opts.model.clone(),
         kind,
+        prompt_tokens,
         stops: opts.stops(),
         id: format!("{}-{}", kind.prefix(), crate::sessions::random_hex()),
     };
@@ -247,6 +248,9 @@ struct Reply {
     id: String,
     model: String,
     kind: Kind,
+    /// What admission counted, for the `usage` of an answer a stop string
+    /// ends (the engine's own result never comes for a turn cut short).
+    prompt_tokens: u64,
     stops: Vec<String>,
 }
 
@@ -287,14 +291,17 @@ impl Turn {
 
 async fn collect(reply: Reply, mut turn: Turn) -> Result<Value, ApiError> {
     let mut text = String::new();
+    let mut tokens = 0;
     while let Some(event) = turn.rx.recv().await {
         match event {
             Event::Delta(d) => {
                 turn.clock.token();
+                tokens += 1;
                 text.push_str(&d);
                 if apply_stops(&mut text, &reply.stops) {
                     turn.stop().await;
-                    return Ok(body(&reply, &text, "stop", None));
+                    let usage = api::usage(reply.prompt_tokens as usize, tokens);
+                    return Ok(body(&reply, &text, "stop", Some(usage)));
                 }
             }
             Event::Finished(result) => {
@@ -335,10 +342,12 @@ fn chunk(reply: &Reply, delta: Option<&str>, finish: Option<&str>, first: bool) 
 }
 
 enum StreamState {
-    /// `text` is everything generated; its first `sent` bytes went out.
+    /// `text` is everything generated (`tokens` tokens); its first `sent`
+    /// bytes went out.
     Open {
         turn: Turn,
         text: String,
+        tokens: usize,
         sent: usize,
         first: bool,
     },
@@ -358,38 +367,51 @@ fn undecided_tail(text: &str, stops: &[String]) -> usize {
         .unwrap_or(0)
 }
 
+/// The stream's last chunk when the client asked for usage.
+fn usage_chunk(reply: &Reply, prompt: usize, completion: usize) -> Value {
+    let mut u = chunk(reply, None, None, false);
+    u["choices"] = json!([]);
+    u["usage"] = api::usage(prompt, completion);
+    u
+}
+
 fn stream_events(reply: Reply, turn: Turn, include_usage: bool) -> impl Stream<Item = Result<SseEvent, Infallible>> {
     let reply = Arc::new(reply);
-    let start = StreamState::Open { turn, text: String::new(), sent: 0, first: true };
+    let start = StreamState::Open { turn, text: String::new(), tokens: 0, sent: 0, first: true };
     stream::unfold(start, move |state| {
         let reply = reply.clone();
         async move {
-            let StreamState::Open { mut turn, mut text, sent, first } = state else { return None };
+            let StreamState::Open { mut turn, mut text, tokens, sent, first } = state else { return None };
             let data = |v: Value| SseEvent::default().data(v.to_string());
             let done = SseEvent::default().data("[DONE]");
             match turn.rx.recv().await {
                 Some(Event::Delta(d)) => {
                     turn.clock.token();
+                    let tokens = tokens + 1;
                     text.push_str(&d);
                     if apply_stops(&mut text, &reply.stops) {
                         turn.stop().await;
                         let tail = text[sent.min(text.len())..].to_string();
-                        let events = vec![
+                        let mut events = vec![
                             Ok(data(chunk(&reply, Some(&tail), None, first))),
                             Ok(data(chunk(&reply, None, Some("stop"), false))),
-                            Ok(done),
                         ];
+                        if include_usage {
+                            events.push(Ok(data(usage_chunk(&reply, reply.prompt_tokens as usize, tokens))));
+                        }
+                        events.push(Ok(done));
                         return Some((stream::iter(events), StreamState::Done));
                     }
                     let ready = text.len() - undecided_tail(&text, &reply.stops);
                     if ready <= sent {
                         // All of it may yet be a stop string: nothing to send.
-                        return Some((stream::iter(Vec::new()), StreamState::Open { turn, text, sent, first }));
+                        let open = StreamState::Open { turn, text, tokens, sent, first };
+                        return Some((stream::iter(Vec::new()), open));
                     }
                     let piece = text[sent..ready].to_string();
                     Some((
                         stream::iter(vec![Ok(data(chunk(&reply, Some(&piece), None, first)))]),
-                        StreamState::Open { turn, text, sent: ready, first: false },
+                        StreamState::Open { turn, text, tokens, sent: ready, first: false },
                     ))
                 }
                 Some(Event::Finished(result)) => {
@@ -403,10 +425,7 @@ fn stream_events(reply: Reply, turn: Turn, include_usage: bool) -> impl Stream<I
                     };
                     events.push(Ok(data(chunk(&reply, None, Some(finish_reason(result.finish_reason)), first))));
                     if include_usage {
-                        let mut u = chunk(&reply, None, None, false);
-                        u["choices"] = json!([]);
-                        u["usage"] = api::usage(result.prompt_tokens, result.token_ids.len());
-                        events.push(Ok(data(u)));
+                        events.push(Ok(data(usage_chunk(&reply, result.prompt_tokens, result.token_ids.len()))));
                     }
                     events.push(Ok(done));
                     Some((stream::iter(events), StreamState::Done))

@@ -539,3 +539,44 @@ fn a_stop_string_split_across_tokens_does_not_leak_into_the_stream() {
     let unfinished = format!("{stop}\u{1F980}never");
     assert_eq!(deltas(Some(&unfinished)).concat(), full, "held-back text was lost");
 }
+
+/// Issue 19: an answer a stop string ends still has `finish_reason: stop`
+/// and `usage` — the prompt tokens admission counted and the tokens
+/// generated until the stop — as JSON and, when asked for, as the stream's
+/// last chunk.
+#[test]
+fn a_stop_string_answer_has_usage() {
+    let gate = Gate::default();
+    let (_d, s) = serve(&[M], &gate, u64::MAX, 8);
+    let full = post(s.addr, "/v1/chat/completions", &chat(M, "Tell me a story", 12));
+    assert_eq!(full.status, 200, "{}", full.body);
+    let text = full.json()["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    let prompt_tokens = full.json()["usage"]["prompt_tokens"].clone();
+    // A stop string from the middle of the greedy text.
+    let chars: Vec<char> = text.chars().collect();
+    assert!(chars.len() >= 4, "{text:?}");
+    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 2].iter().collect();
+    let mut body = chat(M, "Tell me a story", 12);
+    body["stop"] = json!([stop]);
+    let cut = post(s.addr, "/v1/chat/completions", &body);
+    assert_eq!(cut.status, 200, "{}", cut.body);
+    let v = cut.json();
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{}", cut.body);
+    assert_eq!(v["usage"]["prompt_tokens"], prompt_tokens, "{}", cut.body);
+    let completion = v["usage"]["completion_tokens"].as_u64().unwrap_or(0);
+    assert!((1..12).contains(&completion), "{}", cut.body);
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let mut sse = stream(s.addr, "/v1/chat/completions", &[], &body);
+    let mut last_usage = serde_json::Value::Null;
+    while let Some(d) = sse.next_data() {
+        if d == "[DONE]" {
+            break;
+        }
+        let chunk: serde_json::Value = serde_json::from_str(&d).unwrap();
+        if !chunk["usage"].is_null() {
+            last_usage = chunk["usage"].clone();
+        }
+    }
+    assert_eq!(last_usage, v["usage"], "the stream's usage agrees with the JSON answer's");
+}
