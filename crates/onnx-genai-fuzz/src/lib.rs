@@ -58,24 +58,31 @@ impl Target {
 /// also one the code under test catches by design (a panicking backend
 /// sequence fails its turn alone; the tokenizers library's panics on
 /// malformed files become diagnostics), so it is replaced by one that only
-/// remembers where the last panic happened.
+/// remembers where the input's first panic happened.
 pub fn fuzz(target: Target, data: &[u8]) {
     static HOOK: std::sync::Once = std::sync::Once::new();
     HOOK.call_once(|| {
         std::panic::set_hook(Box::new(|info| {
-            if let Ok(mut last) = LAST_PANIC.lock() {
-                *last = info.to_string();
+            // The first panic of an input is the cause; later ones (the
+            // target noticing a dead handler) are symptoms.
+            if let Ok(mut first) = FIRST_PANIC.lock() {
+                if first.is_empty() {
+                    *first = info.to_string();
+                }
             }
         }))
     });
+    if let Ok(mut first) = FIRST_PANIC.lock() {
+        first.clear();
+    }
     if std::panic::catch_unwind(|| run(target, data)).is_err() {
-        let last = LAST_PANIC.lock().map(|l| l.clone()).unwrap_or_default();
-        eprintln!("fuzz target `{}` panicked: {last}", target.name());
+        let first = FIRST_PANIC.lock().map(|l| l.clone()).unwrap_or_default();
+        eprintln!("fuzz target `{}` panicked: {first}", target.name());
         std::process::abort();
     }
 }
 
-static LAST_PANIC: std::sync::Mutex<String> = std::sync::Mutex::new(String::new());
+static FIRST_PANIC: std::sync::Mutex<String> = std::sync::Mutex::new(String::new());
 
 /// Feeds `data` to `target`; panics on a finding.
 pub fn run(target: Target, data: &[u8]) {

@@ -319,3 +319,51 @@ pub fn import(text: &str, report: &mut Report) -> Option<Manifest> {
     };
     ok.then_some(manifest)
 }
+
+/// What an ONNX Runtime GenAI package says outside `genai_config.json`:
+/// its name is its directory's (two imported packages can be served
+/// together), its chat template is `chat_template.jinja` or the
+/// `chat_template` of `tokenizer_config.json` (Hugging Face's two places;
+/// there a string, or a list of named templates of which `default` is
+/// used). Returns where the template came from (file, field).
+pub(crate) fn complete(
+    root: &std::path::Path,
+    m: &mut Manifest,
+    report: &mut Report,
+) -> Option<(&'static str, &'static str)> {
+    const JINJA: &str = "chat_template.jinja";
+    const TOKENIZER_CONFIG: &str = "tokenizer_config.json";
+    let dir = std::fs::canonicalize(root).unwrap_or_else(|_| root.to_path_buf());
+    if let Some(name) = dir.file_name().map(|n| n.to_string_lossy().to_string()).filter(|n| !n.is_empty()) {
+        m.name = name;
+    }
+    if std::fs::symlink_metadata(root.join(JINJA)).is_ok() {
+        m.chat_template = crate::validate::read_text(root, JINJA, report);
+        return Some((JINJA, ""));
+    }
+    if std::fs::symlink_metadata(root.join(TOKENIZER_CONFIG)).is_err() {
+        return None;
+    }
+    let text = crate::validate::read_text(root, TOKENIZER_CONFIG, report)?;
+    match serde_json::from_str::<serde_json::Value>(&text) {
+        Ok(config) => {
+            let template = &config["chat_template"];
+            m.chat_template = match template.as_array() {
+                Some(named) => named
+                    .iter()
+                    .find(|t| t["name"] == "default")
+                    .and_then(|t| t["template"].as_str())
+                    .map(str::to_string),
+                None => template.as_str().map(str::to_string),
+            };
+        }
+        Err(e) => report.push(Diagnostic::warning(
+            Code::PKG101,
+            TOKENIZER_CONFIG,
+            "",
+            format!("not valid JSON ({e}), so its chat template is not used"),
+            "fix the JSON, or ship the template as chat_template.jinja",
+        )),
+    }
+    Some((TOKENIZER_CONFIG, "chat_template"))
+}

@@ -8,6 +8,7 @@ pub mod genai;
 pub mod geometry;
 pub mod manifest;
 pub mod schema;
+mod tokenizer_file;
 pub mod validate;
 
 use std::collections::BTreeMap;

@@ -56,9 +56,8 @@ pub fn validate(root: &Path) -> (Report, Checked) {
     let Some(m) = manifest.as_mut() else {
         return (report, checked);
     };
-    if checked.dialect == Dialect::GenaiConfig {
-        complete_genai(root, m, &mut report);
-    }
+    let template_source =
+        if checked.dialect == Dialect::GenaiConfig { genai::complete(root, m, &mut report) } else { None };
     let ctx = Ctx { root, dialect: checked.dialect };
     if !check_architecture(&ctx, m, &mut report) {
         // Later checks walk the layers and heads; with sizes out of bounds
@@ -92,7 +91,7 @@ pub fn validate(root: &Path) -> (Report, Checked) {
     check_roles_present(&ctx, m, &mut report);
     check_workflow(&ctx, m, &models, &mut report);
     checked.tokenizer = check_tokenizer(&ctx, m, &mut report);
-    check_chat_template(&ctx, m, &mut report);
+    check_chat_template(&ctx, m, template_source, &mut report);
     checked.manifest = manifest;
     (report, checked)
 }
@@ -154,35 +153,7 @@ impl Ctx<'_> {
 /// The largest manifest (`package.yaml`, `genai_config.json`) read.
 const MAX_MANIFEST_BYTES: u64 = 4 << 20;
 
-/// What an ONNX Runtime GenAI package says outside `genai_config.json`:
-/// its name is its directory's (two imported packages can be served
-/// together), its chat template is `chat_template.jinja` or the
-/// `chat_template` of `tokenizer_config.json` (Hugging Face's two places).
-fn complete_genai(root: &Path, m: &mut Manifest, report: &mut Report) {
-    let dir = std::fs::canonicalize(root).unwrap_or_else(|_| root.to_path_buf());
-    if let Some(name) = dir.file_name().map(|n| n.to_string_lossy().to_string()).filter(|n| !n.is_empty()) {
-        m.name = name;
-    }
-    const JINJA: &str = "chat_template.jinja";
-    const TOKENIZER_CONFIG: &str = "tokenizer_config.json";
-    if std::fs::symlink_metadata(root.join(JINJA)).is_ok() {
-        m.chat_template = read_text(root, JINJA, report);
-    } else if std::fs::symlink_metadata(root.join(TOKENIZER_CONFIG)).is_ok() {
-        let Some(text) = read_text(root, TOKENIZER_CONFIG, report) else { return };
-        match serde_json::from_str::<serde_json::Value>(&text) {
-            Ok(config) => m.chat_template = config["chat_template"].as_str().map(str::to_string),
-            Err(e) => report.push(Diagnostic::warning(
-                Code::PKG101,
-                TOKENIZER_CONFIG,
-                "",
-                format!("not valid JSON ({e}), so its chat template is not used"),
-                "fix the JSON, or ship the template as chat_template.jinja",
-            )),
-        }
-    }
-}
-
-fn read_text(root: &Path, file: &str, report: &mut Report) -> Option<String> {
+pub(crate) fn read_text(root: &Path, file: &str, report: &mut Report) -> Option<String> {
     let path = match confine::resolve(root, file, file, "") {
         Ok(p) => p,
         Err(mut d) => {
@@ -787,7 +758,7 @@ fn check_tokenizer(ctx: &Ctx, m: &Manifest, report: &mut Report) -> Option<token
             return None;
         }
     };
-    match load_tokenizer(&path) {
+    match crate::tokenizer_file::load(&path) {
         Ok(tokenizer) => {
             let size = tokenizer.get_vocab_size(true);
             if size > vocab as usize {
@@ -814,49 +785,19 @@ fn check_tokenizer(ctx: &Ctx, m: &Manifest, report: &mut Report) -> Option<token
     }
 }
 
-/// Loads a `tokenizer.json`. The tokenizers library panics on some
-/// malformed files (an `unwrap` in its decoder deserialisation, found by
-/// fuzzing): a bad file must be a diagnostic, not a crash of the validator
-/// or the server.
-fn load_tokenizer(path: &Path) -> Result<tokenizers::Tokenizer, String> {
-    match std::panic::catch_unwind(|| tokenizers::Tokenizer::from_file(path)) {
-        Ok(loaded) => loaded.map_err(|e| e.to_string()),
-        Err(panic) => {
-            let what = panic
-                .downcast_ref::<String>()
-                .map(String::as_str)
-                .or_else(|| panic.downcast_ref::<&str>().copied())
-                .unwrap_or("no message");
-            Err(format!("the tokenizers library failed on it ({what})"))
-        }
-    }
-}
-
-fn check_chat_template(ctx: &Ctx, m: &Manifest, report: &mut Report) {
+/// `source`: the file and field the template came from when not the
+/// manifest's own `chat_template` (an imported package's).
+fn check_chat_template(ctx: &Ctx, m: &Manifest, source: Option<(&str, &str)>, report: &mut Report) {
     let Some(template) = &m.chat_template else { return };
     let env = minijinja::Environment::new();
     if let Err(e) = env.template_from_str(template) {
+        let (file, field) = source.unwrap_or((ctx.manifest_file(), "chat_template"));
         report.push(Diagnostic::error(
             Code::PKG050,
-            ctx.manifest_file(),
-            "chat_template",
+            file,
+            field,
             format!("the chat template does not parse: {e}"),
             "fix the Jinja syntax",
         ));
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    /// A `tokenizer.json` whose decoder is malformed in the way that makes
-    /// the tokenizers library panic (found by the `package` fuzz target) is
-    /// refused with a message, and the validator lives on.
-    #[test]
-    fn a_tokenizer_that_panics_the_library_is_an_error() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("tokenizer.json");
-        std::fs::write(&path, "{\"decoder\": {\"type\": \"ByteLevel\", \"add_prefix_space\": true\n  2}}").unwrap();
-        let err = super::load_tokenizer(&path).unwrap_err();
-        assert!(err.contains("tokenizers library failed"), "{err}");
     }
 }

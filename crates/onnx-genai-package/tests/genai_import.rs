@@ -23,12 +23,21 @@ fn name_and_chat_template_come_with_the_package() {
     let p = Package::open(&dir).unwrap();
     assert_eq!(p.manifest.chat_template.as_deref(), Some("{% for m in messages %}{{ m.content }}{% endfor %}"));
 
-    // A template that does not parse is a diagnostic, like a manifest's.
+    // A template that does not parse is a diagnostic, like a manifest's,
+    // naming the file it came from.
     std::fs::write(dir.join("chat_template.jinja"), "{% for m in messages %}").unwrap();
     assert!(Package::open(&dir).is_err(), "a broken template must not open");
+    let (report, _) = onnx_genai_package::validate(&dir);
+    let broken = report.errors().find(|d| d.code == onnx_genai_package::Code::PKG050).expect("PKG050");
+    assert_eq!(broken.file, "chat_template.jinja", "{report}");
+
+    // Hugging Face's list of named templates: `default` is used.
+    std::fs::remove_file(dir.join("chat_template.jinja")).unwrap();
+    let named = r#"{"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]}"#;
+    std::fs::write(dir.join("tokenizer_config.json"), named).unwrap();
+    assert_eq!(Package::open(&dir).unwrap().manifest.chat_template.as_deref(), Some("D"));
 
     // Without either file there is no template (and no error).
-    std::fs::remove_file(dir.join("chat_template.jinja")).unwrap();
     std::fs::remove_file(dir.join("tokenizer_config.json")).unwrap();
     assert_eq!(Package::open(&dir).unwrap().manifest.chat_template, None);
 }

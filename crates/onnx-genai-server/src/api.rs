@@ -88,9 +88,13 @@ pub struct SessionRequest {
 /// Parses a JSON body into `T`, refusing any field `fields` does not serve,
 /// with an OpenAI-shaped error naming the field.
 pub fn parse<T: serde::de::DeserializeOwned>(body: &[u8], fields: &[crate::fields::Field]) -> Result<T, ApiError> {
-    let value: Value =
+    let mut value: Value =
         serde_json::from_slice(body).map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}")))?;
     crate::fields::check(&value, fields)?;
+    // A top-level `null` means "not given" (some clients send every field).
+    if let Some(object) = value.as_object_mut() {
+        object.retain(|_, v| !v.is_null());
+    }
     serde_json::from_value(value).map_err(|e| ApiError::invalid(format!("invalid request body: {e}")))
 }
 

@@ -60,9 +60,12 @@ fn a_dead_driver_answers_503_turns_health_red_and_holds_nothing() {
     }
     let refused = call(server.addr, "POST", "/v1/sessions", &[], &json!({"model": MODEL}).to_string()).unwrap();
     assert_eq!(refused.status, 503, "{}", refused.body);
-    // What the dead driver's engine held went with it.
+    // What the dead driver's engine held went with it, its sessions too.
     let g = server.gauges();
-    assert_eq!((g.leases, g.running, g.waiting, g.reserved_bytes, g.idle_kv_bytes), (0, 0, 0, 0, 0), "{g:?}");
+    assert_eq!((g.sessions, g.leases, g.running, g.waiting), (0, 0, 0, 0), "{g:?}");
+    assert_eq!((g.reserved_bytes, g.idle_kv_bytes), (0, 0), "{g:?}");
+    let gone = call(server.addr, "DELETE", &format!("/v1/sessions/{id}"), &[], "").unwrap();
+    assert_eq!(gone.status, 404, "a dead model's session is gone: {}", gone.body);
     assert_eq!(g.models_down, 1);
     assert_eq!(baseline.models_down, 0);
     let metrics = call(server.addr, "GET", "/metrics", &[], "").unwrap();

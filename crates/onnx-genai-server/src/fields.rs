@@ -127,11 +127,15 @@ pub fn check(body: &Value, fields: &[Field]) -> Result<(), ApiError> {
         let Some(field) = fields.iter().find(|f| f.name == key) else {
             return Err(ApiError::param(key, format!("unrecognized request argument supplied: {key}")));
         };
+        // `null` is how clients say "not given".
+        if value.is_null() {
+            continue;
+        }
         match field.support {
             Support::Served => {}
             Support::DefaultOnly(default) => {
                 let default: Value = serde_json::from_str(default).unwrap_or(Value::Null);
-                if !value.is_null() && !same(value, &default) {
+                if !same(value, &default) {
                     return Err(ApiError::param(
                         key,
                         format!("`{key}` is served only at its default {default} on this server ({})", field.note),

@@ -33,6 +33,10 @@ pub const SESSION_HEADER: &str = "x-session-id";
 /// driver died (a supervisor or load balancer restarts the server).
 pub async fn health(State(state): State<Arc<AppState>>) -> Response {
     let down: Vec<&str> = state.drivers.values().filter(|d| !d.alive()).map(|d| d.model.as_str()).collect();
+    // Their sessions died with them: unbind the ids too.
+    for model in &down {
+        state.registry.purge_model(model);
+    }
     if down.is_empty() {
         return Json(json!({"status": "ok"})).into_response();
     }
@@ -60,6 +64,7 @@ fn driver<'a>(state: &'a AppState, model: &str) -> Result<&'a Driver, ApiError> 
         ApiError::not_found("model_not_found", format!("no model `{model}` (served: {})", known.join(", ")))
     })?;
     if !driver.alive() {
+        state.registry.purge_model(model);
         return Err(driver.down());
     }
     Ok(driver)
@@ -175,7 +180,9 @@ async fn run_turn(
 ) -> Result<Response, ApiError> {
     opts.check()?;
     if let Some(user) = &opts.user {
-        tracing::info!(user = %user, "end user");
+        // Escaped and bounded: a client's string must not forge log lines.
+        let user: String = user.chars().take(256).collect();
+        tracing::info!(user = ?user, "end user");
     }
     let clock = state.metrics.token_clock();
     let driver = driver(state, &opts.model)?;

@@ -7,10 +7,11 @@
 //! A session belongs to the client that created it (its [`Owner`]): to any
 //! other client its id names no session (404), so an id is a capability only
 //! in its owner's hands. When room must be made, the victim is an idle
-//! session of the client holding the most (the creator's new one counted),
-//! least recently used among those: a client that opens many sessions
-//! pushes out its own before anyone else's, and no client can aim an
-//! eviction at another's conversation.
+//! session of the client holding the most (the creator's new one counted;
+//! on a tie the creator's own), least recently used among those: a client
+//! that opens many sessions pushes out its own once it holds as many as
+//! anyone, so it can press others down to an equal share but never aim an
+//! eviction at a particular conversation.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -137,7 +138,11 @@ impl Registry {
                 .sessions
                 .iter()
                 .filter(|(_, e)| !e.leased)
-                .max_by_key(|(_, e)| (held.get(&e.owner).copied().unwrap_or(0), std::cmp::Reverse(e.last_used)))
+                .max_by_key(|(_, e)| {
+                    // Among equal holders the creator's own goes first.
+                    let count = held.get(&e.owner).copied().unwrap_or(0);
+                    (count, e.owner == *owner, std::cmp::Reverse(e.last_used))
+                })
                 .map(|(id, _)| id.clone());
             let Some(victim) = victim else {
                 return Err(ApiError::busy(format!(
@@ -177,6 +182,15 @@ impl Registry {
             }
             Some(_) => Ok(inner.sessions.remove(id).map(|e| e.placement).ok_or_else(|| unknown(id))?),
         }
+    }
+
+    /// Unbinds every session of `model` (its driver died, taking their
+    /// sequences with it); returns how many there were.
+    pub fn purge_model(&self, model: &str) -> usize {
+        let mut inner = self.lock();
+        let before = inner.sessions.len();
+        inner.sessions.retain(|_, e| e.placement.model != model);
+        before - inner.sessions.len()
     }
 
     /// Bound sessions (the active-session gauge).
@@ -336,10 +350,13 @@ mod tests {
         let (slot, _) = r.reserve(&me()).unwrap();
         r.bind(slot, "m1", placement(3), me()).unwrap();
         let (_slot, evicted) = r.reserve(&me()).unwrap();
-        assert_eq!(
-            evicted,
-            Some(placement(1)),
-            "2 held by the other client against 1 + 1 of mine: tie goes to the oldest"
-        );
+        assert_eq!(evicted, Some(placement(3)), "2 held by the other client against 1 + 1 of mine: a tie takes mine");
+        // Holding more, the other client gives up its oldest.
+        let r = Registry::new(3);
+        for (id, engine) in [("t1", 1), ("t2", 2), ("t3", 3)] {
+            let (slot, _) = r.reserve(&other).unwrap();
+            r.bind(slot, id, placement(engine), other.clone()).unwrap();
+        }
+        assert_eq!(r.reserve(&me()).unwrap().1, Some(placement(1)));
     }
 }

@@ -91,9 +91,9 @@ fn a_session_that_fails_to_open_is_unbound_at_its_first_turn() {
 }
 
 /// 48 clients create sessions at once against room for 8: every creation
-/// is answered (room is made by evicting the least recently used idle
-/// session, L5–L7), the registry never holds more than 8, and once the
-/// survivors are deleted nothing is left.
+/// is answered (room is made by evicting an idle session, L5–L7; 429 only
+/// while all room is mid-creation), the registry holds exactly 8, and once
+/// those are deleted nothing is left.
 #[test]
 fn a_storm_of_session_creations_leaves_nothing_behind() {
     let gate = Gate::default();
@@ -105,10 +105,14 @@ fn a_storm_of_session_creations_leaves_nothing_behind() {
         together(48, move |_| post(s.addr, "/v1/sessions", &json!({"model": M})))
     };
     let statuses: Vec<u16> = replies.iter().map(|r| r.status).collect();
-    assert!(statuses.iter().all(|st| *st == 200), "{statuses:?}");
-    assert!(s.gauges().sessions <= 8, "{:?}", s.gauges());
+    // 429 is right only while every slot is taken by a creation between
+    // its capacity decision and its bind (L6): rare, but allowed.
+    assert!(statuses.iter().all(|st| *st == 200 || *st == 429), "{statuses:?}");
+    assert!(statuses.iter().filter(|st| **st == 200).count() >= 8, "{statuses:?}");
+    let bound = s.gauges().sessions;
+    assert_eq!(bound, 8, "{:?}", s.gauges());
     let mut deleted = 0;
-    for r in &replies {
+    for r in replies.iter().filter(|r| r.status == 200) {
         let id = r.json()["id"].as_str().unwrap().to_string();
         match call(s.addr, "DELETE", &format!("/v1/sessions/{id}"), &[], "").status {
             200 => deleted += 1,
