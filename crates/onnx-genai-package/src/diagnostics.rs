@@ -77,7 +77,7 @@ pub enum Code {
     PKG104,
     /// A `genai_config.json` feature this project does not support.
     PKG105,
-    /// `search.max_length` beyond the model's `context_length`.
+    /// `search.max_length` beyond the model's `context_length` (a warning).
     PKG106,
 }
 

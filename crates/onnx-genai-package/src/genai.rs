@@ -273,15 +273,18 @@ pub fn import(text: &str, report: &mut Report) -> Option<Manifest> {
     let has_kv = d.inputs.past_key_names.is_some();
     let max_len = config.search.as_ref().and_then(|s| s.max_length).unwrap_or(m.context_length);
     if max_len > m.context_length {
-        // Generation would run past the positions the model was built for.
-        report.push(Diagnostic::error(
+        // Harmless here (generation stops at the context length), but the
+        // config promises lengths the model cannot reach.
+        report.push(Diagnostic::warning(
             Code::PKG106,
             CONFIG_FILE,
             "search.max_length",
-            format!("max_length {max_len} is beyond the model's context_length {}", m.context_length),
+            format!(
+                "max_length {max_len} is beyond the model's context_length {}; generation stops at the context length",
+                m.context_length
+            ),
             "lower search.max_length to at most model.context_length",
         ));
-        ok = false;
     }
     let manifest = Manifest {
         format: FORMAT.into(),

@@ -37,6 +37,15 @@ fn name_and_chat_template_come_with_the_package() {
     std::fs::write(dir.join("tokenizer_config.json"), named).unwrap();
     assert_eq!(Package::open(&dir).unwrap().manifest.chat_template.as_deref(), Some("D"));
 
+    // A max_length beyond the context is a warning (generation stops at
+    // the context length anyway).
+    let config_path = dir.join("genai_config.json");
+    let config = std::fs::read_to_string(&config_path).unwrap();
+    std::fs::write(&config_path, config.replace("\"max_length\": 256", "\"max_length\": 4096")).unwrap();
+    let p = Package::open(&dir).unwrap();
+    assert!(p.warnings.iter().any(|d| d.code == onnx_genai_package::Code::PKG106), "{:?}", p.warnings);
+    std::fs::write(&config_path, config).unwrap();
+
     // Without either file there is no template (and no error).
     std::fs::remove_file(dir.join("tokenizer_config.json")).unwrap();
     assert_eq!(Package::open(&dir).unwrap().manifest.chat_template, None);
