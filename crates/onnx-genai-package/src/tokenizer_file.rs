@@ -1,6 +1,72 @@
-//! Reading a `tokenizer.json` without trusting the library that parses it.
+//! The package's tokenizer file: checked against the manifest, and read
+//! without trusting the library that parses it.
 
 use std::path::Path;
+
+use crate::confine;
+use crate::diagnostics::{Code, Diagnostic, Report};
+use crate::manifest::Manifest;
+use crate::validate::{Ctx, Dialect};
+
+/// Resolves, loads and checks the manifest's tokenizer against the model
+/// (vocabulary size, special token ids).
+pub(crate) fn check(ctx: &Ctx, m: &Manifest, report: &mut Report) -> Option<tokenizers::Tokenizer> {
+    let file = ctx.manifest_file();
+    let field = match ctx.dialect {
+        Dialect::Native => "tokenizer.file",
+        Dialect::GenaiConfig => "",
+    };
+    let vocab = m.architecture.vocab_size;
+    let special = m
+        .generation
+        .eos_token_ids
+        .iter()
+        .map(|id| ("generation.eos_token_ids", *id))
+        .chain(m.generation.bos_token_id.map(|id| ("generation.bos_token_id", id)));
+    for (key, id) in special {
+        if id >= vocab {
+            report.push(Diagnostic::error(
+                Code::PKG043,
+                file,
+                key,
+                format!("token id {id} is outside the vocabulary (vocab_size {vocab})"),
+                "use the tokenizer's id for the special token",
+            ));
+        }
+    }
+    let path = match confine::resolve(ctx.root, &m.tokenizer.file, file, field) {
+        Ok(p) => p,
+        Err(d) => {
+            report.push(d);
+            return None;
+        }
+    };
+    match load(&path) {
+        Ok(tokenizer) => {
+            let size = tokenizer.get_vocab_size(true);
+            if size > vocab as usize {
+                report.push(Diagnostic::error(
+                    Code::PKG041,
+                    &m.tokenizer.file,
+                    "",
+                    format!("the tokenizer has {size} tokens but the model's vocab_size is {vocab}"),
+                    "use the model's own tokenizer, or raise vocab_size to the logits width",
+                ));
+            }
+            Some(tokenizer)
+        }
+        Err(e) => {
+            report.push(Diagnostic::error(
+                Code::PKG042,
+                &m.tokenizer.file,
+                "",
+                format!("the tokenizer does not load: {e}"),
+                "ship a Hugging Face `tokenizer.json` (tokenizers format)",
+            ));
+            None
+        }
+    }
+}
 
 /// Loads a `tokenizer.json`. The tokenizers library panics on some
 /// malformed files (an `unwrap` in its decoder deserialisation, found by

@@ -90,19 +90,19 @@ pub fn validate(root: &Path) -> (Report, Checked) {
     }
     check_roles_present(&ctx, m, &mut report);
     check_workflow(&ctx, m, &models, &mut report);
-    checked.tokenizer = check_tokenizer(&ctx, m, &mut report);
+    checked.tokenizer = crate::tokenizer_file::check(&ctx, m, &mut report);
     check_chat_template(&ctx, m, template_source, &mut report);
     checked.manifest = manifest;
     (report, checked)
 }
 
-struct Ctx<'a> {
-    root: &'a Path,
-    dialect: Dialect,
+pub(crate) struct Ctx<'a> {
+    pub(crate) root: &'a Path,
+    pub(crate) dialect: Dialect,
 }
 
 impl Ctx<'_> {
-    fn manifest_file(&self) -> &'static str {
+    pub(crate) fn manifest_file(&self) -> &'static str {
         match self.dialect {
             Dialect::Native => MANIFEST_FILE,
             Dialect::GenaiConfig => genai::CONFIG_FILE,
@@ -723,64 +723,6 @@ fn check_workflow(ctx: &Ctx, m: &Manifest, models: &[Option<Model>], report: &mu
                     "name a graph input of that component",
                 ));
             }
-        }
-    }
-}
-
-fn check_tokenizer(ctx: &Ctx, m: &Manifest, report: &mut Report) -> Option<tokenizers::Tokenizer> {
-    let file = ctx.manifest_file();
-    let field = match ctx.dialect {
-        Dialect::Native => "tokenizer.file",
-        Dialect::GenaiConfig => "",
-    };
-    let vocab = m.architecture.vocab_size;
-    let special = m
-        .generation
-        .eos_token_ids
-        .iter()
-        .map(|id| ("generation.eos_token_ids", *id))
-        .chain(m.generation.bos_token_id.map(|id| ("generation.bos_token_id", id)));
-    for (key, id) in special {
-        if id >= vocab {
-            report.push(Diagnostic::error(
-                Code::PKG043,
-                file,
-                key,
-                format!("token id {id} is outside the vocabulary (vocab_size {vocab})"),
-                "use the tokenizer's id for the special token",
-            ));
-        }
-    }
-    let path = match confine::resolve(ctx.root, &m.tokenizer.file, file, field) {
-        Ok(p) => p,
-        Err(d) => {
-            report.push(d);
-            return None;
-        }
-    };
-    match crate::tokenizer_file::load(&path) {
-        Ok(tokenizer) => {
-            let size = tokenizer.get_vocab_size(true);
-            if size > vocab as usize {
-                report.push(Diagnostic::error(
-                    Code::PKG041,
-                    &m.tokenizer.file,
-                    "",
-                    format!("the tokenizer has {size} tokens but the model's vocab_size is {vocab}"),
-                    "use the model's own tokenizer, or raise vocab_size to the logits width",
-                ));
-            }
-            Some(tokenizer)
-        }
-        Err(e) => {
-            report.push(Diagnostic::error(
-                Code::PKG042,
-                &m.tokenizer.file,
-                "",
-                format!("the tokenizer does not load: {e}"),
-                "ship a Hugging Face `tokenizer.json` (tokenizers format)",
-            ));
-            None
         }
     }
 }
