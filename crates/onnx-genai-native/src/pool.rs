@@ -210,6 +210,30 @@ impl ThreadPool {
     }
 }
 
+impl ThreadPool {
+    /// Runs `f(item, thread)` for every item of `0..n`, each thread claiming
+    /// the next unclaimed item when it finishes one. For items of uneven
+    /// cost (or threads of uneven speed: the one that packed the inputs
+    /// has them in its own cache) this keeps every thread busy to the end,
+    /// where [`ThreadPool::for_ranges`]'s fixed split leaves the faster
+    /// thread waiting. Which thread computes an item never changes its
+    /// result, so outputs stay deterministic.
+    pub fn for_claimed(&self, n: usize, f: &(dyn Fn(usize, usize) + Sync)) {
+        if self.threads() == 1 || n <= 1 {
+            (0..n).for_each(|i| f(i, 0));
+            return;
+        }
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        self.run(&|t| loop {
+            let item = next.fetch_add(1, Ordering::Relaxed);
+            if item >= n {
+                break;
+            }
+            f(item, t);
+        });
+    }
+}
+
 /// The `t`-th of `threads` ranges over `0..n`, in units of `align`.
 pub fn split(n: usize, align: usize, threads: usize, t: usize) -> std::ops::Range<usize> {
     let align = align.max(1);
@@ -407,6 +431,35 @@ mod tests {
             }
             assert!(covered.iter().all(|c| *c == 1), "n={n} align={align} threads={threads}");
         }
+    }
+
+    /// Claimed items cover `0..n` exactly once, whatever the pool size, and
+    /// a thread slowed down leaves its share to the others (the claim is
+    /// dynamic: with thread 0 stalled on its first item, the other thread
+    /// computes every other item).
+    #[test]
+    fn claimed_items_run_once_and_balance() {
+        for (n, threads) in [(0, 2), (1, 2), (7, 1), (97, 2), (500, 3)] {
+            let pool = ThreadPool::new(threads, Duration::from_micros(50)).unwrap();
+            let covered: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+            pool.for_claimed(n, &|i, _| {
+                covered[i].fetch_add(1, Ordering::Relaxed);
+            });
+            assert!(covered.iter().all(|c| c.load(Ordering::Relaxed) == 1), "n={n} threads={threads}");
+        }
+        let pool = ThreadPool::new(2, Duration::from_micros(50)).unwrap();
+        let by_thread: [AtomicUsize; 2] = [AtomicUsize::new(0), AtomicUsize::new(0)];
+        pool.for_claimed(40, &|_, t| {
+            if t == 0 && by_thread[0].load(Ordering::Relaxed) == 0 {
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            by_thread[t].fetch_add(1, Ordering::Relaxed);
+        });
+        let (stalled, other) = (by_thread[0].load(Ordering::Relaxed), by_thread[1].load(Ordering::Relaxed));
+        assert_eq!(stalled + other, 40);
+        // A fixed split would give it 20; anything the other thread left
+        // it (a scheduler hiccup) stays well below that.
+        assert!(stalled < 20, "the stalled thread took {stalled} of 40 items: the split is not dynamic");
     }
 
     /// A panic in a worker reaches the caller after the region ends, and the

@@ -234,28 +234,49 @@ pub fn attention(
             }
         }
     }
-    // 2. Attend: one job per (segment, KV group). The group's query heads
-    //    share every key and value row they read.
+    // 2. Attend: one job per (segment, KV group, chunk of query rows),
+    //    claimed by the threads one at a time. The group's query heads
+    //    share every key and value row they read; a prefill's rows are
+    //    chunked so its few groups (3 on SmolLM2) still split evenly across
+    //    threads, and claimed because later rows see more keys.
     let n_rep = heads / kvh;
-    let jobs = step.segments.len() * kvh;
+    let jobs: usize = step.segments.iter().map(|seg| seg.len.div_ceil(ATTENTION_ROW_CHUNK) * kvh).sum();
     let kvs: &[&mut SeqKv] = kvs;
     let target = Disjoint::new(out);
     let failed = std::sync::Mutex::new(None::<String>);
-    ctx.pool.for_ranges(jobs, 1, &|range, t| {
+    ctx.pool.for_claimed(jobs, &|job, t| {
         // SAFETY: thread `t` is the only user of its scratch in this region.
         let scratch = unsafe { ctx.scratch.get(t) };
-        for job in range {
-            let (s, g) = (job / kvh, job % kvh);
-            let result = attend_group(spec, step, kvs[s], step.segments[s], g, n_rep, &target, scratch);
-            if let Err(e) = result {
-                *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
-            }
+        let Some((s, g, first)) = job_at(step.segments, kvh, job) else { return };
+        let seg = step.segments[s];
+        let rows = first..(first + ATTENTION_ROW_CHUNK).min(seg.len);
+        let result = attend_group(spec, step, kvs[s], seg, g, rows, n_rep, &target, scratch);
+        if let Err(e) = result {
+            *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
         }
     });
     match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
         Some(e) => Err(e),
         None => Ok(()),
     }
+}
+
+/// Query rows one attention job covers at most.
+const ATTENTION_ROW_CHUNK: usize = 16;
+
+/// Job `job` of a step as (segment, KV group, first query row): jobs run
+/// through the segments in order, each segment's row chunks in order, the
+/// groups of a chunk innermost. (Found by walking the segments, so a step
+/// allocates nothing for its job list.)
+fn job_at(segments: &[Segment], kvh: usize, mut job: usize) -> Option<(usize, usize, usize)> {
+    for (s, seg) in segments.iter().enumerate() {
+        let here = seg.len.div_ceil(ATTENTION_ROW_CHUNK) * kvh;
+        if job < here {
+            return Some((s, job % kvh, (job / kvh) * ATTENTION_ROW_CHUNK));
+        }
+        job -= here;
+    }
+    None
 }
 
 /// The `n_rep` query heads of KV group `g` of one sequence: per row, the
@@ -268,6 +289,7 @@ fn attend_group(
     kv: &SeqKv,
     seg: Segment,
     g: usize,
+    query_rows: std::ops::Range<usize>,
     n_rep: usize,
     out: &Disjoint<'_, f32>,
     scratch: &mut super::Scratch,
@@ -280,7 +302,7 @@ fn attend_group(
     super::sized(srow, n_rep * total);
     super::sized(acc, n_rep * hd);
     let block = crate::kv::BLOCK_TOKENS;
-    for i in 0..seg.len {
+    for i in query_rows {
         let pos = seg.past + i;
         let r = seg.start + i;
         for j in 0..n_rep {
@@ -338,4 +360,112 @@ fn attend_group(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::Runtime;
+    use crate::kv::{KvLayout, KvPool};
+
+    /// Attention of one query row at position `pos` against keys and values
+    /// `0..=pos` of one sequence, computed directly (per head: scores,
+    /// softmax, weighted sum).
+    fn naive(q: &[f32], keys: &[f32], values: &[f32], pos: usize, spec: &AttentionSpec) -> Vec<f32> {
+        let (heads, kvh, hd) = (spec.heads, spec.kv_heads, spec.head_dim);
+        let mut out = vec![0.0; heads * hd];
+        for h in 0..heads {
+            let g = h / (heads / kvh);
+            let key = |t: usize| &keys[(t * kvh + g) * hd..(t * kvh + g + 1) * hd];
+            let s: Vec<f32> = (0..=pos)
+                .map(|t| q[h * hd..(h + 1) * hd].iter().zip(key(t)).map(|(a, b)| a * b).sum::<f32>() * spec.scale)
+                .collect();
+            let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let e: Vec<f32> = s.iter().map(|v| (v - max).exp()).collect();
+            let sum: f32 = e.iter().sum();
+            for (t, w) in e.iter().enumerate() {
+                for d in 0..hd {
+                    out[h * hd + d] += w / sum * values[(t * kvh + g) * hd + d];
+                }
+            }
+        }
+        out
+    }
+
+    /// A step over several sequences with ragged row counts and histories
+    /// (a 37-row prefill beside a 3-row one, then a 1-row decode beside a
+    /// 20-row chunk) equals direct attention row by row, serial and on two
+    /// threads: the row chunks of a long segment and the claimed jobs
+    /// (INVARIANTS B1: a sequence's result does not depend on its batch)
+    /// cover every (sequence, row, head) exactly once.
+    #[test]
+    fn ragged_batches_equal_direct_attention() {
+        let (heads, kvh, hd) = (6, 2, 8);
+        let spec = AttentionSpec {
+            heads,
+            kv_heads: kvh,
+            head_dim: hd,
+            scale: 0.35,
+            q_layout: Layout::SeqFirst,
+            kv_layout: Layout::SeqFirst,
+            out_layout: Layout::SeqFirst,
+            bias: Bias::Causal,
+        };
+        let value = |i: usize| ((i * 2654435761) % 1000) as f32 / 500.0 - 1.0;
+        for rt in [Runtime::serial(), Runtime::new(2).unwrap()] {
+            let pool = KvPool::new(KvLayout::new(&[(kvh, hd)], false), 0);
+            let mut caches = [SeqKv::new(pool.clone(), 64), SeqKv::new(pool.clone(), 64)];
+            // Every key and value each sequence has been given, by position.
+            let mut history: [(Vec<f32>, Vec<f32>); 2] = Default::default();
+            let mut seed = 0;
+            for lens in [[37, 3], [1, 20]] {
+                let rows: usize = lens.iter().sum();
+                let mut gen = |n: usize| -> Vec<f32> {
+                    seed += n;
+                    (0..n).map(|i| value(seed + i)).collect()
+                };
+                let (q, k, v) = (gen(rows * heads * hd), gen(rows * kvh * hd), gen(rows * kvh * hd));
+                let pasts = [caches[0].len(), caches[1].len()];
+                let segments = [
+                    Segment { start: 0, len: lens[0], past: pasts[0] },
+                    Segment { start: lens[0], len: lens[1], past: pasts[1] },
+                ];
+                for (s, seg) in segments.iter().enumerate() {
+                    caches[s].reserve(seg.past + seg.len);
+                    let span = seg.start * kvh * hd..(seg.start + seg.len) * kvh * hd;
+                    history[s].0.extend_from_slice(&k[span.clone()]);
+                    history[s].1.extend_from_slice(&v[span]);
+                }
+                let step = Step {
+                    layer: 0,
+                    segments: &segments,
+                    q: Heads::plain(&q, Layout::SeqFirst, heads, rows, hd),
+                    k: Heads::plain(&k, Layout::SeqFirst, kvh, rows, hd),
+                    v: Heads::plain(&v, Layout::SeqFirst, kvh, rows, hd),
+                    rotary: None,
+                    bias: None,
+                };
+                let mut out = vec![f32::NAN; rows * heads * hd];
+                let [a, b] = &mut caches;
+                attention(&spec, &step, &mut [a, b], &mut out, &rt.ctx()).unwrap();
+                for (s, seg) in segments.iter().enumerate() {
+                    caches[s].set_len(seg.past + seg.len);
+                    for i in 0..seg.len {
+                        let r = seg.start + i;
+                        let want = naive(
+                            &q[r * heads * hd..(r + 1) * heads * hd],
+                            &history[s].0,
+                            &history[s].1,
+                            seg.past + i,
+                            &spec,
+                        );
+                        let got = &out[r * heads * hd..(r + 1) * heads * hd];
+                        for (g, w) in got.iter().zip(&want) {
+                            assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()), "seq {s} row {i}: {g} vs {w}");
+                        }
+                    }
+                }
+            }
+        }
+    }
 }

@@ -61,19 +61,35 @@ pub fn reference(x: &[f32], m: usize, w: &Weight, y: &mut [f32], ctx: &Ctx) {
 }
 
 /// SiLU-gated MLP input stage: `w` stacks the gate rows over the up rows;
-/// returns `silu(x Wg) * (x Wu)`.
+/// returns `silu(x Wg) * (x Wu)`. A prefill's rows are gated in parallel
+/// (one `exp` per value: serial, it was a tenth of a 128-token prefill's
+/// MLP on two threads).
 pub fn gated(x: &[f32], m: usize, w: &Weight, scratch: &mut Vec<f32>, y: &mut Vec<f32>, ctx: &Ctx) {
     linear(x, m, w, None, scratch, ctx);
     let inter = w.n / 2;
     y.clear();
     y.resize(m * inter, 0.0);
-    for (row, out) in scratch.chunks_exact(w.n).zip(y.chunks_exact_mut(inter)) {
-        let (gate, up) = row.split_at(inter);
-        for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
-            *o = g * super::elementwise::sigmoid(*g) * u;
+    let products: &[f32] = scratch;
+    let out = Disjoint::new(y);
+    let work = |rows: std::ops::Range<usize>, _t: usize| {
+        for i in rows {
+            let (gate, up) = products[i * w.n..(i + 1) * w.n].split_at(inter);
+            // SAFETY: row `i` of the output belongs to this range only.
+            let o = unsafe { out.slice(i * inter, inter) };
+            for ((o, g), u) in o.iter_mut().zip(gate).zip(up) {
+                *o = g * super::elementwise::sigmoid(*g) * u;
+            }
         }
+    };
+    if m * inter >= PARALLEL_MIN_GATES {
+        ctx.pool.for_ranges(m, 1, &work);
+    } else {
+        work(0..m, 0);
     }
 }
+
+/// From this many gated values on, rows are gated in parallel.
+const PARALLEL_MIN_GATES: usize = 1 << 14;
 
 #[cfg(test)]
 mod tests {

@@ -58,6 +58,11 @@ pub fn quantize(x: &[f32], x_block: usize, q: &mut Vec<i8>, scales: &mut Vec<f32
 pub fn linear(t: &Tiled, x: &[f32], m: usize, y: &mut [f32], ctx: &Ctx, isa: Isa) {
     let mut staged = ctx.staging();
     let s = &mut *staged;
+    #[cfg(target_arch = "x86_64")]
+    if m >= GEMM_MIN_ROWS && isa.wide() && isa.available() && !matches!(t.data, TileData::Q4 { int8: true, .. }) {
+        gemm(t, &mut s.d, x, m, y, ctx);
+        return;
+    }
     let kp = t.kp;
     s.a.clear();
     for row in x.chunks_exact(t.k.max(1)).take(m) {
@@ -77,11 +82,6 @@ pub fn linear(t: &Tiled, x: &[f32], m: usize, y: &mut [f32], ctx: &Ctx, isa: Isa
         TileData::Q4 { int8: false, .. } => s.c.extend(s.a.chunks_exact(QBLOCK).map(|b| b.iter().sum::<f32>())),
         _ => {}
     }
-    #[cfg(target_arch = "x86_64")]
-    if m >= GEMM_MIN_ROWS && isa.wide() && isa.available() && !matches!(t.data, TileData::Q4 { int8: true, .. }) {
-        gemm(t, &mut s.d, &s.a, m, y, ctx);
-        return;
-    }
     let rows = Rows { m, kp, x: &s.a, xsum: &s.c, q: &s.bytes, qscale: &s.b, qsum: &s.ints };
     let out = Disjoint::new(y);
     let work = |range: std::ops::Range<usize>, _t: usize| run(isa, t, &rows, range, &out);
@@ -99,53 +99,69 @@ pub fn linear(t: &Tiled, x: &[f32], m: usize, y: &mut [f32], ctx: &Ctx, isa: Isa
 /// f32 panel (L2-sized) and multiplies every chunk of rows with it.
 const GEMM_MIN_ROWS: usize = 64;
 
-/// The AVX-512 GEMM path: A (`m` rows of `kp`) packed once per call into
-/// chunks of [`super::avx512::MR`] rows stored input-major, so the
-/// microkernel's broadcasts read consecutive values; tile pairs split
-/// across threads.
+/// The AVX-512 GEMM path: A (`m` rows of `k`, zero-padded to `kp`) packed
+/// once per call into chunks of [`super::avx512::MR`] rows stored
+/// input-major, so the microkernel's broadcasts read consecutive values;
+/// tile pairs claimed by the threads one at a time (the thread that packed
+/// A has it in its cache and runs ahead of the others: a fixed split left
+/// it waiting at the end of every call).
 #[cfg(target_arch = "x86_64")]
 fn gemm(t: &Tiled, packed: &mut Vec<f32>, x: &[f32], m: usize, y: &mut [f32], ctx: &Ctx) {
     use super::avx512::{decode_pair, gemm_panel, MR};
-    let kp = t.kp;
+    let (k, kp) = (t.k, t.kp);
     let chunks = m.div_ceil(MR);
-    packed.clear();
-    packed.resize(chunks * kp * MR, 0.0);
-    for r in 0..m {
-        let (chunk, lane) = (r / MR, r % MR);
-        for (k, v) in x[r * kp..(r + 1) * kp].iter().enumerate() {
-            packed[(chunk * kp + k) * MR + lane] = *v;
-        }
+    // Every value of A is written below (padding as zeros), so the buffer
+    // is only grown, never cleared.
+    if packed.len() < chunks * kp * MR {
+        packed.resize(chunks * kp * MR, 0.0);
     }
-    let packed: &[f32] = packed;
+    let a = Disjoint::new(&mut packed[..chunks * kp * MR]);
+    let pack = |range: std::ops::Range<usize>, _t: usize| {
+        for chunk in range {
+            // SAFETY: chunk `chunk` of A belongs to this range only.
+            let dst = unsafe { a.slice(chunk * kp * MR, kp * MR) };
+            for lane in 0..MR {
+                let r = chunk * MR + lane;
+                let row = if r < m { x.get(r * k..(r + 1) * k).unwrap_or_default() } else { &[][..] };
+                for c in 0..kp {
+                    dst[c * MR + lane] = row.get(c).copied().unwrap_or(0.0);
+                }
+            }
+        }
+    };
+    ctx.pool.for_ranges(chunks, 1, &pack);
+    let packed: &[f32] = &packed[..chunks * kp * MR];
     let out = Disjoint::new(y);
     let n = t.n;
     let pairs = t.tiles.div_ceil(2);
-    ctx.pool.for_ranges(pairs, 1, &|range, th| {
+    ctx.pool.for_claimed(pairs, &|pair, th| {
         // SAFETY: thread `th` is the only user of its scratch here.
         let scratch = unsafe { ctx.scratch.get(th) };
-        let panel = super::sized(&mut scratch.a, kp * 32);
-        for pair in range {
-            let tile = 2 * pair;
-            // SAFETY: AVX-512 is available (checked by the caller); the panel
-            // holds `32 * kp` values and the weight takes f32 inputs.
-            unsafe { decode_pair(t, tile, panel) };
-            let first = tile * TILE;
-            let width = (2 * TILE).min(n - first);
-            for chunk in 0..chunks {
-                let rows = MR.min(m - chunk * MR);
-                let ptrs: [*mut f32; MR] = std::array::from_fn(|r| {
-                    if r < rows {
-                        // SAFETY: outputs `first..first + width` of this row
-                        // belong to this pair, which one thread computes.
-                        unsafe { out.slice((chunk * MR + r) * n + first, width) }.as_mut_ptr()
-                    } else {
-                        std::ptr::null_mut()
-                    }
-                });
-                // SAFETY: `packed` holds `chunks * kp * MR` values, the panel
-                // `kp * 32`; the first `rows` pointers are valid for `width`.
-                unsafe { gemm_panel(packed.as_ptr().add(chunk * kp * MR), panel.as_ptr(), kp, rows, &ptrs, width) };
-            }
+        // `decode_pair` writes every value of the panel.
+        if scratch.a.len() < kp * 32 {
+            scratch.a.resize(kp * 32, 0.0);
+        }
+        let panel = &mut scratch.a[..kp * 32];
+        let tile = 2 * pair;
+        // SAFETY: AVX-512 is available (checked by the caller); the panel
+        // holds `32 * kp` values and the weight takes f32 inputs.
+        unsafe { decode_pair(t, tile, panel) };
+        let first = tile * TILE;
+        let width = (2 * TILE).min(n - first);
+        for chunk in 0..chunks {
+            let rows = MR.min(m - chunk * MR);
+            let ptrs: [*mut f32; MR] = std::array::from_fn(|r| {
+                if r < rows {
+                    // SAFETY: outputs `first..first + width` of this row
+                    // belong to this pair, which one thread computes.
+                    unsafe { out.slice((chunk * MR + r) * n + first, width) }.as_mut_ptr()
+                } else {
+                    std::ptr::null_mut()
+                }
+            });
+            // SAFETY: `packed` holds `chunks * kp * MR` values, the panel
+            // `kp * 32`; the first `rows` pointers are valid for `width`.
+            unsafe { gemm_panel(packed.as_ptr().add(chunk * kp * MR), panel.as_ptr(), kp, rows, &ptrs, width) };
         }
     });
 }
