@@ -247,7 +247,10 @@ unsafe fn q4_cols<const T: usize, const R: usize>(
     kp: usize,
     acc: &mut [[__m512; T]; R],
 ) {
-    let nibble = _mm512_set1_epi32(0x0f);
+    // The nibble's float through a 16-entry table lookup on its low four
+    // bits (no mask, no conversion: one uop fewer per weight vector, the
+    // same value `cvt(q & 15)` gives).
+    let lut = _mm512_setr_ps(0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.);
     for b in 0..blocks {
         let rec: [*const u8; T] = std::array::from_fn(|j| w[j].add(b * stride));
         let scale: [__m512; T] = std::array::from_fn(|j| _mm512_loadu_ps(rec[j].add(256).cast()));
@@ -258,8 +261,8 @@ unsafe fn q4_cols<const T: usize, const R: usize>(
                 ($shift:literal, $col:expr) => {{
                     let c = b * QBLOCK + 8 * i + $col;
                     let wv: [__m512; T] = std::array::from_fn(|j| {
-                        let q = _mm512_and_si512(_mm512_srli_epi32::<$shift>(v[j]), nibble);
-                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), scale[j], aux[j])
+                        let q = if $shift == 0 { v[j] } else { _mm512_srli_epi32::<$shift>(v[j]) };
+                        _mm512_fmadd_ps(_mm512_permutexvar_ps(q, lut), scale[j], aux[j])
                     });
                     for (r, row) in acc.iter_mut().enumerate() {
                         let xv = _mm512_set1_ps(*x.add(r * kp + c));
