@@ -55,16 +55,18 @@ unsafe fn dispatch<const R: usize>(
         TileData::F32 => f32_cols::<R>(w, stride, t.k, x, rows.kp, &mut acc),
         TileData::F16 => f16_cols::<R>(w, stride, t.k, x, rows.kp, &mut acc),
         TileData::Q8 { blocks } => q8_cols::<R>(w, stride, blocks, x, rows.kp, &mut acc),
-        TileData::Q4 { blocks, int8: false, .. } => q4_cols::<R>(w, stride, blocks, x, rows.kp, &mut acc),
-        TileData::Q4 { blocks, int8: true, x_block } => {
+        TileData::Q4 { blocks, int8: false, symmetric, .. } => {
+            q4_cols::<R>(w, stride, blocks, symmetric, x, rows.kp, &mut acc)
+        }
+        TileData::Q4 { blocks, int8: true, x_block, symmetric } => {
             let q = rows.q.as_ptr().add(r * rows.kp);
             let s = rows.qscale.as_ptr().add(r * blocks);
             let sums = rows.qsum.as_ptr().add(r * blocks);
             let sub = (x_block / QBLOCK).max(1);
             if vnni {
-                q4_int8_vnni::<R>(w, stride, blocks, sub, q, s, sums, rows.kp, &mut acc)
+                q4_int8_vnni::<R>(w, stride, (blocks, sub, symmetric), q, s, sums, rows.kp, &mut acc)
             } else {
-                q4_int8::<R, false>(w, stride, blocks, sub, q, s, sums, rows.kp, &mut acc)
+                q4_int8::<R, false>(w, stride, (blocks, sub, symmetric), q, s, sums, rows.kp, &mut acc)
             }
         }
     }
@@ -158,6 +160,7 @@ unsafe fn q4_cols<const R: usize>(
     w: *const u8,
     stride: usize,
     blocks: usize,
+    symmetric: bool,
     x: *const f32,
     kp: usize,
     acc: &mut [[__m256; 2]; R],
@@ -166,7 +169,12 @@ unsafe fn q4_cols<const R: usize>(
     for b in 0..blocks {
         let rec = w.add(b * stride);
         let scale = [_mm256_loadu_ps(rec.add(256).cast()), _mm256_loadu_ps(rec.add(288).cast())];
-        let aux = [_mm256_loadu_ps(rec.add(320).cast()), _mm256_loadu_ps(rec.add(352).cast())];
+        let aux = if symmetric {
+            let m8 = _mm256_set1_ps(-8.0);
+            [_mm256_mul_ps(scale[0], m8), _mm256_mul_ps(scale[1], m8)]
+        } else {
+            [_mm256_loadu_ps(rec.add(320).cast()), _mm256_loadu_ps(rec.add(352).cast())]
+        };
         for i in 0..4 {
             let v = [_mm256_loadu_si256(rec.add(i * 64).cast()), _mm256_loadu_si256(rec.add(i * 64 + 32).cast())];
             macro_rules! column {
@@ -202,15 +210,14 @@ unsafe fn q4_cols<const R: usize>(
 unsafe fn q4_int8_vnni<const R: usize>(
     w: *const u8,
     stride: usize,
-    blocks: usize,
-    sub: usize,
+    shape: (usize, usize, bool),
     q: *const i8,
     qscale: *const f32,
     qsum: *const i32,
     kp: usize,
     acc: &mut [[__m256; 2]; R],
 ) {
-    q4_int8::<R, true>(w, stride, blocks, sub, q, qscale, qsum, kp, acc)
+    q4_int8::<R, true>(w, stride, shape, q, qscale, qsum, kp, acc)
 }
 
 /// Per quantization block (`sub` records of 32) the exact integer sum,
@@ -220,8 +227,7 @@ unsafe fn q4_int8_vnni<const R: usize>(
 unsafe fn q4_int8<const R: usize, const VNNI: bool>(
     w: *const u8,
     stride: usize,
-    blocks: usize,
-    sub: usize,
+    (blocks, sub, symmetric): (usize, usize, bool),
     q: *const i8,
     qscale: *const f32,
     qsum: *const i32,
@@ -260,7 +266,11 @@ unsafe fn q4_int8<const R: usize, const VNNI: bool>(
         }
         let rec = w.add(g * sub * stride);
         let scale = [_mm256_loadu_ps(rec.add(256).cast()), _mm256_loadu_ps(rec.add(288).cast())];
-        let zero = [_mm256_loadu_ps(rec.add(320).cast()), _mm256_loadu_ps(rec.add(352).cast())];
+        let zero = if symmetric {
+            [_mm256_set1_ps(8.0); 2]
+        } else {
+            [_mm256_loadu_ps(rec.add(320).cast()), _mm256_loadu_ps(rec.add(352).cast())]
+        };
         for (r, row) in acc.iter_mut().enumerate() {
             let sx = _mm256_set1_ps(*qscale.add(r * per_row + g * sub));
             let mut qs = 0i32;

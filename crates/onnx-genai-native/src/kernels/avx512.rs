@@ -67,20 +67,22 @@ unsafe fn dispatch<const T: usize, const R: usize>(
         TileData::F32 => f32_cols::<T, R>(&w, stride, t.k, x, rows.kp, &mut acc),
         TileData::F16 => f16_cols::<T, R>(&w, stride, t.k, x, rows.kp, &mut acc),
         TileData::Q8 { blocks } => q8_cols::<T, R>(&w, stride, blocks, x, rows.kp, &mut acc),
-        TileData::Q4 { blocks, int8: false, .. } if R <= 4 => {
+        TileData::Q4 { blocks, int8: false, symmetric, .. } if R <= 4 => {
             let xsum = rows.xsum.as_ptr().add(r * blocks);
-            q4_blocks::<T, R>(&w, stride, blocks, x, xsum, rows.kp, &mut acc)
+            q4_blocks::<T, R>(&w, stride, (blocks, symmetric), x, xsum, rows.kp, &mut acc)
         }
-        TileData::Q4 { blocks, int8: false, .. } => q4_cols::<T, R>(&w, stride, blocks, x, rows.kp, &mut acc),
-        TileData::Q4 { blocks, int8: true, x_block } => {
+        TileData::Q4 { blocks, int8: false, symmetric, .. } => {
+            q4_cols::<T, R>(&w, stride, (blocks, symmetric), x, rows.kp, &mut acc)
+        }
+        TileData::Q4 { blocks, int8: true, x_block, symmetric } => {
             let q = rows.q.as_ptr().add(r * rows.kp);
             let s = rows.qscale.as_ptr().add(r * blocks);
             let sums = rows.qsum.as_ptr().add(r * blocks);
             let sub = (x_block / QBLOCK).max(1);
             if vnni {
-                q4_int8::<T, R, true>(&w, stride, blocks, sub, q, s, sums, rows.kp, &mut acc)
+                q4_int8::<T, R, true>(&w, stride, (blocks, sub, symmetric), q, s, sums, rows.kp, &mut acc)
             } else {
-                q4_int8::<T, R, false>(&w, stride, blocks, sub, q, s, sums, rows.kp, &mut acc)
+                q4_int8::<T, R, false>(&w, stride, (blocks, sub, symmetric), q, s, sums, rows.kp, &mut acc)
             }
         }
     }
@@ -183,7 +185,7 @@ unsafe fn q8_cols<const T: usize, const R: usize>(
 unsafe fn q4_blocks<const T: usize, const R: usize>(
     w: &[*const u8; T],
     stride: usize,
-    blocks: usize,
+    (blocks, symmetric): (usize, bool),
     x: *const f32,
     xsum: *const f32,
     kp: usize,
@@ -222,7 +224,7 @@ unsafe fn q4_blocks<const T: usize, const R: usize>(
             column!(28, 7);
         }
         let scale: [__m512; T] = std::array::from_fn(|j| _mm512_loadu_ps(rec[j].add(256).cast()));
-        let aux: [__m512; T] = std::array::from_fn(|j| _mm512_loadu_ps(rec[j].add(320).cast()));
+        let aux: [__m512; T] = std::array::from_fn(|j| aux_line(rec[j], scale[j], symmetric));
         for (r, row) in acc.iter_mut().enumerate() {
             let xs = _mm512_set1_ps(*xsum.add(r * per_row + b));
             for j in 0..T {
@@ -242,7 +244,7 @@ unsafe fn q4_blocks<const T: usize, const R: usize>(
 unsafe fn q4_cols<const T: usize, const R: usize>(
     w: &[*const u8; T],
     stride: usize,
-    blocks: usize,
+    (blocks, symmetric): (usize, bool),
     x: *const f32,
     kp: usize,
     acc: &mut [[__m512; T]; R],
@@ -254,7 +256,7 @@ unsafe fn q4_cols<const T: usize, const R: usize>(
     for b in 0..blocks {
         let rec: [*const u8; T] = std::array::from_fn(|j| w[j].add(b * stride));
         let scale: [__m512; T] = std::array::from_fn(|j| _mm512_loadu_ps(rec[j].add(256).cast()));
-        let aux: [__m512; T] = std::array::from_fn(|j| _mm512_loadu_ps(rec[j].add(320).cast()));
+        let aux: [__m512; T] = std::array::from_fn(|j| aux_line(rec[j], scale[j], symmetric));
         for i in 0..4 {
             let v: [__m512i; T] = std::array::from_fn(|j| _mm512_loadu_si512(rec[j].add(i * 64).cast()));
             macro_rules! column {
@@ -295,8 +297,7 @@ unsafe fn q4_cols<const T: usize, const R: usize>(
 unsafe fn q4_int8<const T: usize, const R: usize, const VNNI: bool>(
     w: &[*const u8; T],
     stride: usize,
-    blocks: usize,
-    sub: usize,
+    (blocks, sub, symmetric): (usize, usize, bool),
     q: *const i8,
     qscale: *const f32,
     qsum: *const i32,
@@ -335,7 +336,16 @@ unsafe fn q4_int8<const T: usize, const R: usize, const VNNI: bool>(
         }
         let rec: [*const u8; T] = std::array::from_fn(|j| w[j].add(g * sub * stride));
         let scale: [__m512; T] = std::array::from_fn(|j| _mm512_loadu_ps(rec[j].add(256).cast()));
-        let zero: [__m512; T] = std::array::from_fn(|j| _mm512_loadu_ps(rec[j].add(320).cast()));
+        let zero: [__m512; T] =
+            std::array::from_fn(
+                |j| {
+                    if symmetric {
+                        _mm512_set1_ps(8.0)
+                    } else {
+                        _mm512_loadu_ps(rec[j].add(320).cast())
+                    }
+                },
+            );
         for (r, row) in acc.iter_mut().enumerate() {
             let sx = _mm512_set1_ps(*qscale.add(r * per_row + g * sub));
             let mut qs = 0i32;
@@ -351,6 +361,18 @@ unsafe fn q4_int8<const T: usize, const R: usize, const VNNI: bool>(
                 row[j] = _mm512_add_ps(row[j], _mm512_mul_ps(exact, product));
             }
         }
+    }
+}
+
+/// The `aux` line of an f32-input 4-bit record at `rec` (its offsets),
+/// or `-8 * scale` for a symmetric weight, which stores none.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn aux_line(rec: *const u8, scale: __m512, symmetric: bool) -> __m512 {
+    if symmetric {
+        _mm512_mul_ps(scale, _mm512_set1_ps(-8.0))
+    } else {
+        _mm512_loadu_ps(rec.add(320).cast())
     }
 }
 
@@ -408,7 +430,7 @@ pub unsafe fn decode_pair(t: &Tiled, tile: usize, panel: &mut [f32]) {
                 for b in 0..blocks {
                     let rec = w.add(b * stride);
                     let scale = _mm512_loadu_ps(rec.add(256).cast());
-                    let aux = _mm512_loadu_ps(rec.add(320).cast());
+                    let aux = aux_line(rec, scale, matches!(t.data, TileData::Q4 { symmetric: true, .. }));
                     for i in 0..4 {
                         let v = _mm512_loadu_si512(rec.add(i * 64).cast());
                         for col in 0..8 {
