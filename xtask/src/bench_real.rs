@@ -102,7 +102,7 @@ pub(crate) fn measure(b: &mut Decoder, rounds: usize, steps: usize) -> Result<Sp
 /// once), plus the KV cache at `CONTEXT`.
 fn bytes_per_token(package: &Package) -> Result<f64> {
     let (_, path) = package.decoder()?;
-    let model = onnx_genai_onnx::read_model(&path).with_context(|| format!("reading {}", path.display()))?;
+    let model = onnx_genai_onnx::read_model(path).with_context(|| format!("reading {}", path.display()))?;
     let graph = &model.graph;
     let gathered_only = |name: &str| {
         let mut uses = graph.nodes.iter().flat_map(|n| n.inputs.iter().enumerate().map(move |(i, x)| (n, i, x)));
