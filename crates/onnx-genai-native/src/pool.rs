@@ -208,9 +208,7 @@ impl ThreadPool {
             }
         });
     }
-}
 
-impl ThreadPool {
     /// Runs `f(item, thread)` for every item of `0..n`, each thread claiming
     /// the next unclaimed item when it finishes one. For items of uneven
     /// cost (or threads of uneven speed: the one that packed the inputs

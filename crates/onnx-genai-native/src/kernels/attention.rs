@@ -241,13 +241,17 @@ pub fn attention(
     //    threads, and claimed because later rows see more keys.
     let n_rep = heads / kvh;
     let jobs: usize = step.segments.iter().map(|seg| seg.len.div_ceil(ATTENTION_ROW_CHUNK) * kvh).sum();
+    let one_chunk_each = step.segments.iter().all(|seg| (1..=ATTENTION_ROW_CHUNK).contains(&seg.len));
     let kvs: &[&mut SeqKv] = kvs;
     let target = Disjoint::new(out);
     let failed = std::sync::Mutex::new(None::<String>);
     ctx.pool.for_claimed(jobs, &|job, t| {
         // SAFETY: thread `t` is the only user of its scratch in this region.
         let scratch = unsafe { ctx.scratch.get(t) };
-        let Some((s, g, first)) = job_at(step.segments, kvh, job) else { return };
+        // A decode step (one chunk per segment) maps jobs directly; only
+        // steps with a long segment walk the segments.
+        let place = if one_chunk_each { Some((job / kvh, job % kvh, 0)) } else { job_at(step.segments, kvh, job) };
+        let Some((s, g, first)) = place else { return };
         let seg = step.segments[s];
         let rows = first..(first + ATTENTION_ROW_CHUNK).min(seg.len);
         let result = attend_group(spec, step, kvs[s], seg, g, rows, n_rep, &target, scratch);
@@ -394,7 +398,7 @@ mod tests {
 
     /// A step over several sequences with ragged row counts and histories
     /// (a 37-row prefill beside a 3-row one, then a 1-row decode beside a
-    /// 20-row chunk) equals direct attention row by row, serial and on two
+    /// 20-row chunk, then a decode step of both) equals direct attention row by row, serial and on two
     /// threads: the row chunks of a long segment and the claimed jobs
     /// (INVARIANTS B1: a sequence's result does not depend on its batch)
     /// cover every (sequence, row, head) exactly once.
@@ -418,7 +422,7 @@ mod tests {
             // Every key and value each sequence has been given, by position.
             let mut history: [(Vec<f32>, Vec<f32>); 2] = Default::default();
             let mut seed = 0;
-            for lens in [[37, 3], [1, 20]] {
+            for lens in [[37, 3], [1, 20], [1, 1]] {
                 let rows: usize = lens.iter().sum();
                 let mut gen = |n: usize| -> Vec<f32> {
                     seed += n;
