@@ -145,6 +145,50 @@ mod tests {
         }
     }
 
+    /// INVARIANTS T1 over the whole contract: every invariant listed in
+    /// `conformance/mutation-coverage.yaml` is broken by some mutant of
+    /// the batteries or is a gap named there with its reason; a gap a
+    /// mutant now covers must leave the list; and no mutant names an
+    /// invariant the list does not know (a misspelled `breaks`).
+    #[test]
+    fn every_invariant_has_a_mutant_or_a_named_gap() {
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct Coverage {
+            invariants: Vec<String>,
+            gaps: std::collections::BTreeMap<String, String>,
+        }
+        let text = std::fs::read_to_string(root().join("conformance/mutation-coverage.yaml")).unwrap();
+        let coverage: Coverage = serde_yaml_ng::from_str(&text).unwrap();
+        let catalogs = load(&root()).unwrap();
+        let broken: std::collections::BTreeSet<&str> =
+            catalogs.iter().flat_map(|c| &c.mutants).flat_map(|m| m.breaks.iter().map(String::as_str)).collect();
+        for id in &coverage.invariants {
+            match coverage.gaps.get(id) {
+                Some(reason) => {
+                    assert!(!broken.contains(id.as_str()), "{id} has a mutant now: remove its gap ({reason})");
+                    assert!(!reason.trim().is_empty(), "the gap {id} needs its reason");
+                }
+                None => assert!(broken.contains(id.as_str()), "no mutant breaks {id}: add one or name the gap"),
+            }
+        }
+        for id in coverage.gaps.keys() {
+            assert!(coverage.invariants.contains(id), "gap {id} is not an invariant of the list");
+        }
+        for c in &catalogs {
+            for m in &c.mutants {
+                for id in &m.breaks {
+                    assert!(
+                        id == "T1" || coverage.invariants.contains(id),
+                        "{}/{} breaks `{id}`, which mutation-coverage.yaml does not list",
+                        c.battery,
+                        m.id
+                    );
+                }
+            }
+        }
+    }
+
     /// A second run cannot start while the lock is held; it can after.
     /// Issue 21: a misspelled `--battery` or `--mutant` is an error naming
     /// what exists, never a run of zero mutants that passes.
