@@ -177,6 +177,98 @@ pub fn run(
     out
 }
 
+/// Chunks a continuing prompt arrives in: 5 tokens, then 1 at position 5,
+/// 7 at position 64 and 31 at position 200 (with fillers between), as a
+/// session's later turns arrive mid-sequence. Every chunk's rotary
+/// positions and KV appends start at a nonzero offset.
+pub const CHUNKS: [usize; 6] = [5, 1, 58, 7, 129, 31];
+
+/// The worst deviation of a chunked prefill from one-shot prefills of the
+/// same prefixes, and the first divergence.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ChunkedOutcome {
+    pub worst: Deviation,
+    pub divergence: Option<Divergence>,
+}
+
+/// Feeds `prompt` (cycled to the chunks' total length) to `decoder` in
+/// [`CHUNKS`], and compares the logits after each chunk with a one-shot
+/// prefill of the same prefix: within `tier`, the same greedy token (a
+/// near tie of the reference excepted). A wrong rotary offset or an
+/// off-by-one KV append for a multi-token chunk past position 0 shows
+/// here, on each backend, where the suites' prompt-then-single-tokens runs
+/// cannot see it (issue 21).
+pub fn chunked(decoder: &mut Decoder, prompt: &[u32], tier: Tier) -> ChunkedOutcome {
+    let mut out =
+        ChunkedOutcome { worst: Deviation { max_abs: 0.0, worst_index: 0, worst_ratio: 0.0 }, divergence: None };
+    let total: usize = CHUNKS.iter().sum();
+    let tokens: Vec<u32> = prompt.iter().copied().cycle().take(if prompt.is_empty() { 0 } else { total }).collect();
+    if tokens.len() < total {
+        out.divergence = Some(Divergence::Error {
+            step: 0,
+            backend: decoder.name().into(),
+            message: "an empty prompt cannot be chunked".into(),
+        });
+        return out;
+    }
+    let name = decoder.name();
+    let fail = |step, e: onnx_genai_backend::BackendError| Divergence::Error {
+        step,
+        backend: name.into(),
+        message: e.to_string(),
+    };
+    // The one-shot references first (each from an empty sequence).
+    let mut references = Vec::with_capacity(CHUNKS.len());
+    let mut end = 0;
+    for (step, chunk) in CHUNKS.iter().enumerate() {
+        end += chunk;
+        decoder.reset();
+        match decoder.forward(&tokens[..end]) {
+            Ok(l) => references.push(l),
+            Err(e) => {
+                out.divergence = Some(fail(step, e));
+                return out;
+            }
+        }
+    }
+    decoder.reset();
+    let mut start = 0;
+    for (step, (chunk, reference)) in CHUNKS.iter().zip(&references).enumerate() {
+        let logits = match decoder.forward(&tokens[start..start + chunk]) {
+            Ok(l) => l,
+            Err(e) => {
+                out.divergence = Some(fail(step, e));
+                return out;
+            }
+        };
+        start += chunk;
+        let dev = compare(reference, &logits, tier);
+        if dev.worst_ratio > out.worst.worst_ratio {
+            out.worst = dev;
+        }
+        out.worst.max_abs = out.worst.max_abs.max(dev.max_abs);
+        let ((rt, gap), (ct, _)) = (top2(reference), top2(&logits));
+        if rt != ct {
+            let (atol, rtol) = tier.bounds();
+            let near_tie = gap <= 2.0 * (atol + rtol * reference[rt as usize].abs());
+            out.divergence = Some(Divergence::Token {
+                step,
+                reference: rt,
+                candidate: ct,
+                top2_gap: gap,
+                max_abs: dev.max_abs,
+                near_tie,
+            });
+            return out;
+        }
+        if dev.worst_ratio > 1.0 {
+            out.divergence = Some(Divergence::Logits { step, deviation: dev });
+            return out;
+        }
+    }
+    out
+}
+
 /// Whether `lane` is in the batch at model step `t`: joined, not finished.
 fn active_lane(lane: &Lane, t: usize, steps: usize) -> bool {
     lane.joins_at <= t && lane.done <= steps

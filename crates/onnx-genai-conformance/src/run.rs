@@ -261,13 +261,15 @@ fn run_batch(
     let kind: BackendKind = check.backend.parse().map_err(HarnessError::Backend)?;
     let model = kind.load(&package, ctx.threads)?;
     let out = batch::run(&mut alone, &model, &prompts, steps, tier);
+    let chunked = batch::chunked(&mut alone, tokens.first().map_or(&[][..], |t| &t[..]), tier);
     let lengths: Vec<String> = prompts.iter().map(|p| p.len().to_string()).collect();
-    result.summary = match &out.divergence {
-        None if out.widest < 2 => format!("the batch never held two sequences ({} model steps)", out.model_steps),
-        None => {
+    let chunks: Vec<String> = batch::CHUNKS.iter().map(|c| c.to_string()).collect();
+    result.summary = match (&out.divergence, &chunked.divergence) {
+        (None, _) if out.widest < 2 => format!("the batch never held two sequences ({} model steps)", out.model_steps),
+        (None, None) => {
             result.status = Status::Passed;
             format!(
-                "{} sequences (prompt tokens {}), joining every {} steps, {} model steps, widest {}: greedy tokens as each alone, logits within tier {}: max |d| {:.2e} ({:.1}% of tolerance)",
+                "{} sequences (prompt tokens {}), joining every {} steps, {} model steps, widest {}: greedy tokens as each alone, logits within tier {}: max |d| {:.2e} ({:.1}% of tolerance); a prompt in chunks of {} tokens as one-shot prefills of the same prefixes: max |d| {:.2e} ({:.1}%)",
                 out.sequences,
                 lengths.join("/"),
                 batch::JOIN_EVERY,
@@ -275,10 +277,20 @@ fn run_batch(
                 out.widest,
                 tier.name(),
                 out.worst.max_abs,
-                100.0 * out.worst.worst_ratio
+                100.0 * out.worst.worst_ratio,
+                chunks.join("/"),
+                chunked.worst.max_abs,
+                100.0 * chunked.worst.worst_ratio
             )
         }
-        Some((i, d)) => format!("sequence {i} ({} prompt tokens): {}", prompts[*i].len(), describe(d, &check.backend)),
+        (Some((i, d)), _) => {
+            format!("sequence {i} ({} prompt tokens): {}", prompts[*i].len(), describe(d, &check.backend))
+        }
+        (None, Some(d)) => format!(
+            "a prompt in chunks of {} tokens against one-shot prefills of the same prefixes (step = chunk): {}",
+            chunks.join("/"),
+            describe(d, &check.backend)
+        ),
     };
     result.batch = Some(out);
     Ok(())
