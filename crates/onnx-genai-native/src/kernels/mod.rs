@@ -40,6 +40,38 @@ pub struct Scratch {
     pub picked: Vec<f32>,
 }
 
+impl Scratch {
+    /// The capacity of every buffer, in field order.
+    fn capacities(&self) -> [usize; 8] {
+        [
+            self.a.capacity(),
+            self.b.capacity(),
+            self.c.capacity(),
+            self.d.capacity(),
+            self.bytes.capacity(),
+            self.ints.capacity(),
+            self.gate.capacity(),
+            self.picked.capacity(),
+        ]
+    }
+
+    /// Grows every buffer to at least the matching capacity in `caps`.
+    fn reserve_capacities(&mut self, caps: [usize; 8]) {
+        fn at_least<T>(v: &mut Vec<T>, cap: usize) {
+            v.reserve(cap.saturating_sub(v.len()));
+        }
+        let [a, b, c, d, bytes, ints, gate, picked] = caps;
+        at_least(&mut self.a, a);
+        at_least(&mut self.b, b);
+        at_least(&mut self.c, c);
+        at_least(&mut self.d, d);
+        at_least(&mut self.bytes, bytes);
+        at_least(&mut self.ints, ints);
+        at_least(&mut self.gate, gate);
+        at_least(&mut self.picked, picked);
+    }
+}
+
 /// `v` cleared and resized to `n` zeros, keeping its buffer.
 pub fn sized(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
     v.clear();
@@ -70,6 +102,24 @@ impl Runtime {
         Self { pool: ThreadPool::serial(), scratch: PerThread::new(1), staging: Default::default(), isa: Isa::best() }
     }
 
+    /// Grows every thread's scratch to the largest any thread has.
+    ///
+    /// Which thread runs which job is decided at run time (threads claim
+    /// work), so a thread can meet a job shape for the first time long after
+    /// another thread has: without this, a warm step with shapes already
+    /// seen could still allocate, on whichever thread was unlucky.
+    pub fn even_out_scratch(&mut self) {
+        let mut most = [0usize; 8];
+        for t in 0..self.scratch.len() {
+            for (m, c) in most.iter_mut().zip(self.scratch.get_mut(t).capacities()) {
+                *m = (*m).max(c);
+            }
+        }
+        for t in 0..self.scratch.len() {
+            self.scratch.get_mut(t).reserve_capacities(most);
+        }
+    }
+
     pub fn ctx(&self) -> Ctx<'_> {
         Ctx { pool: &self.pool, scratch: &self.scratch, staging: &self.staging, isa: self.isa }
     }
@@ -91,5 +141,32 @@ impl Ctx<'_> {
     /// The staging buffers (held by the calling thread until dropped).
     pub fn staging(&self) -> std::sync::MutexGuard<'_, Scratch> {
         self.staging.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Pins issue 15's zero-allocation step under claimed work: after
+    /// `even_out_scratch`, a thread that never ran a job shape has the
+    /// buffers the thread that did grew, so its first such job allocates
+    /// nothing. (The integration test `zero_alloc` sees this only when the
+    /// scheduling happens to give every shape to one thread.)
+    #[test]
+    fn every_thread_gets_the_largest_scratch_any_thread_grew() {
+        let mut runtime = Runtime::new(3).unwrap();
+        super::sized(&mut runtime.scratch.get_mut(0).a, 1000);
+        runtime.scratch.get_mut(2).ints.resize(77, 0);
+        runtime.scratch.get_mut(1).picked.reserve(300);
+        runtime.even_out_scratch();
+        for t in 0..3 {
+            let caps = runtime.scratch.get_mut(t).capacities();
+            assert!(caps[0] >= 1000, "thread {t}: a has {}", caps[0]);
+            assert!(caps[5] >= 77, "thread {t}: ints has {}", caps[5]);
+            assert!(caps[7] >= 300, "thread {t}: picked has {}", caps[7]);
+        }
+        // What a thread holds is kept: only capacity is added.
+        assert_eq!(runtime.scratch.get_mut(0).a.len(), 1000);
     }
 }
