@@ -10,8 +10,8 @@ use std::sync::Arc;
 use onnx_genai_backend::{DecodeModel, Decoder, Entry, Input, Sequence};
 use serde::Serialize;
 
-use crate::parity::Divergence;
-use crate::tolerance::{compare, top2, Deviation, Tier};
+use crate::parity::{judge_step, Divergence};
+use crate::tolerance::{top2, Deviation, Tier};
 
 /// A sequence joins the batch this many model steps after the one before
 /// it: late enough that the earlier ones are decoding when it prefills.
@@ -145,33 +145,17 @@ pub fn run(
         for &i in &active {
             let lane = &mut lanes[i];
             let reference = &expected[i][lane.done];
-            let dev = compare(reference, &lane.logits, tier);
-            if dev.worst_ratio > out.worst.worst_ratio {
-                out.worst = dev;
-            }
-            out.worst.max_abs = out.worst.max_abs.max(dev.max_abs);
-            let ((rt, gap), (ct, _)) = (top2(reference), top2(&lane.logits));
-            if rt != ct {
-                let (atol, rtol) = tier.bounds();
-                let near_tie = gap <= 2.0 * (atol + rtol * reference[rt as usize].abs());
-                let divergence = Divergence::Token {
-                    step: lane.done,
-                    reference: rt,
-                    candidate: ct,
-                    top2_gap: gap,
-                    max_abs: dev.max_abs,
-                    near_tie,
-                };
-                out.divergence = Some((i, divergence));
-                return out;
-            }
-            if dev.worst_ratio > 1.0 {
-                out.divergence = Some((i, Divergence::Logits { step: lane.done, deviation: dev }));
-                return out;
+            match judge_step(reference, &lane.logits, tier, lane.done, &mut out.worst).token {
+                Ok(token) => {
+                    lane.input.clear();
+                    lane.input.push(token);
+                }
+                Err(divergence) => {
+                    out.divergence = Some((i, divergence));
+                    return out;
+                }
             }
             lane.done += 1;
-            lane.input.clear();
-            lane.input.push(ct);
         }
     }
     out
@@ -242,27 +226,8 @@ pub fn chunked(decoder: &mut Decoder, prompt: &[u32], tier: Tier) -> ChunkedOutc
             }
         };
         start += chunk;
-        let dev = compare(reference, &logits, tier);
-        if dev.worst_ratio > out.worst.worst_ratio {
-            out.worst = dev;
-        }
-        out.worst.max_abs = out.worst.max_abs.max(dev.max_abs);
-        let ((rt, gap), (ct, _)) = (top2(reference), top2(&logits));
-        if rt != ct {
-            let (atol, rtol) = tier.bounds();
-            let near_tie = gap <= 2.0 * (atol + rtol * reference[rt as usize].abs());
-            out.divergence = Some(Divergence::Token {
-                step,
-                reference: rt,
-                candidate: ct,
-                top2_gap: gap,
-                max_abs: dev.max_abs,
-                near_tie,
-            });
-            return out;
-        }
-        if dev.worst_ratio > 1.0 {
-            out.divergence = Some(Divergence::Logits { step, deviation: dev });
+        if let Err(divergence) = judge_step(reference, &logits, tier, step, &mut out.worst).token {
+            out.divergence = Some(divergence);
             return out;
         }
     }

@@ -115,31 +115,16 @@ pub fn run(
                 return out;
             }
         };
-        let dev = compare(&r, &c, tier);
-        if dev.worst_ratio > out.worst.worst_ratio {
-            out.worst = dev;
-        }
-        out.worst.max_abs = out.worst.max_abs.max(dev.max_abs);
         out.steps = step;
-        let ((rt, gap), (ct, _)) = (top2(&r), top2(&c));
-        out.min_top2_gap = out.min_top2_gap.min(gap);
-        if rt != ct {
-            let (atol, rtol) = tier.bounds();
-            let allowance = 2.0 * (atol + rtol * r[rt as usize].abs());
-            out.divergence = Some(Divergence::Token {
-                step,
-                reference: rt,
-                candidate: ct,
-                top2_gap: gap,
-                max_abs: dev.max_abs,
-                near_tie: gap <= allowance,
-            });
-            return out;
-        }
-        if dev.worst_ratio > 1.0 {
-            out.divergence = Some(Divergence::Logits { step, deviation: dev });
-            return out;
-        }
+        let judged = judge_step(&r, &c, tier, step, &mut out.worst);
+        out.min_top2_gap = out.min_top2_gap.min(judged.top2_gap);
+        let rt = match judged.token {
+            Ok(token) => token,
+            Err(divergence) => {
+                out.divergence = Some(divergence);
+                return out;
+            }
+        };
         if step == steps {
             break;
         }
@@ -147,6 +132,44 @@ pub fn run(
         input = vec![rt];
     }
     out
+}
+
+/// One compared step: its deviation, folded into a running worst, and its
+/// verdict.
+pub(crate) struct Judged {
+    /// The greedy token both chose, or how they parted: a token flip (its
+    /// near-tie flag set when the reference's top-2 gap is inside twice the
+    /// tier's allowance at the winner) before logits outside the tier.
+    pub token: Result<u32, Divergence>,
+    /// The reference's top-2 gap at this step.
+    pub top2_gap: f32,
+}
+
+/// Judges one step of any comparison (parity, batching, chunked prefill)
+/// by the same rule, so a flip or a tier breach means the same everywhere.
+pub(crate) fn judge_step(
+    reference: &[f32],
+    candidate: &[f32],
+    tier: Tier,
+    step: usize,
+    worst: &mut Deviation,
+) -> Judged {
+    let dev = compare(reference, candidate, tier);
+    if dev.worst_ratio > worst.worst_ratio {
+        *worst = dev;
+    }
+    worst.max_abs = worst.max_abs.max(dev.max_abs);
+    let ((rt, gap), (ct, _)) = (top2(reference), top2(candidate));
+    let token = if rt != ct {
+        let (atol, rtol) = tier.bounds();
+        let near_tie = gap <= 2.0 * (atol + rtol * reference[rt as usize].abs());
+        Err(Divergence::Token { step, reference: rt, candidate: ct, top2_gap: gap, max_abs: dev.max_abs, near_tie })
+    } else if dev.worst_ratio > 1.0 {
+        Err(Divergence::Logits { step, deviation: dev })
+    } else {
+        Ok(rt)
+    };
+    Judged { token, top2_gap: gap }
 }
 
 #[cfg(test)]
