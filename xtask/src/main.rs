@@ -138,7 +138,7 @@ enum Command {
     },
     /// Mutation batteries over the admission and lease invariants (conformance/mutations).
     Mutants {
-        /// Only this battery (admission, lease, batching).
+        /// Only this battery (admission, lease, batching, parity).
         #[arg(long)]
         battery: Option<String>,
         /// Only this mutant id.

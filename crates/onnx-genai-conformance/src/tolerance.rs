@@ -33,7 +33,10 @@ pub enum Tier {
 }
 
 impl Tier {
-    /// `(atol, rtol)`.
+    /// Every tier (what `conformance/tiers.yaml` pins).
+    pub const ALL: [Tier; 5] = [Tier::F32, Tier::F16, Tier::F16Deep, Tier::Int4, Tier::Int8Act];
+
+    /// `(atol, rtol)`, as pinned in `conformance/tiers.yaml`.
     pub fn bounds(self) -> (f32, f32) {
         match self {
             Tier::F32 => (1e-4, 1e-4),
@@ -110,6 +113,65 @@ mod tests {
         assert!(compare(&r, &[10.001, -2.0], Tier::F32).worst_ratio <= 1.0);
         assert!(compare(&r, &[10.0012, -2.0], Tier::F32).worst_ratio > 1.0);
         assert!(compare(&r, &[f32::NAN, -2.0], Tier::F32).worst_ratio > 1.0);
+    }
+
+    /// The tier table is pinned (issue 21): the code's bounds equal
+    /// `conformance/tiers.yaml` exactly, for every tier and no other, so a
+    /// loosened tier fails here until the pinned table (with its reason and
+    /// measurement) changes too; and each tier names the parity mutant that
+    /// injects its bug, breaking that tier, or is a named gap of
+    /// `conformance/mutation-coverage.yaml`.
+    #[test]
+    fn the_tiers_are_the_pinned_table() {
+        #[derive(serde::Deserialize)]
+        struct Pinned {
+            atol: f32,
+            rtol: f32,
+            injected: Option<String>,
+        }
+        #[derive(serde::Deserialize)]
+        struct Table {
+            tiers: std::collections::BTreeMap<String, Pinned>,
+        }
+        #[derive(serde::Deserialize)]
+        struct Coverage {
+            gaps: std::collections::BTreeMap<String, String>,
+        }
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let read = |p: &str| std::fs::read_to_string(root.join(p)).unwrap();
+        let table: Table = serde_yaml_ng::from_str(&read("conformance/tiers.yaml")).unwrap();
+        let coverage: Coverage = serde_yaml_ng::from_str(&read("conformance/mutation-coverage.yaml")).unwrap();
+        let batteries = crate::mutants::load(&root).unwrap();
+        let parity = batteries.iter().find(|c| c.battery == "parity").expect("the parity battery");
+        let names: Vec<&str> = Tier::ALL.iter().map(|t| t.name()).collect();
+        assert_eq!(table.tiers.keys().map(String::as_str).collect::<Vec<_>>(), {
+            let mut sorted = names.clone();
+            sorted.sort();
+            sorted
+        });
+        for tier in Tier::ALL {
+            let pinned = &table.tiers[tier.name()];
+            assert_eq!(
+                tier.bounds(),
+                (pinned.atol, pinned.rtol),
+                "tier {} differs from conformance/tiers.yaml",
+                tier.name()
+            );
+            let id = format!("tier-{}", tier.name());
+            match &pinned.injected {
+                Some(mutant) => {
+                    let m = parity.mutants.iter().find(|m| &m.id == mutant);
+                    assert!(
+                        m.is_some_and(|m| m.breaks.contains(&id)),
+                        "tier {}: no parity mutant {mutant} breaking {id}",
+                        tier.name()
+                    );
+                }
+                None => {
+                    assert!(coverage.gaps.contains_key(&id), "tier {} injects no bug and is no named gap", tier.name())
+                }
+            }
+        }
     }
 
     #[test]

@@ -50,7 +50,10 @@ fn processes_mentioning(needle: &str) -> Vec<String> {
 ///   the one back and removes the other;
 /// - battery `drifted` is FILTER-DRIFT and battery `baseline-red` is
 ///   BASELINE-RED, battery `baseline-short` (its one test is ignored) is
-///   BASELINE-SHORT, and none of them judges a mutant;
+///   BASELINE-SHORT, battery `unselected` (its killer is outside its
+///   filter) is UNSELECTED-KILLER, and none of them judges a mutant;
+/// - `killed` names its killer by path (`tests::ok_clamp_caps_at_budget`),
+///   the others by name alone: both match;
 /// - the scratch tree is byte-identical to the source afterwards, the
 ///   user's tree is untouched, and both reports are written.
 #[test]
@@ -63,23 +66,25 @@ fn the_runner_reports_each_known_verdict() {
     let mut runner = Runner::new(source.clone(), scratch.clone(), work.path().join("target"));
     runner.prepare().unwrap();
     let catalogs = mutants::load(&source).unwrap();
-    assert_eq!(catalogs.len(), 4);
+    assert_eq!(catalogs.len(), 5);
     let selection = Selection { min_limit: Duration::from_secs(20), ..Selection::default() };
     let mut seen = Vec::new();
     let report = mutants::run_all(&runner, &catalogs, &selection, |r| seen.push(r.id.clone())).unwrap();
 
     let verdict = |id: &str| report.result(id).unwrap_or_else(|| panic!("no result for {id}")).verdict.clone();
-    assert_eq!(verdict("killed"), Verdict::Caught { by: vec!["ok_clamp_caps_at_budget".into()] });
+    assert_eq!(verdict("killed"), Verdict::Caught { by: vec!["tests::ok_clamp_caps_at_budget".into()] });
     assert!(!report.result("killed").unwrap().is_failure());
     assert_eq!(verdict("survivor"), Verdict::Missed);
     assert!(matches!(verdict("unviable"), Verdict::Unviable { .. }), "{:?}", verdict("unviable"));
     assert_eq!(verdict("drifted-find"), Verdict::CatalogDrift { occurrences: 0 });
     let wrong = report.result("wrong-killers").unwrap();
-    assert!(matches!(&wrong.verdict, Verdict::Caught { by } if by == &["ok_clamp_caps_at_budget"]));
+    assert!(matches!(&wrong.verdict, Verdict::Caught { by } if by == &["tests::ok_clamp_caps_at_budget"]));
     assert!(wrong.unexpected && wrong.is_failure());
     assert_eq!(verdict("spins"), Verdict::Timeout);
     let dirty = report.result("dirties-the-tree").unwrap();
-    assert!(matches!(&dirty.verdict, Verdict::Caught { by } if by.contains(&"ok_fits_leaves_no_trace".to_string())));
+    assert!(
+        matches!(&dirty.verdict, Verdict::Caught { by } if by.contains(&"tests::ok_fits_leaves_no_trace".to_string()))
+    );
     assert!(!dirty.is_failure());
     assert_eq!(dirty.restored, ["left-behind.txt", "state.txt"]);
     assert!(!scratch.join("left-behind.txt").exists());
@@ -98,8 +103,14 @@ fn the_runner_reports_each_known_verdict() {
         passed: 0,
         selected: 1
     }));
+    assert!(report.problems.contains(&Problem::UnselectedKiller {
+        battery: "unselected".into(),
+        killers: vec!["never-selected: ok_fits_accepts_small_requests".into()]
+    }));
     assert!(!report.problems.iter().any(|p| matches!(p, Problem::NotRestored { .. })), "{:?}", report.problems);
-    assert!(["never-run", "never-judged", "never-killed"].iter().all(|id| report.result(id).is_none()));
+    assert!(["never-run", "never-judged", "never-killed", "never-selected"]
+        .iter()
+        .all(|id| report.result(id).is_none()));
     assert_eq!(seen.len(), 7);
     assert_eq!(report.failures(), 5);
     assert!(!report.passed());
@@ -111,7 +122,7 @@ fn the_runner_reports_each_known_verdict() {
     let json: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
     assert_eq!(json["commit"], "0123abc");
     assert_eq!(json["results"].as_array().unwrap().len(), 7);
-    assert_eq!(json["problems"].as_array().unwrap().len(), 3);
+    assert_eq!(json["problems"].as_array().unwrap().len(), 4);
     let md = std::fs::read_to_string(out.join("report.md")).unwrap();
     assert!(md.contains("MISSED") && md.contains("CATALOG-DRIFT") && md.contains("FILTER-DRIFT"), "{md}");
 }

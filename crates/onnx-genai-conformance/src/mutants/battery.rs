@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
+use super::runner::is_killer;
 use super::{Catalog, MutantResult, Runner, TestRun, Verdict};
 
 /// Which mutants of each battery run, and how long they may take.
@@ -46,6 +47,8 @@ pub enum Problem {
     /// The baseline passed fewer tests than the filter selects: an ignored
     /// (or otherwise skipped) killer can never catch a mutant.
     BaselineShort { battery: String, passed: usize, selected: usize },
+    /// A declared killer is not among the tests the filter selects.
+    UnselectedKiller { battery: String, killers: Vec<String> },
     /// The scratch tree differs from the source after restoring.
     NotRestored { files: Vec<String> },
 }
@@ -64,6 +67,11 @@ impl fmt::Display for Problem {
                 f,
                 "BASELINE-SHORT {battery}: the baseline passed {passed} of the {selected} tests the filter selects \
                  (an ignored or skipped test kills no mutant)"
+            ),
+            Problem::UnselectedKiller { battery, killers } => write!(
+                f,
+                "UNSELECTED-KILLER {battery}: the filter does not select these declared killers (they can catch \
+                 nothing): {killers:?}"
             ),
             Problem::NotRestored { files } => {
                 write!(f, "NOT-RESTORED: the scratch tree differs from the source after restoring: {files:?}")
@@ -187,6 +195,18 @@ pub fn run_all(
                 selected: listed.len(),
                 declared: catalog.tests,
             });
+            continue;
+        }
+        // A killer the filter does not select can never catch its mutant.
+        let unselected: Vec<String> = catalog
+            .mutants
+            .iter()
+            .flat_map(|m| m.killers.iter().map(move |k| (m, k)))
+            .filter(|(_, k)| !listed.iter().any(|t| is_killer(t, k)))
+            .map(|(m, k)| format!("{}: {k}", m.id))
+            .collect();
+        if !unselected.is_empty() {
+            report.problems.push(Problem::UnselectedKiller { battery: catalog.battery.clone(), killers: unselected });
             continue;
         }
         let baseline_started = Instant::now();

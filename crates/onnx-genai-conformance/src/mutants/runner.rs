@@ -138,7 +138,7 @@ impl Runner {
         c
     }
 
-    /// Names of the tests the battery's filter selects.
+    /// Full names of the tests the battery's filter selects.
     pub fn list(&self, catalog: &Catalog) -> Result<Vec<String>, String> {
         let out = self.cargo(catalog, &["--list"]).output().map_err(|e| e.to_string())?;
         if !out.status.success() {
@@ -147,7 +147,7 @@ impl Runner {
         Ok(String::from_utf8_lossy(&out.stdout)
             .lines()
             .filter_map(|l| l.strip_suffix(": test"))
-            .map(|l| l.rsplit("::").next().unwrap_or(l).trim().to_string())
+            .map(full_name)
             .collect())
     }
 
@@ -179,7 +179,7 @@ impl Runner {
         let failed: Vec<String> = stdout
             .lines()
             .filter_map(|l| l.strip_prefix("test ").and_then(|r| r.strip_suffix(" ... FAILED")))
-            .map(|n| n.rsplit("::").next().unwrap_or(n).trim().to_string())
+            .map(full_name)
             .collect();
         if status.success() {
             let count = stdout.lines().filter(|l| l.starts_with("test ") && l.ends_with(" ... ok")).count();
@@ -198,19 +198,35 @@ impl Runner {
         let path = self.scratch.join(&m.file);
         let original = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", m.file))?;
         let n = occurrences(&original, &m.find);
-        let verdict = if n != 1 {
-            Verdict::CatalogDrift { occurrences: n }
+        let (verdict, unexpected) = if n != 1 {
+            (Verdict::CatalogDrift { occurrences: n }, false)
         } else {
             write_fresh(&path, &original.replacen(&m.find, &m.replace, 1))?;
             let outcome = self.run(catalog, limit);
             write_fresh(&path, &original)?;
             match outcome? {
-                TestRun::Passed { .. } => Verdict::Missed,
-                TestRun::Failed { tests } => Verdict::Caught { by: tests },
-                TestRun::BuildFailed { tail } => Verdict::Unviable { reason: tail },
-                TestRun::TimedOut => Verdict::Timeout,
+                TestRun::Passed { .. } => (Verdict::Missed, false),
+                TestRun::Failed { tests } => {
+                    let unexpected = !m.killers.iter().all(|k| tests.iter().any(|t| is_killer(t, k)));
+                    (Verdict::Caught { by: tests }, unexpected)
+                }
+                TestRun::BuildFailed { tail } => (Verdict::Unviable { reason: tail }, false),
+                TestRun::TimedOut => (Verdict::Timeout, false),
             }
         };
+        self.finish(catalog, m, started, verdict, unexpected)
+    }
+
+    /// Checks the tree is back to its source and reports the verdict.
+    fn finish(
+        &self,
+        catalog: &Catalog,
+        m: &Mutant,
+        started: Instant,
+        verdict: Verdict,
+        unexpected: bool,
+    ) -> Result<MutantResult, String> {
+        let path = self.scratch.join(&m.file);
         if std::fs::read(&path).ok().as_ref() != self.snapshot.get(&m.file) {
             return Err(format!("{} was not restored byte for byte", m.file));
         }
@@ -225,10 +241,6 @@ impl Runner {
                 None => std::fs::remove_file(&path).map_err(|e| format!("{rel}: {e}"))?,
             }
         }
-        let unexpected = match &verdict {
-            Verdict::Caught { by } => !m.killers.iter().all(|k| by.contains(k)),
-            _ => false,
-        };
         Ok(MutantResult {
             battery: catalog.battery.clone(),
             id: m.id.clone(),
@@ -240,6 +252,25 @@ impl Runner {
             restored,
         })
     }
+}
+
+/// A test's name as libtest (or libtest-mimic, after its `[kind]` tag)
+/// prints it: `module::path::name`.
+fn full_name(printed: &str) -> String {
+    let printed = printed.trim();
+    let untagged = match printed.strip_prefix('[') {
+        Some(rest) => rest.split_once(']').map_or(printed, |(_, name)| name.trim()),
+        None => printed,
+    };
+    untagged.to_string()
+}
+
+/// Whether the failed test `full` is the catalog's killer `killer`: the
+/// same name, or its trailing path segments (`name`, or
+/// `tiny-llama-f16::decomposed::native-cpu::long` when only the package
+/// and export tell the harness's tests apart).
+pub(crate) fn is_killer(full: &str, killer: &str) -> bool {
+    full == killer || full.strip_suffix(killer).is_some_and(|head| head.ends_with("::"))
 }
 
 /// Runs `command` in its own process group for at most `limit`: its exit
@@ -316,4 +347,28 @@ fn tracked_files(root: &Path) -> Result<Vec<String>, String> {
         return Err("git ls-files failed: the mutation runner needs a git checkout".into());
     }
     Ok(String::from_utf8_lossy(&out.stdout).split('\0').filter(|s| !s.is_empty()).map(str::to_string).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A killer names a test by its full path or by trailing whole
+    /// segments, never by a fragment of a segment: `ok` must not catch
+    /// through `tests::not_ok`, nor `long` through `native-cpu::belong`
+    /// (a killer matching more than it names would let a mutant pass as
+    /// caught by the wrong test, INVARIANTS T2).
+    #[test]
+    fn killers_match_whole_trailing_segments() {
+        let name = full_name(" [parity] parity::tiny-llama-f16::decomposed::native-cpu::long ");
+        assert_eq!(name, "parity::tiny-llama-f16::decomposed::native-cpu::long");
+        assert_eq!(full_name("tests::ok_clamp_caps_at_budget"), "tests::ok_clamp_caps_at_budget");
+        for killer in ["long", "native-cpu::long", "tiny-llama-f16::decomposed::native-cpu::long", &name] {
+            assert!(is_killer(&name, killer), "{killer}");
+        }
+        for killer in ["ong", "cpu::long", "tiny-llama-gqa::decomposed::native-cpu::long", "parity::tiny"] {
+            assert!(!is_killer(&name, killer), "{killer}");
+        }
+        assert!(!is_killer("tests::not_ok", "ok"));
+    }
 }
