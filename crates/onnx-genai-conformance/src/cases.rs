@@ -91,7 +91,12 @@ pub enum CheckKind {
         steps: usize,
         tier: Tier,
     },
-    Golden(GoldenFile),
+    /// The greedy record against the package and variant's golden, its
+    /// logits at `tier` (the variant's parity tier).
+    Golden {
+        file: GoldenFile,
+        tier: Tier,
+    },
 }
 
 /// One named, independently runnable check.
@@ -126,6 +131,7 @@ pub fn discover(root: &Path) -> Result<Vec<Check>, HarnessError> {
         .collect();
     files.sort();
     let packages = shipped_packages(root)?;
+    let mut tiers = std::collections::HashMap::new();
     for path in &files {
         let f: ParityFile = read_yaml(path)?;
         if !packages.contains(&f.package) {
@@ -142,6 +148,7 @@ pub fn discover(root: &Path) -> Result<Vec<Check>, HarnessError> {
         }
         for variant in &f.variants {
             let tier = f.tiers.get(variant).copied().unwrap_or(f.tier);
+            tiers.insert((f.package.clone(), *variant), tier);
             for backend in std::iter::once(&REFERENCE).chain(CANDIDATES) {
                 checks.push(Check {
                     name: format!("batch::{}::{}::{backend}", f.package, variant.name()),
@@ -170,10 +177,20 @@ pub fn discover(root: &Path) -> Result<Vec<Check>, HarnessError> {
     }
     let golden: GoldenFile = read_yaml(&root.join("conformance/golden.yaml"))?;
     for package in &packages {
+        let file = root.join("conformance/parity").join(format!("{package}.yaml"));
         let spec_path = root.join("packages").join(package).join("spec.yaml");
         let spec = onnx_genai_build::read_spec(&spec_path)
             .map_err(|e| HarnessError::Suite { path: spec_path.clone(), reason: e.to_string() })?;
         for variant in spec.variants() {
+            let Some(&tier) = tiers.get(&(package.clone(), variant)) else {
+                return Err(HarnessError::Suite {
+                    path: file.clone(),
+                    reason: format!(
+                        "no parity tier for {package}'s {} export: goldens are judged at it",
+                        variant.name()
+                    ),
+                });
+            };
             for backend in std::iter::once(&REFERENCE).chain(CANDIDATES) {
                 checks.push(Check {
                     name: format!("golden::{package}::{}::{backend}", variant.name()),
@@ -181,7 +198,7 @@ pub fn discover(root: &Path) -> Result<Vec<Check>, HarnessError> {
                     package: package.clone(),
                     variant,
                     backend: backend.to_string(),
-                    kind: CheckKind::Golden(golden.clone()),
+                    kind: CheckKind::Golden { file: golden.clone(), tier },
                     real: false,
                 });
             }
@@ -228,7 +245,8 @@ fn real_checks(model: &RealModel, golden: &GoldenFile) -> Vec<Check> {
         }
         for backend in std::iter::once(&REFERENCE).chain(CANDIDATES.iter().filter(|b| !ON_REQUEST.contains(b))) {
             let name = format!("golden::{package}::{}::{backend}", variant.name());
-            checks.push(check(name, backend, CheckKind::Golden(golden.clone()), Suite::Golden));
+            let kind = CheckKind::Golden { file: golden.clone(), tier: export.tier };
+            checks.push(check(name, backend, kind, Suite::Golden));
         }
     }
     checks

@@ -14,6 +14,7 @@ use serde::Serialize;
 
 use crate::batch;
 use crate::cases::{Check, CheckKind, GoldenFile, PromptDef, Suite};
+use crate::golden::Judgement;
 use crate::parity::{self, Divergence};
 use crate::real::RealModel;
 use crate::tolerance::Tier;
@@ -172,7 +173,7 @@ pub fn run_check(check: &Check, ctx: &Context) -> CheckResult {
     let outcome = match &check.kind {
         CheckKind::Parity { prompt, steps, tier } => run_parity(check, ctx, prompt, *steps, *tier, &mut result),
         CheckKind::Batch { prompts, steps, tier } => run_batch(check, ctx, prompts, *steps, *tier, &mut result),
-        CheckKind::Golden(g) => run_golden(check, ctx, g, &mut result),
+        CheckKind::Golden { file, tier } => run_golden(check, ctx, file, *tier, &mut result),
     };
     if let Err(e) = outcome {
         result.status = Status::Failed;
@@ -311,14 +312,34 @@ fn describe(d: &Divergence, backend: &str) -> String {
     }
 }
 
-fn run_golden(check: &Check, ctx: &Context, g: &GoldenFile, result: &mut CheckResult) -> Result<(), HarnessError> {
+fn run_golden(
+    check: &Check,
+    ctx: &Context,
+    g: &GoldenFile,
+    tier: Tier,
+    result: &mut CheckResult,
+) -> Result<(), HarnessError> {
     let package = ctx.package(&check.package, check.variant)?;
     let tokens = encode(&package, &g.prompt)?;
     let mut backend = open_backend(&check.backend, &package, ctx.threads)?;
-    let text = crate::golden::record(check, &package, &mut backend, &tokens, g)?;
-    result.status = Status::Passed;
-    result.summary = "recorded; compared with the committed snapshot".into();
-    result.golden_text = Some(text);
+    let recording = crate::golden::record(check, &package, &mut backend, &tokens, g)?;
+    let path = crate::golden::snapshot_path(&ctx.root, check);
+    let judgement = crate::golden::judge(&path, &recording, tier, g.decimals);
+    result.status = if judgement == Judgement::Matches { Status::Passed } else { Status::Failed };
+    result.summary = match judgement {
+        Judgement::Matches => format!("matches {} (logits at tier {})", path.display(), tier.name()),
+        Judgement::Missing => format!(
+            "no snapshot at {}; record it from ONNX Runtime with `cargo test -p onnx-genai-conformance --test conformance -- golden::{}::{}::ort` then `cargo insta review`",
+            path.display(),
+            check.package,
+            check.variant.name()
+        ),
+        other => format!(
+            "{other} ({}); review with `cargo test -p onnx-genai-conformance --test conformance` + `cargo insta review`",
+            path.display()
+        ),
+    };
+    result.golden_text = Some(recording.text);
     Ok(())
 }
 
