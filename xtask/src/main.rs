@@ -16,6 +16,7 @@ mod onnx_tests;
 mod ort;
 mod packages;
 mod pyclient;
+mod random_specs;
 mod real;
 mod util;
 
@@ -66,6 +67,15 @@ enum Command {
         /// when the index is reachable, and skipped with a notice when not).
         #[arg(long)]
         no_real: bool,
+        /// Instead of the suites: N architecture specs drawn at random (from
+        /// --seed on), each built as every export it offers and held to parity
+        /// at its tier; a failing spec is shrunk and written to
+        /// target/conformance/random/.
+        #[arg(long, value_name = "N")]
+        random: Option<u64>,
+        /// First seed of --random (seed S, S+1, ...).
+        #[arg(long, default_value_t = 1, requires = "random")]
+        seed: u64,
     },
     /// Decode speed, native-cpu vs ONNX Runtime side by side (ratio; context 64 vs 1024).
     Bench {
@@ -202,7 +212,8 @@ fn main() -> ExitCode {
         Command::Packages { bless, real: with_real } => {
             packages::build_all(bless).and_then(|_| if with_real { real::build_all() } else { Ok(()) })
         }
-        Command::Conformance { package, backend, suite, shard, threads, no_real } => {
+        Command::Conformance { random: Some(n), seed, threads, .. } => random_specs::run(n, seed, threads),
+        Command::Conformance { package, backend, suite, shard, threads, no_real, .. } => {
             conformance::run(conformance::Options { package, backend, suite, shard, threads, no_real })
         }
         Command::Bench { threads, rounds, steps, backend: Some(b), .. } => match b.as_str() {

@@ -7,7 +7,7 @@ pub mod genai_config;
 pub mod gguf;
 pub mod graph;
 pub mod pretrained;
-mod rng;
+pub mod rng;
 pub mod spec;
 pub mod tokenizer;
 
@@ -83,10 +83,14 @@ pub fn build_variant(spec: &Spec, variant: Variant, out: &Path) -> Result<(), Bu
         move |source| BuildError::Io { path, source }
     };
     std::fs::create_dir_all(out).map_err(io(out))?;
-    if !spec.variants().contains(&variant) {
+    if let Some(why) = spec.refusal(variant) {
         return Err(BuildError::Spec {
             origin: spec.name.clone(),
-            reason: format!("`{}` is built only as {:?}", variant.name(), spec.variants()),
+            reason: format!(
+                "not built as `{}`: {why}; it is built as {:?}",
+                variant.name(),
+                spec.variants().iter().map(|v| v.name()).collect::<Vec<_>>()
+            ),
         });
     }
     let models = match graph::vision::build(spec) {

@@ -5,6 +5,13 @@ use serde::Deserialize;
 use crate::BuildError;
 use onnx_genai_package::{ElementType, Family};
 
+/// ONNX Runtime's `GroupQueryAttention` runs only head sizes that are a
+/// multiple of this (its CPU kernel: "head_size must be a multiple of 8").
+pub const GQA_HEAD_MULTIPLE: u32 = 8;
+/// ... and, when it applies rotary itself (`do_rotary`), of this ("head_size
+/// shall be a multiple of 16").
+pub const GQA_ROTARY_HEAD_MULTIPLE: u32 = 16;
+
 #[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Spec {
@@ -106,14 +113,45 @@ impl Spec {
     /// The export forms this spec is built in (a vision-language package is
     /// a workflow over decomposed graphs).
     pub fn variants(&self) -> Vec<crate::Variant> {
-        if self.vision.is_some() {
-            vec![crate::Variant::Decomposed]
-        } else if self.family == Family::Llama {
-            crate::Variant::ALL.to_vec()
-        } else {
-            // ONNX Runtime GenAI's builder has no llama-form GPT-2.
-            crate::Variant::ALL.into_iter().filter(|v| *v != crate::Variant::Genai).collect()
+        crate::Variant::ALL.into_iter().filter(|v| self.refusal(*v).is_none()).collect()
+    }
+
+    /// Why this spec is not built as `variant`, if it is not.
+    pub fn refusal(&self, variant: crate::Variant) -> Option<String> {
+        use crate::Variant::{Contrib, Decomposed, Genai};
+        if self.vision.is_some() && variant != Decomposed {
+            return Some("a vision-language package is a workflow over decomposed graphs".into());
         }
+        if self.family == Family::Gpt2 && variant == Genai {
+            return Some("ONNX Runtime GenAI's builder has no llama-form GPT-2".into());
+        }
+        // ONNX Runtime's GroupQueryAttention refuses other head sizes at the
+        // first run, so an export using it would validate and never decode.
+        // The genai export rotates inside it, which needs a multiple of 16.
+        let multiple = match variant {
+            Contrib => GQA_HEAD_MULTIPLE,
+            Genai => GQA_ROTARY_HEAD_MULTIPLE,
+            _ => 1,
+        };
+        if !self.head_dim().is_multiple_of(multiple) {
+            return Some(format!(
+                "ONNX Runtime's GroupQueryAttention (the {} export's attention{}) needs a head size that is a multiple of {multiple}; head_dim is {}",
+                variant.name(),
+                if variant == Genai { ", rotating inside" } else { "" },
+                self.head_dim()
+            ));
+        }
+        // GatherBlockQuantized returns whole 4-bit blocks: a shared table
+        // whose rows end in a partial block would hand the first layer a
+        // padded hidden state (ONNX Runtime then refuses the model).
+        let block = crate::graph::NBITS_BLOCK as u32;
+        if variant == Genai && self.genai.shared_embeddings && !self.hidden_size.is_multiple_of(block) {
+            return Some(format!(
+                "genai.shared_embeddings gathers whole {block}-element blocks (GatherBlockQuantized); hidden_size {} is not a multiple of {block}",
+                self.hidden_size
+            ));
+        }
+        None
     }
 
     /// Special tokens beyond the standard ones (the image placeholder).

@@ -111,6 +111,48 @@ fn invalid_specs_are_refused_with_the_reason() {
     }
 }
 
+/// Issue 21: the builder knows the reference runtime's operator limits. A
+/// head size of 12 (hidden 48 over 4 heads) is a fine model, but ONNX
+/// Runtime's GroupQueryAttention (the contrib and genai exports' attention)
+/// refuses it at the first run: those exports are not offered, and asking
+/// for one says why; the plain-ONNX exports are still built.
+#[test]
+fn exports_the_reference_cannot_run_are_refused_with_the_reason() {
+    let gqa = spec_paths().into_iter().find(|p| p.to_string_lossy().contains("tiny-llama-gqa")).unwrap();
+    let text = std::fs::read_to_string(gqa).unwrap().replace("hidden_size: 64", "hidden_size: 48");
+    let spec = Spec::parse(&text, "head-dim-12").unwrap();
+    assert_eq!(spec.head_dim(), 12);
+    assert_eq!(spec.variants(), [Variant::Decomposed, Variant::Opset23]);
+    let dir = tempfile::tempdir().unwrap();
+    for (variant, multiple) in [(Variant::Contrib, 8), (Variant::Genai, 16)] {
+        let err = onnx_genai_build::build_variant(&spec, variant, dir.path()).unwrap_err().to_string();
+        let want = format!("multiple of {multiple}; head_dim is 12");
+        assert!(err.contains("GroupQueryAttention") && err.contains(&want), "{err}");
+    }
+    onnx_genai_build::build_variant(&spec, Variant::Opset23, dir.path()).unwrap();
+    // Head size 8: contrib's GroupQueryAttention takes it, genai's (rotary
+    // inside) needs a multiple of 16.
+    let eight = Spec::parse(&text.replace("hidden_size: 48", "hidden_size: 32"), "head-dim-8").unwrap();
+    assert_eq!(eight.variants(), [Variant::Decomposed, Variant::Opset23, Variant::Contrib]);
+    let err = onnx_genai_build::build_variant(&eight, Variant::Genai, dir.path()).unwrap_err().to_string();
+    assert!(err.contains("rotating inside) needs a head size that is a multiple of 16; head_dim is 8"), "{err}");
+    let sixteen = Spec::parse(&text.replace("hidden_size: 48", "hidden_size: 64"), "head-dim-16").unwrap();
+    assert_eq!(sixteen.variants(), Variant::ALL);
+    // A shared 4-bit table gathers whole 32-blocks: hidden 48 (3 heads of
+    // 16) has no genai export with it (ONNX Runtime refused the padded
+    // rows), but has one without.
+    let shared = text
+        .replace("num_attention_heads: 4", "num_attention_heads: 3")
+        .replace("num_kv_heads: 2", "num_kv_heads: 3")
+        .replace("tie_embeddings: false", "tie_embeddings: true");
+    let unshared = Spec::parse(&shared, "hidden-48").unwrap();
+    assert_eq!(unshared.variants(), Variant::ALL);
+    let spec = Spec::parse(&format!("{shared}genai:\n  shared_embeddings: true\n"), "hidden-48-shared").unwrap();
+    assert_eq!(spec.variants(), [Variant::Decomposed, Variant::Opset23, Variant::Contrib]);
+    let err = onnx_genai_build::build_variant(&spec, Variant::Genai, dir.path()).unwrap_err().to_string();
+    assert!(err.contains("hidden_size 48 is not a multiple of 32"), "{err}");
+}
+
 fn spec_named(name: &str) -> Spec {
     read_spec(&spec_paths().into_iter().find(|p| p.to_string_lossy().contains(name)).unwrap()).unwrap()
 }

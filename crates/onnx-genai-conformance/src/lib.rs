@@ -9,6 +9,7 @@ pub mod golden;
 pub mod mutants;
 pub mod onnx_node;
 pub mod parity;
+pub mod random;
 pub mod real;
 pub mod report;
 pub mod run;

@@ -134,6 +134,24 @@ pub fn run(
     out
 }
 
+/// One line for a parity divergence of `candidate` from ONNX Runtime.
+pub fn describe(d: &Divergence, tier: Tier, candidate: &str) -> String {
+    match d {
+        Divergence::Logits { step, deviation } => format!(
+            "logits out of tier {} at step {step}: max |d| {:.3e} at token {} ({:.1}x the tolerance)",
+            tier.name(),
+            deviation.max_abs,
+            deviation.worst_index,
+            deviation.worst_ratio
+        ),
+        Divergence::Token { step, reference, candidate: c, top2_gap, max_abs, near_tie } => format!(
+            "{}greedy token differs at step {step}: ort {reference}, {candidate} {c}; reference top-2 gap {top2_gap:.3e}, max |d| {max_abs:.3e}",
+            if *near_tie { "NEAR-TIE: " } else { "" },
+        ),
+        Divergence::Error { step, backend, message } => format!("{backend} failed at step {step}: {message}"),
+    }
+}
+
 /// One compared step: its deviation, folded into a running worst, and its
 /// verdict.
 pub(crate) struct Judged {

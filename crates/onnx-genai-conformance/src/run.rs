@@ -220,28 +220,25 @@ fn run_parity(
                 out.min_top2_gap
             )
         }
-        Some(Divergence::Logits { step, deviation }) => format!(
-            "logits out of tier {} at step {step}: max |d| {:.3e} at token {} ({:.1}x the tolerance)",
-            tier.name(),
-            deviation.max_abs,
-            deviation.worst_index,
-            deviation.worst_ratio
-        ),
-        Some(Divergence::Token { step, reference, candidate, top2_gap, max_abs, near_tie }) => format!(
-            "{}greedy token differs at step {step}: ort {reference}, {} {candidate}; reference top-2 gap {top2_gap:.3e}, max |d| {max_abs:.3e}{}",
-            if *near_tie { "NEAR-TIE: " } else { "" },
-            check.backend,
+        Some(d) => format!(
+            "{}{}",
+            parity::describe(d, tier, &check.backend),
             match &out.arbitration {
                 Some(a) => format!(
                     "; the f32 export decides: it picks {} (sides with {}; f32 margin {:.3e})",
                     a.choice,
-                    if a.sides_with == "reference" { "ort" } else if a.sides_with == "candidate" { check.backend.as_str() } else { "neither" },
+                    if a.sides_with == "reference" {
+                        "ort"
+                    } else if a.sides_with == "candidate" {
+                        check.backend.as_str()
+                    } else {
+                        "neither"
+                    },
                     a.margin
                 ),
                 None => String::new(),
             }
         ),
-        Some(Divergence::Error { step, backend, message }) => format!("{backend} failed at step {step}: {message}"),
     };
     result.parity = Some(out);
     Ok(())

@@ -37,6 +37,30 @@ fn run(check: &Check, ctx: &Context) -> Result<(), Failed> {
     Err(result.summary.into())
 }
 
+/// The generated specs every run checks (`cargo xtask conformance --random
+/// N --seed S` runs others, and shrinks a failure).
+const RANDOM_SEEDS: [u64; 6] = [1, 2, 3, 4, 5, 6];
+/// Greedy steps per export of a generated spec.
+const RANDOM_STEPS: usize = 16;
+
+/// Issue 21, packages the suite has never seen: the spec drawn from `seed`
+/// is built as every export it offers, and each holds parity (native-cpu
+/// against ONNX Runtime) at its tier.
+fn random_spec(seed: u64) -> Result<(), Failed> {
+    use onnx_genai_conformance::random;
+    let yaml = random::draw(seed);
+    let outcomes = random::check(&yaml, RANDOM_STEPS, 1)?;
+    let failed: Vec<String> = outcomes.iter().filter(|o| !o.passed()).map(|o| o.summary()).collect();
+    if failed.is_empty() {
+        return Ok(());
+    }
+    Err(format!(
+        "{}\nspec:\n{yaml}shrink it with `cargo xtask conformance --random 1 --seed {seed}`",
+        failed.join("\n")
+    )
+    .into())
+}
+
 fn main() {
     let args = Arguments::from_args();
     let checks = match discover(&root()) {
@@ -61,6 +85,10 @@ fn main() {
             let ignored = !gpu && ON_REQUEST.contains(&check.backend.as_str());
             Trial::test(check.name.clone(), move || run(&check, &ctx)).with_kind(kind).with_ignored_flag(ignored)
         })
+        .chain(
+            RANDOM_SEEDS
+                .map(|seed| Trial::test(format!("random::seed-{seed}"), move || random_spec(seed)).with_kind("random")),
+        )
         .collect();
     libtest_mimic::run(&args, trials).exit();
 }

@@ -55,6 +55,10 @@ pub enum Code {
     PKG031,
     /// The context length exceeds the positions the graph's rotary cache holds.
     PKG032,
+    /// An operator the reference runtime (ONNX Runtime) refuses for this
+    /// geometry: `GroupQueryAttention` with a head size that is not a
+    /// multiple of 8.
+    PKG033,
     /// Logits width differs from the architecture's vocabulary size.
     PKG040,
     /// The tokenizer's vocabulary does not fit the model's.

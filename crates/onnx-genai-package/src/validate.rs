@@ -86,6 +86,7 @@ pub fn validate(root: &Path) -> (Report, Checked) {
         if let Some(model) = model {
             check_ports(&ctx, m, ci, model, &mut report);
             check_rotary_positions(&ctx, m, ci, model, &mut report);
+            check_reference_operator_limits(&ctx, m, ci, model, &mut report);
         }
     }
     check_roles_present(&ctx, m, &mut report);
@@ -362,6 +363,44 @@ fn check_rotary_positions(ctx: &Ctx, m: &Manifest, ci: usize, model: &Model, rep
             ));
             return;
         }
+    }
+}
+
+/// Head sizes ONNX Runtime's `GroupQueryAttention` runs: multiples of 8,
+/// or of 16 when it applies rotary itself (`do_rotary`).
+fn gqa_head_multiple(node: &onnx_genai_onnx::Node) -> u32 {
+    match node.attr("do_rotary") {
+        Some(onnx_genai_onnx::AttrValue::Int(1)) => 16,
+        _ => 8,
+    }
+}
+
+/// ONNX Runtime's `GroupQueryAttention` refuses head sizes it has no kernel
+/// for (see [`gqa_head_multiple`]), and only when it first runs: a package
+/// that validated would then fail its first request. Refused up front,
+/// naming the key.
+fn check_reference_operator_limits(ctx: &Ctx, m: &Manifest, ci: usize, model: &Model, report: &mut Report) {
+    let mut head_dims = vec![m.architecture.head_dim];
+    if let Some(layers) = m.kv_cache.as_ref().and_then(|k| k.layers.as_ref()) {
+        head_dims.extend(layers.iter().map(|l| l.head_dim));
+    }
+    let gqa = model.graph.nodes.iter().filter(|n| n.domain == "com.microsoft" && n.op_type == "GroupQueryAttention");
+    for node in gqa {
+        let multiple = gqa_head_multiple(node);
+        let Some(&head) = head_dims.iter().find(|d| !d.is_multiple_of(multiple)) else { continue };
+        report.push(Diagnostic::error(
+            Code::PKG033,
+            ctx.manifest_file(),
+            ctx.arch_field("head_dim"),
+            format!(
+                "ONNX Runtime's GroupQueryAttention (node `{}` in {}{}) needs a head size that is a multiple of {multiple}; this model's is {head}",
+                node.name,
+                m.components[ci].file,
+                if multiple == 16 { ", rotating inside" } else { "" }
+            ),
+            format!("export the model without GroupQueryAttention (plain ONNX attention), or with a head size that is a multiple of {multiple}"),
+        ));
+        return;
     }
 }
 
