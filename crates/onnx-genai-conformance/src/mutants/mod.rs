@@ -26,6 +26,10 @@ pub use runner::{run_limited, RunLock, Runner, TestRun};
 pub struct Catalog {
     pub battery: String,
     pub packages: Vec<String>,
+    /// Only this test target of the packages (`--test NAME`): a battery
+    /// whose tests live in one harness rebuilds only that binary per mutant.
+    #[serde(default)]
+    pub test_target: Option<String>,
     #[serde(default)]
     pub filter: String,
     /// The exact number of tests `filter` selects (FILTER-DRIFT otherwise).

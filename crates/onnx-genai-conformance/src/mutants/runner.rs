@@ -128,6 +128,9 @@ impl Runner {
         for p in &catalog.packages {
             c.args(["-p", p]);
         }
+        if let Some(target) = &catalog.test_target {
+            c.args(["--test", target]);
+        }
         c.arg("--").args(extra);
         if !catalog.filter.is_empty() {
             c.arg(&catalog.filter);
