@@ -15,7 +15,7 @@ name: fuzz-tiny
 seed: 7
 family: llama
 dtype: f32
-hidden_size: 16
+hidden_size: 32
 num_layers: 1
 num_attention_heads: 2
 num_kv_heads: 1
