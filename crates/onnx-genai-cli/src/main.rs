@@ -290,7 +290,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             };
             let request = GenerateRequest {
                 max_new_tokens,
-                sampling: Sampling { temperature, top_k, top_p, seed },
+                sampling: Sampling { temperature, top_k, top_p, seed, ..Sampling::default() },
                 inputs,
                 ..GenerateRequest::new(prompt)
             };

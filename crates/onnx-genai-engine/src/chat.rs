@@ -112,6 +112,11 @@ impl Prompter {
     }
 
     /// Encodes text (special tokens are parsed).
+    /// Tokens the model's logits cover.
+    pub fn vocab_size(&self) -> usize {
+        self.package.manifest.architecture.vocab_size as usize
+    }
+
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, EngineError> {
         self.package
             .tokenizer()

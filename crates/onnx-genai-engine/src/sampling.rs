@@ -1,6 +1,11 @@
-//! Token selection: greedy, or seeded sampling with temperature, top-k, top-p.
+//! Token selection: greedy, or seeded sampling with temperature, top-k,
+//! top-p and min-p; before either, the request's logit adjustments
+//! (repetition, presence and frequency penalties, logit bias).
 
-/// Sampling options. `temperature` 0 (the default) is greedy decoding.
+use std::collections::HashMap;
+
+/// Sampling options. `temperature` 0 (the default) is greedy decoding; every
+/// adjustment's default leaves the logits as they are.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Sampling {
     pub temperature: f32,
@@ -8,14 +13,45 @@ pub struct Sampling {
     pub top_k: usize,
     /// 1.0 means no nucleus cut.
     pub top_p: f32,
+    /// Drops tokens less likely than `min_p` times the likeliest (after
+    /// temperature); 0 keeps every token.
+    pub min_p: f32,
     pub seed: u64,
+    /// OpenAI's: subtracted once from the logit of every token generated so
+    /// far, in [-2, 2].
+    pub presence_penalty: f32,
+    /// OpenAI's: subtracted from a token's logit once per time it was
+    /// generated so far, in [-2, 2].
+    pub frequency_penalty: f32,
+    /// The CTRL/Hugging Face rule: a token of the prompt or the generated
+    /// text has a positive logit divided by it and a negative one multiplied
+    /// by it; 1 leaves logits alone, > 1 discourages repeats.
+    pub repetition_penalty: f32,
+    /// Added to the logits of these token ids (OpenAI's `logit_bias`, each
+    /// in [-100, 100]).
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for Sampling {
     fn default() -> Self {
-        Self { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0 }
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: 0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            logit_bias: Vec::new(),
+        }
     }
 }
+
+/// OpenAI's range of `presence_penalty` and `frequency_penalty`.
+pub const PENALTY_RANGE: std::ops::RangeInclusive<f32> = -2.0..=2.0;
+/// OpenAI's range of a `logit_bias` value.
+pub const BIAS_RANGE: std::ops::RangeInclusive<f32> = -100.0..=100.0;
 
 impl Sampling {
     pub fn check(&self) -> Result<(), String> {
@@ -25,20 +61,67 @@ impl Sampling {
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
         }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(format!("min_p must be in [0, 1], got {}", self.min_p));
+        }
+        for (name, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
+            if !PENALTY_RANGE.contains(&v) {
+                return Err(format!("{name} must be between -2 and 2, got {v}"));
+            }
+        }
+        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
+            return Err(format!("repetition_penalty must be a finite number > 0, got {}", self.repetition_penalty));
+        }
+        if let Some((id, b)) = self.logit_bias.iter().find(|(_, b)| !BIAS_RANGE.contains(b)) {
+            return Err(format!("logit_bias of token {id} must be between -100 and 100, got {b}"));
+        }
         Ok(())
+    }
+
+    /// Refuses a `logit_bias` token id outside a `vocab`-token vocabulary.
+    pub fn check_vocabulary(&self, vocab: usize) -> Result<(), String> {
+        match self.logit_bias.iter().find(|(id, _)| *id as usize >= vocab) {
+            Some((id, _)) => Err(format!(
+                "logit_bias names token {id}, outside the model's vocabulary of {vocab} tokens (ids 0 to {})",
+                vocab.saturating_sub(1)
+            )),
+            None => Ok(()),
+        }
+    }
+
+    fn adjusts(&self) -> bool {
+        self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+            || self.repetition_penalty != 1.0
+            || !self.logit_bias.is_empty()
     }
 }
 
-/// Draws tokens from logits; owns the random stream of one request.
+/// Draws tokens from logits; owns the random stream of one request and the
+/// counts its penalties read.
 pub struct Sampler {
     options: Sampling,
     state: u64,
+    /// How often each token was generated (presence, frequency).
+    generated: HashMap<u32, u32>,
+    /// Tokens of the prompt (the repetition penalty reads them too).
+    prompt: std::collections::HashSet<u32>,
+    /// The adjusted logits (reused from step to step).
+    adjusted: Vec<f32>,
 }
 
 impl Sampler {
     pub fn new(options: Sampling) -> Self {
         let state = options.seed ^ 0x2545_F491_4F6C_DD1D;
-        Self { options, state }
+        Self { options, state, generated: HashMap::new(), prompt: Default::default(), adjusted: Vec::new() }
+    }
+
+    /// Tokens of the prompt, for the repetition penalty.
+    pub fn with_prompt(mut self, tokens: impl IntoIterator<Item = u32>) -> Self {
+        if self.options.repetition_penalty != 1.0 {
+            self.prompt.extend(tokens);
+        }
+        self
     }
 
     /// Uniform in [0, 1) (xorshift64*).
@@ -50,7 +133,46 @@ impl Sampler {
         (x >> 11) as f64 / (1u64 << 53) as f64
     }
 
+    /// Picks the next token and counts it as generated.
     pub fn pick(&mut self, logits: &[f32]) -> u32 {
+        let token = if self.options.adjusts() {
+            let mut adjusted = std::mem::take(&mut self.adjusted);
+            adjusted.clear();
+            adjusted.extend_from_slice(logits);
+            self.adjust(&mut adjusted);
+            let token = self.select(&adjusted);
+            self.adjusted = adjusted;
+            token
+        } else {
+            self.select(logits)
+        };
+        *self.generated.entry(token).or_default() += 1;
+        token
+    }
+
+    fn adjust(&self, logits: &mut [f32]) {
+        let o = &self.options;
+        if o.repetition_penalty != 1.0 {
+            let seen = self.prompt.iter().chain(self.generated.keys());
+            for &id in seen {
+                if let Some(l) = logits.get_mut(id as usize) {
+                    *l = if *l > 0.0 { *l / o.repetition_penalty } else { *l * o.repetition_penalty };
+                }
+            }
+        }
+        for (&id, &count) in &self.generated {
+            if let Some(l) = logits.get_mut(id as usize) {
+                *l -= o.presence_penalty + o.frequency_penalty * count as f32;
+            }
+        }
+        for &(id, bias) in &o.logit_bias {
+            if let Some(l) = logits.get_mut(id as usize) {
+                *l += bias;
+            }
+        }
+    }
+
+    fn select(&mut self, logits: &[f32]) -> u32 {
         if self.options.temperature == 0.0 {
             return argmax(logits);
         }
@@ -62,7 +184,11 @@ impl Sampler {
         }
         let max = logits[order[0]];
         let t = f64::from(self.options.temperature);
-        let weights: Vec<f64> = order.iter().map(|&i| (f64::from(logits[i] - max) / t).exp()).collect();
+        let mut weights: Vec<f64> = order.iter().map(|&i| (f64::from(logits[i] - max) / t).exp()).collect();
+        // min-p: the likeliest token has weight 1 (it is the maximum).
+        let floor = f64::from(self.options.min_p);
+        let above = weights.iter().take_while(|w| **w >= floor).count().max(1);
+        weights.truncate(above);
         let total: f64 = weights.iter().sum();
         let mut kept = 0;
         let mut mass = 0.0;
@@ -109,7 +235,7 @@ mod tests {
 
     #[test]
     fn top_k_one_is_greedy_whatever_the_temperature() {
-        let mut s = Sampler::new(Sampling { temperature: 5.0, top_k: 1, top_p: 1.0, seed: 9 });
+        let mut s = Sampler::new(Sampling { temperature: 5.0, top_k: 1, seed: 9, ..Sampling::default() });
         for _ in 0..50 {
             assert_eq!(s.pick(&[0.0, 1.0, 5.0, 4.9]), 2);
         }
@@ -118,7 +244,7 @@ mod tests {
     #[test]
     fn same_seed_same_draws_and_sampling_spreads() {
         let logits = [1.0, 1.0, 1.0, 1.0];
-        let opts = Sampling { temperature: 1.0, top_k: 0, top_p: 1.0, seed: 7 };
+        let opts = Sampling { temperature: 1.0, seed: 7, ..Sampling::default() };
         let a: Vec<u32> = {
             let mut s = Sampler::new(opts.clone());
             (0..64).map(|_| s.pick(&logits)).collect()
@@ -134,10 +260,87 @@ mod tests {
 
     #[test]
     fn top_p_keeps_only_the_nucleus() {
-        let mut s = Sampler::new(Sampling { temperature: 1.0, top_k: 0, top_p: 0.5, seed: 3 });
+        let mut s = Sampler::new(Sampling { temperature: 1.0, top_p: 0.5, seed: 3, ..Sampling::default() });
         // Token 0 holds far more than half of the mass.
         for _ in 0..50 {
             assert_eq!(s.pick(&[10.0, 0.0, 0.0]), 0);
         }
+    }
+
+    /// Issue 19: OpenAI's presence and frequency penalties subtract from the
+    /// logits of generated tokens (once, and once per occurrence), so a
+    /// greedy decode that would repeat one token moves on; at 0 nothing
+    /// changes.
+    #[test]
+    fn presence_and_frequency_penalties_push_repeats_down() {
+        let logits = [3.0, 2.5, 0.0];
+        let mut plain = Sampler::new(Sampling::default());
+        assert_eq!((0..3).map(|_| plain.pick(&logits)).collect::<Vec<_>>(), [0, 0, 0]);
+        let mut presence = Sampler::new(Sampling { presence_penalty: 1.0, ..Sampling::default() });
+        // 0 (3.0), then 0 is at 2.0 < 2.5: 1, then both penalized once: 0 again.
+        assert_eq!((0..3).map(|_| presence.pick(&logits)).collect::<Vec<_>>(), [0, 1, 0]);
+        let mut frequency = Sampler::new(Sampling { frequency_penalty: 0.4, ..Sampling::default() });
+        // 0: 3.0; 0 at 2.6 > 2.5: 0; 0 at 2.2 < 2.5: 1; 1 at 2.1 < 2.2: 0.
+        assert_eq!((0..4).map(|_| frequency.pick(&logits)).collect::<Vec<_>>(), [0, 0, 1, 0]);
+    }
+
+    /// The repetition penalty divides a seen token's positive logit and
+    /// multiplies a negative one, prompt tokens included.
+    #[test]
+    fn the_repetition_penalty_reads_the_prompt_and_both_signs() {
+        let opts = Sampling { repetition_penalty: 2.0, ..Sampling::default() };
+        let mut s = Sampler::new(opts.clone()).with_prompt([0]);
+        // 0 seen in the prompt: 4.0 / 2 = 2.0 < 3.0.
+        assert_eq!(s.pick(&[4.0, 3.0, -1.0]), 1);
+        let mut s = Sampler::new(opts).with_prompt([2]);
+        // A negative logit is pushed further down: -0.5 * 2 = -1.0 < -0.8.
+        assert_eq!(s.pick(&[-2.0, -0.8, -0.5]), 1);
+    }
+
+    /// Logit bias is added before greedy and sampled choices alike: +100
+    /// forces a token, -100 bans one.
+    #[test]
+    fn logit_bias_forces_and_bans_tokens() {
+        let mut s = Sampler::new(Sampling { logit_bias: vec![(2, 100.0)], ..Sampling::default() });
+        assert_eq!(s.pick(&[5.0, 1.0, 0.0]), 2);
+        let opts = Sampling { temperature: 1.0, seed: 5, logit_bias: vec![(0, -100.0)], ..Sampling::default() };
+        let mut s = Sampler::new(opts);
+        assert!((0..100).all(|_| s.pick(&[0.0, 0.0, 0.0]) != 0));
+    }
+
+    /// min-p keeps only tokens at least `min_p` times as likely as the
+    /// likeliest; with it off, the unlikely token is drawn sometimes.
+    #[test]
+    fn min_p_drops_the_unlikely_tail() {
+        // exp(-3) ~ 0.05 of the top token's weight.
+        let logits = [0.0, 0.0, -3.0];
+        let opts = Sampling { temperature: 1.0, seed: 11, ..Sampling::default() };
+        let mut off = Sampler::new(opts.clone());
+        assert!((0..400).any(|_| off.pick(&logits) == 2));
+        let mut on = Sampler::new(Sampling { min_p: 0.1, ..opts });
+        assert!((0..400).all(|_| on.pick(&logits) != 2));
+    }
+
+    /// Out-of-range adjustments and bias ids outside the vocabulary are
+    /// refused, naming the field.
+    #[test]
+    fn bad_adjustments_are_refused_by_name() {
+        let bad = [
+            Sampling { presence_penalty: 2.5, ..Sampling::default() },
+            Sampling { frequency_penalty: -3.0, ..Sampling::default() },
+            Sampling { repetition_penalty: 0.0, ..Sampling::default() },
+            Sampling { min_p: 1.5, ..Sampling::default() },
+            Sampling { logit_bias: vec![(1, 101.0)], ..Sampling::default() },
+        ];
+        for (s, name) in
+            bad.iter().zip(["presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias"])
+        {
+            let e = s.check().unwrap_err();
+            assert!(e.starts_with(name), "{e}");
+        }
+        let bias = Sampling { logit_bias: vec![(3, 1.0), (384, 1.0)], ..Sampling::default() };
+        assert!(bias.check().is_ok());
+        assert!(bias.check_vocabulary(384).unwrap_err().contains("token 384, outside the model's vocabulary of 384"));
+        assert!(bias.check_vocabulary(385).is_ok());
     }
 }

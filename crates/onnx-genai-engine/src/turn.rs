@@ -125,6 +125,7 @@ impl Engine {
         };
         // 2. Count tokens: carried plus new, rows as `rows * longest` (A5, A7).
         request.check()?;
+        request.sampling.check_vocabulary(self.model.vocab_size()).map_err(EngineError::Request)?;
         let mut rows = self.prompt_ids(&request.prompt)?;
         if let Some(wf) = &self.workflow {
             if rows.len() != 1 {
@@ -180,7 +181,7 @@ impl Engine {
             request: request.clone(),
             generated: Vec::new(),
             emitted: String::new(),
-            sampler: Sampler::new(request.sampling.clone()),
+            sampler: Sampler::new(request.sampling.clone()).with_prompt(rows.iter().flatten().copied()),
             max_new,
             eos: self.package.manifest.generation.eos_token_ids.clone(),
             logits: Vec::new(),

@@ -87,7 +87,7 @@ fn seeded_sampling_is_reproducible_and_differs_from_greedy_somewhere() {
     let sample = |engine: &mut Engine, seed| {
         let req = GenerateRequest {
             max_new_tokens: Some(16),
-            sampling: Sampling { temperature: 1.5, top_k: 50, top_p: 0.95, seed },
+            sampling: Sampling { temperature: 1.5, top_k: 50, top_p: 0.95, seed, ..Sampling::default() },
             ..GenerateRequest::text("Once upon a time")
         };
         engine.generate(&req, &mut |_| Flow::Continue).unwrap().token_ids

@@ -64,6 +64,20 @@ pub struct Sampling {
     /// The end user, for the log.
     #[serde(default)]
     pub user: Option<String>,
+    #[serde(default)]
+    pub presence_penalty: Option<f32>,
+    #[serde(default)]
+    pub frequency_penalty: Option<f32>,
+    /// Token id (as a string, as OpenAI's clients send it) to bias.
+    #[serde(default)]
+    pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
+    /// Extensions as vLLM serves them.
+    #[serde(default)]
+    pub top_k: Option<u32>,
+    #[serde(default)]
+    pub min_p: Option<f32>,
+    #[serde(default)]
+    pub repetition_penalty: Option<f32>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -111,6 +125,23 @@ impl Sampling {
                 return Err(ApiError::param("top_p", format!("top_p must be in (0, 1], got {p}")));
             }
         }
+        self.logit_bias()?;
+        let engine_check = onnx_genai_engine::Sampling {
+            min_p: self.min_p.unwrap_or(0.0),
+            presence_penalty: self.presence_penalty.unwrap_or(0.0),
+            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
+            repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
+            ..onnx_genai_engine::Sampling::default()
+        }
+        .check();
+        if let Err(message) = engine_check {
+            // The engine's messages start with the field's name.
+            let field = ["min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"]
+                .into_iter()
+                .find(|f| message.starts_with(f))
+                .unwrap_or("sampling");
+            return Err(ApiError::param(field, message));
+        }
         if self.max_new_tokens() == Some(0) {
             return Err(ApiError::param("max_tokens", "max_tokens must be at least 1"));
         }
@@ -128,6 +159,48 @@ impl Sampling {
             ));
         }
         Ok(())
+    }
+
+    /// `logit_bias` as (token id, bias), each id a decimal token id and each
+    /// bias in [-100, 100].
+    pub fn logit_bias(&self) -> Result<Vec<(u32, f32)>, ApiError> {
+        let Some(map) = &self.logit_bias else { return Ok(Vec::new()) };
+        if map.len() > MAX_LOGIT_BIAS {
+            return Err(ApiError::param(
+                "logit_bias",
+                format!("at most {MAX_LOGIT_BIAS} biased tokens, got {}", map.len()),
+            ));
+        }
+        map.iter()
+            .map(|(id, bias)| {
+                let id: u32 = id
+                    .parse()
+                    .map_err(|_| ApiError::param("logit_bias", format!("logit_bias keys are token ids, got {id:?}")))?;
+                if !onnx_genai_engine::sampling::BIAS_RANGE.contains(bias) {
+                    return Err(ApiError::param(
+                        "logit_bias",
+                        format!("logit_bias of token {id} must be between -100 and 100, got {bias}"),
+                    ));
+                }
+                Ok((id, *bias))
+            })
+            .collect()
+    }
+
+    /// The engine's sampling options for this request (`seed` drawn when
+    /// absent: each such request samples its own way, as OpenAI does).
+    pub fn engine_sampling(&self, seed: impl FnOnce() -> u64) -> Result<onnx_genai_engine::Sampling, ApiError> {
+        Ok(onnx_genai_engine::Sampling {
+            temperature: self.temperature.unwrap_or(1.0),
+            top_k: self.top_k.unwrap_or(0) as usize,
+            top_p: self.top_p.unwrap_or(1.0),
+            min_p: self.min_p.unwrap_or(0.0),
+            seed: self.seed.unwrap_or_else(seed),
+            presence_penalty: self.presence_penalty.unwrap_or(0.0),
+            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
+            repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
+            logit_bias: self.logit_bias()?,
+        })
     }
 
     pub fn max_new_tokens(&self) -> Option<u32> {
@@ -150,6 +223,8 @@ impl Sampling {
 pub const MAX_STOPS: usize = 4;
 /// Characters in one stop sequence.
 pub const MAX_STOP_CHARS: usize = 256;
+/// Tokens one request may bias (OpenAI's limit).
+pub const MAX_LOGIT_BIAS: usize = 300;
 
 pub fn usage(prompt: usize, completion: usize) -> Value {
     json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})

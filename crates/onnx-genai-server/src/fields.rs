@@ -2,7 +2,9 @@
 //! refuses: nothing is accepted and then ignored. A field is served, served
 //! only at its default (a penalty of 0, `n` of 1 — what the server does
 //! anyway), or refused with 400 `invalid_request_error` naming it; a field
-//! OpenAI does not define is refused as unrecognized, as OpenAI does. The
+//! OpenAI does not define is refused as unrecognized, as OpenAI does, except
+//! the sampling extensions vLLM also serves (`top_k`, `min_p`,
+//! `repetition_penalty`). The
 //! README's table is generated from these lists (a test keeps them equal)
 //! and another test walks them over HTTP.
 
@@ -43,7 +45,7 @@ const fn refused(name: &'static str, note: &'static str, example: &'static str) 
 }
 
 /// Fields both endpoints share.
-const COMMON: [Field; 14] = [
+const COMMON: [Field; 17] = [
     served("model", "the package name", "\"m\""),
     served("max_tokens", "new tokens at most", "2"),
     served("temperature", "0 to 2; 0 is greedy", "0.5"),
@@ -54,9 +56,20 @@ const COMMON: [Field; 14] = [
     served("stream_options", "`include_usage`", "{\"include_usage\": true}"),
     served("user", "an end-user id, written to the request's log line", "\"u-1\""),
     default_only("n", "1", "one choice per request", "2"),
-    default_only("frequency_penalty", "0", "no penalties yet", "0.5"),
-    default_only("presence_penalty", "0", "no penalties yet", "0.5"),
-    default_only("logit_bias", "{}", "no biases yet", "{\"1\": 5}"),
+    served("frequency_penalty", "-2 to 2, subtracted per time a token was generated", "0.5"),
+    served("presence_penalty", "-2 to 2, subtracted once from every generated token", "0.5"),
+    served(
+        "logit_bias",
+        "token id to a bias in -100 to 100, added before sampling (greedy too); ids outside the vocabulary are refused",
+        "{\"1\": 5}",
+    ),
+    served("top_k", "extension (as vLLM): keep the k likeliest tokens; 0 keeps all", "40"),
+    served("min_p", "extension (as vLLM): drop tokens below min_p times the likeliest's probability", "0.05"),
+    served(
+        "repetition_penalty",
+        "extension (as vLLM): a prompt or generated token's logit is divided (or, when negative, multiplied) by it",
+        "1.1",
+    ),
     refused("service_tier", "one tier", "\"flex\""),
 ];
 

@@ -14,7 +14,7 @@ use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::stream::{self, Stream, StreamExt};
-use onnx_genai_engine::{ChatMessage, FinishReason, GenerateRequest, Prompt, Sampling};
+use onnx_genai_engine::{ChatMessage, FinishReason, GenerateRequest, Prompt};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
@@ -186,6 +186,11 @@ async fn run_turn(
     }
     let clock = state.metrics.token_clock();
     let driver = driver(state, &opts.model)?;
+    // Without a seed, each request samples its own way (OpenAI's
+    // behaviour); with one, the same request gives the same text. Checked
+    // before the lease: a refused request holds nothing.
+    let sampling = opts.engine_sampling(crate::sessions::random_u64)?;
+    sampling.check_vocabulary(driver.prompter.vocab_size()).map_err(|m| ApiError::param("logit_bias", m))?;
     // L1: the lease comes before anything queues; L8: no session, no lease.
     let session_id = match headers.get(SESSION_HEADER) {
         None => None,
@@ -204,14 +209,7 @@ async fn run_turn(
     let mut request = GenerateRequest::new(prompt);
     request.session = lease.as_ref().map(|l| l.placement.engine);
     request.max_new_tokens = opts.max_new_tokens();
-    request.sampling = Sampling {
-        temperature: opts.temperature.unwrap_or(1.0),
-        top_k: 0,
-        top_p: opts.top_p.unwrap_or(1.0),
-        // Without a seed, each request samples its own way (OpenAI's
-        // behaviour); with one, the same request gives the same text.
-        seed: opts.seed.unwrap_or_else(crate::sessions::random_u64),
-    };
+    request.sampling = sampling;
     let (admission, admitted) = Promise::new();
     let (events, rx) = mpsc::channel(16);
     let (released, ended) = tokio::sync::oneshot::channel();

@@ -1,5 +1,6 @@
 //! The official OpenAI Python client against a real server on loopback:
-//! models, chat, streaming, a session turn via `X-Session-Id`, an error.
+//! models, chat, streaming, a session turn via `X-Session-Id`, logit bias,
+//! penalties and vLLM's sampling extensions, an error.
 //! `cargo xtask test` installs the pinned client into `target/python`.
 
 mod support;
@@ -31,7 +32,7 @@ fn the_official_python_client_works() {
         .expect("python3 runs");
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "client failed:\n{stdout}\n{stderr}");
-    for check in ["models ok", "chat ok", "stream ok", "session ok", "error ok"] {
+    for check in ["models ok", "chat ok", "stream ok", "session ok", "sampling ok", "error ok"] {
         assert!(stdout.contains(check), "missing `{check}`:\n{stdout}");
     }
     server.stop();

@@ -500,6 +500,63 @@ fn requests_without_a_seed_sample_differently() {
     assert!(unseeded.len() > 1, "four unseeded requests gave one text: {unseeded:?}");
 }
 
+/// Issue 19's sampling adjustments over HTTP: `logit_bias` +100 makes a
+/// greedy decode repeat the biased token and -100 bans the token greedy
+/// picks; the penalties and vLLM's extensions are served; and bad values
+/// (a bias id outside the vocabulary, a key that is no id, a bias or
+/// penalty out of range) are 400s naming the field that leave the session
+/// free (nothing was leased or reserved).
+#[test]
+fn sampling_adjustments_shape_the_output_and_bad_ones_are_refused() {
+    let gate = Gate::default();
+    let (_d, s) = serve(&[M], &gate, u64::MAX, 8);
+    let (_p, package) = package(M);
+    // A merged (multi-byte) token, so its text is no accident of bytes.
+    let id = 300u32;
+    let repeated = package.tokenizer().decode(&[id; 4], false).unwrap();
+    assert!(repeated.chars().count() > 4, "token {id} is a merge: {repeated:?}");
+    let complete = |extra: serde_json::Value| {
+        let mut body = json!({"model": M, "prompt": "Once upon", "max_tokens": 4, "temperature": 0});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        post(s.addr, "/v1/completions", &body)
+    };
+    let text = |r: support::Reply| {
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()["choices"][0]["text"].as_str().unwrap().to_string()
+    };
+    let greedy = text(complete(json!({})));
+    assert_eq!(text(complete(json!({"logit_bias": {id.to_string(): 100}}))), repeated);
+    let first = package.tokenizer().encode(greedy.as_str(), false).unwrap().get_ids()[0];
+    let banned = text(complete(json!({"logit_bias": {first.to_string(): -100}})));
+    assert_ne!(banned, greedy, "banning token {first} left the greedy text");
+    for extra in [
+        json!({"presence_penalty": 2, "frequency_penalty": 1.5}),
+        json!({"repetition_penalty": 1.3}),
+        json!({"temperature": 1, "top_k": 5, "min_p": 0.1, "seed": 3}),
+    ] {
+        text(complete(extra));
+    }
+    let sid = session(&s, M);
+    for (extra, param, want) in [
+        (json!({"logit_bias": {"99999": 1}}), "logit_bias", "outside the model's vocabulary of 384 tokens"),
+        (json!({"logit_bias": {"the": 1}}), "logit_bias", "keys are token ids"),
+        (json!({"logit_bias": {"1": 101}}), "logit_bias", "between -100 and 100"),
+        (json!({"presence_penalty": 2.5}), "presence_penalty", "between -2 and 2"),
+        (json!({"frequency_penalty": -3}), "frequency_penalty", "between -2 and 2"),
+        (json!({"repetition_penalty": 0}), "repetition_penalty", "> 0"),
+        (json!({"min_p": 1.5}), "min_p", "[0, 1]"),
+    ] {
+        let mut body = json!({"model": M, "prompt": "hi", "max_tokens": 2});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        let r = call(s.addr, "POST", "/v1/completions", &[("x-session-id", &sid)], &body.to_string());
+        assert_eq!(r.status, 400, "{extra}: {}", r.body);
+        assert_eq!(r.json()["error"]["param"], param, "{}", r.body);
+        assert!(r.body.contains(want), "expected `{want}`: {}", r.body);
+    }
+    // The session took no lease from any of them: a turn on it runs.
+    assert_eq!(turn(&s, M, Some(&sid), "after the refusals", 2).status, 200);
+}
+
 /// Issue 19: a stop string that spans two tokens never leaks its first part
 /// into a stream — the text that could begin a stop string is held back
 /// until the next token decides — and what was held back goes out when it

@@ -48,6 +48,26 @@ second = client.chat.completions.create(
 assert second.usage.prompt_tokens > first.usage.total_tokens, (first.usage, second.usage)
 print("session ok")
 
+# Logit adjustments through the client's own parameters (and vLLM's
+# extensions through extra_body): a +100 bias repeats its token, -100 on
+# every token greedy chose changes the answer, penalties are served.
+biased = client.completions.create(
+    model=model, prompt="Once upon", max_tokens=4, temperature=0, logit_bias={"300": 100}
+)
+repeated = biased.choices[0].text
+assert len(repeated) > 4 and repeated == repeated[: len(repeated) // 4] * 4, repeated
+plain = client.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": "Hello"}], max_tokens=6, temperature=0,
+    presence_penalty=1.5, frequency_penalty=1.0, extra_body={"repetition_penalty": 1.2, "top_k": 5, "min_p": 0.05},
+)
+assert plain.usage.completion_tokens == 6, plain.usage
+try:
+    client.completions.create(model=model, prompt="x", max_tokens=2, logit_bias={"999999": 1})
+    raise SystemExit("a logit_bias id outside the vocabulary was accepted")
+except openai.BadRequestError as e:
+    assert e.status_code == 400 and "logit_bias" in str(e), e
+print("sampling ok")
+
 try:
     client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
     raise SystemExit("an unknown model was accepted")
