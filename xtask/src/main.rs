@@ -71,7 +71,7 @@ enum Command {
         /// --seed on), each built as every export it offers and held to parity
         /// at its tier; a failing spec is shrunk and written to
         /// target/conformance/random/.
-        #[arg(long, value_name = "N")]
+        #[arg(long, value_name = "N", conflicts_with_all = ["package", "backend", "suite", "shard", "no_real"])]
         random: Option<u64>,
         /// First seed of --random (seed S, S+1, ...).
         #[arg(long, default_value_t = 1, requires = "random")]

@@ -134,8 +134,10 @@ pub fn run(
     out
 }
 
-/// One line for a parity divergence of `candidate` from ONNX Runtime.
-pub fn describe(d: &Divergence, tier: Tier, candidate: &str) -> String {
+/// One line for a divergence of the `candidate` side from the `reference`
+/// side (how the check names each: `ort` and a backend, `alone` and
+/// `batched on ...`).
+pub fn describe(d: &Divergence, tier: Tier, reference_side: &str, candidate: &str) -> String {
     match d {
         Divergence::Logits { step, deviation } => format!(
             "logits out of tier {} at step {step}: max |d| {:.3e} at token {} ({:.1}x the tolerance)",
@@ -145,7 +147,7 @@ pub fn describe(d: &Divergence, tier: Tier, candidate: &str) -> String {
             deviation.worst_ratio
         ),
         Divergence::Token { step, reference, candidate: c, top2_gap, max_abs, near_tie } => format!(
-            "{}greedy token differs at step {step}: ort {reference}, {candidate} {c}; reference top-2 gap {top2_gap:.3e}, max |d| {max_abs:.3e}",
+            "{}greedy token differs at step {step}: {reference_side} {reference}, {candidate} {c}; reference top-2 gap {top2_gap:.3e}, max |d| {max_abs:.3e}",
             if *near_tie { "NEAR-TIE: " } else { "" },
         ),
         Divergence::Error { step, backend, message } => format!("{backend} failed at step {step}: {message}"),

@@ -110,7 +110,7 @@ impl ExportOutcome {
                 None => {
                     format!("{head}: {} steps, worst {:.1}% of the tolerance", o.steps, 100.0 * o.worst.worst_ratio)
                 }
-                Some(d) => format!("{head}: {}", parity::describe(d, self.tier, "native-cpu")),
+                Some(d) => format!("{head}: {}", parity::describe(d, self.tier, "ort", "native-cpu")),
             },
             Err(e) => format!("{head}: {e}"),
         }
@@ -244,10 +244,32 @@ mod tests {
         assert!(any(&|s| s.genai.accuracy_level == 4) && any(&|s| s.genai.accuracy_level == 0));
     }
 
+    /// A generated export is held to the tier the shipped packages' suite
+    /// files give the same kind of export: `tier_of` agrees with every
+    /// `conformance/parity/*.yaml` on every variant of its package.
+    #[test]
+    fn generated_tiers_are_the_suite_files_tiers() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let dir = root.join("conformance/parity");
+        let mut files = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            let file: crate::cases::ParityFile = crate::cases::read_yaml(&path).unwrap();
+            let spec =
+                onnx_genai_build::read_spec(&root.join("packages").join(&file.package).join("spec.yaml")).unwrap();
+            for variant in &file.variants {
+                let want = file.tiers.get(variant).copied().unwrap_or(file.tier);
+                assert_eq!(tier_of(&spec, *variant), want, "{} {}", file.package, variant.name());
+            }
+            files += 1;
+        }
+        assert!(files >= 3, "{files} suite files");
+    }
+
     /// Shrinking keeps only specs that still fail and ends at a local
-    /// minimum: with "fails while it has 3+ heads or 2+ layers" as the
-    /// property, a 3-layer 6-head spec shrinks to one layer, 3 heads and
-    /// the smallest widths.
+    /// minimum: with "fails while it has 3+ heads" as the property, a
+    /// 3-layer 6-head spec shrinks to one layer, 3 heads and the smallest
+    /// widths.
     #[test]
     fn shrinking_keeps_failing_and_gets_small() {
         let big = (0..500)

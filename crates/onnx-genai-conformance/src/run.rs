@@ -222,7 +222,7 @@ fn run_parity(
         }
         Some(d) => format!(
             "{}{}",
-            parity::describe(d, tier, &check.backend),
+            parity::describe(d, tier, "ort", &check.backend),
             match &out.arbitration {
                 Some(a) => format!(
                     "; the f32 export decides: it picks {} (sides with {}; f32 margin {:.3e})",
@@ -282,31 +282,20 @@ fn run_batch(
             )
         }
         (Some((i, d)), _) => {
-            format!("sequence {i} ({} prompt tokens): {}", prompts[*i].len(), describe(d, &check.backend))
+            format!(
+                "sequence {i} ({} prompt tokens): {}",
+                prompts[*i].len(),
+                parity::describe(d, tier, "alone", &format!("batched on {}", check.backend))
+            )
         }
         (None, Some(d)) => format!(
             "a prompt in chunks of {} tokens against one-shot prefills of the same prefixes (step = chunk): {}",
             chunks.join("/"),
-            describe(d, &check.backend)
+            parity::describe(d, tier, "one-shot", &format!("chunked on {}", check.backend))
         ),
     };
     result.batch = Some(out);
     Ok(())
-}
-
-/// One line for a divergence from the reference alone.
-fn describe(d: &Divergence, backend: &str) -> String {
-    match d {
-        Divergence::Logits { step, deviation } => format!(
-            "logits out of tier at step {step}: max |d| {:.3e} at token {} ({:.1}x the tolerance)",
-            deviation.max_abs, deviation.worst_index, deviation.worst_ratio
-        ),
-        Divergence::Token { step, reference, candidate, top2_gap, max_abs, near_tie } => format!(
-            "{}greedy token differs at step {step}: alone {reference}, batched {candidate} on {backend}; top-2 gap {top2_gap:.3e}, max |d| {max_abs:.3e}",
-            if *near_tie { "NEAR-TIE: " } else { "" }
-        ),
-        Divergence::Error { step, backend, message } => format!("{backend} failed at step {step}: {message}"),
-    }
 }
 
 fn run_golden(

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use libtest_mimic::{Arguments, Failed, Trial};
-use onnx_genai_conformance::cases::{discover, Check, Suite, ON_REQUEST};
+use onnx_genai_conformance::cases::{discover, Check, Suite, ON_REQUEST, REFERENCE};
 use onnx_genai_conformance::golden;
 use onnx_genai_conformance::run::{run_check, Context, Status};
 
@@ -17,15 +17,18 @@ fn root() -> PathBuf {
 
 /// Parity: fails with the step, token ids, top-2 gap and max |d| on a
 /// divergence. Golden: the run judged its record against `golden/decode/`
-/// (tokens and text exact, logits at the tier); on a failure the record goes
-/// to insta too, so the change shows up in `cargo insta review`.
+/// (tokens and text exact, logits at the tier); on a failure of the
+/// reference (ONNX Runtime) the record goes to insta too, so the change shows
+/// up in `cargo insta review`.
 fn run(check: &Check, ctx: &Context) -> Result<(), Failed> {
     let result = run_check(check, ctx);
     if result.status == Status::Passed {
         return Ok(());
     }
     // Only a pass passes: a check that did not run proves nothing.
-    if let (Suite::Golden, Some(text)) = (check.suite, result.golden_text) {
+    // Goldens are recorded from ONNX Runtime: another backend's failing
+    // record must not become a pending snapshot that could replace it.
+    if let (Suite::Golden, true, Some(text)) = (check.suite, check.backend == REFERENCE, result.golden_text) {
         let name = golden::snapshot_name(check);
         let dir = root().join(golden::SNAPSHOT_DIR);
         let _pending = std::panic::catch_unwind(|| {

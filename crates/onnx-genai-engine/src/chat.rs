@@ -43,6 +43,7 @@ pub struct Prompter {
     plain: Tokenizer,
     /// The texts of the tokenizer's special tokens (`<|im_start|>`, ...).
     specials: Vec<String>,
+    vocab_size: usize,
 }
 
 /// Marks a message's content in a rendered template (private-use code
@@ -61,7 +62,8 @@ impl Prompter {
             .filter(|t| t.special && !t.content.is_empty())
             .map(|t| t.content)
             .collect();
-        Self { package, plain, specials }
+        let vocab_size = package.manifest.architecture.vocab_size as usize;
+        Self { package, plain, specials, vocab_size }
     }
 
     /// A chat's token ids. Content that spells a special token (a user
@@ -111,12 +113,19 @@ impl Prompter {
         Ok(ids)
     }
 
-    /// Encodes text (special tokens are parsed).
-    /// Tokens the model's logits cover.
+    /// Tokens the model's logits cover (what a `logit_bias` id must be
+    /// below): the loaded model's width when the engine made this prompter,
+    /// else the manifest's vocabulary.
     pub fn vocab_size(&self) -> usize {
-        self.package.manifest.architecture.vocab_size as usize
+        self.vocab_size
     }
 
+    /// The same prompter, held to a model whose logits cover `vocab` tokens.
+    pub fn with_vocab_size(self, vocab: usize) -> Self {
+        Self { vocab_size: vocab, ..self }
+    }
+
+    /// Encodes text (special tokens are parsed).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, EngineError> {
         self.package
             .tokenizer()

@@ -153,7 +153,7 @@ impl Engine {
     pub fn new(package: Package, model: Arc<dyn DecodeModel>) -> Result<Self, EngineError> {
         let tokenizer = package.tokenizer().clone();
         let workflow = WorkflowRuntime::load(&package)?;
-        let prompter = Arc::new(Prompter::new(package.clone()));
+        let prompter = Arc::new(Prompter::new(package.clone()).with_vocab_size(model.vocab_size()));
         Ok(Self {
             package,
             tokenizer,

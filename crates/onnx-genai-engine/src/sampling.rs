@@ -116,7 +116,8 @@ impl Sampler {
         Self { options, state, generated: HashMap::new(), prompt: Default::default(), adjusted: Vec::new() }
     }
 
-    /// Tokens of the prompt, for the repetition penalty.
+    /// Tokens of the prompt (a session's carried history included), for the
+    /// repetition penalty.
     pub fn with_prompt(mut self, tokens: impl IntoIterator<Item = u32>) -> Self {
         if self.options.repetition_penalty != 1.0 {
             self.prompt.extend(tokens);
@@ -153,7 +154,10 @@ impl Sampler {
     fn adjust(&self, logits: &mut [f32]) {
         let o = &self.options;
         if o.repetition_penalty != 1.0 {
-            let seen = self.prompt.iter().chain(self.generated.keys());
+            // Each seen token once, whether it came from the prompt, the
+            // output or both.
+            let generated_only = self.generated.keys().filter(|id| !self.prompt.contains(id));
+            let seen = self.prompt.iter().chain(generated_only);
             for &id in seen {
                 if let Some(l) = logits.get_mut(id as usize) {
                     *l = if *l > 0.0 { *l / o.repetition_penalty } else { *l * o.repetition_penalty };
@@ -292,9 +296,15 @@ mod tests {
         let mut s = Sampler::new(opts.clone()).with_prompt([0]);
         // 0 seen in the prompt: 4.0 / 2 = 2.0 < 3.0.
         assert_eq!(s.pick(&[4.0, 3.0, -1.0]), 1);
-        let mut s = Sampler::new(opts).with_prompt([2]);
+        let mut s = Sampler::new(opts.clone()).with_prompt([2]);
         // A negative logit is pushed further down: -0.5 * 2 = -1.0 < -0.8.
         assert_eq!(s.pick(&[-2.0, -0.8, -0.5]), 1);
+        // A token both in the prompt and generated is penalized once: it
+        // is generated (8.0 / 2 = 4.0 > 3.5), then 6.0 / 2 = 3.0 > 2.9
+        // (twice would be 1.5).
+        let mut s = Sampler::new(opts).with_prompt([0]);
+        assert_eq!(s.pick(&[8.0, 3.5]), 0);
+        assert_eq!(s.pick(&[6.0, 2.9]), 0);
     }
 
     /// Logit bias is added before greedy and sampled choices alike: +100

@@ -170,6 +170,11 @@ impl Engine {
         //    decode core refuses is refused by ending the admitted turn, which
         //    releases its reservation like every other ending.
         let max_new = admission.max_new_tokens as usize;
+        // The repetition penalty reads the whole conversation: what the
+        // session carries, then the new prompt.
+        let carried_tokens = request.session.and_then(|id| self.sessions.get(&id)).map_or(&[][..], |s| &s.tokens[..]);
+        let sampler = Sampler::new(request.sampling.clone())
+            .with_prompt(carried_tokens.iter().chain(rows.iter().flatten()).copied());
         let mut turn = Turn {
             admission,
             session: request.session,
@@ -181,7 +186,7 @@ impl Engine {
             request: request.clone(),
             generated: Vec::new(),
             emitted: String::new(),
-            sampler: Sampler::new(request.sampling.clone()).with_prompt(rows.iter().flatten().copied()),
+            sampler,
             max_new,
             eos: self.package.manifest.generation.eos_token_ids.clone(),
             logits: Vec::new(),

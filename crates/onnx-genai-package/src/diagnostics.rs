@@ -57,7 +57,7 @@ pub enum Code {
     PKG032,
     /// An operator the reference runtime (ONNX Runtime) refuses for this
     /// geometry: `GroupQueryAttention` with a head size that is not a
-    /// multiple of 8.
+    /// multiple of 8 (of 16 when it applies rotary itself, `do_rotary`).
     PKG033,
     /// Logits width differs from the architecture's vocabulary size.
     PKG040,

@@ -71,9 +71,9 @@ pub struct Sampling {
     /// Token id (as a string, as OpenAI's clients send it) to bias.
     #[serde(default)]
     pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
-    /// Extensions as vLLM serves them.
+    /// Extensions as vLLM serves them (`top_k` -1, as 0, keeps every token).
     #[serde(default)]
-    pub top_k: Option<u32>,
+    pub top_k: Option<i64>,
     #[serde(default)]
     pub min_p: Option<f32>,
     #[serde(default)]
@@ -125,18 +125,9 @@ impl Sampling {
                 return Err(ApiError::param("top_p", format!("top_p must be in (0, 1], got {p}")));
             }
         }
-        self.logit_bias()?;
-        let engine_check = onnx_genai_engine::Sampling {
-            min_p: self.min_p.unwrap_or(0.0),
-            presence_penalty: self.presence_penalty.unwrap_or(0.0),
-            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
-            repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
-            ..onnx_genai_engine::Sampling::default()
-        }
-        .check();
-        if let Err(message) = engine_check {
+        if let Err(message) = self.engine_sampling(|| 0)?.check() {
             // The engine's messages start with the field's name.
-            let field = ["min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"]
+            let field = ["min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"]
                 .into_iter()
                 .find(|f| message.starts_with(f))
                 .unwrap_or("sampling");
@@ -161,9 +152,10 @@ impl Sampling {
         Ok(())
     }
 
-    /// `logit_bias` as (token id, bias), each id a decimal token id and each
-    /// bias in [-100, 100].
-    pub fn logit_bias(&self) -> Result<Vec<(u32, f32)>, ApiError> {
+    /// `logit_bias` as (token id, bias): each key a decimal token id, named
+    /// once (`"1"` and `"01"` are one token). The biases' range is the
+    /// engine's check.
+    fn logit_bias(&self) -> Result<Vec<(u32, f32)>, ApiError> {
         let Some(map) = &self.logit_bias else { return Ok(Vec::new()) };
         if map.len() > MAX_LOGIT_BIAS {
             return Err(ApiError::param(
@@ -171,20 +163,25 @@ impl Sampling {
                 format!("at most {MAX_LOGIT_BIAS} biased tokens, got {}", map.len()),
             ));
         }
-        map.iter()
-            .map(|(id, bias)| {
-                let id: u32 = id
-                    .parse()
-                    .map_err(|_| ApiError::param("logit_bias", format!("logit_bias keys are token ids, got {id:?}")))?;
-                if !onnx_genai_engine::sampling::BIAS_RANGE.contains(bias) {
-                    return Err(ApiError::param(
-                        "logit_bias",
-                        format!("logit_bias of token {id} must be between -100 and 100, got {bias}"),
-                    ));
-                }
-                Ok((id, *bias))
-            })
-            .collect()
+        let mut ids = std::collections::BTreeMap::new();
+        for (key, bias) in map {
+            let id: u32 = key
+                .parse()
+                .map_err(|_| ApiError::param("logit_bias", format!("logit_bias keys are token ids, got {key:?}")))?;
+            if ids.insert(id, *bias).is_some() {
+                return Err(ApiError::param("logit_bias", format!("logit_bias names token {id} twice")));
+            }
+        }
+        Ok(ids.into_iter().collect())
+    }
+
+    /// vLLM's `top_k`: -1 (or 0) keeps every token.
+    fn top_k(&self) -> Result<usize, ApiError> {
+        match self.top_k.unwrap_or(0) {
+            -1 | 0 => Ok(0),
+            k if k > 0 => usize::try_from(k).map_err(|_| ApiError::param("top_k", format!("top_k {k} is too large"))),
+            k => Err(ApiError::param("top_k", format!("top_k must be -1 (every token) or at least 1, got {k}"))),
+        }
     }
 
     /// The engine's sampling options for this request (`seed` drawn when
@@ -192,7 +189,7 @@ impl Sampling {
     pub fn engine_sampling(&self, seed: impl FnOnce() -> u64) -> Result<onnx_genai_engine::Sampling, ApiError> {
         Ok(onnx_genai_engine::Sampling {
             temperature: self.temperature.unwrap_or(1.0),
-            top_k: self.top_k.unwrap_or(0) as usize,
+            top_k: self.top_k()?,
             top_p: self.top_p.unwrap_or(1.0),
             min_p: self.min_p.unwrap_or(0.0),
             seed: self.seed.unwrap_or_else(seed),

@@ -1,6 +1,6 @@
 //! Which fields of OpenAI's request bodies this server serves and which it
 //! refuses: nothing is accepted and then ignored. A field is served, served
-//! only at its default (a penalty of 0, `n` of 1 — what the server does
+//! only at its default (`logprobs` false, `n` of 1 — what the server does
 //! anyway), or refused with 400 `invalid_request_error` naming it; a field
 //! OpenAI does not define is refused as unrecognized, as OpenAI does, except
 //! the sampling extensions vLLM also serves (`top_k`, `min_p`,

@@ -513,10 +513,10 @@ fn sampling_adjustments_shape_the_output_and_bad_ones_are_refused() {
     let (_p, package) = package(M);
     // A merged (multi-byte) token, so its text is no accident of bytes.
     let id = 300u32;
-    let repeated = package.tokenizer().decode(&[id; 4], false).unwrap();
-    assert!(repeated.chars().count() > 4, "token {id} is a merge: {repeated:?}");
+    let repeated = package.tokenizer().decode(&[id; 12], false).unwrap();
+    assert!(repeated.chars().count() > 12, "token {id} is a merge: {repeated:?}");
     let complete = |extra: serde_json::Value| {
-        let mut body = json!({"model": M, "prompt": "Once upon", "max_tokens": 4, "temperature": 0});
+        let mut body = json!({"model": M, "prompt": "Once upon", "max_tokens": 12, "temperature": 0});
         body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
         post(s.addr, "/v1/completions", &body)
     };
@@ -529,13 +529,25 @@ fn sampling_adjustments_shape_the_output_and_bad_ones_are_refused() {
     let first = package.tokenizer().encode(greedy.as_str(), false).unwrap().get_ids()[0];
     let banned = text(complete(json!({"logit_bias": {first.to_string(): -100}})));
     assert_ne!(banned, greedy, "banning token {first} left the greedy text");
-    for extra in [
-        json!({"presence_penalty": 2, "frequency_penalty": 1.5}),
-        json!({"repetition_penalty": 1.3}),
-        json!({"temperature": 1, "top_k": 5, "min_p": 0.1, "seed": 3}),
-    ] {
-        text(complete(extra));
+    // Each served adjustment has an effect. Greedy text here repeats no
+    // token, so the penalties show by rewarding repeats (negative presence
+    // and frequency penalties, a repetition penalty below 1): the first
+    // token comes back. At a high temperature this seed samples away from
+    // greedy, unless top_k 1 or min_p 1 leaves only the likeliest token.
+    for extra in [json!({"presence_penalty": -2}), json!({"frequency_penalty": -2}), json!({"repetition_penalty": 0.3})]
+    {
+        assert_ne!(text(complete(extra.clone())), greedy, "{extra} changed nothing");
     }
+    assert_ne!(text(complete(json!({"temperature": 1.5, "seed": 3}))), greedy);
+    for extra in [json!({"top_k": 1}), json!({"min_p": 1.0}), json!({"top_k": 1, "min_p": 0.5})] {
+        let mut sampled = json!({"temperature": 1.5, "seed": 3});
+        sampled.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        assert_eq!(text(complete(sampled)), greedy, "{extra} left more than the likeliest token");
+    }
+    assert_eq!(
+        text(complete(json!({"temperature": 1.5, "seed": 3, "top_k": -1}))),
+        text(complete(json!({"temperature": 1.5, "seed": 3})))
+    );
     let sid = session(&s, M);
     for (extra, param, want) in [
         (json!({"logit_bias": {"99999": 1}}), "logit_bias", "outside the model's vocabulary of 384 tokens"),
@@ -545,6 +557,8 @@ fn sampling_adjustments_shape_the_output_and_bad_ones_are_refused() {
         (json!({"frequency_penalty": -3}), "frequency_penalty", "between -2 and 2"),
         (json!({"repetition_penalty": 0}), "repetition_penalty", "> 0"),
         (json!({"min_p": 1.5}), "min_p", "[0, 1]"),
+        (json!({"top_k": -2}), "top_k", "-1 (every token) or at least 1"),
+        (json!({"logit_bias": {"1": 1, "01": 2}}), "logit_bias", "names token 1 twice"),
     ] {
         let mut body = json!({"model": M, "prompt": "hi", "max_tokens": 2});
         body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());

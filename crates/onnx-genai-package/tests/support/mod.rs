@@ -36,13 +36,21 @@ pub enum Layout {
     /// The builder's `genai` export: what ONNX Runtime GenAI's own model
     /// builder writes.
     OrtGenai,
+    /// The builder's `contrib` export (com.microsoft ops, 4-bit weights),
+    /// with the native manifest.
+    Contrib,
 }
 
 /// Builds `name` into `dir` in the given layout.
 pub fn build(name: &str, layout: Layout, dir: &Path) {
     let spec = onnx_genai_build::read_spec(&spec_path(name)).unwrap();
-    if layout == Layout::OrtGenai {
-        onnx_genai_build::build_variant(&spec, onnx_genai_build::Variant::Genai, dir).unwrap();
+    let variant = match layout {
+        Layout::OrtGenai => Some(onnx_genai_build::Variant::Genai),
+        Layout::Contrib => Some(onnx_genai_build::Variant::Contrib),
+        Layout::Native | Layout::Genai => None,
+    };
+    if let Some(variant) = variant {
+        onnx_genai_build::build_variant(&spec, variant, dir).unwrap();
         return;
     }
     onnx_genai_build::build_package(&spec, dir).unwrap();

@@ -56,11 +56,19 @@ biased = client.completions.create(
 )
 repeated = biased.choices[0].text
 assert len(repeated) > 4 and repeated == repeated[: len(repeated) // 4] * 4, repeated
-plain = client.chat.completions.create(
-    model=model, messages=[{"role": "user", "content": "Hello"}], max_tokens=6, temperature=0,
-    presence_penalty=1.5, frequency_penalty=1.0, extra_body={"repetition_penalty": 1.2, "top_k": 5, "min_p": 0.05},
-)
-assert plain.usage.completion_tokens == 6, plain.usage
+def text(**kw):
+    return client.completions.create(model=model, prompt="Once upon", max_tokens=12, **kw).choices[0].text
+
+
+greedy = text(temperature=0)
+# Greedy repeats no token here: penalties that reward repeats change it.
+assert text(temperature=0, presence_penalty=-2) != greedy
+assert text(temperature=0, frequency_penalty=-2) != greedy
+assert text(temperature=0, extra_body={"repetition_penalty": 0.3}) != greedy
+# At a high temperature, top_k 1 or min_p 1 leave only the likeliest token.
+assert text(temperature=1.5, seed=3) != greedy
+assert text(temperature=1.5, seed=3, extra_body={"top_k": 1}) == greedy
+assert text(temperature=1.5, seed=3, extra_body={"min_p": 1.0}) == greedy
 try:
     client.completions.create(model=model, prompt="x", max_tokens=2, logit_bias={"999999": 1})
     raise SystemExit("a logit_bias id outside the vocabulary was accepted")
