@@ -171,8 +171,8 @@ fn request(path: Path_) -> GenerateRequest {
 /// Pins A1 (every decode-core path is admitted before work), A2 (typed
 /// refusal with numbers, before any backend call), A3 (`on_admitted` exactly
 /// once after the decision, never on refusal), A4 (released on every exit),
-/// A5 (a continuing turn counts its carried tokens and keeps its
-/// conversation), A6 (clamp and cap), A8 (no geometry passes through), A10
+/// A5 (a continuing turn counts its carried tokens and is admitted under
+/// its first turn's conversation id), A6 (clamp and cap), A8 (no geometry passes through), A10
 /// (exact boundary).
 #[test]
 fn admission_matrix_on_the_decode_core() {
@@ -201,6 +201,8 @@ fn admission_matrix_on_the_decode_core() {
             let pkg = if budget == Budget::NoGeometry { bare.clone() } else { package.clone() };
             let mut e = engine(pkg, bytes, &probe);
             let mut req = request(path);
+            // The scheduler identity turn one was admitted under.
+            let mut first_conversation = None;
             if path == Path_::Session {
                 // Turn one runs unbudgeted-small: 3 tokens on a big budget.
                 let big = Scheduler::new(u64::MAX);
@@ -209,7 +211,9 @@ fn admission_matrix_on_the_decode_core() {
                 let mut first = GenerateRequest::new(Prompt::TokenIds(PROMPT.to_vec()));
                 first.session = Some(id);
                 first.max_new_tokens = Some(3);
-                let r = e1.generate(&first, &mut |_| Flow::Continue).unwrap();
+                let r = e1
+                    .generate_with(&first, &mut |a| first_conversation = Some(a.conversation), &mut |_| Flow::Continue)
+                    .unwrap();
                 assert_eq!(r.token_ids.len(), 3, "turn one must generate its 3 tokens (no EOS in this prompt)");
                 assert_eq!(e1.session_tokens(id).unwrap().len() as u64, carried);
                 e = e1.with_scheduler(Scheduler::new(bytes));
@@ -247,6 +251,9 @@ fn admission_matrix_on_the_decode_core() {
                     assert_eq!(signals.len(), 1, "{what}: on_admitted must fire exactly once");
                     let a = signals[0];
                     assert_eq!(a.prompt_tokens, carried + PROMPT.len() as u64, "{what}: carried tokens counted");
+                    if let Some(first) = first_conversation {
+                        assert_eq!(a.conversation, first, "{what}: a session's turns keep one scheduler identity (A5)");
+                    }
                     if budget == Budget::NoGeometry {
                         assert_eq!(a.reserved_bytes, 0, "{what}: unknown geometry reserves nothing");
                     }
