@@ -33,6 +33,7 @@ pub fn run(opts: Options) -> Result<()> {
     let mut runner = Runner::new(root.clone(), out.join("scratch"), out.join("target"));
     runner.envs.push(("ORT_DYLIB_PATH".into(), lib.display().to_string()));
     runner.shared_target = vec!["python".into(), "onnxruntime".into()];
+    runner.seed_from = Some(util::target());
     runner.prepare().map_err(anyhow::Error::msg)?;
     for c in catalogs.iter().filter(|c| selection.battery.as_ref().is_none_or(|b| *b == c.battery)) {
         println!("==> battery {}: {} mutants over {}", c.battery, c.mutants.len(), c.packages.join(", "));

@@ -17,9 +17,11 @@ use crate::HarnessError;
 
 mod battery;
 mod runner;
+mod seed;
 
 pub use battery::{check_selection, run_all, Problem, Report, Selection};
 pub use runner::{run_limited, RunLock, Runner, TestRun};
+pub use seed::{seed_target, Seeded};
 
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]

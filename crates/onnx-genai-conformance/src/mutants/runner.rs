@@ -52,6 +52,9 @@ pub struct Runner {
     /// Directories under the source's `target/` the tests read (installed
     /// runtimes), linked into the scratch tree.
     pub shared_target: Vec<String>,
+    /// The main build's target directory: its third-party units seed
+    /// `target_dir` before the first run (`seed.rs`).
+    pub seed_from: Option<PathBuf>,
     /// The tracked files as copied, to verify restores against (the source
     /// may change while a run is in progress).
     snapshot: std::collections::BTreeMap<String, Vec<u8>>,
@@ -59,7 +62,15 @@ pub struct Runner {
 
 impl Runner {
     pub fn new(source: PathBuf, scratch: PathBuf, target_dir: PathBuf) -> Self {
-        Self { source, scratch, target_dir, envs: Vec::new(), shared_target: Vec::new(), snapshot: Default::default() }
+        Self {
+            source,
+            scratch,
+            target_dir,
+            envs: Vec::new(),
+            shared_target: Vec::new(),
+            seed_from: None,
+            snapshot: Default::default(),
+        }
     }
 
     /// Copies every file git tracks (as it is in the working tree) into a
@@ -75,6 +86,18 @@ impl Runner {
             if let Ok(bytes) = std::fs::read(&from) {
                 std::fs::write(&to, &bytes).map_err(|e| format!("{}: {e}", to.display()))?;
                 self.snapshot.insert(rel, bytes);
+            }
+        }
+        if let Some(from) = &self.seed_from {
+            let seeded = super::seed_target(&from.join("debug"), &self.target_dir.join("debug"))?;
+            if seeded != super::Seeded::default() {
+                println!(
+                    "==> seeded {} from {}: {} artifacts linked, {} files copied",
+                    self.target_dir.display(),
+                    from.display(),
+                    seeded.linked,
+                    seeded.copied
+                );
             }
         }
         for dir in &self.shared_target {
