@@ -1,6 +1,6 @@
 //! Pinned Python packages installed with pip into folders under `target/`:
-//! the official `openai` client (`target/python`, for the server's
-//! real-client test) and ONNX Runtime GenAI (`target/genai`, the peer
+//! the official `openai` client and `jsonschema` (`target/python`, for the
+//! server's real-client test) and ONNX Runtime GenAI (`target/genai`, the peer
 //! runtime of the interop lane and `cargo xtask bench --peer ort-genai`).
 
 use std::process::Command;
@@ -10,11 +10,15 @@ use anyhow::{bail, Context, Result};
 use crate::util;
 
 pub const OPENAI_VERSION: &str = "3.57.0";
+/// Validates structured outputs in the client test independently of the
+/// server's grammar.
+pub const JSONSCHEMA_VERSION: &str = "4.26.0";
 pub const ORT_GENAI_VERSION: &str = "0.18.0";
 
-/// Ensures `target/python` holds `openai==OPENAI_VERSION`; idempotent.
+/// Ensures `target/python` holds `openai==OPENAI_VERSION` and
+/// `jsonschema==JSONSCHEMA_VERSION`; idempotent.
 pub fn provision() -> Result<()> {
-    install("python", &[&format!("openai=={OPENAI_VERSION}")])
+    install("python", &[&format!("openai=={OPENAI_VERSION}"), &format!("jsonschema=={JSONSCHEMA_VERSION}")])
 }
 
 /// Ensures `target/genai` holds `onnxruntime-genai==ORT_GENAI_VERSION` with

@@ -9,7 +9,9 @@ use std::sync::OnceLock;
 
 use onnx_genai_build::gguf::{tokenizer::tokenizer_json, Gguf};
 use onnx_genai_conformance::real::RealModel;
-use onnx_genai_engine::{BackendKind, ChatMessage, Engine, Flow, GenerateRequest, Prompt};
+use onnx_genai_engine::{
+    BackendKind, ChatMessage, Engine, FinishReason, Flow, GenerateRequest, Prompt, ResponseFormat,
+};
 use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer, Tokenizer};
 
 fn root() -> PathBuf {
@@ -64,9 +66,12 @@ fn encodings_of_tricky_strings() {
 }
 
 /// The chat template from the GGUF renders through the engine, and the
-/// f32 export answers on native-cpu (it talks).
+/// f32 export answers on native-cpu (it talks); asked for JSON under a
+/// schema with strings and integers (issue 19's structured
+/// outputs over the real 49,152-token vocabulary), the greedy answer ends by
+/// itself and parses with the schema's keys and types.
 #[test]
-fn a_chat_turn_answers() {
+fn a_chat_turn_answers_in_text_and_in_json() {
     let m = model();
     let base = m.load_spec(&root().join("target")).unwrap();
     let export = m.exports.iter().find(|e| e.name == "f32").unwrap();
@@ -79,4 +84,31 @@ fn a_chat_turn_answers() {
     // The template's default system prompt, and the turn markers.
     assert!(out.prompt_tokens > 30, "{}", out.prompt_tokens);
     assert!(out.text.contains("Paris"), "{:?}", out.text);
+
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 40},
+            "country": {"type": "string", "maxLength": 40},
+            "population": {"type": "integer", "minimum": 0},
+            "latitude": {"type": "integer", "minimum": -90, "maximum": 90}
+        },
+        "required": ["city", "country", "population", "latitude"],
+        "additionalProperties": false
+    });
+    // (An unbounded `number` lets this small model write digits until the
+    // length runs out: "41.28999999999999533333…".)
+    let ask = "Give the capital of France, its country, population and latitude in whole degrees as JSON.";
+    let request = GenerateRequest {
+        max_new_tokens: Some(80),
+        response_format: ResponseFormat::JsonSchema(schema),
+        ..GenerateRequest::new(Prompt::Chat(vec![ChatMessage { role: "user".into(), content: ask.into() }]))
+    };
+    let out = engine.generate(&request, &mut |_| Flow::Continue).unwrap();
+    assert_eq!(out.finish_reason, FinishReason::Eos, "{:?}", out.text);
+    let value: serde_json::Value = serde_json::from_str(&out.text).unwrap_or_else(|e| panic!("{e}: {:?}", out.text));
+    let keys: Vec<&String> = value.as_object().unwrap().keys().collect();
+    assert_eq!(keys, ["city", "country", "population", "latitude"], "{}", out.text);
+    assert!(value["city"].is_string() && value["country"].is_string(), "{}", out.text);
+    assert!(value["population"].is_u64() && value["latitude"].is_i64(), "{}", out.text);
 }

@@ -4,6 +4,8 @@ use onnx_genai_package::Manifest;
 use serde::Serialize;
 use tokenizers::Tokenizer;
 
+use crate::constraint::{Constraint, ResponseFormat};
+
 use crate::EngineError;
 
 #[derive(Clone, Debug, Serialize)]
@@ -44,6 +46,8 @@ pub struct Prompter {
     /// The texts of the tokenizer's special tokens (`<|im_start|>`, ...).
     specials: Vec<String>,
     vocab_size: usize,
+    /// The response-format compiler over this tokenizer.
+    grammars: crate::constraint::Grammars,
 }
 
 /// Marks a message's content in a rendered template (private-use code
@@ -63,7 +67,7 @@ impl Prompter {
             .map(|t| t.content)
             .collect();
         let vocab_size = package.manifest.architecture.vocab_size as usize;
-        Self { package, plain, specials, vocab_size }
+        Self { package, plain, specials, vocab_size, grammars: crate::constraint::Grammars::new() }
     }
 
     /// A chat's token ids. Content that spells a special token (a user
@@ -123,6 +127,16 @@ impl Prompter {
     /// The same prompter, held to a model whose logits cover `vocab` tokens.
     pub fn with_vocab_size(self, vocab: usize) -> Self {
         Self { vocab_size: vocab, ..self }
+    }
+
+    /// `format` compiled over this tokenizer for one request (`None` for
+    /// text). A server calls it on a request thread first: that refuses a
+    /// bad schema early and builds the shared compiler off the driver.
+    pub fn constraint(&self, format: &ResponseFormat) -> Result<Option<Constraint>, EngineError> {
+        let eos = &self.package.manifest.generation.eos_token_ids;
+        self.grammars
+            .compile(format, self.package.tokenizer(), self.vocab_size, eos)
+            .map_err(EngineError::ResponseFormat)
     }
 
     /// Encodes text (special tokens are parsed).

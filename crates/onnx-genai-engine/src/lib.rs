@@ -14,6 +14,7 @@
 
 mod backends;
 mod chat;
+mod constraint;
 mod request;
 pub mod sampling;
 mod turn;
@@ -25,6 +26,7 @@ use std::sync::Arc;
 
 pub use backends::BackendKind;
 pub use chat::{ChatMessage, Prompter};
+pub use constraint::{Constraint, ResponseFormat};
 use onnx_genai_backend::{BackendError, DecodeModel, Sequence};
 use onnx_genai_package::{Package, PackageError};
 pub use onnx_genai_scheduler::{AdmissionError, BudgetCap, ConversationId, Scheduler};
@@ -55,6 +57,12 @@ pub enum EngineError {
     SessionBusy(SessionId),
     #[error("chat template: {0}")]
     ChatTemplate(String),
+    /// The request's response format cannot be compiled into a grammar.
+    #[error("response_format: {0}")]
+    ResponseFormat(String),
+    /// The grammar of a running turn failed (a bug, not the request's).
+    #[error("constrained decoding failed: {0}")]
+    Constrained(String),
     /// The backend panicked while running this request's sequence.
     #[error("the {backend} backend failed while running this request")]
     Panicked { backend: &'static str },

@@ -2,6 +2,7 @@
 //! is a typed [`EngineError`] before any reservation exists.
 
 use crate::chat::ChatMessage;
+use crate::constraint::ResponseFormat;
 use crate::sampling::Sampling;
 use crate::EngineError;
 
@@ -106,6 +107,9 @@ pub struct GenerateRequest {
     /// `None`: the package's `generation.max_new_tokens`.
     pub max_new_tokens: Option<u32>,
     pub sampling: Sampling,
+    /// What the text must be (JSON under a schema, say): a token mask
+    /// before every choice.
+    pub response_format: ResponseFormat,
 }
 
 impl GenerateRequest {
@@ -121,6 +125,7 @@ impl GenerateRequest {
             session: None,
             max_new_tokens: None,
             sampling: Sampling::default(),
+            response_format: ResponseFormat::Text,
         }
     }
 

@@ -211,7 +211,10 @@ impl Sampler {
             }
             draw -= w;
         }
-        order[kept - 1] as u32
+        // Rounding left the draw past the end: the last token with any
+        // weight (never one a mask set to -inf).
+        let last = weights[..kept].iter().rposition(|w| *w > 0.0).unwrap_or(0);
+        order[last] as u32
     }
 }
 

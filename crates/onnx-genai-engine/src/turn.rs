@@ -7,6 +7,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use onnx_genai_backend::{Entry, Input, Sequence};
 use onnx_genai_scheduler::{Admission, AdmissionRequest};
 
+use crate::constraint::Constraint;
 use crate::sampling::Sampler;
 use crate::{
     Admitted, ConversationId, Engine, EngineError, FinishReason, Flow, GenerateRequest, GenerateResult, SessionId,
@@ -43,6 +44,8 @@ pub struct Turn {
     generated: Vec<u32>,
     emitted: String,
     sampler: Sampler,
+    /// The response format's grammar, masking every choice.
+    constraint: Option<Constraint>,
     max_new: usize,
     eos: Vec<u32>,
     logits: Vec<f32>,
@@ -126,6 +129,7 @@ impl Engine {
         // 2. Count tokens: carried plus new, rows as `rows * longest` (A5, A7).
         request.check()?;
         request.sampling.check_vocabulary(self.model.vocab_size()).map_err(EngineError::Request)?;
+        let constraint = self.prompter.constraint(&request.response_format)?;
         let mut rows = self.prompt_ids(&request.prompt)?;
         if let Some(wf) = &self.workflow {
             if rows.len() != 1 {
@@ -187,6 +191,7 @@ impl Engine {
             generated: Vec::new(),
             emitted: String::new(),
             sampler,
+            constraint,
             max_new,
             eos: self.package.manifest.generation.eos_token_ids.clone(),
             logits: Vec::new(),
@@ -404,10 +409,20 @@ impl Engine {
             turn.finish = Some(FinishReason::Length);
             return Ok(());
         }
+        if let Some(constraint) = turn.constraint.as_mut() {
+            constraint.mask(&mut turn.logits, &turn.eos).map_err(EngineError::Constrained)?;
+        }
         let token = turn.sampler.pick(&turn.logits);
         if turn.eos.contains(&token) {
             turn.finish = Some(FinishReason::Eos);
             return Ok(());
+        }
+        let mut complete = false;
+        if let Some(constraint) = turn.constraint.as_mut() {
+            constraint.accept(token).map_err(EngineError::Constrained)?;
+            // A complete grammar allows only the end: end now rather than
+            // spend a model step on a forced end-of-sequence token.
+            complete = constraint.is_done();
         }
         turn.generated.push(token);
         let text = self.decode(&turn.generated)?;
@@ -420,6 +435,8 @@ impl Engine {
         turn.emitted.push_str(&delta);
         if on_token(TokenEvent { token_id: token, text_delta: &delta }) == Flow::Stop {
             turn.finish = Some(FinishReason::Stopped);
+        } else if complete {
+            turn.finish = Some(FinishReason::Eos);
         } else if turn.generated.len() >= turn.max_new {
             turn.finish = Some(FinishReason::Length);
         }

@@ -4,6 +4,8 @@
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use onnx_genai_engine::ResponseFormat;
+
 use crate::error::ApiError;
 
 #[derive(Debug, Deserialize)]
@@ -83,6 +85,9 @@ pub struct Sampling {
 #[derive(Debug, Deserialize)]
 pub struct ChatRequest {
     pub messages: Vec<ChatMessage>,
+    /// Read by [`response_format`], which names what is wrong in it.
+    #[serde(default)]
+    pub response_format: Option<Value>,
     #[serde(flatten)]
     pub common: Sampling,
 }
@@ -213,6 +218,47 @@ impl Sampling {
         .into_iter()
         .filter(|s| !s.is_empty())
         .collect()
+    }
+}
+
+/// OpenAI's `response_format` as the engine's: `text`, `json_object`, or
+/// `json_schema` with a `name` and a `schema` object (`strict` either way:
+/// every format other than text is enforced token by token).
+pub fn response_format(value: Option<&Value>) -> Result<ResponseFormat, ApiError> {
+    let Some(value) = value else { return Ok(ResponseFormat::Text) };
+    let bad = |m: String| ApiError::param("response_format", m);
+    let kind = value
+        .get("type")
+        .and_then(Value::as_str)
+        .ok_or_else(|| bad("response_format needs a `type`: \"text\", \"json_object\" or \"json_schema\"".into()))?;
+    match kind {
+        "text" => Ok(ResponseFormat::Text),
+        "json_object" => Ok(ResponseFormat::JsonObject),
+        "json_schema" => {
+            let spec = value.get("json_schema").and_then(Value::as_object).ok_or_else(|| {
+                bad("a `json_schema` response format needs a `json_schema` object with a `name` and a `schema`".into())
+            })?;
+            let name = spec.get("name").and_then(Value::as_str).unwrap_or_default();
+            let name_ok = (1..=64).contains(&name.len())
+                && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+            if !name_ok {
+                return Err(bad(format!(
+                    "json_schema.name must be 1 to 64 letters, digits, `_` or `-`, got {:?}",
+                    spec.get("name").unwrap_or(&Value::Null)
+                )));
+            }
+            if let Some(strict) = spec.get("strict").filter(|v| !v.is_null() && !v.is_boolean()) {
+                return Err(bad(format!("json_schema.strict must be true or false, got {strict}")));
+            }
+            match spec.get("schema") {
+                Some(schema) if schema.is_object() => Ok(ResponseFormat::JsonSchema(schema.clone())),
+                other => Err(bad(format!(
+                    "json_schema.schema must be a JSON Schema object, got {}",
+                    other.unwrap_or(&Value::Null)
+                ))),
+            }
+        }
+        other => Err(bad(format!("response_format type `{other}` is not text, json_object or json_schema"))),
     }
 }
 

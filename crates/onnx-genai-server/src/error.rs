@@ -112,9 +112,15 @@ pub fn from_engine(err: &onnx_genai_engine::EngineError) -> ApiError {
         EngineError::Tensor { .. } | EngineError::ChatTemplate(_) | EngineError::Tokenizer { .. } => {
             ApiError::invalid(err.to_string())
         }
+        EngineError::ResponseFormat(m) => {
+            ApiError::param("response_format", format!("the response format cannot be used: {m}"))
+        }
         EngineError::UnknownSession(_) => ApiError::not_found(SESSION_GONE, "the session is gone; create a new one"),
         EngineError::SessionBusy(_) => ApiError::conflict("the session is running another turn"),
-        EngineError::Package(_) | EngineError::Backend(_) | EngineError::Panicked { .. } => {
+        EngineError::Package(_)
+        | EngineError::Backend(_)
+        | EngineError::Panicked { .. }
+        | EngineError::Constrained(_) => {
             tracing::error!("generation failed: {err}");
             ApiError::internal()
         }

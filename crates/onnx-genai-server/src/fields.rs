@@ -82,10 +82,9 @@ const CHAT_ONLY: [Field; 16] = [
     served("max_completion_tokens", "as `max_tokens` (wins over it)", "2"),
     default_only("logprobs", "false", "no log probabilities yet", "true"),
     refused("top_logprobs", "no log probabilities yet", "2"),
-    default_only(
+    served(
         "response_format",
-        "{\"type\": \"text\"}",
-        "no constrained decoding yet",
+        "`text`, `json_object`, or `json_schema` (`strict` or not): every token is drawn under a mask from the schema's grammar (llguidance), JSON written compactly; a schema it cannot compile is refused",
         "{\"type\": \"json_object\"}",
     ),
     refused("tools", "no tool calling yet", "[]"),

@@ -14,7 +14,7 @@ use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::stream::{self, Stream, StreamExt};
-use onnx_genai_engine::{ChatMessage, FinishReason, GenerateRequest, Prompt};
+use onnx_genai_engine::{ChatMessage, FinishReason, GenerateRequest, Prompt, ResponseFormat};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
@@ -149,7 +149,8 @@ pub async fn chat_completions(
         if messages.is_empty() {
             return Err(ApiError::param("messages", "messages must not be empty"));
         }
-        run_turn(&state, &owner, &headers, Prompt::Chat(messages), req.common, Kind::Chat).await
+        let format = api::response_format(req.response_format.as_ref())?;
+        run_turn(&state, &owner, &headers, Prompt::Chat(messages), format, req.common, Kind::Chat).await
     };
     turn.await.unwrap_or_else(IntoResponse::into_response)
 }
@@ -165,7 +166,7 @@ pub async fn completions(
         if req.prompt.is_empty() {
             return Err(ApiError::param("prompt", "prompt must not be empty"));
         }
-        run_turn(&state, &owner, &headers, Prompt::Text(req.prompt), req.common, Kind::Text).await
+        run_turn(&state, &owner, &headers, Prompt::Text(req.prompt), ResponseFormat::Text, req.common, Kind::Text).await
     };
     turn.await.unwrap_or_else(IntoResponse::into_response)
 }
@@ -175,6 +176,7 @@ async fn run_turn(
     owner: &Owner,
     headers: &HeaderMap,
     prompt: Prompt,
+    format: ResponseFormat,
     opts: api::Sampling,
     kind: Kind,
 ) -> Result<Response, ApiError> {
@@ -191,6 +193,16 @@ async fn run_turn(
     // before the lease: a refused request holds nothing.
     let sampling = opts.engine_sampling(crate::sessions::random_u64)?;
     sampling.check_vocabulary(driver.prompter.vocab_size()).map_err(|m| ApiError::param("logit_bias", m))?;
+    // A schema the grammar compiler refuses is refused here, before the
+    // lease; compiling here also builds the model's shared compiler off the
+    // driver (the engine compiles the format again when it admits).
+    if format != ResponseFormat::Text {
+        let (prompter, format) = (driver.prompter.clone(), format.clone());
+        tokio::task::spawn_blocking(move || prompter.constraint(&format).map(drop))
+            .await
+            .map_err(|_| ApiError::internal())?
+            .map_err(|e| crate::error::from_engine(&e))?;
+    }
     // L1: the lease comes before anything queues; L8: no session, no lease.
     let session_id = match headers.get(SESSION_HEADER) {
         None => None,
@@ -210,6 +222,7 @@ async fn run_turn(
     request.session = lease.as_ref().map(|l| l.placement.engine);
     request.max_new_tokens = opts.max_new_tokens();
     request.sampling = sampling;
+    request.response_format = format;
     let (admission, admitted) = Promise::new();
     let (events, rx) = mpsc::channel(16);
     let (released, ended) = tokio::sync::oneshot::channel();

@@ -76,6 +76,64 @@ except openai.BadRequestError as e:
     assert e.status_code == 400 and "logit_bias" in str(e), e
 print("sampling ok")
 
+# Structured outputs: every answer under a json_schema format, sampled over
+# many seeds and streamed, validates against the schema as the jsonschema
+# package (not the server's grammar) reads it. The tiny model's weights are
+# random: only the server's token mask can make it write such JSON.
+import jsonschema
+
+person = {
+    "type": "object",
+    "properties": {
+        "name": {"enum": ["ada", "bob", "cy"]},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["x", "y", "z"]}, "maxItems": 4},
+        "address": {
+            "type": "object",
+            "properties": {
+                "zip": {"type": "integer", "minimum": 10000, "maximum": 99999},
+                "city": {"enum": ["Oslo", "Lima"]},
+                "verified": {"type": "boolean"},
+            },
+            "required": ["zip", "city", "verified"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "tags", "address"],
+    "additionalProperties": False,
+}
+fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": person, "strict": True}}
+ask = [{"role": "user", "content": "Describe a person."}]
+answers = set()
+for seed in range(10):
+    r = client.chat.completions.create(
+        model=model, messages=ask, max_tokens=300, temperature=1.0, seed=seed, response_format=fmt
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop", (seed, choice)
+    jsonschema.validate(json.loads(choice.message.content), person)
+    answers.add(choice.message.content)
+assert len(answers) > 1, answers
+parts = []
+for chunk in client.chat.completions.create(
+    model=model, messages=ask, max_tokens=300, temperature=1.0, seed=99, response_format=fmt, stream=True
+):
+    if chunk.choices and chunk.choices[0].delta.content:
+        parts.append(chunk.choices[0].delta.content)
+jsonschema.validate(json.loads("".join(parts)), person)
+try:
+    bad = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 5, "maximum": 1}}, "required": ["x"]}
+    client.chat.completions.create(
+        model=model,
+        messages=ask,
+        max_tokens=4,
+        response_format={"type": "json_schema", "json_schema": {"name": "bad", "schema": bad}},
+    )
+    raise SystemExit("a schema no value satisfies was accepted")
+except openai.BadRequestError as e:
+    assert e.status_code == 400 and e.param == "response_format" and "nsatisfiable" in str(e), e
+print("structured ok")
+
 try:
     client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
     raise SystemExit("an unknown model was accepted")

@@ -1,0 +1,163 @@
+//! Structured outputs: a request's response format compiled by llguidance
+//! into a grammar over this tokenizer's vocabulary, applied as a token mask
+//! before every sampling choice, so the text cannot leave the grammar
+//! whatever the backend, the batch or the sampling options.
+
+use std::sync::{Arc, OnceLock};
+
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{ApproximateTokEnv, TokEnv, TokRxInfo, TokTrie};
+use llguidance::{JsonCompileOptions, Matcher, ParserFactory};
+use serde_json::Value;
+use tokenizers::Tokenizer;
+
+/// What the generated text must be.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub enum ResponseFormat {
+    /// Anything the model writes.
+    #[default]
+    Text,
+    /// One JSON object (any keys and values).
+    JsonObject,
+    /// One JSON value valid against this schema (a JSON object).
+    JsonSchema(Value),
+}
+
+impl ResponseFormat {
+    /// The grammar this format compiles to, `None` for text. JSON is written
+    /// compactly with one space after `,` and `:`: a grammar that allowed
+    /// any whitespace between tokens would let a model pad forever.
+    fn grammar(&self) -> Result<Option<TopLevelGrammar>, String> {
+        let mut schema = match self {
+            ResponseFormat::Text => return Ok(None),
+            ResponseFormat::JsonObject => serde_json::json!({"type": "object"}),
+            ResponseFormat::JsonSchema(schema) => schema.clone(),
+        };
+        let Some(object) = schema.as_object() else {
+            return Err(format!("a JSON schema is a JSON object, got {schema}"));
+        };
+        if !object.contains_key("x-guidance") {
+            let options = JsonCompileOptions {
+                item_separator: ", ".into(),
+                key_separator: ": ".into(),
+                whitespace_flexible: false,
+                ..JsonCompileOptions::default()
+            };
+            options.apply_to(&mut schema);
+        }
+        Ok(Some(TopLevelGrammar::from_json_schema(schema)))
+    }
+}
+
+/// The grammar compiler of one tokenizer: built on the first constrained
+/// request (its token trie takes a moment for a large vocabulary), then
+/// shared by every request of the model.
+pub(crate) struct Grammars {
+    factory: OnceLock<Result<Arc<ParserFactory>, String>>,
+}
+
+impl Grammars {
+    pub(crate) fn new() -> Self {
+        Self { factory: OnceLock::new() }
+    }
+
+    /// `format` compiled for one request: `None` for text; a schema the
+    /// compiler refuses is an error saying why.
+    pub(crate) fn compile(
+        &self,
+        format: &ResponseFormat,
+        tokenizer: &Tokenizer,
+        vocab: usize,
+        eos: &[u32],
+    ) -> Result<Option<Constraint>, String> {
+        let Some(grammar) = format.grammar()? else { return Ok(None) };
+        let factory = self.factory.get_or_init(|| build_factory(tokenizer, vocab, eos).map(Arc::new)).clone()?;
+        let parser = factory.create_parser(grammar).map_err(|e| e.to_string())?;
+        let matcher = Matcher::new(Ok(parser));
+        if let Some(e) = matcher.get_error() {
+            return Err(e);
+        }
+        let tok_eos = factory.tok_env().tok_trie().eos_token();
+        Ok(Some(Constraint { matcher, tok_eos, allowed: Vec::new() }))
+    }
+}
+
+/// The token trie of `tokenizer` over the `vocab` ids the model's logits
+/// cover (ids the tokenizer lacks spell nothing, so no grammar allows
+/// them). Special tokens are marked so that no grammar text spells them.
+fn build_factory(tokenizer: &Tokenizer, vocab: usize, eos: &[u32]) -> Result<ParserFactory, String> {
+    let unusable = |e: &dyn std::fmt::Display| format!("the tokenizer cannot drive constrained decoding: {e}");
+    let json = tokenizer.to_string(false).map_err(|e| unusable(&e))?;
+    let json: Value = serde_json::from_str(&json).map_err(|e| unusable(&e))?;
+    let mut words = llguidance::token_bytes_from_tokenizer_json(&json).map_err(|e| unusable(&e))?;
+    if words.len() < vocab {
+        words.resize(vocab, Vec::new());
+    }
+    let tok_eos = *eos.first().ok_or_else(|| unusable(&"the package declares no end-of-sequence token"))?;
+    let trie = TokTrie::from(&TokRxInfo::new(words.len() as u32, tok_eos), &words);
+    let env: TokEnv = Arc::new(ApproximateTokEnv::new(trie));
+    let mut factory = ParserFactory::new_simple(&env).map_err(|e| unusable(&e))?;
+    factory.quiet();
+    Ok(factory)
+}
+
+/// One request's grammar state: which tokens may come next.
+pub struct Constraint {
+    matcher: Matcher,
+    /// The end-of-sequence id the grammar knows; the package's other
+    /// end-of-sequence ids follow it.
+    tok_eos: u32,
+    /// Scratch: the allowed flags of the last mask.
+    allowed: Vec<bool>,
+}
+
+impl Constraint {
+    /// Sets the logit of every token the grammar forbids next to -inf. The
+    /// package's end-of-sequence tokens are allowed exactly when the text
+    /// may end here.
+    pub fn mask(&mut self, logits: &mut [f32], eos: &[u32]) -> Result<(), String> {
+        let mask = self.matcher.compute_mask_or_eos().map_err(|e| e.to_string())?;
+        let may_end = mask.is_allowed(self.tok_eos);
+        self.allowed.clear();
+        self.allowed.extend((0..logits.len()).map(|id| id < mask.len() && mask.is_allowed(id as u32)));
+        for &id in eos {
+            if let Some(a) = self.allowed.get_mut(id as usize) {
+                *a = may_end;
+            }
+        }
+        if !self.allowed.contains(&true) {
+            return Err("the grammar allows no token of this vocabulary here".into());
+        }
+        for (logit, allowed) in logits.iter_mut().zip(&self.allowed) {
+            if !allowed {
+                *logit = f32::NEG_INFINITY;
+            }
+        }
+        Ok(())
+    }
+
+    /// Advances the grammar over a chosen token (not an end-of-sequence).
+    pub fn accept(&mut self, token: u32) -> Result<(), String> {
+        self.matcher.consume_token(token).map_err(|e| e.to_string())
+    }
+
+    /// Whether the grammar is complete and allows nothing more.
+    pub fn is_done(&self) -> bool {
+        self.matcher.is_stopped()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A schema that is not an object, and one llguidance cannot compile,
+    /// are refused with the reason; text compiles to no constraint.
+    #[test]
+    fn formats_compile_or_say_why() {
+        assert!(ResponseFormat::Text.grammar().unwrap().is_none());
+        assert!(ResponseFormat::JsonObject.grammar().unwrap().is_some());
+        let err = ResponseFormat::JsonSchema(serde_json::json!(true)).grammar().unwrap_err();
+        assert!(err.contains("JSON object"), "{err}");
+    }
+}
