@@ -48,6 +48,8 @@ pub struct Prompter {
     vocab_size: usize,
     /// The response-format compiler over this tokenizer.
     grammars: crate::constraint::Grammars,
+    /// The bytes of every token id (read on first use).
+    token_bytes: std::sync::OnceLock<Result<Vec<Vec<u8>>, String>>,
 }
 
 /// Marks a message's content in a rendered template (private-use code
@@ -67,7 +69,14 @@ impl Prompter {
             .map(|t| t.content)
             .collect();
         let vocab_size = package.manifest.architecture.vocab_size as usize;
-        Self { package, plain, specials, vocab_size, grammars: crate::constraint::Grammars::new() }
+        Self {
+            package,
+            plain,
+            specials,
+            vocab_size,
+            grammars: crate::constraint::Grammars::new(),
+            token_bytes: std::sync::OnceLock::new(),
+        }
     }
 
     /// A chat's token ids. Content that spells a special token (a user
@@ -134,9 +143,26 @@ impl Prompter {
     /// bad schema early and builds the shared compiler off the driver.
     pub fn constraint(&self, format: &ResponseFormat) -> Result<Option<Constraint>, EngineError> {
         let eos = &self.package.manifest.generation.eos_token_ids;
-        self.grammars
-            .compile(format, self.package.tokenizer(), self.vocab_size, eos)
-            .map_err(EngineError::ResponseFormat)
+        self.grammars.compile(format, self.words(), eos).map_err(EngineError::ResponseFormat)
+    }
+
+    fn words(&self) -> &Result<Vec<Vec<u8>>, String> {
+        self.token_bytes.get_or_init(|| crate::constraint::token_bytes(self.package.tokenizer(), self.vocab_size))
+    }
+
+    /// A token's bytes and its text (lossy where the bytes are part of a
+    /// character), as OpenAI's logprobs report them; a special token is its
+    /// own text.
+    pub fn token_piece(&self, id: u32) -> (String, Vec<u8>) {
+        let bytes = match self.words() {
+            Ok(words) => words.get(id as usize).cloned().unwrap_or_default(),
+            Err(_) => self.package.tokenizer().decode(&[id], false).unwrap_or_default().into_bytes(),
+        };
+        let bytes = match bytes.split_first() {
+            Some((&crate::constraint::SPECIAL_TOKEN_MARKER, rest)) => rest.to_vec(),
+            _ => bytes,
+        };
+        (String::from_utf8_lossy(&bytes).into_owned(), bytes)
     }
 
     /// Encodes text (special tokens are parsed).

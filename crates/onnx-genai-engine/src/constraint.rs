@@ -66,12 +66,11 @@ impl Grammars {
     pub(crate) fn compile(
         &self,
         format: &ResponseFormat,
-        tokenizer: &Tokenizer,
-        vocab: usize,
+        words: &Result<Vec<Vec<u8>>, String>,
         eos: &[u32],
     ) -> Result<Option<Constraint>, String> {
         let Some(grammar) = format.grammar()? else { return Ok(None) };
-        let factory = self.factory.get_or_init(|| build_factory(tokenizer, vocab, eos).map(Arc::new)).clone()?;
+        let factory = self.factory.get_or_init(|| build_factory(words, eos).map(Arc::new)).clone()?;
         let parser = factory.create_parser(grammar).map_err(|e| e.to_string())?;
         let matcher = Matcher::new(Ok(parser));
         if let Some(e) = matcher.get_error() {
@@ -82,19 +81,30 @@ impl Grammars {
     }
 }
 
-/// The token trie of `tokenizer` over the `vocab` ids the model's logits
-/// cover (ids the tokenizer lacks spell nothing, so no grammar allows
-/// them). Special tokens are marked so that no grammar text spells them.
-fn build_factory(tokenizer: &Tokenizer, vocab: usize, eos: &[u32]) -> Result<ParserFactory, String> {
-    let unusable = |e: &dyn std::fmt::Display| format!("the tokenizer cannot drive constrained decoding: {e}");
-    let json = tokenizer.to_string(false).map_err(|e| unusable(&e))?;
-    let json: Value = serde_json::from_str(&json).map_err(|e| unusable(&e))?;
-    let mut words = llguidance::token_bytes_from_tokenizer_json(&json).map_err(|e| unusable(&e))?;
+/// The bytes each token id spells, over the `vocab` ids the model's logits
+/// cover (ids the tokenizer lacks spell nothing, so no grammar allows them).
+/// A special token's bytes start with [`SPECIAL_TOKEN_MARKER`], so that no
+/// grammar text spells it.
+pub(crate) fn token_bytes(tokenizer: &Tokenizer, vocab: usize) -> Result<Vec<Vec<u8>>, String> {
+    let unreadable = |e: &dyn std::fmt::Display| format!("the tokenizer's tokens cannot be read as bytes: {e}");
+    let json = tokenizer.to_string(false).map_err(|e| unreadable(&e))?;
+    let json: Value = serde_json::from_str(&json).map_err(|e| unreadable(&e))?;
+    let mut words = llguidance::token_bytes_from_tokenizer_json(&json).map_err(|e| unreadable(&e))?;
     if words.len() < vocab {
         words.resize(vocab, Vec::new());
     }
+    Ok(words)
+}
+
+/// Marks a special token's bytes (llguidance's convention).
+pub(crate) const SPECIAL_TOKEN_MARKER: u8 = TokTrie::SPECIAL_TOKEN_MARKER;
+
+/// The token trie over `words` and its grammar compiler.
+fn build_factory(words: &Result<Vec<Vec<u8>>, String>, eos: &[u32]) -> Result<ParserFactory, String> {
+    let unusable = |e: &dyn std::fmt::Display| format!("the tokenizer cannot drive constrained decoding: {e}");
+    let words = words.as_ref().map_err(|e| unusable(e))?;
     let tok_eos = *eos.first().ok_or_else(|| unusable(&"the package declares no end-of-sequence token"))?;
-    let trie = TokTrie::from(&TokRxInfo::new(words.len() as u32, tok_eos), &words);
+    let trie = TokTrie::from(&TokRxInfo::new(words.len() as u32, tok_eos), words);
     let env: TokEnv = Arc::new(ApproximateTokEnv::new(trie));
     let mut factory = ParserFactory::new_simple(&env).map_err(|e| unusable(&e))?;
     factory.quiet();

@@ -31,7 +31,7 @@ use onnx_genai_backend::{BackendError, DecodeModel, Sequence};
 use onnx_genai_package::{Package, PackageError};
 pub use onnx_genai_scheduler::{AdmissionError, BudgetCap, ConversationId, Scheduler};
 pub use request::{BoundTensor, ComponentOverride, GenerateRequest, Prompt, SessionId, TensorType};
-pub use sampling::Sampling;
+pub use sampling::{Sampling, TokenLogprob};
 use tokenizers::Tokenizer;
 pub use turn::{Turn, TurnState};
 use workflow::WorkflowRuntime;
@@ -60,7 +60,9 @@ pub enum EngineError {
     /// The request's response format cannot be compiled into a grammar.
     #[error("response_format: {0}")]
     ResponseFormat(String),
-    /// The grammar of a running turn failed (a bug, not the request's).
+    /// The response format's grammar failed in a running turn: a schema
+    /// that compiled can still dead-end (a pattern no token can spell, the
+    /// parser's limits), so this is the request's, like `ResponseFormat`.
     #[error("constrained decoding failed: {0}")]
     Constrained(String),
     /// The backend panicked while running this request's sequence.
@@ -88,6 +90,8 @@ pub struct GenerateResult {
     /// How the budget clamped `max_new_tokens`; `None` when it did not (A6).
     pub budget_cap: Option<BudgetCap>,
     pub session: Option<SessionId>,
+    /// One per generated token when the request asked for logprobs.
+    pub logprobs: Vec<TokenLogprob>,
 }
 
 /// One streamed token: its id and the text it completes (possibly empty while
@@ -95,6 +99,8 @@ pub struct GenerateResult {
 pub struct TokenEvent<'a> {
     pub token_id: u32,
     pub text_delta: &'a str,
+    /// When the request asked for logprobs.
+    pub logprob: Option<&'a TokenLogprob>,
 }
 
 /// What `on_admitted` is told.

@@ -3,7 +3,7 @@
 
 use crate::chat::ChatMessage;
 use crate::constraint::ResponseFormat;
-use crate::sampling::Sampling;
+use crate::sampling::{Sampling, MAX_TOP_LOGPROBS};
 use crate::EngineError;
 
 /// What the request's prompt is.
@@ -110,6 +110,9 @@ pub struct GenerateRequest {
     /// What the text must be (JSON under a schema, say): a token mask
     /// before every choice.
     pub response_format: ResponseFormat,
+    /// Report each generated token's log-probability with this many of the
+    /// likeliest alternatives (at most [`MAX_TOP_LOGPROBS`]); `None`: none.
+    pub logprobs: Option<usize>,
 }
 
 impl GenerateRequest {
@@ -126,6 +129,7 @@ impl GenerateRequest {
             max_new_tokens: None,
             sampling: Sampling::default(),
             response_format: ResponseFormat::Text,
+            logprobs: None,
         }
     }
 
@@ -133,6 +137,11 @@ impl GenerateRequest {
     /// payloads.
     pub(crate) fn check(&self) -> Result<(), EngineError> {
         self.sampling.check().map_err(EngineError::Request)?;
+        if let Some(k) = self.logprobs.filter(|&k| k > MAX_TOP_LOGPROBS) {
+            return Err(EngineError::Request(format!(
+                "at most {MAX_TOP_LOGPROBS} alternatives per token, asked for {k}"
+            )));
+        }
         if self.max_new_tokens == Some(0) {
             return Err(EngineError::Request("max_new_tokens must be at least 1".into()));
         }

@@ -218,6 +218,38 @@ impl Sampler {
     }
 }
 
+/// A generated token's log-probability under the model's own distribution
+/// (its logits before penalties, bias, a response format's mask and
+/// temperature: what vLLM calls raw logprobs), with the likeliest tokens.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    /// The likeliest tokens, likeliest first (a tie goes to the lower id).
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Most alternatives a token may report (OpenAI's `top_logprobs` limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// The log-sum-exp of `logits` and their `k` likeliest tokens with their
+/// log-probabilities.
+pub fn log_softmax_top(logits: &[f32], k: usize) -> (f32, Vec<(u32, f32)>) {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
+    let lse = max + sum.ln() as f32;
+    let mut top: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
+    for (id, &l) in logits.iter().enumerate() {
+        if top.len() == k && top.last().is_none_or(|&(_, worst)| l <= worst) {
+            continue;
+        }
+        let at = top.partition_point(|&(_, v)| v >= l);
+        top.insert(at, (id as u32, l));
+        top.truncate(k);
+    }
+    (lse, top.into_iter().map(|(id, l)| (id, l - lse)).collect())
+}
+
 /// Index of the largest logit; the lowest index wins a tie.
 pub fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0;
@@ -232,6 +264,25 @@ pub fn argmax(logits: &[f32]) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The log-probabilities are those of the softmax, computed apart:
+    /// they exponentiate to probabilities summing to one, the top list is
+    /// the likeliest in order (ties to the lower id), and it is cut at `k`.
+    #[test]
+    fn log_softmax_top_matches_the_softmax() {
+        let logits = [1.0f32, 3.0, -2.0, 3.0, 0.5];
+        let (lse, top) = log_softmax_top(&logits, 3);
+        let total: f32 = logits.iter().map(|l| (l - lse).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-6, "{total}");
+        let z: f32 = logits.iter().map(|l| l.exp()).sum();
+        let ids: Vec<u32> = top.iter().map(|t| t.0).collect();
+        assert_eq!(ids, [1, 3, 0]);
+        for (id, lp) in top {
+            assert!((lp - (logits[id as usize].exp() / z).ln()).abs() < 1e-6, "{id}: {lp}");
+        }
+        assert!(log_softmax_top(&logits, 0).1.is_empty());
+        assert_eq!(log_softmax_top(&logits, 9).1.len(), logits.len());
+    }
 
     #[test]
     fn greedy_takes_the_first_maximum() {

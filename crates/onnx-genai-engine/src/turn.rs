@@ -8,7 +8,7 @@ use onnx_genai_backend::{Entry, Input, Sequence};
 use onnx_genai_scheduler::{Admission, AdmissionRequest};
 
 use crate::constraint::Constraint;
-use crate::sampling::Sampler;
+use crate::sampling::{log_softmax_top, Sampler, TokenLogprob};
 use crate::{
     Admitted, ConversationId, Engine, EngineError, FinishReason, Flow, GenerateRequest, GenerateResult, SessionId,
     TokenEvent,
@@ -46,6 +46,8 @@ pub struct Turn {
     sampler: Sampler,
     /// The response format's grammar, masking every choice.
     constraint: Option<Constraint>,
+    /// Each generated token's log-probability, when asked for.
+    logprobs: Vec<TokenLogprob>,
     max_new: usize,
     eos: Vec<u32>,
     logits: Vec<f32>,
@@ -192,6 +194,7 @@ impl Engine {
             emitted: String::new(),
             sampler,
             constraint,
+            logprobs: Vec::new(),
             max_new,
             eos: self.package.manifest.generation.eos_token_ids.clone(),
             logits: Vec::new(),
@@ -409,6 +412,8 @@ impl Engine {
             turn.finish = Some(FinishReason::Length);
             return Ok(());
         }
+        // The model's own distribution, before the mask changes the logits.
+        let spread = turn.request.logprobs.map(|k| log_softmax_top(&turn.logits, k));
         if let Some(constraint) = turn.constraint.as_mut() {
             constraint.mask(&mut turn.logits, &turn.eos).map_err(EngineError::Constrained)?;
         }
@@ -433,7 +438,11 @@ impl Engine {
             text[turn.emitted.len()..].to_string()
         };
         turn.emitted.push_str(&delta);
-        if on_token(TokenEvent { token_id: token, text_delta: &delta }) == Flow::Stop {
+        // (The chosen token is allowed, so the mask left its logit as it was.)
+        let logprob = spread.map(|(lse, top)| TokenLogprob { token, logprob: turn.logits[token as usize] - lse, top });
+        let flow = on_token(TokenEvent { token_id: token, text_delta: &delta, logprob: logprob.as_ref() });
+        turn.logprobs.extend(logprob);
+        if flow == Flow::Stop {
             turn.finish = Some(FinishReason::Stopped);
         } else if complete {
             turn.finish = Some(FinishReason::Eos);
@@ -496,7 +505,7 @@ impl Engine {
                 }
             }
         }
-        let Turn { admission, generated, finish, prompt_tokens, session, .. } = turn;
+        let Turn { admission, generated, finish, prompt_tokens, session, logprobs, .. } = turn;
         let budget_cap = admission.budget_cap;
         let mut admission = Some(admission);
         if let (Some(bytes), Some(s)) = (keep, session.and_then(|id| self.sessions.get_mut(&id))) {
@@ -517,6 +526,7 @@ impl Engine {
             finish_reason: finish.unwrap_or(FinishReason::Length),
             budget_cap,
             session,
+            logprobs,
         })
     }
 }

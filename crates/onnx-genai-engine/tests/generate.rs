@@ -18,21 +18,28 @@ fn request(prompt: Prompt, max: u32) -> GenerateRequest {
 }
 
 /// Greedy generation through the engine equals a hand-driven argmax loop on
-/// the backend (prefill once, then one token per step on the carried KV).
+/// the backend (prefill once, then one token per step on the carried KV),
+/// and each token's reported log-probability (issue 19's logprobs) is the
+/// log-softmax of that loop's logits, computed here apart, with the three
+/// likeliest tokens in order, the chosen (greedy) one first.
 #[test]
 fn greedy_matches_a_manual_decode_loop_and_is_deterministic() {
     let dir = package("tiny-llama-gqa");
     let mut engine = Engine::open(dir.path(), BackendKind::Ort, 1).unwrap();
     let prompt = engine.encode("The capital of France is").unwrap();
-    let req = request(Prompt::TokenIds(prompt.clone()), 24);
+    let req = GenerateRequest { logprobs: Some(3), ..request(Prompt::TokenIds(prompt.clone()), 24) };
     let mut streamed = Vec::new();
+    let mut streamed_logprobs = Vec::new();
     let result = engine
         .generate(&req, &mut |e| {
             streamed.push(e.token_id);
+            streamed_logprobs.extend(e.logprob.cloned());
             Flow::Continue
         })
         .unwrap();
     assert_eq!(result.token_ids, streamed);
+    assert_eq!(result.logprobs, streamed_logprobs);
+    assert_eq!(result.logprobs.len(), result.token_ids.len());
     assert_eq!(result.prompt_tokens, prompt.len());
 
     let package = onnx_genai_package::Package::open(dir.path()).unwrap();
@@ -40,10 +47,24 @@ fn greedy_matches_a_manual_decode_loop_and_is_deterministic() {
     let eos = package.manifest.generation.eos_token_ids.clone();
     let mut logits = backend.forward(&prompt).unwrap();
     let mut manual = Vec::new();
-    for _ in 0..24 {
+    for step in 0..24 {
         let t = onnx_genai_engine::sampling::argmax(&logits);
         if eos.contains(&t) {
             break;
+        }
+        if let Some(reported) = result.logprobs.get(step) {
+            let z: f64 = logits.iter().map(|&l| f64::from(l).exp()).sum();
+            let logprob = |id: u32| (f64::from(logits[id as usize]).exp() / z).ln();
+            assert_eq!(reported.token, t);
+            assert!((f64::from(reported.logprob) - logprob(t)).abs() < 1e-4, "step {step}: {reported:?}");
+            assert_eq!(reported.top.len(), 3);
+            assert_eq!(reported.top[0].0, t, "greedy chose the likeliest");
+            for pair in reported.top.windows(2) {
+                assert!(pair[0].1 >= pair[1].1, "step {step}: top out of order: {reported:?}");
+            }
+            for &(id, lp) in &reported.top {
+                assert!((f64::from(lp) - logprob(id)).abs() < 1e-4, "step {step}: token {id}: {lp}");
+            }
         }
         manual.push(t);
         logits = backend.forward(&[t]).unwrap();
@@ -134,6 +155,7 @@ fn bad_requests_are_refused_with_a_reason() {
             },
             "temperature",
         ),
+        (GenerateRequest { logprobs: Some(21), ..request(Prompt::Text("hi".into()), 4) }, "at most 20 alternatives"),
     ];
     for (req, want) in cases {
         let mut called = false;

@@ -4,6 +4,7 @@
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use onnx_genai_engine::sampling::MAX_TOP_LOGPROBS;
 use onnx_genai_engine::ResponseFormat;
 
 use crate::error::ApiError;
@@ -88,6 +89,10 @@ pub struct ChatRequest {
     /// Read by [`response_format`], which names what is wrong in it.
     #[serde(default)]
     pub response_format: Option<Value>,
+    #[serde(default)]
+    pub logprobs: Option<bool>,
+    #[serde(default)]
+    pub top_logprobs: Option<u32>,
     #[serde(flatten)]
     pub common: Sampling,
 }
@@ -95,6 +100,9 @@ pub struct ChatRequest {
 #[derive(Debug, Deserialize)]
 pub struct CompletionRequest {
     pub prompt: String,
+    /// Alternatives per token (0 to 5): each token's log-probability too.
+    #[serde(default)]
+    pub logprobs: Option<u32>,
     #[serde(flatten)]
     pub common: Sampling,
 }
@@ -261,6 +269,36 @@ pub fn response_format(value: Option<&Value>) -> Result<ResponseFormat, ApiError
         other => Err(bad(format!("response_format type `{other}` is not text, json_object or json_schema"))),
     }
 }
+
+impl ChatRequest {
+    /// Alternatives per token when `logprobs` is on (`top_logprobs`, 0 to
+    /// 20, only with `logprobs: true`, as OpenAI has it).
+    pub fn logprobs(&self) -> Result<Option<usize>, ApiError> {
+        match (self.logprobs.unwrap_or(false), self.top_logprobs) {
+            (false, None) => Ok(None),
+            (false, Some(_)) => Err(ApiError::param("top_logprobs", "top_logprobs needs `logprobs: true`")),
+            (true, top) => match top.unwrap_or(0) as usize {
+                k if k <= MAX_TOP_LOGPROBS => Ok(Some(k)),
+                k => Err(ApiError::param("top_logprobs", format!("top_logprobs is 0 to {MAX_TOP_LOGPROBS}, got {k}"))),
+            },
+        }
+    }
+}
+
+impl CompletionRequest {
+    /// Alternatives per token (`logprobs`, 0 to 5, as OpenAI has it).
+    pub fn logprobs(&self) -> Result<Option<usize>, ApiError> {
+        match self.logprobs.map(|k| k as usize) {
+            Some(k) if k > MAX_COMPLETION_LOGPROBS => {
+                Err(ApiError::param("logprobs", format!("logprobs is 0 to {MAX_COMPLETION_LOGPROBS}, got {k}")))
+            }
+            k => Ok(k),
+        }
+    }
+}
+
+/// Alternatives a completions token may report (OpenAI's limit).
+pub const MAX_COMPLETION_LOGPROBS: usize = 5;
 
 /// Stop sequences a request may give (OpenAI's limit).
 pub const MAX_STOPS: usize = 4;

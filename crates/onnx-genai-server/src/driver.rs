@@ -55,7 +55,9 @@ pub type Released = oneshot::Sender<()>;
 
 /// What a turn streams back.
 pub enum Event {
-    Delta(String),
+    /// A generated token's text (empty while a character is incomplete)
+    /// and, when the request asked, its log-probability.
+    Delta(String, Option<onnx_genai_engine::TokenLogprob>),
     Finished(GenerateResult),
     /// A failure after admission (headers are already sent).
     Failed(ApiError),
@@ -434,15 +436,15 @@ impl<'a> Loop<'a> {
         self.counters.widest_step.fetch_max(width, Ordering::SeqCst);
         {
             let mut turns: Vec<&mut Turn> = self.running.iter_mut().map(|r| &mut r.turn).collect();
-            let mut deltas: Vec<(usize, String)> = Vec::new();
+            let mut deltas: Vec<(usize, String, Option<onnx_genai_engine::TokenLogprob>)> = Vec::new();
             self.engine.step(&mut turns, &mut |i, token| {
-                deltas.push((i, token.text_delta.to_string()));
+                deltas.push((i, token.text_delta.to_string(), token.logprob.cloned()));
                 Flow::Continue
             });
             drop(turns);
-            for (i, delta) in deltas {
+            for (i, delta, logprob) in deltas {
                 let r = &mut self.running[i];
-                r.backlog.push_back(Event::Delta(delta));
+                r.backlog.push_back(Event::Delta(delta, logprob));
                 if !r.flush() && r.gone {
                     // The client left: stop at the next step boundary (B4).
                     r.turn.cancel();

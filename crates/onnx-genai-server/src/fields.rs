@@ -1,6 +1,6 @@
 //! Which fields of OpenAI's request bodies this server serves and which it
 //! refuses: nothing is accepted and then ignored. A field is served, served
-//! only at its default (`logprobs` false, `n` of 1 — what the server does
+//! only at its default (`n` of 1, `echo` false — what the server does
 //! anyway), or refused with 400 `invalid_request_error` naming it; a field
 //! OpenAI does not define is refused as unrecognized, as OpenAI does, except
 //! the sampling extensions vLLM also serves (`top_k`, `min_p`,
@@ -80,8 +80,12 @@ const CHAT_ONLY: [Field; 16] = [
         "[{\"role\": \"user\", \"content\": \"hi\"}]",
     ),
     served("max_completion_tokens", "as `max_tokens` (wins over it)", "2"),
-    default_only("logprobs", "false", "no log probabilities yet", "true"),
-    refused("top_logprobs", "no log probabilities yet", "2"),
+    served(
+        "logprobs",
+        "chat: `true` reports each generated token's log-probability under the model's own distribution (before penalties, bias, a format's mask and temperature), streamed too",
+        "true",
+    ),
+    served("top_logprobs", "0 to 20 likeliest alternatives per token; needs `logprobs: true`", "2"),
     served(
         "response_format",
         "`text`, `json_object`, or `json_schema` (`strict` or not): every token is drawn under a mask from the schema's grammar (llguidance), JSON written compactly; a schema it cannot compile is refused",
@@ -104,7 +108,11 @@ const COMPLETION_ONLY: [Field; 5] = [
     served("prompt", "one string", "\"hi\""),
     default_only("echo", "false", "the prompt is not echoed", "true"),
     default_only("best_of", "1", "one candidate", "2"),
-    default_only("logprobs", "null", "no log probabilities yet", "2"),
+    served(
+        "logprobs",
+        "completions: 0 to 5, each token's log-probability with that many likeliest alternatives and its text offset",
+        "2",
+    ),
     refused("suffix", "no insertion", "\"end\""),
 ];
 

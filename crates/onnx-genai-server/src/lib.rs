@@ -12,6 +12,7 @@ mod error;
 pub mod fields;
 mod guard;
 mod listen;
+mod logprobs;
 mod metrics;
 mod routes;
 mod sessions;

@@ -14,7 +14,7 @@ use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::stream::{self, Stream, StreamExt};
-use onnx_genai_engine::{ChatMessage, FinishReason, GenerateRequest, Prompt, ResponseFormat};
+use onnx_genai_engine::{ChatMessage, FinishReason, GenerateRequest, Prompt, ResponseFormat, TokenLogprob};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
@@ -22,6 +22,7 @@ use crate::api::{self, ChatRequest, CompletionRequest, SessionRequest};
 use crate::driver::{Command, Driver, Event, Promise};
 use crate::error::{ApiError, SESSION_GONE};
 use crate::fields;
+use crate::logprobs::{self, Scored};
 use crate::metrics::TokenClock;
 use crate::sessions::{mint_id, Owner, Placement};
 use crate::AppState;
@@ -122,6 +123,14 @@ enum Kind {
     Text,
 }
 
+/// What a route asks of the answer beyond the prompt and sampling.
+struct Answer {
+    kind: Kind,
+    format: ResponseFormat,
+    /// Alternatives per token when logprobs are asked for.
+    logprobs: Option<usize>,
+}
+
 pub async fn chat_completions(
     State(state): State<Arc<AppState>>,
     Extension(owner): Extension<Owner>,
@@ -130,6 +139,8 @@ pub async fn chat_completions(
 ) -> Response {
     let turn = async {
         let req: ChatRequest = api::parse(&body_of(body)?, &fields::chat())?;
+        let format = api::response_format(req.response_format.as_ref())?;
+        let logprobs = req.logprobs()?;
         let mut messages = Vec::with_capacity(req.messages.len());
         for (i, m) in req.messages.into_iter().enumerate() {
             let content = match m.content {
@@ -149,8 +160,8 @@ pub async fn chat_completions(
         if messages.is_empty() {
             return Err(ApiError::param("messages", "messages must not be empty"));
         }
-        let format = api::response_format(req.response_format.as_ref())?;
-        run_turn(&state, &owner, &headers, Prompt::Chat(messages), format, req.common, Kind::Chat).await
+        let answer = Answer { kind: Kind::Chat, format, logprobs };
+        run_turn(&state, &owner, &headers, Prompt::Chat(messages), answer, req.common).await
     };
     turn.await.unwrap_or_else(IntoResponse::into_response)
 }
@@ -166,7 +177,8 @@ pub async fn completions(
         if req.prompt.is_empty() {
             return Err(ApiError::param("prompt", "prompt must not be empty"));
         }
-        run_turn(&state, &owner, &headers, Prompt::Text(req.prompt), ResponseFormat::Text, req.common, Kind::Text).await
+        let answer = Answer { kind: Kind::Text, format: ResponseFormat::Text, logprobs: req.logprobs()? };
+        run_turn(&state, &owner, &headers, Prompt::Text(req.prompt), answer, req.common).await
     };
     turn.await.unwrap_or_else(IntoResponse::into_response)
 }
@@ -176,10 +188,10 @@ async fn run_turn(
     owner: &Owner,
     headers: &HeaderMap,
     prompt: Prompt,
-    format: ResponseFormat,
+    answer: Answer,
     opts: api::Sampling,
-    kind: Kind,
 ) -> Result<Response, ApiError> {
+    let Answer { kind, format, logprobs } = answer;
     opts.check()?;
     if let Some(user) = &opts.user {
         // Escaped and bounded: a client's string must not forge log lines.
@@ -196,12 +208,17 @@ async fn run_turn(
     // A schema the grammar compiler refuses is refused here, before the
     // lease; compiling here also builds the model's shared compiler off the
     // driver (the engine compiles the format again when it admits).
-    if format != ResponseFormat::Text {
+    // Logprobs read the token table, built on first use: build it here too,
+    // off the async workers.
+    if format != ResponseFormat::Text || logprobs.is_some() {
         let (prompter, format) = (driver.prompter.clone(), format.clone());
-        tokio::task::spawn_blocking(move || prompter.constraint(&format).map(drop))
-            .await
-            .map_err(|_| ApiError::internal())?
-            .map_err(|e| crate::error::from_engine(&e))?;
+        tokio::task::spawn_blocking(move || {
+            prompter.token_piece(0);
+            prompter.constraint(&format).map(drop)
+        })
+        .await
+        .map_err(|_| ApiError::internal())?
+        .map_err(|e| crate::error::from_engine(&e))?;
     }
     // L1: the lease comes before anything queues; L8: no session, no lease.
     let session_id = match headers.get(SESSION_HEADER) {
@@ -223,6 +240,7 @@ async fn run_turn(
     request.max_new_tokens = opts.max_new_tokens();
     request.sampling = sampling;
     request.response_format = format;
+    request.logprobs = logprobs;
     let (admission, admitted) = Promise::new();
     let (events, rx) = mpsc::channel(16);
     let (released, ended) = tokio::sync::oneshot::channel();
@@ -244,6 +262,7 @@ async fn run_turn(
         prompt_tokens,
         stops: opts.stops(),
         id: format!("{}-{}", kind.prefix(), crate::sessions::random_hex()),
+        scorer: logprobs.map(|_| driver.prompter.clone()),
     };
     if opts.stream {
         let include_usage = opts.stream_options.as_ref().is_some_and(|o| o.include_usage);
@@ -270,6 +289,29 @@ struct Reply {
     /// ends (the engine's own result never comes for a turn cut short).
     prompt_tokens: u64,
     stops: Vec<String>,
+    /// Shapes token log-probabilities, when the request asked for them.
+    scorer: Option<Arc<onnx_genai_engine::Prompter>>,
+}
+
+impl Reply {
+    /// A token's log-probability with where its own text starts in the
+    /// answer: at the end of its text delta when the delta ends with it (a
+    /// delta may also carry bytes held back from earlier tokens that ended
+    /// inside a character), else where the delta starts.
+    fn scored(&self, before: usize, delta: &str, logprob: TokenLogprob) -> Scored {
+        let own = self.scorer.as_ref().map(|p| p.token_piece(logprob.token).0).unwrap_or_default();
+        let offset = if !own.is_empty() && delta.ends_with(&own) { before + delta.len() - own.len() } else { before };
+        Scored { logprob, offset }
+    }
+
+    /// The `logprobs` value of a choice: `null` when not asked for.
+    fn logprobs(&self, scored: &[Scored]) -> Value {
+        match (&self.scorer, self.kind) {
+            (None, _) => Value::Null,
+            (Some(p), Kind::Chat) => logprobs::chat(p, scored),
+            (Some(p), Kind::Text) => logprobs::completion(p, scored),
+        }
+    }
 }
 
 fn finish_reason(r: FinishReason) -> &'static str {
@@ -310,21 +352,26 @@ impl Turn {
 async fn collect(reply: Reply, mut turn: Turn) -> Result<Value, ApiError> {
     let mut text = String::new();
     let mut tokens = 0;
+    let mut scored = Vec::new();
     while let Some(event) = turn.rx.recv().await {
         match event {
-            Event::Delta(d) => {
+            Event::Delta(d, logprob) => {
                 turn.clock.token();
                 tokens += 1;
+                scored.extend(logprob.map(|logprob| reply.scored(text.len(), &d, logprob)));
                 text.push_str(&d);
                 if apply_stops(&mut text, &reply.stops) {
                     turn.stop().await;
                     let usage = api::usage(reply.prompt_tokens as usize, tokens);
-                    return Ok(body(&reply, &text, "stop", Some(usage)));
+                    // The tokens whose text the client gets.
+                    let kept = logprobs::take_before(&mut scored, text.len());
+                    return Ok(body(&reply, &text, "stop", Some(usage), reply.logprobs(&kept)));
                 }
             }
             Event::Finished(result) => {
                 let usage = api::usage(result.prompt_tokens, result.token_ids.len());
-                return Ok(body(&reply, &text, finish_reason(result.finish_reason), Some(usage)));
+                let logprobs = reply.logprobs(&scored);
+                return Ok(body(&reply, &text, finish_reason(result.finish_reason), Some(usage), logprobs));
             }
             Event::Failed(e) => return Err(e),
         }
@@ -332,16 +379,28 @@ async fn collect(reply: Reply, mut turn: Turn) -> Result<Value, ApiError> {
     Err(ApiError::internal())
 }
 
-fn body(reply: &Reply, text: &str, finish: &str, usage: Option<Value>) -> Value {
+fn body(reply: &Reply, text: &str, finish: &str, usage: Option<Value>, logprobs: Value) -> Value {
     let choice = match reply.kind {
-        Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}),
-        Kind::Text => json!({"index": 0, "text": text, "finish_reason": finish, "logprobs": null}),
+        Kind::Chat => json!({
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": logprobs,
+            "finish_reason": finish
+        }),
+        Kind::Text => json!({"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}),
     };
     let object = if reply.kind == Kind::Chat { "chat.completion" } else { "text_completion" };
     json!({"id": reply.id, "object": object, "created": api::now(), "model": reply.model, "choices": [choice], "usage": usage})
 }
 
 fn chunk(reply: &Reply, delta: Option<&str>, finish: Option<&str>, first: bool) -> Value {
+    scored_chunk(reply, delta, finish, first, &[])
+}
+
+/// A chunk carrying the log-probabilities of the tokens whose text it
+/// sends (when the request asked for them).
+fn scored_chunk(reply: &Reply, delta: Option<&str>, finish: Option<&str>, first: bool, scored: &[Scored]) -> Value {
+    let logprobs = if scored.is_empty() { Value::Null } else { reply.logprobs(scored) };
     let choice = match reply.kind {
         Kind::Chat => {
             let mut d = json!({});
@@ -351,9 +410,9 @@ fn chunk(reply: &Reply, delta: Option<&str>, finish: Option<&str>, first: bool) 
             if let Some(t) = delta {
                 d["content"] = json!(t);
             }
-            json!({"index": 0, "delta": d, "finish_reason": finish})
+            json!({"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": finish})
         }
-        Kind::Text => json!({"index": 0, "text": delta.unwrap_or(""), "finish_reason": finish, "logprobs": null}),
+        Kind::Text => json!({"index": 0, "text": delta.unwrap_or(""), "finish_reason": finish, "logprobs": logprobs}),
     };
     let object = if reply.kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
     json!({"id": reply.id, "object": object, "created": api::now(), "model": reply.model, "choices": [choice]})
@@ -368,6 +427,8 @@ enum StreamState {
         tokens: usize,
         sent: usize,
         first: bool,
+        /// Log-probabilities of tokens whose text has not gone out.
+        scored: Vec<Scored>,
     },
     Done,
 }
@@ -395,23 +456,25 @@ fn usage_chunk(reply: &Reply, prompt: usize, completion: usize) -> Value {
 
 fn stream_events(reply: Reply, turn: Turn, include_usage: bool) -> impl Stream<Item = Result<SseEvent, Infallible>> {
     let reply = Arc::new(reply);
-    let start = StreamState::Open { turn, text: String::new(), tokens: 0, sent: 0, first: true };
+    let start = StreamState::Open { turn, text: String::new(), tokens: 0, sent: 0, first: true, scored: Vec::new() };
     stream::unfold(start, move |state| {
         let reply = reply.clone();
         async move {
-            let StreamState::Open { mut turn, mut text, tokens, sent, first } = state else { return None };
+            let StreamState::Open { mut turn, mut text, tokens, sent, first, mut scored } = state else { return None };
             let data = |v: Value| SseEvent::default().data(v.to_string());
             let done = SseEvent::default().data("[DONE]");
             match turn.rx.recv().await {
-                Some(Event::Delta(d)) => {
+                Some(Event::Delta(d, logprob)) => {
                     turn.clock.token();
                     let tokens = tokens + 1;
+                    scored.extend(logprob.map(|logprob| reply.scored(text.len(), &d, logprob)));
                     text.push_str(&d);
                     if apply_stops(&mut text, &reply.stops) {
                         turn.stop().await;
                         let tail = text[sent.min(text.len())..].to_string();
+                        let kept = logprobs::take_before(&mut scored, text.len());
                         let mut events = vec![
-                            Ok(data(chunk(&reply, Some(&tail), None, first))),
+                            Ok(data(scored_chunk(&reply, Some(&tail), None, first, &kept))),
                             Ok(data(chunk(&reply, None, Some("stop"), false))),
                         ];
                         if include_usage {
@@ -423,20 +486,21 @@ fn stream_events(reply: Reply, turn: Turn, include_usage: bool) -> impl Stream<I
                     let ready = text.len() - undecided_tail(&text, &reply.stops);
                     if ready <= sent {
                         // All of it may yet be a stop string: nothing to send.
-                        let open = StreamState::Open { turn, text, tokens, sent, first };
+                        let open = StreamState::Open { turn, text, tokens, sent, first, scored };
                         return Some((stream::iter(Vec::new()), open));
                     }
                     let piece = text[sent..ready].to_string();
+                    let carried = logprobs::take_before(&mut scored, ready);
                     Some((
-                        stream::iter(vec![Ok(data(chunk(&reply, Some(&piece), None, first)))]),
-                        StreamState::Open { turn, text, tokens, sent: ready, first: false },
+                        stream::iter(vec![Ok(data(scored_chunk(&reply, Some(&piece), None, first, &carried)))]),
+                        StreamState::Open { turn, text, tokens, sent: ready, first: false, scored },
                     ))
                 }
                 Some(Event::Finished(result)) => {
                     let mut events = Vec::new();
-                    let first = if sent < text.len() {
+                    let first = if sent < text.len() || !scored.is_empty() {
                         // What was held back was no stop string after all.
-                        events.push(Ok(data(chunk(&reply, Some(&text[sent..]), None, first))));
+                        events.push(Ok(data(scored_chunk(&reply, Some(&text[sent..]), None, first, &scored))));
                         false
                     } else {
                         first

@@ -1,7 +1,7 @@
 //! The official OpenAI Python client against a real server on loopback:
 //! models, chat, streaming, a session turn via `X-Session-Id`, logit bias,
 //! penalties and vLLM's sampling extensions, structured outputs checked
-//! with `jsonschema`, an error.
+//! with `jsonschema`, logprobs, an error.
 //! `cargo xtask test` installs the pinned client and `jsonschema` into
 //! `target/python`.
 
@@ -34,7 +34,9 @@ fn the_official_python_client_works() {
         .expect("python3 runs");
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "client failed:\n{stdout}\n{stderr}");
-    for check in ["models ok", "chat ok", "stream ok", "session ok", "sampling ok", "structured ok", "error ok"] {
+    for check in
+        ["models ok", "chat ok", "stream ok", "session ok", "sampling ok", "structured ok", "logprobs ok", "error ok"]
+    {
         assert!(stdout.contains(check), "missing `{check}`:\n{stdout}");
     }
     server.stop();

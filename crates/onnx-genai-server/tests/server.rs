@@ -454,6 +454,16 @@ fn every_request_field_is_served_or_refused_by_name() {
             let example: serde_json::Value = serde_json::from_str(f.example).unwrap();
             match f.support {
                 Support::Served if base.get(f.name).is_some() || f.name == "max_tokens" => {}
+                Support::Served if f.name == "top_logprobs" => {
+                    // Served only beside `logprobs: true` (OpenAI's rule).
+                    refused(&send(f.name, example.clone()), f.name);
+                    let mut body = base.clone();
+                    body["max_tokens"] = json!(2);
+                    body["logprobs"] = json!(true);
+                    body[f.name] = example;
+                    let r = call(s.addr, "POST", path, &[], &body.to_string());
+                    assert_eq!(r.status, 200, "{path} {}: {}", f.name, r.body);
+                }
                 Support::Served => {
                     let r = send(f.name, example);
                     assert_eq!(r.status, 200, "{path} {}: {}", f.name, r.body);

@@ -134,6 +134,32 @@ except openai.BadRequestError as e:
     assert e.status_code == 400 and e.param == "response_format" and "nsatisfiable" in str(e), e
 print("structured ok")
 
+# Log-probabilities through the client's own types: one entry per generated
+# token with its bytes, the greedy token the likeliest of its
+# alternatives; a stream carries the same entries; completions' shape too.
+hello = [{"role": "user", "content": "Hello"}]
+r = client.chat.completions.create(
+    model=model, messages=hello, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2
+)
+scored = r.choices[0].logprobs.content
+assert len(scored) == r.usage.completion_tokens == 5, r
+for e in scored:
+    assert e.logprob <= 0 and len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token, e
+# (The Rust test checks that the bytes spell the answer; here a token may be
+# part of a character, which Python and Rust replace differently.)
+assert all(e.bytes and all(0 <= b < 256 for b in e.bytes) for e in scored), scored
+streamed = []
+for chunk in client.chat.completions.create(
+    model=model, messages=hello, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2, stream=True
+):
+    if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.content:
+        streamed.extend(chunk.choices[0].logprobs.content)
+assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in scored], streamed
+c = client.completions.create(model=model, prompt="Once upon", max_tokens=4, temperature=0, logprobs=2)
+assert len(c.choices[0].logprobs.tokens) == len(c.choices[0].logprobs.token_logprobs) == 4, c
+assert all(0 < len(alt) <= 2 for alt in c.choices[0].logprobs.top_logprobs), c
+print("logprobs ok")
+
 try:
     client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
     raise SystemExit("an unknown model was accepted")

@@ -1,0 +1,204 @@
+//! What an answer carries over real HTTP on loopback (issue 19): text
+//! under OpenAI's `response_format` (constrained decoding), and each
+//! token's log-probability (`logprobs`).
+
+mod support;
+
+use onnx_genai_engine::Scheduler;
+use onnx_genai_server::start;
+use serde_json::{json, Value};
+use support::{call, chat, engine, package, post, Gate};
+
+const M: &str = "tiny-llama-gqa";
+
+/// The answer's text and finish reason, from a JSON answer or the events
+/// of a stream.
+fn answer(r: &support::Reply, streamed: bool) -> (String, String) {
+    assert_eq!(r.status, 200, "{}", r.body);
+    if !streamed {
+        let choice = &r.json()["choices"][0];
+        return (choice["message"]["content"].as_str().unwrap().to_string(), choice["finish_reason"].to_string());
+    }
+    let (mut text, mut finish) = (String::new(), String::new());
+    for data in r.body.lines().filter_map(|l| l.strip_prefix("data: ")).filter(|d| *d != "[DONE]") {
+        let event: Value = serde_json::from_str(data).unwrap();
+        let Some(choice) = event["choices"].get(0) else { continue };
+        text.push_str(choice["delta"]["content"].as_str().unwrap_or(""));
+        if !choice["finish_reason"].is_null() {
+            finish = choice["finish_reason"].to_string();
+        }
+    }
+    (text, finish)
+}
+
+/// Issue 19, structured outputs: `json_schema` answers (`strict`, plain and
+/// streamed, greedy and sampled) are JSON with exactly the schema's keys and
+/// values in its enum and range, finished with `stop`; `json_object`
+/// answers open an object. Bad formats (a schema the compiler refuses, no
+/// schema, a bad name or `strict`, an unknown type) are 400s naming
+/// `response_format`, with nothing admitted or reserved and no lease left
+/// (A2, L1): the session's next turn runs.
+#[test]
+fn response_formats_constrain_the_answer_and_bad_ones_are_refused() {
+    let gate = Gate::default();
+    let (_d, p) = package(M);
+    let s = start(vec![engine(&p, &gate, Scheduler::new(u64::MAX / 2))], "127.0.0.1:0", 8).unwrap();
+    let schema = json!({
+        "type": "object",
+        "properties": {
+            "color": {"enum": ["red", "green", "blue"]},
+            "n": {"type": "integer", "minimum": 1, "maximum": 9}
+        },
+        "required": ["color", "n"],
+        "additionalProperties": false
+    });
+    let format = json!({"type": "json_schema", "json_schema": {"name": "pick", "schema": schema, "strict": true}});
+    let mut seen = std::collections::BTreeSet::new();
+    for streamed in [false, true] {
+        for seed in 0..4 {
+            let mut body = chat(M, "Pick a color", 200);
+            body["response_format"] = format.clone();
+            body["stream"] = json!(streamed);
+            body["seed"] = json!(seed);
+            body["temperature"] = json!(if seed == 0 { 0.0 } else { 1.0 });
+            let (text, finish) = answer(&post(s.addr, "/v1/chat/completions", &body), streamed);
+            assert_eq!(finish, "\"stop\"", "{text}");
+            let value: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
+            let keys: Vec<&String> = value.as_object().unwrap().keys().collect();
+            assert_eq!(keys, ["color", "n"], "{text}");
+            assert!(matches!(value["color"].as_str(), Some("red" | "green" | "blue")), "{text}");
+            assert!(value["n"].as_u64().is_some_and(|n| (1..=9).contains(&n)), "{text}");
+            seen.insert(text);
+        }
+    }
+    assert!(seen.len() > 1, "every request wrote the same JSON: {seen:?}");
+    let mut body = chat(M, "Anything", 60);
+    body["response_format"] = json!({"type": "json_object"});
+    let (text, _) = answer(&post(s.addr, "/v1/chat/completions", &body), false);
+    assert!(text.starts_with('{'), "{text}");
+
+    let r = post(s.addr, "/v1/sessions", &json!({"model": M}));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let sid = r.json()["id"].as_str().unwrap().to_string();
+    let before = s.gauges();
+    let unsatisfiable = json!({
+        "type": "object",
+        "properties": {"x": {"type": "integer", "minimum": 5, "maximum": 1}},
+        "required": ["x"]
+    });
+    for (format, want) in [
+        (json!({"type": "json_schema", "json_schema": {"name": "x", "schema": unsatisfiable}}), "cannot be used"),
+        (json!({"type": "json_schema", "json_schema": {"name": "x"}}), "json_schema.schema"),
+        (json!({"type": "json_schema", "json_schema": {"name": "bad name", "schema": {}}}), "json_schema.name"),
+        (json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": "yes"}}), "strict"),
+        (json!({"type": "yaml"}), "not text, json_object or json_schema"),
+        (json!({"json_schema": {}}), "needs a `type`"),
+    ] {
+        let mut body = chat(M, "hi", 4);
+        body["response_format"] = format.clone();
+        let r = call(s.addr, "POST", "/v1/chat/completions", &[("x-session-id", &sid)], &body.to_string());
+        assert_eq!(r.status, 400, "{format}: {}", r.body);
+        assert_eq!(r.json()["error"]["param"], "response_format", "{}", r.body);
+        assert!(r.body.contains(want), "expected `{want}`: {}", r.body);
+    }
+    let after = s.gauges();
+    assert_eq!((after.admitted, after.reserved_bytes, after.leases), (before.admitted, before.reserved_bytes, 0));
+    let r = call(s.addr, "POST", "/v1/chat/completions", &[("x-session-id", &sid)], &chat(M, "ok", 2).to_string());
+    assert_eq!(r.status, 200, "{}", r.body);
+}
+
+/// The chat `logprobs` entries of a JSON answer or a stream's chunks.
+fn chat_entries(r: &support::Reply, streamed: bool) -> Vec<Value> {
+    assert_eq!(r.status, 200, "{}", r.body);
+    if !streamed {
+        return r.json()["choices"][0]["logprobs"]["content"].as_array().unwrap().clone();
+    }
+    let mut entries = Vec::new();
+    for data in r.body.lines().filter_map(|l| l.strip_prefix("data: ")).filter(|d| *d != "[DONE]") {
+        let event: Value = serde_json::from_str(data).unwrap();
+        if let Some(content) = event["choices"].get(0).and_then(|c| c["logprobs"]["content"].as_array()) {
+            entries.extend(content.iter().cloned());
+        }
+    }
+    entries
+}
+
+/// Issue 19, logprobs: a greedy chat answer with `logprobs` and
+/// `top_logprobs: 3` has one entry per generated token whose bytes spell
+/// the answer exactly, each a log-probability ≤ 0 that is the first of its
+/// three alternatives (greedy takes the likeliest) in descending order; a
+/// stream carries the same entries across its chunks; the completions
+/// endpoint's shape has tokens found at their text offsets and at most `logprobs`
+/// alternatives; without `logprobs` the field is null; out-of-range counts
+/// and `top_logprobs` without `logprobs` are 400s naming the field.
+#[test]
+fn logprobs_score_every_token_in_both_shapes() {
+    let gate = Gate::default();
+    let (_d, p) = package(M);
+    let s = start(vec![engine(&p, &gate, Scheduler::new(u64::MAX / 2))], "127.0.0.1:0", 8).unwrap();
+    let mut body = chat(M, "Once upon a time", 6);
+    body["logprobs"] = json!(true);
+    body["top_logprobs"] = json!(3);
+    let r = post(s.addr, "/v1/chat/completions", &body);
+    let entries = chat_entries(&r, false);
+    let content = r.json()["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    assert_eq!(entries.len(), 6, "{}", r.body);
+    let spelled: Vec<u8> =
+        entries.iter().flat_map(|e| e["bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap() as u8)).collect();
+    assert_eq!(String::from_utf8_lossy(&spelled), content, "the tokens' bytes spell the answer");
+    for e in &entries {
+        let lp = e["logprob"].as_f64().unwrap();
+        let top = e["top_logprobs"].as_array().unwrap();
+        assert!(lp <= 0.0 && top.len() == 3, "{e}");
+        assert_eq!((&top[0]["token"], top[0]["logprob"].as_f64().unwrap()), (&e["token"], lp), "{e}");
+        assert!(top.windows(2).all(|w| w[0]["logprob"].as_f64() >= w[1]["logprob"].as_f64()), "{e}");
+    }
+    body["stream"] = json!(true);
+    assert_eq!(chat_entries(&post(s.addr, "/v1/chat/completions", &body), true), entries);
+    let plain = post(s.addr, "/v1/chat/completions", &chat(M, "Once upon a time", 2));
+    assert!(plain.json()["choices"][0]["logprobs"].is_null(), "{}", plain.body);
+
+    let r = post(
+        s.addr,
+        "/v1/completions",
+        &json!({"model": M, "prompt": "Once upon", "max_tokens": 5, "temperature": 0, "logprobs": 2}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let choice = &r.json()["choices"][0];
+    let scores = &choice["logprobs"];
+    let tokens: Vec<&str> = scores["tokens"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+    assert_eq!(tokens.len(), 5, "{scores}");
+    // Each token's text starts at its offset (a token holding part of a
+    // character starts where the character does, and reads as U+FFFD).
+    let text = choice["text"].as_str().unwrap();
+    let offsets: Vec<usize> =
+        scores["text_offset"].as_array().unwrap().iter().map(|o| o.as_u64().unwrap() as usize).collect();
+    assert_eq!(offsets.first(), Some(&0), "{scores}");
+    assert!(offsets.windows(2).all(|w| w[0] <= w[1]), "{scores}");
+    for (token, &offset) in tokens.iter().zip(&offsets) {
+        assert!(token.contains('\u{FFFD}') || text[offset..].starts_with(token), "{token:?} at {offset}: {scores}");
+    }
+    for (lp, alternatives) in
+        scores["token_logprobs"].as_array().unwrap().iter().zip(scores["top_logprobs"].as_array().unwrap())
+    {
+        let alternatives = alternatives.as_object().unwrap();
+        assert!(!alternatives.is_empty() && alternatives.len() <= 2, "{scores}");
+        let best = alternatives.values().filter_map(Value::as_f64).fold(f64::NEG_INFINITY, f64::max);
+        assert_eq!(lp.as_f64().unwrap(), best, "greedy took the likeliest: {scores}");
+    }
+    for (path, extra, param) in [
+        ("/v1/chat/completions", json!({"logprobs": true, "top_logprobs": 21}), "top_logprobs"),
+        ("/v1/chat/completions", json!({"top_logprobs": 2}), "top_logprobs"),
+        ("/v1/completions", json!({"logprobs": 6}), "logprobs"),
+    ] {
+        let mut body = if path.ends_with("chat/completions") {
+            chat(M, "hi", 2)
+        } else {
+            json!({"model": M, "prompt": "hi", "max_tokens": 2})
+        };
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        let r = post(s.addr, path, &body);
+        assert_eq!(r.status, 400, "{extra}: {}", r.body);
+        assert_eq!(r.json()["error"]["param"], param, "{}", r.body);
+    }
+}
