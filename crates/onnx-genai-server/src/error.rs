@@ -115,12 +115,13 @@ pub fn from_engine(err: &onnx_genai_engine::EngineError) -> ApiError {
         EngineError::ResponseFormat(m) => {
             ApiError::param("response_format", format!("the response format cannot be used: {m}"))
         }
+        EngineError::Constrained(m) => ApiError::param(
+            "response_format",
+            format!("the response format's grammar failed while generating: {m}; simplify the schema"),
+        ),
         EngineError::UnknownSession(_) => ApiError::not_found(SESSION_GONE, "the session is gone; create a new one"),
         EngineError::SessionBusy(_) => ApiError::conflict("the session is running another turn"),
-        EngineError::Package(_)
-        | EngineError::Backend(_)
-        | EngineError::Panicked { .. }
-        | EngineError::Constrained(_) => {
+        EngineError::Package(_) | EngineError::Backend(_) | EngineError::Panicked { .. } => {
             tracing::error!("generation failed: {err}");
             ApiError::internal()
         }

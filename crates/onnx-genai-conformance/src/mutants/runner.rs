@@ -90,7 +90,9 @@ impl Runner {
         }
         if let Some(from) = &self.seed_from {
             let seeded = super::seed_target(&from.join("debug"), &self.target_dir.join("debug"))?;
-            if seeded != super::Seeded::default() {
+            if let Some(why) = &seeded.skipped {
+                println!("==> not seeding {}: {why}", self.target_dir.display());
+            } else if seeded != super::Seeded::default() {
                 println!(
                     "==> seeded {} from {}: {} artifacts linked, {} files copied",
                     self.target_dir.display(),

@@ -3,14 +3,15 @@
 //! every third-party crate a second time: on a CI machine that second copy
 //! is minutes of build and gigabytes of disk.
 //!
-//! Only third-party units are seeded; the workspace's own crates are always
-//! rebuilt from the scratch tree (their fingerprints are left out, so cargo
-//! cannot take a main-tree artifact for a mutant's). Compiled artifacts are
-//! hard links (no bytes copied): rustc and the linker replace an output by
-//! renaming a new file over it, so a rebuild here never writes through into
-//! the main build. What cargo or a build script rewrites in place —
-//! fingerprints, dep-info files, build-script output — is copied, with its
-//! modification time kept so that cargo still sees it as fresh.
+//! Only third-party units are seeded: their libraries (`lib*.rlib`,
+//! `.rmeta`, `.so`), fingerprints and build-script output. The workspace's
+//! own crates and every test executable are left out and always rebuilt
+//! from the scratch tree, so cargo cannot take a main-tree artifact for a
+//! mutant's. The libraries are hard links (no bytes copied): rustc replaces
+//! an output by renaming a new file over it, so a rebuild here never writes
+//! through into the main build. What cargo or a build script rewrites in
+//! place — fingerprints, dep-info files, build-script output — is copied,
+//! with its modification time kept so that cargo still sees it as fresh.
 
 use std::path::Path;
 
@@ -19,11 +20,23 @@ use std::path::Path;
 pub struct Seeded {
     pub linked: usize,
     pub copied: usize,
+    /// Why seeding gave up (nothing is left half-seeded; cargo builds it all).
+    pub skipped: Option<String>,
 }
 
-/// Whether a `.fingerprint` or `build` entry belongs to a workspace crate.
+/// Whether a `.fingerprint` or `build` entry (`onnx-genai-engine-<hash>`)
+/// or a library's crate name (`onnx_genai_engine`) is the workspace's.
 fn is_workspace_unit(name: &str) -> bool {
+    let name = name.replace('_', "-");
     name.starts_with("onnx-genai") || name.starts_with("xtask")
+}
+
+/// The crate and hash stem of a third-party library in `deps/`
+/// (`libserde-1a.rlib` → `serde-1a`); `None` for anything else.
+fn third_party_library(file: &str) -> Option<&str> {
+    let (stem, ext) = file.rsplit_once('.')?;
+    let stem = stem.strip_prefix("lib")?;
+    (matches!(ext, "rlib" | "rmeta" | "so") && !is_workspace_unit(stem)).then_some(stem)
 }
 
 /// Seeds the profile directory `to` (e.g. `target/mutants/target/debug`)
@@ -38,20 +51,19 @@ pub fn seed_target(from: &Path, to: &Path) -> Result<Seeded, String> {
     if deps.is_dir() {
         std::fs::create_dir_all(to.join("deps")).map_err(|e| e.to_string())?;
         for entry in read_dir(&deps)? {
-            let path = entry.path();
-            if !path.is_file() {
-                continue;
-            }
-            let target = to.join("deps").join(entry.file_name());
-            if path.extension().is_some_and(|e| e == "d") {
-                copy_keeping_time(&path, &target)?;
-                done.copied += 1;
-            } else if std::fs::hard_link(&path, &target).is_ok() {
-                done.linked += 1;
-            } else {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some(stem) = third_party_library(&name) else { continue };
+            if let Err(e) = std::fs::hard_link(entry.path(), to.join("deps").join(&name)) {
                 // Another file system (or no hard links): copying would
                 // cost the disk this module exists to save.
-                return Ok(done);
+                let _ = std::fs::remove_dir_all(to);
+                return Ok(Seeded { skipped: Some(format!("cannot hard-link {name}: {e}")), ..Seeded::default() });
+            }
+            done.linked += 1;
+            let dep_info = format!("{stem}.d");
+            if deps.join(&dep_info).is_file() && !to.join("deps").join(&dep_info).exists() {
+                copy_keeping_time(&deps.join(&dep_info), &to.join("deps").join(&dep_info))?;
+                done.copied += 1;
             }
         }
     }
@@ -98,7 +110,9 @@ fn copy_keeping_time(from: &Path, to: &Path) -> Result<(), String> {
     }
     std::fs::copy(from, to).map_err(fail)?;
     let modified = std::fs::metadata(from).and_then(|m| m.modified()).map_err(fail)?;
-    std::fs::File::options().write(true).open(to).and_then(|f| f.set_modified(modified)).map_err(fail)
+    // (Read-only is enough to set the time of a file one owns, and a build
+    // script may have left its output read-only.)
+    std::fs::File::open(to).and_then(|f| f.set_modified(modified)).map_err(fail)
 }
 
 #[cfg(test)]
@@ -122,23 +136,37 @@ mod tests {
         let (from, to) = (dir.path().join("debug"), dir.path().join("mutants/debug"));
         write(&from.join("deps/libserde-1a.rlib"), "rlib");
         write(&from.join("deps/serde-1a.d"), "dep-info");
+        write(&from.join("deps/libonnx_genai_engine-2b.rlib"), "workspace rlib");
+        write(&from.join("deps/admission-6f"), "a workspace test executable");
+        write(&from.join("deps/admission-6f.d"), "its dep-info");
         write(&from.join(".fingerprint/serde-1a/lib-serde"), "hash");
         write(&from.join(".fingerprint/onnx-genai-engine-2b/lib-onnx_genai_engine"), "hash");
         write(&from.join("build/ring-3c/out/lib.a"), "objects");
         write(&from.join("build/onnx-genai-cuda-4d/output"), "cargo:rerun");
         write(&from.join("incremental/onnx_genai_engine-5e/s"), "cache");
         let old = std::time::SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1_000_000);
-        std::fs::File::options().write(true).open(from.join("build/ring-3c/out/lib.a")).unwrap().set_modified(old).unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(from.join("build/ring-3c/out/lib.a"))
+            .unwrap()
+            .set_modified(old)
+            .unwrap();
 
         let seeded = seed_target(&from, &to).unwrap();
-        assert_eq!(seeded, Seeded { linked: 1, copied: 3 });
-        let (a, b) = (std::fs::metadata(from.join("deps/libserde-1a.rlib")).unwrap(), std::fs::metadata(to.join("deps/libserde-1a.rlib")).unwrap());
+        assert_eq!(seeded, Seeded { linked: 1, copied: 3, skipped: None });
+        let (a, b) = (
+            std::fs::metadata(from.join("deps/libserde-1a.rlib")).unwrap(),
+            std::fs::metadata(to.join("deps/libserde-1a.rlib")).unwrap(),
+        );
         assert_eq!((a.dev(), a.ino()), (b.dev(), b.ino()), "an artifact is a hard link");
         let d = std::fs::metadata(to.join("deps/serde-1a.d")).unwrap();
         assert_ne!(d.ino(), std::fs::metadata(from.join("deps/serde-1a.d")).unwrap().ino(), "dep-info is a copy");
         assert_eq!(std::fs::read_to_string(to.join(".fingerprint/serde-1a/lib-serde")).unwrap(), "hash");
         assert_eq!(std::fs::metadata(to.join("build/ring-3c/out/lib.a")).unwrap().modified().unwrap(), old);
         assert!(!to.join(".fingerprint/onnx-genai-engine-2b").exists());
+        for left_out in ["deps/libonnx_genai_engine-2b.rlib", "deps/admission-6f", "deps/admission-6f.d"] {
+            assert!(!to.join(left_out).exists(), "{left_out} was seeded");
+        }
         assert!(!to.join("build/onnx-genai-cuda-4d").exists());
         assert!(!to.join("incremental").exists());
         assert_eq!(seed_target(&from, &to).unwrap(), Seeded::default(), "an existing directory is reused as it is");
