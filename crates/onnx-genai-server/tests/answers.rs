@@ -202,3 +202,60 @@ fn logprobs_score_every_token_in_both_shapes() {
         assert_eq!(r.json()["error"]["param"], param, "{}", r.body);
     }
 }
+
+/// The completions `logprobs` of a JSON answer or a stream's chunks:
+/// (text, tokens).
+fn completion_scores(r: &support::Reply, streamed: bool) -> (String, Vec<String>) {
+    assert_eq!(r.status, 200, "{}", r.body);
+    let strings = |v: &Value| -> Vec<String> {
+        v.as_array().map(|a| a.iter().map(|t| t.as_str().unwrap().to_string()).collect()).unwrap_or_default()
+    };
+    if !streamed {
+        let choice = &r.json()["choices"][0];
+        return (choice["text"].as_str().unwrap().to_string(), strings(&choice["logprobs"]["tokens"]));
+    }
+    let (mut text, mut tokens) = (String::new(), Vec::new());
+    for data in r.body.lines().filter_map(|l| l.strip_prefix("data: ")).filter(|d| *d != "[DONE]") {
+        let event: Value = serde_json::from_str(data).unwrap();
+        let Some(choice) = event["choices"].get(0) else { continue };
+        text.push_str(choice["text"].as_str().unwrap_or(""));
+        tokens.extend(strings(&choice["logprobs"]["tokens"]));
+    }
+    (text, tokens)
+}
+
+/// Issue 19, logprobs under a stop string: an answer cut where a token's
+/// own text begins carries exactly the tokens before it — the text the
+/// client gets — in JSON and in a stream (where that token was held back
+/// as a possible stop string).
+#[test]
+fn a_stop_string_keeps_the_logprobs_of_the_text_the_client_gets() {
+    let gate = Gate::default();
+    let (_d, p) = package(M);
+    let s = start(vec![engine(&p, &gate, Scheduler::new(u64::MAX / 2))], "127.0.0.1:0", 8).unwrap();
+    let body = json!({"model": M, "prompt": "Once upon", "max_tokens": 12, "temperature": 0, "logprobs": 0});
+    let full = post(s.addr, "/v1/completions", &body);
+    let (text, tokens) = completion_scores(&full, false);
+    let offsets: Vec<usize> = full.json()["choices"][0]["logprobs"]["text_offset"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| o.as_u64().unwrap() as usize)
+        .collect();
+    // A later token whose own text first occurs where that token starts.
+    let (cut, stop) = (1..tokens.len())
+        .find(|&i| {
+            let t = &tokens[i];
+            !t.trim().is_empty() && !t.contains('\u{FFFD}') && text.find(t.as_str()) == Some(offsets[i])
+        })
+        .map(|i| (i, tokens[i].clone()))
+        .unwrap_or_else(|| panic!("no token to stop at in {tokens:?}"));
+    for streamed in [false, true] {
+        let mut stopped = body.clone();
+        stopped["stop"] = json!([stop]);
+        stopped["stream"] = json!(streamed);
+        let (cut_text, kept) = completion_scores(&post(s.addr, "/v1/completions", &stopped), streamed);
+        assert_eq!(cut_text, text[..offsets[cut]], "streamed {streamed}, stop {stop:?}");
+        assert_eq!(kept, tokens[..cut], "streamed {streamed}, stop {stop:?}");
+    }
+}
