@@ -11,6 +11,22 @@ use support::{call, chat, engine, package, post, Gate};
 
 const M: &str = "tiny-llama-gqa";
 
+/// A server of `M` with an ample budget.
+fn serve() -> (tempfile::TempDir, onnx_genai_server::RunningServer) {
+    let (dir, p) = package(M);
+    (dir, start(vec![engine(&p, &Gate::default(), Scheduler::new(u64::MAX / 2))], "127.0.0.1:0", 8).unwrap())
+}
+
+/// The first choice of every event of a stream's body.
+fn stream_choices(r: &support::Reply) -> Vec<Value> {
+    r.body
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .filter_map(|d| serde_json::from_str::<Value>(d).unwrap()["choices"].get(0).cloned())
+        .collect()
+}
+
 /// The answer's text and finish reason, from a JSON answer or the events
 /// of a stream.
 fn answer(r: &support::Reply, streamed: bool) -> (String, String) {
@@ -20,9 +36,7 @@ fn answer(r: &support::Reply, streamed: bool) -> (String, String) {
         return (choice["message"]["content"].as_str().unwrap().to_string(), choice["finish_reason"].to_string());
     }
     let (mut text, mut finish) = (String::new(), String::new());
-    for data in r.body.lines().filter_map(|l| l.strip_prefix("data: ")).filter(|d| *d != "[DONE]") {
-        let event: Value = serde_json::from_str(data).unwrap();
-        let Some(choice) = event["choices"].get(0) else { continue };
+    for choice in stream_choices(r) {
         text.push_str(choice["delta"]["content"].as_str().unwrap_or(""));
         if !choice["finish_reason"].is_null() {
             finish = choice["finish_reason"].to_string();
@@ -40,9 +54,7 @@ fn answer(r: &support::Reply, streamed: bool) -> (String, String) {
 /// (A2, L1): the session's next turn runs.
 #[test]
 fn response_formats_constrain_the_answer_and_bad_ones_are_refused() {
-    let gate = Gate::default();
-    let (_d, p) = package(M);
-    let s = start(vec![engine(&p, &gate, Scheduler::new(u64::MAX / 2))], "127.0.0.1:0", 8).unwrap();
+    let (_d, s) = serve();
     let schema = json!({
         "type": "object",
         "properties": {
@@ -114,9 +126,8 @@ fn chat_entries(r: &support::Reply, streamed: bool) -> Vec<Value> {
         return r.json()["choices"][0]["logprobs"]["content"].as_array().unwrap().clone();
     }
     let mut entries = Vec::new();
-    for data in r.body.lines().filter_map(|l| l.strip_prefix("data: ")).filter(|d| *d != "[DONE]") {
-        let event: Value = serde_json::from_str(data).unwrap();
-        if let Some(content) = event["choices"].get(0).and_then(|c| c["logprobs"]["content"].as_array()) {
+    for choice in stream_choices(r) {
+        if let Some(content) = choice["logprobs"]["content"].as_array() {
             entries.extend(content.iter().cloned());
         }
     }
@@ -133,9 +144,7 @@ fn chat_entries(r: &support::Reply, streamed: bool) -> Vec<Value> {
 /// and `top_logprobs` without `logprobs` are 400s naming the field.
 #[test]
 fn logprobs_score_every_token_in_both_shapes() {
-    let gate = Gate::default();
-    let (_d, p) = package(M);
-    let s = start(vec![engine(&p, &gate, Scheduler::new(u64::MAX / 2))], "127.0.0.1:0", 8).unwrap();
+    let (_d, s) = serve();
     let mut body = chat(M, "Once upon a time", 6);
     body["logprobs"] = json!(true);
     body["top_logprobs"] = json!(3);
@@ -215,9 +224,7 @@ fn completion_scores(r: &support::Reply, streamed: bool) -> (String, Vec<String>
         return (choice["text"].as_str().unwrap().to_string(), strings(&choice["logprobs"]["tokens"]));
     }
     let (mut text, mut tokens) = (String::new(), Vec::new());
-    for data in r.body.lines().filter_map(|l| l.strip_prefix("data: ")).filter(|d| *d != "[DONE]") {
-        let event: Value = serde_json::from_str(data).unwrap();
-        let Some(choice) = event["choices"].get(0) else { continue };
+    for choice in stream_choices(r) {
         text.push_str(choice["text"].as_str().unwrap_or(""));
         tokens.extend(strings(&choice["logprobs"]["tokens"]));
     }
@@ -230,9 +237,7 @@ fn completion_scores(r: &support::Reply, streamed: bool) -> (String, Vec<String>
 /// as a possible stop string).
 #[test]
 fn a_stop_string_keeps_the_logprobs_of_the_text_the_client_gets() {
-    let gate = Gate::default();
-    let (_d, p) = package(M);
-    let s = start(vec![engine(&p, &gate, Scheduler::new(u64::MAX / 2))], "127.0.0.1:0", 8).unwrap();
+    let (_d, s) = serve();
     let body = json!({"model": M, "prompt": "Once upon", "max_tokens": 12, "temperature": 0, "logprobs": 0});
     let full = post(s.addr, "/v1/completions", &body);
     let (text, tokens) = completion_scores(&full, false);
