@@ -283,11 +283,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     prompt = format!("{placeholder}{prompt}");
                 }
             }
-            let prompt = if chat {
-                Prompt::Chat(vec![ChatMessage { role: "user".into(), content: prompt }])
-            } else {
-                Prompt::Text(prompt)
-            };
+            let prompt =
+                if chat { Prompt::Chat(vec![ChatMessage::new("user", prompt)].into()) } else { Prompt::Text(prompt) };
             let request = GenerateRequest {
                 max_new_tokens,
                 sampling: Sampling { temperature, top_k, top_p, seed, ..Sampling::default() },

@@ -9,8 +9,9 @@ use std::sync::OnceLock;
 
 use onnx_genai_build::gguf::{tokenizer::tokenizer_json, Gguf};
 use onnx_genai_conformance::real::RealModel;
+use onnx_genai_engine::tools::Tool;
 use onnx_genai_engine::{
-    BackendKind, ChatMessage, Engine, FinishReason, Flow, GenerateRequest, Prompt, ResponseFormat,
+    BackendKind, Chat, ChatMessage, Engine, FinishReason, Flow, GenerateRequest, Prompt, ResponseFormat,
 };
 use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer, Tokenizer};
 
@@ -69,7 +70,8 @@ fn encodings_of_tricky_strings() {
 /// f32 export answers on native-cpu (it talks); asked for JSON under a
 /// schema with strings and integers (issue 19's structured
 /// outputs over the real 49,152-token vocabulary), the greedy answer ends by
-/// itself and parses with the schema's keys and types.
+/// itself and parses with the schema's keys and types; offered tools with
+/// one function named, it calls it with arguments under its schema.
 #[test]
 fn a_chat_turn_answers_in_text_and_in_json() {
     let m = model();
@@ -78,8 +80,8 @@ fn a_chat_turn_answers_in_text_and_in_json() {
     let dir = tempfile::tempdir().unwrap();
     m.build(&base, export, dir.path()).unwrap();
     let mut engine = Engine::open(dir.path(), BackendKind::NativeCpu, 1).unwrap();
-    let messages = vec![ChatMessage { role: "user".into(), content: "What is the capital of France?".into() }];
-    let request = GenerateRequest { max_new_tokens: Some(16), ..GenerateRequest::new(Prompt::Chat(messages)) };
+    let messages = vec![ChatMessage::new("user", "What is the capital of France?")];
+    let request = GenerateRequest { max_new_tokens: Some(16), ..GenerateRequest::new(Prompt::Chat(messages.into())) };
     let out = engine.generate(&request, &mut |_| Flow::Continue).unwrap();
     // The template's default system prompt, and the turn markers.
     assert!(out.prompt_tokens > 30, "{}", out.prompt_tokens);
@@ -102,7 +104,7 @@ fn a_chat_turn_answers_in_text_and_in_json() {
     let request = GenerateRequest {
         max_new_tokens: Some(80),
         response_format: ResponseFormat::JsonSchema(schema),
-        ..GenerateRequest::new(Prompt::Chat(vec![ChatMessage { role: "user".into(), content: ask.into() }]))
+        ..GenerateRequest::new(Prompt::Chat(vec![ChatMessage::new("user", ask)].into()))
     };
     let out = engine.generate(&request, &mut |_| Flow::Continue).unwrap();
     assert_eq!(out.finish_reason, FinishReason::Eos, "{:?}", out.text);
@@ -111,4 +113,40 @@ fn a_chat_turn_answers_in_text_and_in_json() {
     assert_eq!(keys, ["city", "country", "population", "latitude"], "{}", out.text);
     assert!(value["city"].is_string() && value["country"].is_string(), "{}", out.text);
     assert!(value["population"].is_u64() && value["latitude"].is_i64(), "{}", out.text);
+
+    // A named tool call through the package's own template, which
+    // knows no tools: they are described in the system message, and the
+    // call is drawn under its schema.
+    let weather = Tool {
+        name: "weather".into(),
+        description: Some("Today's weather in a city".into()),
+        parameters: serde_json::json!({
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 40}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": false
+        }),
+    };
+    let tools = vec![
+        weather,
+        Tool {
+            name: "time".into(),
+            description: None,
+            parameters: serde_json::json!({"type": "object", "properties": {}, "additionalProperties": false}),
+        },
+    ];
+    let chat = Chat { messages: vec![ChatMessage::new("user", "What is the weather in Paris?")], tools: tools.clone() };
+    let plain = engine.prompter().rows(&Prompt::Chat(chat.messages.clone().into())).unwrap().remove(0);
+    let request = GenerateRequest {
+        max_new_tokens: Some(60),
+        response_format: onnx_genai_engine::tools::call_format(&tools, Some("weather")),
+        ..GenerateRequest::new(Prompt::Chat(chat))
+    };
+    let out = engine.generate(&request, &mut |_| Flow::Continue).unwrap();
+    assert!(out.prompt_tokens > plain.len() + 50, "the tools are described: {} vs {}", out.prompt_tokens, plain.len());
+    assert_eq!(out.finish_reason, FinishReason::Eos, "{:?}", out.text);
+    let call = onnx_genai_engine::tools::parse_call(&out.text, &tools).unwrap_or_else(|| panic!("{:?}", out.text));
+    assert_eq!(call.name, "weather");
+    let arguments: serde_json::Value = serde_json::from_str(&call.arguments).unwrap();
+    assert!(arguments["city"].is_string() && arguments["unit"].is_string(), "{}", out.text);
 }

@@ -5,27 +5,67 @@ use serde::Serialize;
 use tokenizers::Tokenizer;
 
 use crate::constraint::{Constraint, ResponseFormat};
+use crate::tools::{self, Tool, ToolCall};
 
 use crate::EngineError;
 
-#[derive(Clone, Debug, Serialize)]
+/// One message as chat templates read it (Hugging Face's form).
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// An assistant message's calls.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+    /// The call a `tool` message answers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
 }
 
+impl ChatMessage {
+    pub fn new(role: &str, content: impl Into<String>) -> Self {
+        Self { role: role.into(), content: content.into(), ..Self::default() }
+    }
+}
+
+/// A chat prompt: its messages and the tools the model may call.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Chat {
+    pub messages: Vec<ChatMessage>,
+    pub tools: Vec<Tool>,
+}
+
+impl From<Vec<ChatMessage>> for Chat {
+    fn from(messages: Vec<ChatMessage>) -> Self {
+        Self { messages, tools: Vec::new() }
+    }
+}
+
+/// The chat as `template` renders it: the tools handed to a template that
+/// reads them, else written into the messages' text (`tools.rs`).
 pub(crate) fn render(
     template: &str,
-    messages: &[ChatMessage],
+    chat: &Chat,
     tokenizer: &Tokenizer,
     manifest: &Manifest,
 ) -> Result<String, EngineError> {
+    let knows_tools = tools::template_knows_tools(template);
+    let written;
+    let messages = if knows_tools {
+        &chat.messages
+    } else {
+        written = tools::written_into_text(&chat.messages, &chat.tools);
+        &written
+    };
+    let tools: Option<Vec<serde_json::Value>> =
+        (knows_tools && !chat.tools.is_empty()).then(|| chat.tools.iter().map(Tool::to_json).collect());
     let token = |id: Option<u32>| id.and_then(|id| tokenizer.id_to_token(id)).unwrap_or_default();
     let mut env = minijinja::Environment::new();
     env.add_template("chat", template).map_err(|e| EngineError::ChatTemplate(e.to_string()))?;
     let tmpl = env.get_template("chat").map_err(|e| EngineError::ChatTemplate(e.to_string()))?;
     tmpl.render(minijinja::context! {
         messages => messages,
+        tools => tools,
         add_generation_prompt => true,
         bos_token => token(manifest.generation.bos_token_id),
         eos_token => token(manifest.generation.eos_token_ids.first().copied()),
@@ -86,18 +126,32 @@ impl Prompter {
     /// tokens parsed and each content without. Content that spells none is
     /// encoded with the template in one piece, exactly as the model's own
     /// tooling does.
-    fn chat_ids(&self, template: &str, messages: &[ChatMessage]) -> Result<Vec<u32>, EngineError> {
+    fn chat_ids(&self, template: &str, chat: &Chat) -> Result<Vec<u32>, EngineError> {
         let m = &self.package.manifest;
         let tokenizer = self.package.tokenizer();
-        let spells_control = messages.iter().any(|msg| self.specials.iter().any(|s| msg.content.contains(s.as_str())));
-        if !spells_control {
-            return self.encode(&render(template, messages, tokenizer, m)?);
-        }
-        let marked: Vec<ChatMessage> = messages
+        let messages = &chat.messages;
+        let spells = |text: &str| self.specials.iter().any(|s| text.contains(s.as_str()));
+        if messages
             .iter()
-            .enumerate()
-            .map(|(i, msg)| ChatMessage { role: msg.role.clone(), content: format!("{OPEN}{i}{CLOSE}") })
-            .collect();
+            .flat_map(|msg| &msg.tool_calls)
+            .any(|c| spells(&c.function.name) || spells(&c.function.arguments))
+        {
+            return Err(EngineError::ChatTemplate(
+                "a tool call's arguments spell a special token; the template writes them as they are, so they would become control tokens".into(),
+            ));
+        }
+        let spells_control = messages.iter().any(|msg| spells(&msg.content));
+        if !spells_control {
+            return self.encode(&render(template, chat, tokenizer, m)?);
+        }
+        let marked = Chat {
+            messages: messages
+                .iter()
+                .enumerate()
+                .map(|(i, msg)| ChatMessage { content: format!("{OPEN}{i}{CLOSE}"), ..msg.clone() })
+                .collect(),
+            tools: chat.tools.clone(),
+        };
         let rendered = render(template, &marked, tokenizer, m)?;
         let garbled = || {
             EngineError::ChatTemplate(
@@ -180,12 +234,12 @@ impl Prompter {
         let m = &self.package.manifest;
         Ok(match prompt {
             crate::Prompt::Text(text) => vec![self.encode(text)?],
-            crate::Prompt::Chat(messages) => {
+            crate::Prompt::Chat(chat) => {
                 let template = m
                     .chat_template
                     .as_deref()
                     .ok_or_else(|| EngineError::ChatTemplate(format!("package `{}` has no chat_template", m.name)))?;
-                vec![self.chat_ids(template, messages)?]
+                vec![self.chat_ids(template, chat)?]
             }
             crate::Prompt::TokenIds(ids) => vec![ids.clone()],
             crate::Prompt::TokenRows(rows) => rows.clone(),

@@ -17,6 +17,7 @@ mod chat;
 mod constraint;
 mod request;
 pub mod sampling;
+pub mod tools;
 mod turn;
 mod workflow;
 
@@ -25,7 +26,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 pub use backends::BackendKind;
-pub use chat::{ChatMessage, Prompter};
+pub use chat::{Chat, ChatMessage, Prompter};
 pub use constraint::{Constraint, ResponseFormat};
 use onnx_genai_backend::{BackendError, DecodeModel, Sequence};
 use onnx_genai_package::{Package, PackageError};

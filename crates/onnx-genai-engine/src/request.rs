@@ -1,7 +1,7 @@
 //! The one request type and its validation. Everything input can get wrong
 //! is a typed [`EngineError`] before any reservation exists.
 
-use crate::chat::ChatMessage;
+use crate::chat::Chat;
 use crate::constraint::ResponseFormat;
 use crate::sampling::{Sampling, MAX_TOP_LOGPROBS};
 use crate::EngineError;
@@ -10,8 +10,9 @@ use crate::EngineError;
 #[derive(Clone, Debug)]
 pub enum Prompt {
     Text(String),
-    /// Rendered with the package's chat template (generation prompt added).
-    Chat(Vec<ChatMessage>),
+    /// Rendered with the package's chat template (generation prompt added),
+    /// with the tools the model may call.
+    Chat(Chat),
     TokenIds(Vec<u32>),
     /// Several token rows; equal-length rows run as one `[rows, cols]`
     /// batch, so they count as `rows * longest row` tokens (A7).

@@ -22,12 +22,9 @@ pub(crate) fn split(data: &[u8]) -> (String, Vec<ChatMessage>) {
     let messages = match serde_json::from_str::<serde_json::Value>(&text) {
         Ok(serde_json::Value::Array(items)) => items
             .iter()
-            .map(|m| ChatMessage {
-                role: m["role"].as_str().unwrap_or("user").to_string(),
-                content: m["content"].as_str().unwrap_or_default().to_string(),
-            })
+            .map(|m| ChatMessage::new(m["role"].as_str().unwrap_or("user"), m["content"].as_str().unwrap_or_default()))
             .collect(),
-        _ => vec![ChatMessage { role: "user".into(), content: text.into_owned() }],
+        _ => vec![ChatMessage::new("user", text.into_owned())],
     };
     (String::from_utf8_lossy(template).into_owned(), messages)
 }
@@ -36,5 +33,5 @@ pub(crate) fn run(data: &[u8]) -> Result<(), String> {
     let (template, messages) = split(data);
     let mut package = fixture::package().clone();
     package.manifest.chat_template = Some(template);
-    Prompter::new(package).rows(&Prompt::Chat(messages)).map(drop).map_err(|e| e.to_string())
+    Prompter::new(package).rows(&Prompt::Chat(messages.into())).map(drop).map_err(|e| e.to_string())
 }

@@ -76,7 +76,7 @@ const COMMON: [Field; 17] = [
 const CHAT_ONLY: [Field; 16] = [
     served(
         "messages",
-        "system, user and assistant text (text parts too)",
+        "system (or developer), user, assistant (with `tool_calls`) and tool (with `tool_call_id`) messages; text content or text parts",
         "[{\"role\": \"user\", \"content\": \"hi\"}]",
     ),
     served("max_completion_tokens", "as `max_tokens` (wins over it)", "2"),
@@ -91,9 +91,17 @@ const CHAT_ONLY: [Field; 16] = [
         "`text`, `json_object`, or `json_schema` (`strict` or not): every token is drawn under a mask from the schema's grammar (llguidance), JSON written compactly; a schema it cannot compile is refused",
         "{\"type\": \"json_object\"}",
     ),
-    refused("tools", "no tool calling yet", "[]"),
-    default_only("tool_choice", "\"none\"", "no tool calling yet", "\"auto\""),
-    refused("parallel_tool_calls", "no tool calling yet", "true"),
+    served(
+        "tools",
+        "up to 128 functions, rendered by a chat template that reads `tools`, else described in the system message; calls are read from the model's `<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>` blocks (the Hermes form)",
+        "[{\"type\": \"function\", \"function\": {\"name\": \"f\"}}]",
+    ),
+    served(
+        "tool_choice",
+        "`auto` (default with tools), `none` (tools not rendered), `required` or a named function: one call drawn under its arguments' schema (llguidance)",
+        "\"none\"",
+    ),
+    served("parallel_tool_calls", "`false`: at most the first call is returned", "false"),
     refused("functions", "deprecated by OpenAI; no tool calling", "[]"),
     refused("function_call", "deprecated by OpenAI; no tool calling", "\"auto\""),
     default_only("store", "false", "nothing is stored", "true"),

@@ -16,6 +16,7 @@ mod logprobs;
 mod metrics;
 mod routes;
 mod sessions;
+mod tool_calls;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;

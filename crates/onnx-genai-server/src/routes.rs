@@ -14,7 +14,7 @@ use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::stream::{self, Stream, StreamExt};
-use onnx_genai_engine::{ChatMessage, FinishReason, GenerateRequest, Prompt, ResponseFormat, TokenLogprob};
+use onnx_genai_engine::{Chat, EngineError, FinishReason, GenerateRequest, Prompt, ResponseFormat, TokenLogprob};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
@@ -25,6 +25,7 @@ use crate::fields;
 use crate::logprobs::{self, Scored};
 use crate::metrics::TokenClock;
 use crate::sessions::{mint_id, Owner, Placement};
+use crate::tool_calls::{self, ToolUse};
 use crate::AppState;
 
 /// The header a turn names its session with.
@@ -129,6 +130,8 @@ struct Answer {
     format: ResponseFormat,
     /// Alternatives per token when logprobs are asked for.
     logprobs: Option<usize>,
+    /// What the turn does with tool calls, when it offers tools.
+    tools: Option<ToolUse>,
 }
 
 pub async fn chat_completions(
@@ -139,29 +142,21 @@ pub async fn chat_completions(
 ) -> Response {
     let turn = async {
         let req: ChatRequest = api::parse(&body_of(body)?, &fields::chat())?;
-        let format = api::response_format(req.response_format.as_ref())?;
+        let mut format = api::response_format(req.response_format.as_ref())?;
         let logprobs = req.logprobs()?;
-        let mut messages = Vec::with_capacity(req.messages.len());
-        for (i, m) in req.messages.into_iter().enumerate() {
-            let content = match m.content {
-                api::Content::Text(t) => t,
-                api::Content::Parts(parts) => {
-                    if let Some(p) = parts.iter().find(|p| p.kind != "text") {
-                        return Err(ApiError::param(
-                            &format!("messages[{i}].content"),
-                            format!("content part type `{}` is not supported", p.kind),
-                        ));
-                    }
-                    parts.into_iter().filter_map(|p| p.text).collect::<Vec<_>>().join("")
-                }
-            };
-            messages.push(ChatMessage { role: m.role, content });
+        let (tools, tool_use) = tool_calls::read(&req)?;
+        if let Some(call) = tool_use.as_ref().and_then(ToolUse::format) {
+            if format != ResponseFormat::Text {
+                return Err(ApiError::param(
+                    "response_format",
+                    "a required tool call is JSON of its own: drop response_format, or set tool_choice to \"auto\"",
+                ));
+            }
+            format = call;
         }
-        if messages.is_empty() {
-            return Err(ApiError::param("messages", "messages must not be empty"));
-        }
-        let answer = Answer { kind: Kind::Chat, format, logprobs };
-        run_turn(&state, &owner, &headers, Prompt::Chat(messages), answer, req.common).await
+        let messages = tool_calls::messages(req.messages)?;
+        let answer = Answer { kind: Kind::Chat, format, logprobs, tools: tool_use };
+        run_turn(&state, &owner, &headers, Prompt::Chat(Chat { messages, tools }), answer, req.common).await
     };
     turn.await.unwrap_or_else(IntoResponse::into_response)
 }
@@ -177,7 +172,7 @@ pub async fn completions(
         if req.prompt.is_empty() {
             return Err(ApiError::param("prompt", "prompt must not be empty"));
         }
-        let answer = Answer { kind: Kind::Text, format: ResponseFormat::Text, logprobs: req.logprobs()? };
+        let answer = Answer { kind: Kind::Text, format: ResponseFormat::Text, logprobs: req.logprobs()?, tools: None };
         run_turn(&state, &owner, &headers, Prompt::Text(req.prompt), answer, req.common).await
     };
     turn.await.unwrap_or_else(IntoResponse::into_response)
@@ -191,7 +186,7 @@ async fn run_turn(
     answer: Answer,
     opts: api::Sampling,
 ) -> Result<Response, ApiError> {
-    let Answer { kind, format, logprobs } = answer;
+    let Answer { kind, format, logprobs, tools } = answer;
     opts.check()?;
     if let Some(user) = &opts.user {
         // Escaped and bounded: a client's string must not forge log lines.
@@ -212,13 +207,20 @@ async fn run_turn(
     // off the async workers.
     if format != ResponseFormat::Text || logprobs.is_some() {
         let (prompter, format) = (driver.prompter.clone(), format.clone());
+        let from_tools = tools.as_ref().is_some_and(|t| t.required.is_some());
         tokio::task::spawn_blocking(move || {
             prompter.token_piece(0);
             prompter.constraint(&format).map(drop)
         })
         .await
         .map_err(|_| ApiError::internal())?
-        .map_err(|e| crate::error::from_engine(&e))?;
+        .map_err(|e| match e {
+            // The grammar is the required call's: the tools' schemas are at fault.
+            EngineError::ResponseFormat(m) if from_tools => {
+                ApiError::param("tools", format!("a tool's parameters cannot be compiled into a grammar: {m}"))
+            }
+            e => crate::error::from_engine(&e),
+        })?;
     }
     // L1: the lease comes before anything queues; L8: no session, no lease.
     let session_id = match headers.get(SESSION_HEADER) {
@@ -263,6 +265,7 @@ async fn run_turn(
         stops: opts.stops(),
         id: format!("{}-{}", kind.prefix(), crate::sessions::random_hex()),
         scorer: logprobs.map(|_| driver.prompter.clone()),
+        tools,
     };
     if opts.stream {
         let include_usage = opts.stream_options.as_ref().is_some_and(|o| o.include_usage);
@@ -291,6 +294,7 @@ struct Reply {
     stops: Vec<String>,
     /// Shapes token log-probabilities, when the request asked for them.
     scorer: Option<Arc<onnx_genai_engine::Prompter>>,
+    tools: Option<ToolUse>,
 }
 
 impl Reply {
@@ -302,6 +306,18 @@ impl Reply {
         let own = self.scorer.as_ref().map(|p| p.token_piece(logprob.token).0).unwrap_or_default();
         let offset = if !own.is_empty() && delta.ends_with(&own) { before + delta.len() - own.len() } else { before };
         Scored { logprob, offset }
+    }
+
+    /// The calls in an answer, when the turn offers tools and it makes any.
+    fn calls(&self, text: &str) -> Option<onnx_genai_engine::tools::Calls> {
+        self.tools.as_ref()?.calls(text)
+    }
+
+    /// How much of the answer so far a stream may send: not what may still
+    /// become a stop string, nor a tool call.
+    fn sendable(&self, text: &str) -> usize {
+        let ready = text.len() - undecided_tail(text, &self.stops);
+        self.tools.as_ref().map_or(ready, |t| ready.min(t.sendable(text)))
     }
 
     /// The `logprobs` value of a choice: `null` when not asked for.
@@ -381,12 +397,18 @@ async fn collect(reply: Reply, mut turn: Turn) -> Result<Value, ApiError> {
 
 fn body(reply: &Reply, text: &str, finish: &str, usage: Option<Value>, logprobs: Value) -> Value {
     let choice = match reply.kind {
-        Kind::Chat => json!({
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": logprobs,
-            "finish_reason": finish
-        }),
+        Kind::Chat => {
+            let (message, finish) = match reply.calls(text) {
+                None => (json!({"role": "assistant", "content": text}), finish),
+                Some(c) => {
+                    let said = format!("{}{}", &text[..c.before], &text[c.after..]);
+                    let content = if said.trim().is_empty() { Value::Null } else { json!(said) };
+                    let calls = tool_calls::wire_calls(&c.calls);
+                    (json!({"role": "assistant", "content": content, "tool_calls": calls}), "tool_calls")
+                }
+            };
+            json!({"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish})
+        }
         Kind::Text => json!({"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}),
     };
     let object = if reply.kind == Kind::Chat { "chat.completion" } else { "text_completion" };
@@ -400,19 +422,31 @@ fn chunk(reply: &Reply, delta: Option<&str>, finish: Option<&str>, first: bool) 
 /// A chunk carrying the log-probabilities of the tokens whose text it
 /// sends (when the request asked for them).
 fn scored_chunk(reply: &Reply, delta: Option<&str>, finish: Option<&str>, first: bool, scored: &[Scored]) -> Value {
+    let d = match delta {
+        Some(t) => json!({"content": t}),
+        None => json!({}),
+    };
+    delta_chunk(reply, d, delta, finish, first, scored)
+}
+
+/// A chunk with a chat `delta` object (`text` for completions).
+fn delta_chunk(
+    reply: &Reply,
+    mut d: Value,
+    text: Option<&str>,
+    finish: Option<&str>,
+    first: bool,
+    scored: &[Scored],
+) -> Value {
     let logprobs = if scored.is_empty() { Value::Null } else { reply.logprobs(scored) };
     let choice = match reply.kind {
         Kind::Chat => {
-            let mut d = json!({});
             if first {
                 d["role"] = json!("assistant");
             }
-            if let Some(t) = delta {
-                d["content"] = json!(t);
-            }
             json!({"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": finish})
         }
-        Kind::Text => json!({"index": 0, "text": delta.unwrap_or(""), "finish_reason": finish, "logprobs": logprobs}),
+        Kind::Text => json!({"index": 0, "text": text.unwrap_or(""), "finish_reason": finish, "logprobs": logprobs}),
     };
     let object = if reply.kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
     json!({"id": reply.id, "object": object, "created": api::now(), "model": reply.model, "choices": [choice]})
@@ -446,6 +480,36 @@ fn undecided_tail(text: &str, stops: &[String]) -> usize {
         .unwrap_or(0)
 }
 
+/// A stream's last chunks once the answer is whole: the text not sent yet
+/// (held back as a possible stop string or tool call, and no longer), the
+/// tool calls it makes, and the finish reason.
+fn closing(reply: &Reply, text: &str, sent: usize, first: bool, scored: &[Scored], finish: &str) -> Vec<Value> {
+    let mut out = Vec::new();
+    let calls = reply.calls(text);
+    let sent = sent.min(text.len());
+    let rest = match &calls {
+        Some(c) => format!("{}{}", &text[sent.min(c.before)..c.before], &text[c.after..]),
+        None => text[sent..].to_string(),
+    };
+    let mut first = first;
+    if !rest.is_empty() || !scored.is_empty() {
+        out.push(scored_chunk(reply, Some(&rest), None, first, scored));
+        first = false;
+    }
+    let finish = match calls {
+        None => finish,
+        Some(c) => {
+            for delta in tool_calls::call_deltas(&c.calls) {
+                out.push(delta_chunk(reply, delta, None, None, first, &[]));
+                first = false;
+            }
+            "tool_calls"
+        }
+    };
+    out.push(chunk(reply, None, Some(finish), first));
+    out
+}
+
 /// The stream's last chunk when the client asked for usage.
 fn usage_chunk(reply: &Reply, prompt: usize, completion: usize) -> Value {
     let mut u = chunk(reply, None, None, false);
@@ -471,19 +535,18 @@ fn stream_events(reply: Reply, turn: Turn, include_usage: bool) -> impl Stream<I
                     text.push_str(&d);
                     if apply_stops(&mut text, &reply.stops) {
                         turn.stop().await;
-                        let tail = text[sent.min(text.len())..].to_string();
                         let kept = logprobs::take_before(&mut scored, text.len());
-                        let mut events = vec![
-                            Ok(data(scored_chunk(&reply, Some(&tail), None, first, &kept))),
-                            Ok(data(chunk(&reply, None, Some("stop"), false))),
-                        ];
+                        let mut events: Vec<_> = closing(&reply, &text, sent, first, &kept, "stop")
+                            .into_iter()
+                            .map(|v| Ok(data(v)))
+                            .collect();
                         if include_usage {
                             events.push(Ok(data(usage_chunk(&reply, reply.prompt_tokens as usize, tokens))));
                         }
                         events.push(Ok(done));
                         return Some((stream::iter(events), StreamState::Done));
                     }
-                    let ready = text.len() - undecided_tail(&text, &reply.stops);
+                    let ready = reply.sendable(&text);
                     if ready <= sent {
                         // All of it may yet be a stop string: nothing to send.
                         let open = StreamState::Open { turn, text, tokens, sent, first, scored };
@@ -497,15 +560,9 @@ fn stream_events(reply: Reply, turn: Turn, include_usage: bool) -> impl Stream<I
                     ))
                 }
                 Some(Event::Finished(result)) => {
-                    let mut events = Vec::new();
-                    let first = if sent < text.len() || !scored.is_empty() {
-                        // What was held back was no stop string after all.
-                        events.push(Ok(data(scored_chunk(&reply, Some(&text[sent..]), None, first, &scored))));
-                        false
-                    } else {
-                        first
-                    };
-                    events.push(Ok(data(chunk(&reply, None, Some(finish_reason(result.finish_reason)), first))));
+                    let finish = finish_reason(result.finish_reason);
+                    let mut events: Vec<_> =
+                        closing(&reply, &text, sent, first, &scored, finish).into_iter().map(|v| Ok(data(v))).collect();
                     if include_usage {
                         events.push(Ok(data(usage_chunk(&reply, result.prompt_tokens, result.token_ids.len()))));
                     }
@@ -534,6 +591,56 @@ mod tests {
         assert_eq!(super::undecided_tail("hello\n", &stops), 1);
         assert_eq!(super::undecided_tail("hello", &stops), 0);
         assert_eq!(super::undecided_tail("héé", &["éé!".to_string()]), 4, "whole characters");
+    }
+
+    fn tool_reply() -> super::Reply {
+        let tool = onnx_genai_engine::tools::Tool {
+            name: "now".into(),
+            description: None,
+            parameters: serde_json::json!({"type": "object"}),
+        };
+        super::Reply {
+            id: "chatcmpl-1".into(),
+            model: "m".into(),
+            kind: super::Kind::Chat,
+            prompt_tokens: 1,
+            stops: Vec::new(),
+            scorer: None,
+            tools: Some(crate::tool_calls::ToolUse { tools: vec![tool], required: None, parallel: true }),
+        }
+    }
+
+    /// Issue 19, tools (`auto`): an answer with calls is its text around
+    /// them plus `tool_calls`, finished `tool_calls`, as one JSON body and
+    /// as a stream's closing chunks (the text before the call was sent
+    /// already: only the text after it follows, then the call's two
+    /// deltas); an answer whose block is no call is all text.
+    #[test]
+    fn a_free_answer_with_a_call_closes_with_it() {
+        let reply = tool_reply();
+        let text = "Sure.<tool_call>{\"name\": \"now\", \"arguments\": {}}</tool_call> ok";
+        let body = super::body(&reply, text, "stop", None, serde_json::Value::Null);
+        let choice = &body["choices"][0];
+        assert_eq!(choice["finish_reason"], "tool_calls");
+        assert_eq!(choice["message"]["content"], "Sure. ok");
+        assert_eq!(choice["message"]["tool_calls"][0]["function"]["name"], "now");
+        assert_eq!(choice["message"]["tool_calls"][0]["function"]["arguments"], "{}");
+
+        assert_eq!(reply.sendable(text), 5, "text up to the call streams");
+        let chunks = super::closing(&reply, text, 5, false, &[], "stop");
+        let deltas: Vec<_> = chunks.iter().map(|c| c["choices"][0]["delta"].clone()).collect();
+        assert_eq!(deltas[0]["content"], " ok");
+        assert_eq!(deltas[1]["tool_calls"][0]["function"]["name"], "now");
+        assert_eq!(deltas[2]["tool_calls"][0]["function"]["arguments"], "{}");
+        assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "tool_calls");
+        assert_eq!(chunks.len(), 4);
+
+        let not_a_call = "Sure.<tool_call>{\"name\": \"later\"}</tool_call>";
+        let body = super::body(&reply, not_a_call, "stop", None, serde_json::Value::Null);
+        assert_eq!(body["choices"][0]["message"]["content"], not_a_call);
+        assert_eq!(body["choices"][0]["finish_reason"], "stop");
+        let chunks = super::closing(&reply, not_a_call, 5, false, &[], "stop");
+        assert_eq!(chunks[0]["choices"][0]["delta"]["content"], &not_a_call[5..], "the held text goes out as text");
     }
 
     /// `stop` cuts at the earliest stop string, and only when one occurs.

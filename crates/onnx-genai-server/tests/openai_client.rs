@@ -1,7 +1,8 @@
 //! The official OpenAI Python client against a real server on loopback:
 //! models, chat, streaming, a session turn via `X-Session-Id`, logit bias,
 //! penalties and vLLM's sampling extensions, structured outputs checked
-//! with `jsonschema`, logprobs, an error.
+//! with `jsonschema`, logprobs, tool calls (plain, streamed, and their
+//! results sent back), an error.
 //! `cargo xtask test` installs the pinned client and `jsonschema` into
 //! `target/python`.
 
@@ -21,7 +22,10 @@ fn the_official_python_client_works() {
         "the Python openai client is not installed in {}; run `cargo xtask test` (it installs it with pip)",
         site.display()
     );
-    let (_dir, p) = package("tiny-llama-gqa");
+    let (_dir, mut p) = package("tiny-llama-gqa");
+    // The tiny model's 256-token context has no room for tools described
+    // in a system message: a template that renders them compactly.
+    p.manifest.chat_template = Some(support::TOOLS_TEMPLATE.into());
     let server =
         onnx_genai_server::start(vec![engine(&p, &Gate::default(), Scheduler::unlimited())], "127.0.0.1:0", 8).unwrap();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/client.py");
@@ -34,9 +38,17 @@ fn the_official_python_client_works() {
         .expect("python3 runs");
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "client failed:\n{stdout}\n{stderr}");
-    for check in
-        ["models ok", "chat ok", "stream ok", "session ok", "sampling ok", "structured ok", "logprobs ok", "error ok"]
-    {
+    for check in [
+        "models ok",
+        "chat ok",
+        "stream ok",
+        "session ok",
+        "sampling ok",
+        "structured ok",
+        "logprobs ok",
+        "tools ok",
+        "error ok",
+    ] {
         assert!(stdout.contains(check), "missing `{check}`:\n{stdout}");
     }
     server.stop();

@@ -433,8 +433,11 @@ fn wire_format() {
 #[test]
 fn every_request_field_is_served_or_refused_by_name() {
     use onnx_genai_server::fields::{self, Support};
-    let gate = Gate::default();
-    let (_d, s) = serve(&[M], &gate, u64::MAX, 8);
+    let (_d, mut p) = package(M);
+    // Tools described in a system message overflow the tiny model's
+    // 256-token context: a template that renders them compactly.
+    p.manifest.chat_template = Some(support::TOOLS_TEMPLATE.into());
+    let s = start(vec![engine(&p, &Gate::default(), Scheduler::new(u64::MAX))], "127.0.0.1:0", 8).unwrap();
     let endpoints = [
         ("/v1/chat/completions", fields::chat(), json!({"model": M, "messages": [{"role": "user", "content": "hi"}]})),
         ("/v1/completions", fields::completions(), json!({"model": M, "prompt": "hi"})),

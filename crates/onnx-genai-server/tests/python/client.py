@@ -160,6 +160,59 @@ assert len(c.choices[0].logprobs.tokens) == len(c.choices[0].logprobs.token_logp
 assert all(0 < len(alt) <= 2 for alt in c.choices[0].logprobs.top_logprobs), c
 print("logprobs ok")
 
+# Tools: a required call and a named one, plain and streamed (deltas
+# reassembled by index), arguments valid against the function's schema;
+# the call and its result go back in the next turn.
+city = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+tools = [
+    {"type": "function", "function": {"name": "weather", "parameters": city}},
+    {"type": "function", "function": {"name": "time"}},
+]
+ask = [{"role": "user", "content": "Weather in Paris?"}]
+for choice in ["required", {"type": "function", "function": {"name": "weather"}}]:
+    r = client.chat.completions.create(
+        model=model, messages=ask, max_tokens=120, temperature=1.0, seed=3, tools=tools, tool_choice=choice
+    )
+    message = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and message.content is None, r
+    (made,) = message.tool_calls
+    assert made.type == "function" and made.id.startswith("call_"), made
+    if made.function.name == "weather":
+        jsonschema.validate(json.loads(made.function.arguments), city)
+    else:
+        assert made.function.name == "time" and choice == "required", made
+        assert json.loads(made.function.arguments) == {}, made
+    calls = {}
+    for chunk in client.chat.completions.create(
+        model=model, messages=ask, max_tokens=120, temperature=1.0, seed=3, tools=tools, tool_choice=choice, stream=True
+    ):
+        if not chunk.choices:
+            continue
+        assert not chunk.choices[0].delta.content, chunk
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            entry = calls.setdefault(delta.index, {"id": delta.id, "name": "", "arguments": ""})
+            entry["name"] += delta.function.name or ""
+            entry["arguments"] += delta.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or None
+    assert finish == "tool_calls" and list(calls) == [0], calls
+    assert (calls[0]["name"], calls[0]["arguments"]) == (made.function.name, made.function.arguments), (calls, made)
+follow = ask + [message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": made.id, "content": "sunny"}]
+r = client.chat.completions.create(model=model, messages=follow, max_tokens=4, tools=tools)
+assert r.choices[0].finish_reason in ("length", "stop", "tool_calls"), r
+try:
+    client.chat.completions.create(
+        model=model, messages=ask, max_tokens=4, tools=tools, tool_choice={"type": "function", "function": {"name": "news"}}
+    )
+    raise SystemExit("an unknown tool_choice was accepted")
+except openai.BadRequestError as e:
+    assert e.status_code == 400 and e.param == "tool_choice", e
+print("tools ok")
+
 try:
     client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
     raise SystemExit("an unknown model was accepted")

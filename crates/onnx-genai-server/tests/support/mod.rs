@@ -11,6 +11,10 @@ use onnx_genai_backend::{BackendError, DecodeModel, Entry, Sequence};
 use onnx_genai_engine::{BackendKind, Engine, Scheduler};
 use onnx_genai_package::Package;
 
+/// A chat template that renders tools itself, as tool-calling models'
+/// templates do (compactly: the tiny model's context is 256 tokens).
+pub const TOOLS_TEMPLATE: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}{% if tools %}<|im_start|>tools\n{% for t in tools %}{{ t.function.name }} {{ t.function.parameters.properties | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}<|im_start|>assistant\n";
+
 pub fn package(name: &str) -> (tempfile::TempDir, Package) {
     let dir = tempfile::tempdir().unwrap();
     let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../../packages/{name}/spec.yaml"));
