@@ -268,23 +268,24 @@ fn run(cli: Cli) -> Result<ExitCode> {
             let mut engine = Engine::open(&package, backend, threads)?;
             let mut inputs = Vec::new();
             let mut prompt = prompt;
+            let prompter = engine.prompter();
             if let Some(path) = &image {
-                let (placeholder, (width, height)) = match (engine.image_placeholder(), engine.image_size()) {
-                    (Some(p), Some(size)) => (p.to_string(), size),
-                    _ => anyhow::bail!(
-                        "package {} takes no images (its workflow declares no image input)",
-                        package.display()
-                    ),
-                };
-                let decoded = image::open(path).with_context(|| format!("cannot read image {}", path.display()))?;
-                let rgb = decoded.resize_exact(width, height, image::imageops::FilterType::Triangle).to_rgb8();
-                inputs.push(engine.pixel_values(rgb.as_raw(), width, height)?);
-                if !prompt.contains(&placeholder) {
+                let encoded = std::fs::read(path).with_context(|| format!("cannot read image {}", path.display()))?;
+                inputs.push(prompter.image(&encoded).with_context(|| format!("cannot read image {}", path.display()))?);
+            }
+            let prompt = if chat {
+                // The image comes first in the message, as its placeholder
+                // token (text that spells it stays text).
+                let image_at = if image.is_some() { vec![0] } else { Vec::new() };
+                Prompt::Chat(vec![ChatMessage { image_at, ..ChatMessage::new("user", prompt) }].into())
+            } else {
+                if let Some(placeholder) =
+                    prompter.image_placeholder().filter(|p| image.is_some() && !prompt.contains(*p))
+                {
                     prompt = format!("{placeholder}{prompt}");
                 }
-            }
-            let prompt =
-                if chat { Prompt::Chat(vec![ChatMessage::new("user", prompt)].into()) } else { Prompt::Text(prompt) };
+                Prompt::Text(prompt)
+            };
             let request = GenerateRequest {
                 max_new_tokens,
                 sampling: Sampling { temperature, top_k, top_p, seed, ..Sampling::default() },

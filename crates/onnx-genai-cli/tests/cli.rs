@@ -76,7 +76,7 @@ fn native_backend_generates_like_ort_and_inspect_shows_the_plan() {
 
 /// `generate --image`: a PNG is decoded, resized to the declared size,
 /// normalized and bound to `pixel_values`; different images give different
-/// output; images on a package without an image input, or unreadable files,
+/// output; a chat prompt takes the image too; images on a package without an image input, or unreadable files,
 /// are clean errors.
 #[test]
 fn generate_with_an_image_on_a_vision_language_package() {
@@ -110,6 +110,19 @@ fn generate_with_an_image_on_a_vision_language_package() {
     assert!(out_a.contains("token ids: ["));
     assert_ne!(out_a, out_b, "the image must reach the decoder");
     assert_eq!(out_a, run(&a), "deterministic");
+    // In a chat the image is the message's placeholder token, not text.
+    let chat = cli(&[
+        "generate",
+        p,
+        "--chat",
+        "--image",
+        a.to_str().unwrap(),
+        "--prompt",
+        "What is it?",
+        "--max-new-tokens",
+        "4",
+    ]);
+    assert!(chat.status.success(), "{:?}", text(&chat));
 
     let lm = built("tiny-gpt2");
     let no_images = cli(&["generate", lm.path().to_str().unwrap(), "--image", a.to_str().unwrap(), "--prompt", "x"]);

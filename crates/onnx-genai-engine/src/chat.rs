@@ -20,6 +20,11 @@ pub struct ChatMessage {
     /// The call a `tool` message answers.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tool_call_id: Option<String>,
+    /// Where images sit in `content` (byte offsets, ascending): each is
+    /// the package's image placeholder token there, never text a user
+    /// could spell.
+    #[serde(skip)]
+    pub image_at: Vec<usize>,
 }
 
 impl ChatMessage {
@@ -140,7 +145,7 @@ impl Prompter {
                 "a tool call's arguments spell a special token; the template writes them as they are, so they would become control tokens".into(),
             ));
         }
-        let spells_control = messages.iter().any(|msg| spells(&msg.content));
+        let spells_control = messages.iter().any(|msg| spells(&msg.content) || !msg.image_at.is_empty());
         if !spells_control {
             return self.encode(&render(template, chat, tokenizer, m)?);
         }
@@ -165,12 +170,8 @@ impl Prompter {
             let after = &rest[start + OPEN.len_utf8()..];
             let end = after.find(CLOSE).ok_or_else(garbled)?;
             let index: usize = after[..end].parse().map_err(|_| garbled())?;
-            let content = &messages.get(index).ok_or_else(garbled)?.content;
-            let plain = self
-                .plain
-                .encode(content.as_str(), false)
-                .map_err(|e| EngineError::Tokenizer { path: "encode".into(), reason: e.to_string() })?;
-            ids.extend_from_slice(plain.get_ids());
+            let message = messages.get(index).ok_or_else(garbled)?;
+            ids.extend(self.content_ids(message)?);
             rest = &after[end + CLOSE.len_utf8()..];
         }
         if rest.contains(CLOSE) {
@@ -178,6 +179,75 @@ impl Prompter {
         }
         ids.extend(self.encode(rest)?);
         Ok(ids)
+    }
+
+    /// A message's content as plain text, with the image placeholder token
+    /// wherever an image sits.
+    fn content_ids(&self, message: &ChatMessage) -> Result<Vec<u32>, EngineError> {
+        let plain = |text: &str| {
+            self.plain
+                .encode(text, false)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| EngineError::Tokenizer { path: "encode".into(), reason: e.to_string() })
+        };
+        if message.image_at.is_empty() {
+            return plain(&message.content);
+        }
+        let placeholder = self.image_placeholder_id()?;
+        let mut ids = Vec::new();
+        let mut from = 0;
+        for &at in &message.image_at {
+            let piece = message.content.get(from..at).ok_or_else(|| {
+                EngineError::Request(format!("an image offset {at} is not a character boundary of its message"))
+            })?;
+            ids.extend(plain(piece)?);
+            ids.push(placeholder);
+            from = at;
+        }
+        ids.extend(plain(&message.content[from..])?);
+        Ok(ids)
+    }
+
+    /// The token an image is marked with in a prompt.
+    fn image_placeholder_id(&self) -> Result<u32, EngineError> {
+        let (placeholder, _) = self.image_input()?;
+        self.package.tokenizer().token_to_id(&placeholder.placeholder).ok_or_else(|| {
+            EngineError::Image(format!(
+                "the image placeholder `{}` is not a token of the tokenizer",
+                placeholder.placeholder
+            ))
+        })
+    }
+
+    /// The package's image input, or why it takes none.
+    fn image_input(&self) -> Result<(&onnx_genai_package::manifest::ImageInput, (u32, u32)), EngineError> {
+        let image = self.package.manifest.workflow.as_ref().and_then(|w| w.image.as_ref()).ok_or_else(|| {
+            EngineError::Image(format!(
+                "package `{}` takes no images (its workflow declares no image input)",
+                self.package.manifest.name
+            ))
+        })?;
+        Ok((image, (image.preprocess.width, image.preprocess.height)))
+    }
+
+    /// Whether the package takes images, and the placeholder text a text
+    /// prompt marks one with.
+    pub fn image_placeholder(&self) -> Option<&str> {
+        self.image_input().ok().map(|(image, _)| image.placeholder.as_str())
+    }
+
+    /// An encoded image (PNG or JPEG) as the `pixel_values` the package's
+    /// workflow takes: decoded, resized to the declared size, normalized.
+    pub fn image(&self, encoded: &[u8]) -> Result<crate::BoundTensor, EngineError> {
+        let (input, (width, height)) = self.image_input()?;
+        let format = image::guess_format(encoded)
+            .ok()
+            .filter(|f| matches!(f, image::ImageFormat::Png | image::ImageFormat::Jpeg))
+            .ok_or_else(|| EngineError::Image("the image is not PNG or JPEG".into()))?;
+        let decoded = image::load_from_memory_with_format(encoded, format)
+            .map_err(|e| EngineError::Image(format!("the {format:?} image does not decode: {e}")))?;
+        let rgb = decoded.resize_exact(width, height, image::imageops::FilterType::Triangle).to_rgb8();
+        crate::workflow::pixel_values(rgb.as_raw(), width, height, input)
     }
 
     /// Tokens the model's logits cover (what a `logit_bias` id must be

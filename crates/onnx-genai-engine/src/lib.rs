@@ -66,6 +66,10 @@ pub enum EngineError {
     /// parser's limits), so this is the request's, like `ResponseFormat`.
     #[error("constrained decoding failed: {0}")]
     Constrained(String),
+    /// An image the request sends cannot be used (not PNG or JPEG, does not
+    /// decode, or the package takes no images).
+    #[error("image: {0}")]
+    Image(String),
     /// The backend panicked while running this request's sequence.
     #[error("the {backend} backend failed while running this request")]
     Panicked { backend: &'static str },
@@ -232,18 +236,13 @@ impl Engine {
     }
 
     /// `pixel_values` from an RGB8 image already resized to the size the
-    /// package's workflow declares.
+    /// package's workflow declares (`Prompter::image` decodes and resizes
+    /// an encoded one first).
     pub fn pixel_values(&self, rgb: &[u8], width: u32, height: u32) -> Result<BoundTensor, EngineError> {
         let image = self.package.manifest.workflow.as_ref().and_then(|w| w.image.as_ref()).ok_or_else(|| {
             EngineError::Request(format!("package `{}` declares no image input", self.package.manifest.name))
         })?;
         workflow::pixel_values(rgb, width, height, image)
-    }
-
-    /// The token text a prompt marks an image with, if the package takes
-    /// images.
-    pub fn image_placeholder(&self) -> Option<&str> {
-        Some(self.package.manifest.workflow.as_ref()?.image.as_ref()?.placeholder.as_str())
     }
 
     /// The image size the workflow's preprocessing expects.

@@ -37,7 +37,8 @@ pub struct WireFunctionCall {
     pub arguments: String,
 }
 
-/// Message content: a string, or OpenAI's list of typed parts (text only).
+/// Message content: a string, or OpenAI's list of typed parts (text and
+/// images).
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
 pub enum Content {
@@ -51,6 +52,17 @@ pub struct Part {
     pub kind: String,
     #[serde(default)]
     pub text: Option<String>,
+    #[serde(default)]
+    pub image_url: Option<ImageUrl>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ImageUrl {
+    pub url: String,
+    /// OpenAI's resolution hint: the image is resized to the package's
+    /// size whatever it says.
+    #[serde(default)]
+    pub detail: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]

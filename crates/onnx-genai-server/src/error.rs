@@ -109,9 +109,10 @@ pub fn from_engine(err: &onnx_genai_engine::EngineError) -> ApiError {
             ))
         }
         EngineError::Admission(AdmissionError::Invalid(m)) | EngineError::Request(m) => ApiError::invalid(m.clone()),
-        EngineError::Tensor { .. } | EngineError::ChatTemplate(_) | EngineError::Tokenizer { .. } => {
-            ApiError::invalid(err.to_string())
-        }
+        EngineError::Tensor { .. }
+        | EngineError::ChatTemplate(_)
+        | EngineError::Tokenizer { .. }
+        | EngineError::Image(_) => ApiError::invalid(err.to_string()),
         EngineError::ResponseFormat(m) => {
             ApiError::param("response_format", format!("the response format cannot be used: {m}"))
         }

@@ -76,7 +76,7 @@ const COMMON: [Field; 17] = [
 const CHAT_ONLY: [Field; 16] = [
     served(
         "messages",
-        "system (or developer), user, assistant (with `tool_calls`) and tool (with `tool_call_id`) messages; text content or text parts",
+        "system (or developer), user, assistant (with `tool_calls`) and tool (with `tool_call_id`) messages; text content or text parts, and for a vision-language package one `image_url` part per request: an inline PNG or JPEG `data:` URL",
         "[{\"role\": \"user\", \"content\": \"hi\"}]",
     ),
     served("max_completion_tokens", "as `max_tokens` (wins over it)", "2"),

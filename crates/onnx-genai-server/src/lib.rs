@@ -13,6 +13,7 @@ pub mod fields;
 mod guard;
 mod listen;
 mod logprobs;
+mod messages;
 mod metrics;
 mod routes;
 mod sessions;

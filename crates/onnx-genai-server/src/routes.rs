@@ -23,6 +23,7 @@ use crate::driver::{Command, Driver, Event, Promise};
 use crate::error::{ApiError, SESSION_GONE};
 use crate::fields;
 use crate::logprobs::{self, Scored};
+use crate::messages::{self, SentImage};
 use crate::metrics::TokenClock;
 use crate::sessions::{mint_id, Owner, Placement};
 use crate::tool_calls::{self, ToolUse};
@@ -132,6 +133,8 @@ struct Answer {
     logprobs: Option<usize>,
     /// What the turn does with tool calls, when it offers tools.
     tools: Option<ToolUse>,
+    /// Images the messages send, decoded before the lease.
+    images: Vec<SentImage>,
 }
 
 pub async fn chat_completions(
@@ -154,8 +157,8 @@ pub async fn chat_completions(
             }
             format = call;
         }
-        let messages = tool_calls::messages(req.messages)?;
-        let answer = Answer { kind: Kind::Chat, format, logprobs, tools: tool_use };
+        let (messages, images) = messages::read(req.messages)?;
+        let answer = Answer { kind: Kind::Chat, format, logprobs, tools: tool_use, images };
         run_turn(&state, &owner, &headers, Prompt::Chat(Chat { messages, tools }), answer, req.common).await
     };
     turn.await.unwrap_or_else(IntoResponse::into_response)
@@ -172,7 +175,9 @@ pub async fn completions(
         if req.prompt.is_empty() {
             return Err(ApiError::param("prompt", "prompt must not be empty"));
         }
-        let answer = Answer { kind: Kind::Text, format: ResponseFormat::Text, logprobs: req.logprobs()?, tools: None };
+        let logprobs = req.logprobs()?;
+        let answer =
+            Answer { kind: Kind::Text, format: ResponseFormat::Text, logprobs, tools: None, images: Vec::new() };
         run_turn(&state, &owner, &headers, Prompt::Text(req.prompt), answer, req.common).await
     };
     turn.await.unwrap_or_else(IntoResponse::into_response)
@@ -186,7 +191,7 @@ async fn run_turn(
     answer: Answer,
     opts: api::Sampling,
 ) -> Result<Response, ApiError> {
-    let Answer { kind, format, logprobs, tools } = answer;
+    let Answer { kind, format, logprobs, tools, images } = answer;
     opts.check()?;
     if let Some(user) = &opts.user {
         // Escaped and bounded: a client's string must not forge log lines.
@@ -222,6 +227,18 @@ async fn run_turn(
             e => crate::error::from_engine(&e),
         })?;
     }
+    // Images decode here, off the async workers and before the lease: one
+    // that does not is refused naming its part, with nothing held.
+    let mut inputs = Vec::with_capacity(images.len());
+    for image in images {
+        let prompter = driver.prompter.clone();
+        let SentImage { param, encoded } = image;
+        let decoded = tokio::task::spawn_blocking(move || prompter.image(&encoded))
+            .await
+            .map_err(|_| ApiError::internal())?
+            .map_err(|e| ApiError::param(&param, e.to_string()))?;
+        inputs.push(decoded);
+    }
     // L1: the lease comes before anything queues; L8: no session, no lease.
     let session_id = match headers.get(SESSION_HEADER) {
         None => None,
@@ -243,6 +260,7 @@ async fn run_turn(
     request.sampling = sampling;
     request.response_format = format;
     request.logprobs = logprobs;
+    request.inputs = inputs;
     let (admission, admitted) = Promise::new();
     let (events, rx) = mpsc::channel(16);
     let (released, ended) = tokio::sync::oneshot::channel();

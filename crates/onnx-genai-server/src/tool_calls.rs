@@ -1,14 +1,13 @@
-//! Tool calling on the wire: a chat request's `messages` (with assistant
-//! `tool_calls` and `tool` results), `tools`, `tool_choice` and
-//! `parallel_tool_calls` read into the engine's chat and what the turn
-//! does with calls; the answer split into text and `tool_calls`. The
+//! Tool calling on the wire: a chat request's `tools`, `tool_choice` and
+//! `parallel_tool_calls` read into the tools the template renders and what
+//! the turn does with calls; the answer split into text and `tool_calls`. The
 //! engine's `tools` module owns the Hermes form the model writes.
 
-use onnx_genai_engine::tools::{self, Calls, FunctionCall, Tool, ToolCall};
-use onnx_genai_engine::{ChatMessage, ResponseFormat};
+use onnx_genai_engine::tools::{self, Calls, FunctionCall, Tool};
+use onnx_genai_engine::ResponseFormat;
 use serde_json::{json, Value};
 
-use crate::api::{self, ChatRequest};
+use crate::api::ChatRequest;
 use crate::error::ApiError;
 
 /// What a turn does with calls: `None` when the request offers no tools or
@@ -153,72 +152,6 @@ fn offered(value: Option<&Value>) -> Result<Vec<Tool>, ApiError> {
 
 /// Tools one request may offer (OpenAI's limit).
 pub const MAX_TOOLS: usize = 128;
-
-/// The engine's messages: text content (text parts joined), an assistant's
-/// calls, a `tool` result with the call it answers; `developer` is the
-/// system role.
-pub fn messages(wire: Vec<api::ChatMessage>) -> Result<Vec<ChatMessage>, ApiError> {
-    let mut out = Vec::with_capacity(wire.len());
-    for (i, m) in wire.into_iter().enumerate() {
-        let at = |field: &str| format!("messages[{i}].{field}");
-        let role = match m.role.as_str() {
-            "system" | "developer" => "system",
-            "user" => "user",
-            "assistant" => "assistant",
-            "tool" => "tool",
-            other => {
-                return Err(ApiError::param(
-                    &at("role"),
-                    format!("role `{other}` is not system, developer, user, assistant or tool"),
-                ))
-            }
-        };
-        let calls = m.tool_calls.unwrap_or_default();
-        let content = match m.content {
-            Some(api::Content::Text(t)) => t,
-            Some(api::Content::Parts(parts)) => {
-                if let Some(p) = parts.iter().find(|p| p.kind != "text") {
-                    return Err(ApiError::param(
-                        &at("content"),
-                        format!("content part type `{}` is not supported", p.kind),
-                    ));
-                }
-                parts.into_iter().filter_map(|p| p.text).collect::<Vec<_>>().join("")
-            }
-            None if role == "assistant" && !calls.is_empty() => String::new(),
-            None => return Err(ApiError::param(&at("content"), "a message needs content")),
-        };
-        if !calls.is_empty() && role != "assistant" {
-            return Err(ApiError::param(&at("tool_calls"), "only an assistant message makes tool calls"));
-        }
-        let mut tool_calls = Vec::with_capacity(calls.len());
-        for (j, c) in calls.into_iter().enumerate() {
-            if c.kind != "function" {
-                return Err(ApiError::param(
-                    &at(&format!("tool_calls[{j}].type")),
-                    "a tool call's type is \"function\"",
-                ));
-            }
-            tool_calls.push(ToolCall {
-                id: c.id,
-                function: FunctionCall { name: c.function.name, arguments: c.function.arguments },
-            });
-        }
-        let tool_call_id = match (role, m.tool_call_id) {
-            ("tool", None) => {
-                return Err(ApiError::param(&at("tool_call_id"), "a tool message names the call it answers"))
-            }
-            ("tool", id) => id,
-            (_, Some(_)) => return Err(ApiError::param(&at("tool_call_id"), "only a tool message answers a call")),
-            (_, None) => None,
-        };
-        out.push(ChatMessage { role: role.to_string(), content, tool_calls, tool_call_id });
-    }
-    if out.is_empty() {
-        return Err(ApiError::param("messages", "messages must not be empty"));
-    }
-    Ok(out)
-}
 
 /// The calls as an answer's `tool_calls`, each with a fresh id.
 pub fn wire_calls(calls: &[FunctionCall]) -> Vec<Value> {

@@ -2,7 +2,8 @@
 //! models, chat, streaming, a session turn via `X-Session-Id`, logit bias,
 //! penalties and vLLM's sampling extensions, structured outputs checked
 //! with `jsonschema`, logprobs, tool calls (plain, streamed, and their
-//! results sent back), an error.
+//! results sent back), an inline image to a vision-language model, an
+//! error.
 //! `cargo xtask test` installs the pinned client and `jsonschema` into
 //! `target/python`.
 
@@ -26,13 +27,18 @@ fn the_official_python_client_works() {
     // The tiny model's 256-token context has no room for tools described
     // in a system message: a template that renders them compactly.
     p.manifest.chat_template = Some(support::TOOLS_TEMPLATE.into());
-    let server =
-        onnx_genai_server::start(vec![engine(&p, &Gate::default(), Scheduler::unlimited())], "127.0.0.1:0", 8).unwrap();
+    let (_vlm_dir, vlm) = package("tiny-vlm");
+    let engines = vec![
+        engine(&p, &Gate::default(), Scheduler::unlimited()),
+        engine(&vlm, &Gate::default(), Scheduler::unlimited()),
+    ];
+    let server = onnx_genai_server::start(engines, "127.0.0.1:0", 8).unwrap();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/client.py");
     let out = Command::new("python3")
         .arg(&script)
         .arg(format!("http://{}", server.addr))
         .arg("tiny-llama-gqa")
+        .arg("tiny-vlm")
         .env("PYTHONPATH", &site)
         .output()
         .expect("python3 runs");

@@ -9,11 +9,11 @@ import urllib.request
 
 import openai
 
-base, model = sys.argv[1], sys.argv[2]
+base, model, vlm = sys.argv[1], sys.argv[2], sys.argv[3]
 client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
 
 ids = [m.id for m in client.models.list().data]
-assert ids == [model], ids
+assert sorted(ids) == sorted([model, vlm]), ids
 print("models ok")
 
 chat = client.chat.completions.create(
@@ -212,6 +212,46 @@ try:
 except openai.BadRequestError as e:
     assert e.status_code == 400 and e.param == "tool_choice", e
 print("tools ok")
+
+# Images: an inline PNG (written here with zlib) as an image_url part to
+# the vision-language model; different images, different first-token
+# log-probabilities; a remote URL is refused naming the part.
+def png(seed):
+    import base64, struct, zlib
+
+    width, height = 8, 8
+    rows = b"".join(b"\x00" + bytes(((x * 32) ^ seed) & 255 for x in range(width * 3)) for _ in range(height))
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    raw = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
+    return "data:image/png;base64," + base64.b64encode(raw).decode()
+
+
+def first_logprob(url):
+    r = client.chat.completions.create(
+        model=vlm,
+        max_tokens=2,
+        temperature=0,
+        logprobs=True,
+        messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "text", "text": "What is it?"},
+        ]}],
+    )
+    return r.choices[0].logprobs.content[0].logprob
+
+
+assert first_logprob(png(1)) != first_logprob(png(150))
+assert first_logprob(png(1)) == first_logprob(png(1))
+try:
+    first_logprob("https://example.com/cat.png")
+    raise SystemExit("a remote image URL was accepted")
+except openai.BadRequestError as e:
+    assert e.status_code == 400 and e.param == "messages[0].content[0].image_url", e
+print("images ok")
 
 try:
     client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
