@@ -184,12 +184,7 @@ impl Prompter {
     /// A message's content as plain text, with the image placeholder token
     /// wherever an image sits.
     fn content_ids(&self, message: &ChatMessage) -> Result<Vec<u32>, EngineError> {
-        let plain = |text: &str| {
-            self.plain
-                .encode(text, false)
-                .map(|e| e.get_ids().to_vec())
-                .map_err(|e| EngineError::Tokenizer { path: "encode".into(), reason: e.to_string() })
-        };
+        let plain = |text: &str| self.encode_plain(text);
         if message.image_at.is_empty() {
             return plain(&message.content);
         }
@@ -287,6 +282,14 @@ impl Prompter {
             _ => bytes,
         };
         (String::from_utf8_lossy(&bytes).into_owned(), bytes)
+    }
+
+    /// Encodes text as text: what spells a special token stays text.
+    pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>, EngineError> {
+        self.plain
+            .encode(text, false)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| EngineError::Tokenizer { path: "encode".into(), reason: e.to_string() })
     }
 
     /// Encodes text (special tokens are parsed).

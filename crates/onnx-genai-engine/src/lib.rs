@@ -305,6 +305,38 @@ impl Engine {
         self.sessions.remove(&id).map(drop).ok_or(EngineError::UnknownSession(id))
     }
 
+    /// Cuts an idle session's history to its first `keep` tokens and then
+    /// `tail`: what a server does when a stop string ends a turn inside
+    /// the generated text, so the next turn continues from the text the
+    /// client got, not from tokens it never saw. The KV past the cut is
+    /// dropped and its bytes released.
+    pub fn trim_session(&mut self, id: SessionId, keep: usize, tail: &[u32]) -> Result<(), EngineError> {
+        let vocab = self.prompter.vocab_size();
+        let s = self.sessions.get_mut(&id).ok_or(EngineError::UnknownSession(id))?;
+        let Some(seq) = s.sequence.as_mut() else { return Err(EngineError::SessionBusy(id)) };
+        if keep > s.tokens.len() {
+            return Err(EngineError::Request(format!(
+                "cannot keep {keep} tokens of a session that has {}",
+                s.tokens.len()
+            )));
+        }
+        if let Some(bad) = tail.iter().find(|&&t| t as usize >= vocab) {
+            return Err(EngineError::Request(format!("token {bad} is outside the vocabulary of {vocab}")));
+        }
+        // A sequence that cannot truncate drops its KV: the history stays,
+        // the next turn prefills it.
+        if seq.kv_len() > keep && seq.truncate(keep).is_err() {
+            seq.reset();
+        }
+        s.tokens.truncate(keep);
+        s.tokens.extend_from_slice(tail);
+        let bytes = seq.resident_bytes();
+        if let Some(idle) = s.idle.as_mut() {
+            idle.shrink_to(bytes);
+        }
+        Ok(())
+    }
+
     /// Tokens a session has carried so far.
     pub fn session_tokens(&self, id: SessionId) -> Result<&[u32], EngineError> {
         self.sessions.get(&id).map(|s| s.tokens.as_slice()).ok_or(EngineError::UnknownSession(id))

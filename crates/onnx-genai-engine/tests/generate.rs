@@ -293,3 +293,43 @@ fn message_text_never_becomes_control_tokens() {
     let whole = engine.encode("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n").unwrap();
     assert_eq!(plain, whole);
 }
+
+/// Issue 19 (a session's history ends where a stop string cut the text):
+/// `trim_session` keeps the first `keep` tokens and then `tail`, and drops
+/// the KV past the cut — the next turn continues exactly as one request
+/// over those tokens and its prompt would, on ORT and native-cpu. A cut
+/// beyond the history, a tail outside the vocabulary, or an unknown
+/// session is a typed error that changes nothing.
+#[test]
+fn a_trimmed_session_continues_from_the_cut() {
+    let dir = package("tiny-llama-gqa");
+    for backend in [BackendKind::Ort, BackendKind::NativeCpu] {
+        let mut e = Engine::open(dir.path(), backend, 1).unwrap();
+        let id = e.create_session().unwrap();
+        let first = GenerateRequest { session: Some(id), ..request(Prompt::Text("Once upon".into()), 8) };
+        let one = e.generate(&first, &mut |_| Flow::Continue).unwrap();
+        let keep = one.prompt_tokens + 3;
+        let tail = e.encode("ab").unwrap();
+        let before = e.session_tokens(id).unwrap().to_vec();
+        let vocab = e.prompter().vocab_size() as u32;
+        assert!(matches!(e.trim_session(id, before.len() + 1, &[]), Err(EngineError::Request(_))));
+        assert!(matches!(e.trim_session(id, keep, &[vocab]), Err(EngineError::Request(_))));
+        assert!(matches!(
+            e.trim_session(onnx_genai_engine::SessionId(999), keep, &[]),
+            Err(EngineError::UnknownSession(_))
+        ));
+        assert_eq!(e.session_tokens(id).unwrap(), before, "a refused cut changes nothing");
+
+        e.trim_session(id, keep, &tail).unwrap();
+        let mut cut = before[..keep].to_vec();
+        cut.extend(&tail);
+        assert_eq!(e.session_tokens(id).unwrap(), cut);
+        let next = e.encode(" and then").unwrap();
+        let second = GenerateRequest { session: Some(id), ..request(Prompt::TokenIds(next.clone()), 6) };
+        let two = e.generate(&second, &mut |_| Flow::Continue).unwrap();
+        assert_eq!(two.prompt_tokens, cut.len() + next.len());
+        cut.extend(&next);
+        let alone = e.generate(&request(Prompt::TokenIds(cut), 6), &mut |_| Flow::Continue).unwrap();
+        assert_eq!(two.token_ids, alone.token_ids, "{backend:?}: the session went on from the cut");
+    }
+}

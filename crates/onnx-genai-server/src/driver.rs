@@ -84,6 +84,15 @@ pub enum Command {
     CloseSession {
         id: SessionId,
     },
+    /// Cuts an idle session's history where a stop string cut its last
+    /// answer: its first `keep` tokens, then `tail` (the text the client
+    /// got after the last whole token). Sent before the answer, so the
+    /// client's next turn comes after it.
+    TrimSession {
+        id: SessionId,
+        keep: usize,
+        tail: Vec<u32>,
+    },
     /// Makes the driver thread panic outside every guard: how the tests
     /// kill a driver.
     #[cfg(test)]
@@ -358,6 +367,14 @@ impl<'a> Loop<'a> {
             Command::CloseSession { id } => {
                 if std::panic::catch_unwind(AssertUnwindSafe(|| self.engine.close_session(id))).is_err() {
                     tracing::error!("closing {id} panicked");
+                }
+            }
+            Command::TrimSession { id, keep, tail } => {
+                match std::panic::catch_unwind(AssertUnwindSafe(|| self.engine.trim_session(id, keep, &tail))) {
+                    Ok(Ok(())) => {}
+                    // Closed meanwhile, or its turn failed: nothing to cut.
+                    Ok(Err(e)) => tracing::warn!("cannot trim {id}: {e}"),
+                    Err(_) => tracing::error!("trimming {id} panicked"),
                 }
             }
             #[cfg(test)]

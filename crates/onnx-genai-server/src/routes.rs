@@ -255,7 +255,8 @@ async fn run_turn(
         .map_err(|_| ApiError::internal())?
         .map_err(|e| crate::error::from_engine(&e))?;
     let mut request = GenerateRequest::new(prompt);
-    request.session = lease.as_ref().map(|l| l.placement.engine);
+    let engine_session = lease.as_ref().map(|l| l.placement.engine);
+    request.session = engine_session;
     request.max_new_tokens = opts.max_new_tokens();
     request.sampling = sampling;
     request.response_format = format;
@@ -285,11 +286,20 @@ async fn run_turn(
         scorer: logprobs.map(|_| driver.prompter.clone()),
         tools,
     };
+    let session = engine_session.map(|id| {
+        Box::new(SessionCut {
+            driver: driver.clone(),
+            id,
+            prompter: driver.prompter.clone(),
+            history: prompt_tokens as usize,
+        })
+    });
+    let turn = Turn { rx, ended, clock, ends: Vec::new(), session };
     if opts.stream {
         let include_usage = opts.stream_options.as_ref().is_some_and(|o| o.include_usage);
-        Ok(Sse::new(stream_events(reply, Turn { rx, ended, clock }, include_usage)).into_response())
+        Ok(Sse::new(stream_events(reply, turn, include_usage)).into_response())
     } else {
-        collect(reply, Turn { rx, ended, clock }).await.map(|v| Json(v).into_response())
+        collect(reply, turn).await.map(|v| Json(v).into_response())
     }
 }
 
@@ -371,15 +381,48 @@ struct Turn {
     /// Resolves when the driver no longer holds anything for the turn.
     ended: tokio::sync::oneshot::Receiver<()>,
     clock: TokenClock,
+    /// Where each generated token's text ends in the answer (`None` while
+    /// its bytes are part of a character a later token completes).
+    ends: Vec<Option<usize>>,
+    /// The session whose history a stop string's cut must reach.
+    session: Option<Box<SessionCut>>,
+}
+
+/// What cutting a session's history needs.
+struct SessionCut {
+    driver: Driver,
+    id: onnx_genai_engine::SessionId,
+    prompter: Arc<onnx_genai_engine::Prompter>,
+    /// The session's tokens when the turn's generation began.
+    history: usize,
 }
 
 impl Turn {
-    /// Stops the generation early (a stop string) and waits until its
-    /// lease and reservation are released, so the answer never outruns
-    /// them (issue 20: the session is free when the client hears the end).
-    async fn stop(self) {
+    /// Notes a generated token: its delta, and the answer's length after it.
+    fn took(&mut self, delta: &str, len: usize) {
+        self.clock.token();
+        self.ends.push((!delta.is_empty()).then_some(len));
+    }
+
+    /// Stops the generation early (a stop string cut the answer to `text`)
+    /// and waits until its lease and reservation are released, so the
+    /// answer never outruns them (issue 20: the session is free when the
+    /// client hears the end). A session's history is then cut where the
+    /// client's text ends: the tokens whose text lies wholly within it,
+    /// then the rest of it encoded (issue 19) — sent to the driver before
+    /// the answer goes out, so it precedes the client's next turn.
+    async fn stop(self, text: &str) {
         drop(self.rx);
         let _ = self.ended.await;
+        let Some(cut) = self.session else { return };
+        let whole = self.ends.iter().rposition(|end| end.is_some_and(|end| end <= text.len())).map_or(0, |i| i + 1);
+        let said = self.ends[..whole].iter().rev().find_map(|end| *end).unwrap_or(0);
+        match cut.prompter.encode_plain(&text[said..]) {
+            Ok(tail) => {
+                let _ = cut.driver.send(Command::TrimSession { id: cut.id, keep: cut.history + whole, tail });
+            }
+            Err(e) => tracing::warn!("cannot encode the end of a cut answer: {e}"),
+        }
     }
 }
 
@@ -390,12 +433,12 @@ async fn collect(reply: Reply, mut turn: Turn) -> Result<Value, ApiError> {
     while let Some(event) = turn.rx.recv().await {
         match event {
             Event::Delta(d, logprob) => {
-                turn.clock.token();
                 tokens += 1;
                 scored.extend(logprob.map(|logprob| reply.scored(text.len(), &d, logprob)));
                 text.push_str(&d);
+                turn.took(&d, text.len());
                 if apply_stops(&mut text, &reply.stops) {
-                    turn.stop().await;
+                    turn.stop(&text).await;
                     let usage = api::usage(reply.prompt_tokens as usize, tokens);
                     // The tokens whose text the client gets.
                     let kept = logprobs::take_before(&mut scored, text.len());
@@ -547,12 +590,12 @@ fn stream_events(reply: Reply, turn: Turn, include_usage: bool) -> impl Stream<I
             let done = SseEvent::default().data("[DONE]");
             match turn.rx.recv().await {
                 Some(Event::Delta(d, logprob)) => {
-                    turn.clock.token();
                     let tokens = tokens + 1;
                     scored.extend(logprob.map(|logprob| reply.scored(text.len(), &d, logprob)));
                     text.push_str(&d);
+                    turn.took(&d, text.len());
                     if apply_stops(&mut text, &reply.stops) {
-                        turn.stop().await;
+                        turn.stop(&text).await;
                         let kept = logprobs::take_before(&mut scored, text.len());
                         let mut events: Vec<_> = closing(&reply, &text, sent, first, &kept, "stop")
                             .into_iter()

@@ -264,3 +264,67 @@ fn a_stop_string_keeps_the_logprobs_of_the_text_the_client_gets() {
         assert_eq!(kept, tokens[..cut], "streamed {streamed}, stop {stop:?}");
     }
 }
+
+/// Issue 19 (stop strings): a session's history ends where the client's
+/// text ends. After a turn a stop string cut at a token boundary (token
+/// `i`), the next turn carries the prompt and exactly `i` generated tokens;
+/// cut one character into token `j`, it carries `j` tokens and that
+/// character — never the tokens the client did not get. JSON and streamed.
+/// (The prompt is the first of a few whose greedy answer opens with whole
+/// ASCII tokens, so the expected counts are plain.)
+#[test]
+fn a_stop_string_cuts_the_session_history_where_the_text_ends() {
+    let (_d, s) = serve();
+    let turn = |sid: &str, body: &Value| {
+        let r = call(s.addr, "POST", "/v1/completions", &[("x-session-id", sid)], &body.to_string());
+        assert_eq!(r.status, 200, "{}", r.body);
+        r
+    };
+    let session = || post(s.addr, "/v1/sessions", &json!({"model": M})).json()["id"].as_str().unwrap().to_string();
+    let next = json!({"model": M, "prompt": " and then", "max_tokens": 1});
+    let prompt_of = |r: &support::Reply| r.json()["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+    let clean = |t: &str| !t.trim().is_empty() && t.is_ascii() && !t.contains(char::is_control);
+    let mut tried = Vec::new();
+    for prompt in ["Once upon", "Hello", "The", "In the", "It was", "We", "A", "One day"] {
+        let body = json!({"model": M, "prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 0});
+        let whole = session();
+        let full = turn(&whole, &body);
+        let (text, tokens) = completion_scores(&full, false);
+        let offsets: Vec<usize> = full.json()["choices"][0]["logprobs"]["text_offset"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|o| o.as_u64().unwrap() as usize)
+            .collect();
+        // A stop string first found where token `i` begins, or one
+        // character into it, after whole ASCII tokens only.
+        let plain_before = |i: usize| tokens[..=i].iter().all(|t| clean(t));
+        let boundary =
+            (1..tokens.len()).find(|&i| plain_before(i) && text.find(tokens[i].as_str()) == Some(offsets[i]));
+        let inside = (1..tokens.len())
+            .find(|&j| plain_before(j) && tokens[j].len() > 1 && text.find(&tokens[j][1..]) == Some(offsets[j] + 1));
+        let (Some(boundary), Some(inside)) = (boundary, inside) else {
+            tried.push(tokens);
+            continue;
+        };
+        let first = prompt_of(&full);
+        let new = prompt_of(&turn(&whole, &next)) - first - tokens.len();
+        for streamed in [false, true] {
+            for (stop, kept, carried) in [
+                (tokens[boundary].clone(), offsets[boundary], boundary),
+                (tokens[inside][1..].to_string(), offsets[inside] + 1, inside + 1),
+            ] {
+                let cut = session();
+                let mut stopped = body.clone();
+                stopped["stop"] = json!([stop]);
+                stopped["stream"] = json!(streamed);
+                let (cut_text, _) = completion_scores(&turn(&cut, &stopped), streamed);
+                assert_eq!(cut_text, text[..kept], "streamed {streamed}, stop {stop:?}");
+                let carried_now = prompt_of(&turn(&cut, &next)) - first - new;
+                assert_eq!(carried_now, carried, "streamed {streamed}, stop {stop:?} in {tokens:?}");
+            }
+        }
+        return;
+    }
+    panic!("no prompt's answer opens with whole ASCII tokens: {tried:?}");
+}
