@@ -190,7 +190,7 @@ enum Command {
     Ci,
     /// Run one lane of conformance/lanes.yaml (what each generated CI job runs).
     Lane {
-        /// The lane's name (lint, unit, parity-cpu, real-model, server-client, mutation, onnx-node, cuda-compile, gpu).
+        /// The lane's name (lint, unit, parity-cpu, real-model, server-client, api-fuzz, mutation, onnx-node, cuda-compile, gpu).
         name: String,
     },
     /// The lanes: --audit proves every test runs in some lane; --emit-workflow writes .github/workflows/ci.yml.

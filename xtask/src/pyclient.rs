@@ -1,6 +1,7 @@
 //! Pinned Python packages installed with pip into folders under `target/`:
 //! the official `openai` client and `jsonschema` (`target/python`, for the
-//! server's real-client test) and ONNX Runtime GenAI (`target/genai`, the peer
+//! server's real-client test), schemathesis (`target/schemathesis`, the
+//! API fuzzer of the `api-fuzz` lane) and ONNX Runtime GenAI (`target/genai`, the peer
 //! runtime of the interop lane and `cargo xtask bench --peer ort-genai`).
 
 use std::process::Command;
@@ -14,11 +15,19 @@ pub const OPENAI_VERSION: &str = "3.57.0";
 /// server's grammar.
 pub const JSONSCHEMA_VERSION: &str = "4.26.0";
 pub const ORT_GENAI_VERSION: &str = "0.18.0";
+/// The property-based API fuzzer of the `api-fuzz` lane.
+pub const SCHEMATHESIS_VERSION: &str = "4.32.5";
 
 /// Ensures `target/python` holds `openai==OPENAI_VERSION` and
 /// `jsonschema==JSONSCHEMA_VERSION`; idempotent.
 pub fn provision() -> Result<()> {
     install("python", &[&format!("openai=={OPENAI_VERSION}"), &format!("jsonschema=={JSONSCHEMA_VERSION}")])
+}
+
+/// Ensures `target/schemathesis` holds `schemathesis==SCHEMATHESIS_VERSION`;
+/// idempotent.
+pub fn provision_schemathesis() -> Result<()> {
+    install("schemathesis", &[&format!("schemathesis=={SCHEMATHESIS_VERSION}")])
 }
 
 /// Ensures `target/genai` holds `onnxruntime-genai==ORT_GENAI_VERSION` with

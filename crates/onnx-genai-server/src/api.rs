@@ -78,8 +78,9 @@ pub struct StreamOptions {
     pub include_usage: bool,
 }
 
-/// Fields shared by chat and text completions.
-#[derive(Debug, Deserialize)]
+/// Fields shared by chat and text completions (read apart from each
+/// endpoint's own, so an error names its field: see [`parse_turn`]).
+#[derive(Debug, Default, Deserialize)]
 pub struct Sampling {
     pub model: String,
     #[serde(default)]
@@ -134,7 +135,7 @@ pub struct ChatRequest {
     pub tool_choice: Option<Value>,
     #[serde(default)]
     pub parallel_tool_calls: Option<bool>,
-    #[serde(flatten)]
+    #[serde(skip)]
     pub common: Sampling,
 }
 
@@ -144,7 +145,7 @@ pub struct CompletionRequest {
     /// Alternatives per token (0 to 5): each token's log-probability too.
     #[serde(default)]
     pub logprobs: Option<u32>,
-    #[serde(flatten)]
+    #[serde(skip)]
     pub common: Sampling,
 }
 
@@ -156,6 +157,49 @@ pub struct SessionRequest {
 /// Parses a JSON body into `T`, refusing any field `fields` does not serve,
 /// with an OpenAI-shaped error naming the field.
 pub fn parse<T: serde::de::DeserializeOwned>(body: &[u8], fields: &[crate::fields::Field]) -> Result<T, ApiError> {
+    typed(checked(body, fields)?)
+}
+
+/// A completion request: its own fields and the shared [`Sampling`] ones,
+/// each read from its part of the body.
+pub fn parse_turn<T: serde::de::DeserializeOwned + SharesSampling>(
+    body: &[u8],
+    fields: &[crate::fields::Field],
+) -> Result<T, ApiError> {
+    let mut value = checked(body, fields)?;
+    let mut shared = serde_json::Map::new();
+    if let Some(object) = value.as_object_mut() {
+        for name in crate::fields::common().iter().map(|f| f.name) {
+            if let Some(v) = object.remove(name) {
+                shared.insert(name.to_string(), v);
+            }
+        }
+    }
+    let sampling: Sampling = typed(Value::Object(shared))?;
+    let mut request: T = typed(value)?;
+    *request.sampling_mut() = sampling;
+    Ok(request)
+}
+
+/// Requests that carry the shared sampling fields.
+pub trait SharesSampling {
+    fn sampling_mut(&mut self) -> &mut Sampling;
+}
+
+impl SharesSampling for ChatRequest {
+    fn sampling_mut(&mut self) -> &mut Sampling {
+        &mut self.common
+    }
+}
+
+impl SharesSampling for CompletionRequest {
+    fn sampling_mut(&mut self) -> &mut Sampling {
+        &mut self.common
+    }
+}
+
+/// The body as JSON, every field checked against `fields`, `null`s dropped.
+fn checked(body: &[u8], fields: &[crate::fields::Field]) -> Result<Value, ApiError> {
     let mut value: Value =
         serde_json::from_slice(body).map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}")))?;
     crate::fields::check(&value, fields)?;
@@ -163,7 +207,21 @@ pub fn parse<T: serde::de::DeserializeOwned>(body: &[u8], fields: &[crate::field
     if let Some(object) = value.as_object_mut() {
         object.retain(|_, v| !v.is_null());
     }
-    serde_json::from_value(value).map_err(|e| ApiError::invalid(format!("invalid request body: {e}")))
+    Ok(value)
+}
+
+/// `value` as `T`; an error names the field at fault (`messages[0].content`),
+/// as a refused field's does.
+fn typed<T: serde::de::DeserializeOwned>(value: Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let path = e.path().to_string();
+        let message = format!("invalid request body: {}", e.inner());
+        if path == "." {
+            ApiError::invalid(message)
+        } else {
+            ApiError::param(&path, format!("{path}: {message}"))
+        }
+    })
 }
 
 impl Sampling {

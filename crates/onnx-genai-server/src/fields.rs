@@ -124,6 +124,11 @@ const COMPLETION_ONLY: [Field; 5] = [
     refused("suffix", "no insertion", "\"end\""),
 ];
 
+/// The fields both completion endpoints share (`api::Sampling`'s).
+pub fn common() -> &'static [Field] {
+    &COMMON
+}
+
 /// The fields of `POST /v1/chat/completions`.
 pub fn chat() -> Vec<Field> {
     COMMON.iter().chain(&CHAT_ONLY).copied().collect()

@@ -15,6 +15,7 @@ mod listen;
 mod logprobs;
 mod messages;
 mod metrics;
+mod openapi;
 mod routes;
 mod sessions;
 mod tool_calls;
@@ -159,15 +160,40 @@ pub enum ServeError {
     Bind { addr: String, reason: String },
 }
 
+/// Every route: the router is built from this list, and `/openapi.json`
+/// documents exactly it.
+pub const ROUTES: [(&str, &str); 8] = [
+    ("GET", "/health"),
+    ("GET", "/metrics"),
+    ("GET", "/openapi.json"),
+    ("GET", "/v1/models"),
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/sessions"),
+    ("DELETE", "/v1/sessions/{id}"),
+];
+
+/// The handler of a route of [`ROUTES`].
+fn handler(method: &str, path: &str) -> axum::routing::MethodRouter<Arc<AppState>> {
+    match (method, path) {
+        ("GET", "/health") => get(routes::health),
+        ("GET", "/metrics") => get(routes::metrics),
+        ("GET", "/openapi.json") => get(routes::openapi),
+        ("GET", "/v1/models") => get(routes::models),
+        ("POST", "/v1/chat/completions") => post(routes::chat_completions),
+        ("POST", "/v1/completions") => post(routes::completions),
+        ("POST", "/v1/sessions") => post(routes::create_session),
+        ("DELETE", "/v1/sessions/{id}") => delete(routes::delete_session),
+        // A route listed without a handler is a programming error the
+        // first test run shows; it answers 404 meanwhile.
+        _ => axum::routing::any(|| async { axum::http::StatusCode::NOT_FOUND }),
+    }
+}
+
 pub fn router(state: Arc<AppState>) -> Router {
-    Router::new()
-        .route("/health", get(routes::health))
-        .route("/metrics", get(routes::metrics))
-        .route("/v1/models", get(routes::models))
-        .route("/v1/chat/completions", post(routes::chat_completions))
-        .route("/v1/completions", post(routes::completions))
-        .route("/v1/sessions", post(routes::create_session))
-        .route("/v1/sessions/{id}", delete(routes::delete_session))
+    ROUTES
+        .iter()
+        .fold(Router::new(), |router, (method, path)| router.route(path, handler(method, path)))
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .layer(axum::middleware::from_fn_with_state(state.clone(), guard::gate))
         .with_state(state)

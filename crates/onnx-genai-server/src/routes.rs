@@ -51,6 +51,12 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     ([(axum::http::header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], text).into_response()
 }
 
+/// The OpenAPI document of every route (`openapi.rs`).
+pub async fn openapi(State(state): State<Arc<AppState>>) -> Json<Value> {
+    let models: Vec<&str> = state.drivers.keys().map(String::as_str).collect();
+    Json(crate::openapi::document(&models))
+}
+
 pub async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
     let data: Vec<Value> = state
         .drivers
@@ -144,7 +150,7 @@ pub async fn chat_completions(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let turn = async {
-        let req: ChatRequest = api::parse(&body_of(body)?, &fields::chat())?;
+        let req: ChatRequest = api::parse_turn(&body_of(body)?, &fields::chat())?;
         let mut format = api::response_format(req.response_format.as_ref())?;
         let logprobs = req.logprobs()?;
         let (tools, tool_use) = tool_calls::read(&req)?;
@@ -171,7 +177,7 @@ pub async fn completions(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let turn = async {
-        let req: CompletionRequest = api::parse(&body_of(body)?, &fields::completions())?;
+        let req: CompletionRequest = api::parse_turn(&body_of(body)?, &fields::completions())?;
         if req.prompt.is_empty() {
             return Err(ApiError::param("prompt", "prompt must not be empty"));
         }

@@ -429,7 +429,8 @@ fn wire_format() {
 /// tables behaves as its table says over HTTP — a served field with its
 /// example is answered 200; a field served only at its default is answered
 /// 200 at the default and 400 naming it otherwise; a refused field is 400
-/// naming it; a field OpenAI does not define is 400 naming it.
+/// naming it; a field OpenAI does not define is 400 naming it; a value of
+/// the wrong type is 400 naming its field (nested: `messages[0].content`).
 #[test]
 fn every_request_field_is_served_or_refused_by_name() {
     use onnx_genai_server::fields::{self, Support};
@@ -487,7 +488,18 @@ fn every_request_field_is_served_or_refused_by_name() {
         let unknown = send("temprature", json!(0.5));
         refused(&unknown, "temprature");
         assert!(unknown.body.contains("unrecognized request argument"), "{}", unknown.body);
+        // A value of the wrong type is refused naming its field too.
+        refused(&send("temperature", json!("hot")), "temperature");
+        refused(&send("seed", json!(-1)), "seed");
     }
+    let r = call(
+        s.addr,
+        "POST",
+        "/v1/chat/completions",
+        &[],
+        &json!({"model": M, "messages": [{"role": "user", "content": 5}]}).to_string(),
+    );
+    assert_eq!((r.status, r.json()["error"]["param"].clone()), (400, json!("messages[0].content")), "{}", r.body);
 }
 
 /// Issue 19: without a seed, each request samples its own way (the seed no

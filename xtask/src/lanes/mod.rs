@@ -49,6 +49,7 @@ pub struct Lane {
 pub enum Need {
     Ort,
     PythonClient,
+    Schemathesis,
     OrtGenai,
     RealModels,
 }
@@ -198,6 +199,9 @@ fn provision(lane: &Lane) -> Result<PathBuf> {
     let lib = ort::provision()?;
     if lane.needs.contains(&Need::PythonClient) {
         pyclient::provision()?;
+    }
+    if lane.needs.contains(&Need::Schemathesis) {
+        pyclient::provision_schemathesis()?;
     }
     if lane.needs.contains(&Need::OrtGenai) {
         pyclient::provision_ort_genai()?;

@@ -67,7 +67,9 @@ mod tests {
     #[test]
     fn every_lane_is_a_job_running_its_lane() {
         let y = render(&crate::lanes::load().unwrap());
-        for lane in ["lint", "unit", "parity-cpu", "real-model", "server-client", "ort-genai", "mutation", "gpu"] {
+        for lane in
+            ["lint", "unit", "parity-cpu", "real-model", "server-client", "api-fuzz", "ort-genai", "mutation", "gpu"]
+        {
             assert!(
                 y.contains(&format!("\n  {lane}:\n")) && y.contains(&format!("cargo xtask lane {lane}\n")),
                 "{lane}"

@@ -34,6 +34,10 @@ pub struct Catalog {
     pub test_target: Option<String>,
     #[serde(default)]
     pub filter: String,
+    /// Tests the battery leaves out (`--skip NAME`): ones that need set-up
+    /// the mutation lane does not make and pin no invariant of the battery.
+    #[serde(default)]
+    pub skip: Vec<String>,
     /// The exact number of tests `filter` selects (FILTER-DRIFT otherwise).
     pub tests: usize,
     pub mutants: Vec<Mutant>,

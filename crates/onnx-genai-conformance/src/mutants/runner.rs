@@ -160,6 +160,9 @@ impl Runner {
         if !catalog.filter.is_empty() {
             c.arg(&catalog.filter);
         }
+        for name in &catalog.skip {
+            c.args(["--skip", name]);
+        }
         for (k, v) in &self.envs {
             c.env(k, v);
         }
