@@ -110,6 +110,13 @@ pub trait Sequence: Send + Any {
     /// KV bytes this sequence holds resident now.
     fn resident_bytes(&self) -> u64;
 
+    /// A new sequence holding a copy of this one's KV cache (several
+    /// choices of one prompt share its prefill this way); `None` when the
+    /// backend cannot copy one, and each copy must prefill itself.
+    fn fork(&self) -> Result<Option<Box<dyn Sequence>>, BackendError> {
+        Ok(None)
+    }
+
     /// For the model that made this sequence: its concrete type.
     fn as_any_mut(&mut self) -> &mut dyn Any;
 }

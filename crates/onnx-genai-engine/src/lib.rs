@@ -31,7 +31,7 @@ pub use constraint::{Constraint, ResponseFormat};
 use onnx_genai_backend::{BackendError, DecodeModel, Sequence};
 use onnx_genai_package::{Package, PackageError};
 pub use onnx_genai_scheduler::{AdmissionError, BudgetCap, ConversationId, Scheduler};
-pub use request::{BoundTensor, ComponentOverride, GenerateRequest, Prompt, SessionId, TensorType};
+pub use request::{BoundTensor, ComponentOverride, GenerateRequest, Prompt, SessionId, TensorType, MAX_CHOICES};
 pub use sampling::{Sampling, TokenLogprob};
 use tokenizers::Tokenizer;
 pub use turn::{Turn, TurnState};
@@ -97,6 +97,8 @@ pub struct GenerateResult {
     pub session: Option<SessionId>,
     /// One per generated token when the request asked for logprobs.
     pub logprobs: Vec<TokenLogprob>,
+    /// Which of the request's `n` choices this is.
+    pub choice: usize,
 }
 
 /// One streamed token: its id and the text it completes (possibly empty while
@@ -157,6 +159,9 @@ pub struct Engine {
     prefill_chunk: usize,
     /// Counts finished turns (orders idle sessions by last use).
     clock: u64,
+    /// Choices made by the last steps (a request's `n` > 1), for the
+    /// caller to run: [`Engine::take_forked`].
+    forked: Vec<Turn>,
 }
 
 impl Engine {
@@ -185,6 +190,7 @@ impl Engine {
             workflow,
             prefill_chunk: 0,
             clock: 0,
+            forked: Vec::new(),
         })
     }
 
@@ -407,10 +413,54 @@ impl Engine {
         on_admitted: &mut dyn FnMut(Admitted),
         on_token: &mut dyn FnMut(TokenEvent<'_>) -> Flow,
     ) -> Result<GenerateResult, EngineError> {
-        let mut turn = self.admit(request, on_admitted)?;
-        while turn.state() == TurnState::Running {
-            self.step(&mut [&mut turn], &mut |_, event| on_token(event));
+        if request.n != 1 {
+            return Err(EngineError::Request(format!(
+                "this path returns one choice; ask for n = {} with generate_choices",
+                request.n
+            )));
         }
-        self.finish(turn)
+        let mut results = self.generate_choices(request, on_admitted, &mut |_, event| on_token(event))?;
+        results.pop().ok_or_else(|| EngineError::Request("the turn ended without a result".into()))
+    }
+
+    /// The generate path for all `request.n` choices: admit once (for all
+    /// of them), step every running choice together — the first prefills
+    /// the prompt, the others start from a copy of its KV — and end each.
+    /// `on_token(choice, event)`. Results are in choice order; when any
+    /// choice fails, every one is ended (and released) and the first error
+    /// returned.
+    pub fn generate_choices(
+        &mut self,
+        request: &GenerateRequest,
+        on_admitted: &mut dyn FnMut(Admitted),
+        on_token: &mut dyn FnMut(usize, TokenEvent<'_>) -> Flow,
+    ) -> Result<Vec<GenerateResult>, EngineError> {
+        let mut turns = vec![self.admit(request, on_admitted)?];
+        loop {
+            let mut running: Vec<&mut Turn> = turns.iter_mut().filter(|t| t.state() == TurnState::Running).collect();
+            if running.is_empty() {
+                break;
+            }
+            let choices: Vec<usize> = running.iter().map(|t| t.choice()).collect();
+            self.step(&mut running, &mut |i, event| on_token(choices[i], event));
+            turns.extend(self.take_forked());
+        }
+        turns.sort_by_key(Turn::choice);
+        let mut results = Vec::with_capacity(turns.len());
+        let mut failed = None;
+        for turn in turns {
+            match self.finish(turn) {
+                Ok(r) => results.push(r),
+                Err(e) => failed = failed.or(Some(e)),
+            }
+        }
+        failed.map_or(Ok(results), Err)
+    }
+
+    /// The choices the last steps made (a request's `n` > 1: each copies
+    /// its first choice's KV once the prompt has run); the caller runs and
+    /// ends them like any turn.
+    pub fn take_forked(&mut self) -> Vec<Turn> {
+        std::mem::take(&mut self.forked)
     }
 }

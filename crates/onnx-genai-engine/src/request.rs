@@ -114,7 +114,14 @@ pub struct GenerateRequest {
     /// Report each generated token's log-probability with this many of the
     /// likeliest alternatives (at most [`MAX_TOP_LOGPROBS`]); `None`: none.
     pub logprobs: Option<usize>,
+    /// Choices of this prompt (1 to [`MAX_CHOICES`]): they share its
+    /// prefill (the KV is copied once the prompt has run) and choice `k`
+    /// samples with `sampling.seed + k`.
+    pub n: usize,
 }
+
+/// Choices one request may ask for.
+pub const MAX_CHOICES: usize = 16;
 
 impl GenerateRequest {
     pub fn text(prompt: impl Into<String>) -> Self {
@@ -131,6 +138,7 @@ impl GenerateRequest {
             sampling: Sampling::default(),
             response_format: ResponseFormat::Text,
             logprobs: None,
+            n: 1,
         }
     }
 
@@ -145,6 +153,12 @@ impl GenerateRequest {
         }
         if self.max_new_tokens == Some(0) {
             return Err(EngineError::Request("max_new_tokens must be at least 1".into()));
+        }
+        if !(1..=MAX_CHOICES).contains(&self.n) {
+            return Err(EngineError::Request(format!("n is 1 to {MAX_CHOICES} choices, got {}", self.n)));
+        }
+        if self.n > 1 && self.session.is_some() {
+            return Err(EngineError::Request("n > 1 cannot continue a session: a session carries one history".into()));
         }
         for t in self.inputs.iter().chain(self.overrides.iter().flat_map(|o| &o.outputs)) {
             t.check()?;

@@ -57,6 +57,13 @@ pub struct Turn {
     /// and [`Engine::generate_with`] re-raises it once the turn is put away.
     panic: Option<Box<dyn std::any::Any + Send>>,
     prompt_tokens: usize,
+    /// Which of the request's choices this turn is.
+    choice: usize,
+    /// Choices still to make from this one once its prompt has run.
+    forks: usize,
+    /// Made from a copy of another choice's KV: its logits are the
+    /// prompt's, and its first token is drawn without a model step.
+    logits_ready: bool,
 }
 
 impl Turn {
@@ -84,6 +91,11 @@ impl Turn {
         if self.state() == TurnState::Running {
             self.finish = Some(FinishReason::Stopped);
         }
+    }
+
+    /// Which of its request's choices this turn is (0 for the first).
+    pub fn choice(&self) -> usize {
+        self.choice
     }
 
     /// Tokens admission counted for this turn (carried plus new, A5).
@@ -164,6 +176,12 @@ impl Engine {
             wait_until: None,
             granularity: self.model.kv_granularity() as u64,
         };
+        // `n` choices hold `n` copies of the KV: one reservation for all,
+        // split between them as they are made.
+        let wanted = AdmissionRequest {
+            bytes_per_token: wanted.bytes_per_token.map(|b| b.saturating_mul(request.n as u64)),
+            ..wanted
+        };
         let admission = self.reserve(&wanted, request.session)?;
         // 4. Signal, after the decision and before any backend work.
         on_admitted(Admitted {
@@ -202,6 +220,9 @@ impl Engine {
             error: None,
             panic: None,
             prompt_tokens,
+            choice: 0,
+            forks: request.n.saturating_sub(1),
+            logits_ready: false,
         };
         if let Err(e) = self.check_bindings(request).and_then(|()| self.bind_sequence(&mut turn, rows)) {
             turn.fail(e);
@@ -315,8 +336,16 @@ impl Engine {
         // Inputs: token ids, or embeddings for a workflow's decoder.
         let mut embeds: Vec<Option<Vec<f32>>> = Vec::with_capacity(turns.len());
         let mut active = Vec::with_capacity(turns.len());
+        // Choices made from another's KV draw their first token from the
+        // prompt's logits, without a model step.
+        let mut ready = Vec::new();
         for (i, turn) in turns.iter_mut().enumerate() {
             if turn.state() != TurnState::Running {
+                embeds.push(None);
+                continue;
+            }
+            if turn.logits_ready {
+                ready.push(i);
                 embeds.push(None);
                 continue;
             }
@@ -330,6 +359,11 @@ impl Engine {
                     embeds.push(None);
                 }
             }
+        }
+        for &i in &ready {
+            let turn = &mut *turns[i];
+            turn.logits_ready = false;
+            self.sample_reporting(turn, &mut |event| on_token(i, event));
         }
         if active.is_empty() {
             return;
@@ -384,15 +418,80 @@ impl Engine {
                     continue;
                 }
             }
-            let sampled = catch_unwind(AssertUnwindSafe(|| self.sample(turn, &mut |event| on_token(i, event))));
-            match sampled {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => turn.fail(e),
-                Err(payload) => {
-                    turn.fail(EngineError::Panicked { backend: "token callback" });
-                    turn.panic = Some(payload);
-                }
+            if turn.forks > 0 {
+                // The prompt has run: the other choices start from here,
+                // before this one's draw masks the logits.
+                self.fork_choices(turn);
             }
+            self.sample_reporting(turn, &mut |event| on_token(i, event));
+        }
+    }
+
+    /// Draws the turn's next token; an error or a panicking callback fails
+    /// the turn alone.
+    fn sample_reporting(&self, turn: &mut Turn, on_token: &mut dyn FnMut(TokenEvent<'_>) -> Flow) {
+        match catch_unwind(AssertUnwindSafe(|| self.sample(turn, on_token))) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => turn.fail(e),
+            Err(payload) => {
+                turn.fail(EngineError::Panicked { backend: "token callback" });
+                turn.panic = Some(payload);
+            }
+        }
+    }
+
+    /// Makes the other choices of `turn`'s request, whose prompt has just
+    /// run: each takes its share of the reservation (A4 holds per choice),
+    /// a copy of the KV and the prompt's logits — or, on a backend that
+    /// cannot copy KV, a fresh sequence that prefills the prompt itself —
+    /// and samples with its own seed. They wait in `forked` for the caller.
+    fn fork_choices(&mut self, turn: &mut Turn) {
+        let others = std::mem::take(&mut turn.forks);
+        let share = turn.admission.bytes() / (others as u64 + 1);
+        for choice in 1..=others {
+            let copy = turn.sequence.as_ref().map_or(Ok(None), |s| s.fork());
+            let mut sampling = turn.request.sampling.clone();
+            sampling.seed = sampling.seed.wrapping_add(choice as u64);
+            let mut sibling = Turn {
+                admission: turn.admission.split_off(share),
+                session: None,
+                sequence: None,
+                feed: turn.feed.clone(),
+                fed: 0,
+                new_start: turn.new_start,
+                kept: 0,
+                request: turn.request.clone(),
+                generated: Vec::new(),
+                emitted: String::new(),
+                sampler: Sampler::new(sampling).with_prompt(turn.feed.iter().copied()),
+                constraint: None,
+                logprobs: Vec::new(),
+                max_new: turn.max_new,
+                eos: turn.eos.clone(),
+                logits: Vec::new(),
+                finish: None,
+                error: None,
+                panic: None,
+                prompt_tokens: turn.prompt_tokens,
+                choice,
+                forks: 0,
+                logits_ready: false,
+            };
+            match copy {
+                Ok(Some(sequence)) => {
+                    sibling.sequence = Some(sequence);
+                    sibling.fed = sibling.feed.len();
+                    sibling.logits = turn.logits.clone();
+                    sibling.logits_ready = true;
+                }
+                Ok(None) => sibling.sequence = Some(self.spare.pop().unwrap_or_else(|| self.model.new_sequence())),
+                Err(e) => sibling.fail(e.into()),
+            }
+            match self.prompter.constraint(&turn.request.response_format) {
+                Ok(constraint) => sibling.constraint = constraint,
+                Err(e) => sibling.fail(e),
+            }
+            self.forked.push(sibling);
         }
     }
 
@@ -505,7 +604,7 @@ impl Engine {
                 }
             }
         }
-        let Turn { admission, generated, finish, prompt_tokens, session, logprobs, .. } = turn;
+        let Turn { admission, generated, finish, prompt_tokens, session, logprobs, choice, .. } = turn;
         let budget_cap = admission.budget_cap;
         let mut admission = Some(admission);
         if let (Some(bytes), Some(s)) = (keep, session.and_then(|id| self.sessions.get_mut(&id))) {
@@ -527,6 +626,7 @@ impl Engine {
             budget_cap,
             session,
             logprobs,
+            choice,
         })
     }
 }

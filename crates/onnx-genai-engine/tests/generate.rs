@@ -333,3 +333,100 @@ fn a_trimmed_session_continues_from_the_cut() {
         assert_eq!(two.token_ids, alone.token_ids, "{backend:?}: the session went on from the cut");
     }
 }
+
+/// Counts the prompt and decode tokens every model step feeds.
+struct Counting {
+    inner: std::sync::Arc<dyn onnx_genai_backend::DecodeModel>,
+    fed: std::sync::atomic::AtomicUsize,
+}
+
+impl onnx_genai_backend::DecodeModel for Counting {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn context_length(&self) -> usize {
+        self.inner.context_length()
+    }
+    fn new_sequence(&self) -> Box<dyn onnx_genai_backend::Sequence> {
+        self.inner.new_sequence()
+    }
+    fn step(&self, batch: &mut [onnx_genai_backend::Entry<'_>]) -> Result<(), onnx_genai_backend::BackendError> {
+        for e in batch.iter() {
+            if let onnx_genai_backend::Input::Tokens(t) = e.input {
+                self.fed.fetch_add(t.len(), std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        self.inner.step(batch)
+    }
+    fn batch_width(&self) -> usize {
+        self.inner.batch_width()
+    }
+    fn kv_granularity(&self) -> usize {
+        self.inner.kv_granularity()
+    }
+}
+
+/// Issue 19 (`n`): the choices of one request share its prefill — the
+/// model runs the prompt once for all three, and choice `k` is exactly the
+/// single request with seed + `k` (so the copied KV and logits are the
+/// prompt's) — and admission reserves all three copies at once, on ORT and
+/// native-cpu. `n` outside 1–16, `n` > 1 on a session, and `n` > 1 through
+/// the one-choice path are typed errors.
+#[test]
+fn choices_share_the_prefill_and_match_single_requests() {
+    let dir = package("tiny-llama-gqa");
+    for backend in [BackendKind::Ort, BackendKind::NativeCpu] {
+        let package = onnx_genai_package::Package::open(dir.path()).unwrap();
+        let inner = backend.load(&package, 1).unwrap();
+        let counting = std::sync::Arc::new(Counting { inner, fed: Default::default() });
+        let mut e = Engine::new(package, counting.clone()).unwrap();
+        let fed = || counting.fed.swap(0, std::sync::atomic::Ordering::SeqCst);
+        let prompt = e.encode("Once upon a time there was").unwrap();
+        let ask = |seed: u64, n: usize| GenerateRequest {
+            n,
+            sampling: Sampling { temperature: 1.0, seed, ..Sampling::default() },
+            ..request(Prompt::TokenIds(prompt.clone()), 10)
+        };
+        let mut reserved = 0;
+        let choices =
+            e.generate_choices(&ask(7, 3), &mut |a| reserved = a.reserved_bytes, &mut |_, _| Flow::Continue).unwrap();
+        let together = fed();
+        assert_eq!(choices.iter().map(|c| c.choice).collect::<Vec<_>>(), [0, 1, 2]);
+        let mut apart = 0;
+        let mut single_reserved = 0;
+        for (k, choice) in choices.iter().enumerate() {
+            let one = e
+                .generate_with(&ask(7 + k as u64, 1), &mut |a| single_reserved = a.reserved_bytes, &mut |_| {
+                    Flow::Continue
+                })
+                .unwrap();
+            assert_eq!(choice.token_ids, one.token_ids, "{backend:?}: choice {k} is the request with seed 7 + {k}");
+            assert_eq!(choice.prompt_tokens, one.prompt_tokens);
+            apart += fed();
+        }
+        assert_ne!(choices[0].token_ids, choices[1].token_ids, "choices sample apart");
+        assert_eq!(together, apart - 2 * prompt.len(), "{backend:?}: the prompt ran once for three choices");
+        assert_eq!(reserved, 3 * single_reserved, "three copies of the KV are reserved");
+        assert_eq!(e.scheduler().reserved_bytes(), 0, "every choice released its share");
+
+        for n in [0, 17] {
+            assert!(matches!(
+                e.generate_choices(&ask(1, n), &mut |_| {}, &mut |_, _| Flow::Continue),
+                Err(EngineError::Request(_))
+            ));
+        }
+        let id = e.create_session().unwrap();
+        let on_session = GenerateRequest { session: Some(id), ..ask(1, 2) };
+        assert!(matches!(
+            e.generate_choices(&on_session, &mut |_| {}, &mut |_, _| Flow::Continue),
+            Err(EngineError::Request(_))
+        ));
+        assert!(matches!(
+            e.generate_with(&ask(1, 2), &mut |_| {}, &mut |_| Flow::Continue),
+            Err(EngineError::Request(_))
+        ));
+    }
+}

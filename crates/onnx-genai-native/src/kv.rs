@@ -69,7 +69,7 @@ impl KvLayout {
 }
 
 /// One block's storage.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub enum Block {
     F32(Box<[f32]>),
     F16(Box<[f16]>),
@@ -193,6 +193,23 @@ impl SeqKv {
         }
     }
 
+    /// A copy of this cache in blocks of its own.
+    pub fn fork(&self) -> SeqKv {
+        let mut copy = SeqKv::new(self.pool.clone(), self.blocks.capacity() * BLOCK_TOKENS);
+        for block in &self.blocks {
+            let mut mine = self.pool.take();
+            match (&mut mine, block) {
+                (Block::F32(to), Block::F32(from)) => to.copy_from_slice(from),
+                (Block::F16(to), Block::F16(from)) => to.copy_from_slice(from),
+                // One pool makes one kind of block.
+                (to, from) => *to = from.clone(),
+            }
+            copy.blocks.push(mine);
+        }
+        copy.len = self.len;
+        copy
+    }
+
     /// Bytes of the blocks this sequence holds.
     pub fn resident_bytes(&self) -> usize {
         self.blocks.len() * self.pool.layout.block_bytes()
@@ -269,6 +286,24 @@ mod tests {
         let mut b = SeqKv::new(pool.clone(), 1000);
         b.reserve(1);
         assert_eq!(pool.idle_bytes(), per_block, "a returned block is reused");
+    }
+
+    /// A fork holds the same positions and values in blocks of its own:
+    /// writing one changes nothing in the other.
+    #[test]
+    fn a_fork_copies_the_cache() {
+        let pool = KvPool::new(KvLayout::new(&[(1, 2)], false), 0);
+        let mut a = SeqKv::new(pool, 100);
+        a.reserve(BLOCK_TOKENS + 2);
+        a.write(0, 0, BLOCK_TOKENS + 1, &[1.0, 2.0], &[3.0, 4.0]);
+        a.set_len(BLOCK_TOKENS + 2);
+        let mut b = a.fork();
+        assert_eq!((b.len(), b.resident_bytes()), (a.len(), a.resident_bytes()));
+        let Span::F32(k) = b.span(0, false, 0, 1, 2) else { panic!("f32 cache") };
+        assert_eq!(k[2..], [1.0, 2.0]);
+        b.write(0, 0, BLOCK_TOKENS + 1, &[9.0, 9.0], &[9.0, 9.0]);
+        let Span::F32(k) = a.span(0, false, 0, 1, 2) else { panic!("f32 cache") };
+        assert_eq!(k[2..], [1.0, 2.0], "the original is untouched");
     }
 
     /// An f16 cache rounds on write and widens on read.

@@ -225,6 +225,10 @@ impl Sequence for NativeSequence {
         self.kv.resident_bytes() as u64
     }
 
+    fn fork(&self) -> Result<Option<Box<dyn Sequence>>, BackendError> {
+        Ok(Some(Box::new(NativeSequence { kv: self.kv.fork() })))
+    }
+
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
         self
     }

@@ -297,6 +297,20 @@ impl Sequence for OrtSequence {
         self.kv_len as u64 * self.bytes_per_token
     }
 
+    fn fork(&self) -> Result<Option<Box<dyn Sequence>>, BackendError> {
+        let mut past = Vec::with_capacity(self.past.len());
+        for (l, (key, value)) in self.layers.iter().zip(&self.past) {
+            past.push((self.prefix(key, l, self.kv_len)?, self.prefix(value, l, self.kv_len)?));
+        }
+        Ok(Some(Box::new(OrtSequence {
+            past,
+            kv_len: self.kv_len,
+            layers: self.layers.clone(),
+            kv_dtype: self.kv_dtype,
+            bytes_per_token: self.bytes_per_token,
+        })))
+    }
+
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
         self
     }

@@ -145,6 +145,24 @@ impl Admission {
     }
 }
 
+impl Admission {
+    /// Moves `bytes` of this reservation (at most all of it) into a new one
+    /// of the same conversation and clamp: the budget's total is unchanged,
+    /// and each part is released when its own guard drops (A4). Several
+    /// choices of one request are admitted together and then split.
+    pub fn split_off(&mut self, bytes: u64) -> Admission {
+        let bytes = bytes.min(self.bytes);
+        self.bytes -= bytes;
+        Admission {
+            inner: self.inner.clone(),
+            bytes,
+            conversation: self.conversation,
+            max_new_tokens: self.max_new_tokens,
+            budget_cap: self.budget_cap,
+        }
+    }
+}
+
 impl Drop for Admission {
     fn drop(&mut self) {
         if self.bytes > 0 {

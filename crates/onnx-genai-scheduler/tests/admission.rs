@@ -39,6 +39,26 @@ fn the_boundary_is_exact() {
     );
 }
 
+/// Pins A4 for a split reservation (issue 19's `n` choices): the parts
+/// hold what the whole held, each part releases its own bytes when it
+/// drops, and a split never moves more than the whole holds.
+#[test]
+fn a_split_reservation_releases_each_part_alone() {
+    let s = Scheduler::new(12 * BPT);
+    let mut whole = s.admit(&req(3, 3)).unwrap();
+    let part = whole.split_off(2 * BPT);
+    assert_eq!((whole.bytes(), part.bytes(), s.reserved_bytes()), (4 * BPT, 2 * BPT, 6 * BPT));
+    assert_eq!((part.conversation, part.max_new_tokens), (whole.conversation, whole.max_new_tokens));
+    drop(part);
+    assert_eq!(s.reserved_bytes(), 4 * BPT, "the part released its own bytes");
+    let all = whole.split_off(100 * BPT);
+    assert_eq!((whole.bytes(), all.bytes()), (0, 4 * BPT));
+    drop(whole);
+    assert_eq!(s.reserved_bytes(), 4 * BPT);
+    drop(all);
+    assert_eq!(s.reserved_bytes(), 0);
+}
+
 /// Pins A6: the clamp reports requested and admitted tokens and bytes and
 /// what was free; nothing clamped means no cap.
 #[test]
