@@ -93,6 +93,12 @@ impl Turn {
         }
     }
 
+    /// The conversation admission counted this turn under (every choice of
+    /// a request shares it).
+    pub fn conversation(&self) -> onnx_genai_scheduler::ConversationId {
+        self.admission.conversation
+    }
+
     /// Which of its request's choices this turn is (0 for the first).
     pub fn choice(&self) -> usize {
         self.choice

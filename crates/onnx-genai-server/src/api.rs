@@ -5,7 +5,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use onnx_genai_engine::sampling::MAX_TOP_LOGPROBS;
-use onnx_genai_engine::ResponseFormat;
+use onnx_genai_engine::{ResponseFormat, MAX_CHOICES};
 
 use crate::error::ApiError;
 
@@ -116,6 +116,9 @@ pub struct Sampling {
     pub min_p: Option<f32>,
     #[serde(default)]
     pub repetition_penalty: Option<f32>,
+    /// Choices of the prompt (1 to `MAX_CHOICES`).
+    #[serde(default)]
+    pub n: Option<u32>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -248,6 +251,9 @@ impl Sampling {
         if self.max_new_tokens() == Some(0) {
             return Err(ApiError::param("max_tokens", "max_tokens must be at least 1"));
         }
+        if let Some(n) = self.n.filter(|n| !(1..=MAX_CHOICES as u32).contains(n)) {
+            return Err(ApiError::param("n", format!("n is 1 to {MAX_CHOICES} choices, got {n}")));
+        }
         // Every stop string is matched against the text after every token:
         // the list and each string are bounded (OpenAI allows 4).
         if let Some(Stop::Many(v)) = &self.stop {
@@ -310,6 +316,11 @@ impl Sampling {
             repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
             logit_bias: self.logit_bias()?,
         })
+    }
+
+    /// Choices asked for (checked by [`Sampling::check`]).
+    pub fn choices(&self) -> usize {
+        self.n.unwrap_or(1) as usize
     }
 
     pub fn max_new_tokens(&self) -> Option<u32> {

@@ -55,9 +55,9 @@ pub type Released = oneshot::Sender<()>;
 
 /// What a turn streams back.
 pub enum Event {
-    /// A generated token's text (empty while a character is incomplete)
-    /// and, when the request asked, its log-probability.
-    Delta(String, Option<onnx_genai_engine::TokenLogprob>),
+    /// A generated token of choice `.0`: its text (empty while a character
+    /// is incomplete) and, when the request asked, its log-probability.
+    Delta(usize, String, Option<onnx_genai_engine::TokenLogprob>),
     Finished(GenerateResult),
     /// A failure after admission (headers are already sent).
     Failed(ApiError),
@@ -265,7 +265,9 @@ struct Running {
     stalled_since: Option<Instant>,
     /// The client is gone (its channel closed).
     gone: bool,
-    released: Released,
+    /// Shared by every choice of the request: the route hears the release
+    /// when the last one ends.
+    released: Arc<Released>,
 }
 
 impl Running {
@@ -409,7 +411,7 @@ impl<'a> Loop<'a> {
                         backlog: VecDeque::new(),
                         stalled_since: None,
                         gone: false,
-                        released,
+                        released: Arc::new(released),
                     };
                     self.running.push(running);
                 }
@@ -461,11 +463,32 @@ impl<'a> Loop<'a> {
             drop(turns);
             for (i, delta, logprob) in deltas {
                 let r = &mut self.running[i];
-                r.backlog.push_back(Event::Delta(delta, logprob));
+                r.backlog.push_back(Event::Delta(r.turn.choice(), delta, logprob));
                 if !r.flush() && r.gone {
                     // The client left: stop at the next step boundary (B4).
                     r.turn.cancel();
                 }
+            }
+        }
+        // A request's other choices, made once its prompt ran, answer on
+        // its channel.
+        for choice in self.engine.take_forked() {
+            let conversation = choice.conversation();
+            match self.running.iter().find(|r| r.turn.choice() == 0 && r.turn.conversation() == conversation) {
+                Some(first) => {
+                    let running = Running {
+                        turn: choice,
+                        lease: None,
+                        events: first.events.clone(),
+                        backlog: VecDeque::new(),
+                        stalled_since: None,
+                        gone: first.gone,
+                        released: first.released.clone(),
+                    };
+                    self.running.push(running);
+                }
+                // (Its first choice is always running when it forks.)
+                None => drop(std::panic::catch_unwind(AssertUnwindSafe(|| self.engine.finish(choice)))),
             }
         }
         // End what finished.

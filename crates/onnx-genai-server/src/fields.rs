@@ -55,7 +55,11 @@ const COMMON: [Field; 17] = [
     served("stream", "server-sent events", "false"),
     served("stream_options", "`include_usage`", "{\"include_usage\": true}"),
     served("user", "an end-user id, written to the request's log line", "\"u-1\""),
-    default_only("n", "1", "one choice per request", "2"),
+    served(
+        "n",
+        "1 to 16 choices of one prompt, sharing its prefill (the KV copied once the prompt has run); choice k samples with seed + k; not with a session",
+        "2",
+    ),
     served("frequency_penalty", "-2 to 2, subtracted per time a token was generated", "0.5"),
     served("presence_penalty", "-2 to 2, subtracted once from every generated token", "0.5"),
     served(

@@ -3,6 +3,7 @@
 //! model-qualified placements and taken by lease for each turn. See
 //! `../shared/docs/INVARIANTS.md` (A9, L1–L9) and ARCHITECTURE.md.
 
+mod answer;
 mod api;
 pub mod client;
 #[cfg(test)]

@@ -120,7 +120,7 @@ fn operation(method: &str, path: &str, models: &[&str]) -> Value {
         }
         ("POST", p) if p.ends_with("completions") => json!({"description": "OK", "content": {
             "application/json": {"schema": answer},
-            "text/event-stream": {"schema": {"type": "string"}}
+            "text/event-stream": {"schema": {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}}
         }}),
         _ => json!({"description": "OK", "content": {"application/json": {"schema": answer}}}),
     };
@@ -218,6 +218,7 @@ pub(crate) fn field_schema(field: &Field) -> Option<Value> {
         "logit_bias" => json!({"type": "object", "maxProperties": crate::api::MAX_LOGIT_BIAS,
             "additionalProperties": number(-100.0, 100.0)}),
         "top_k" => json!({"type": "integer", "minimum": -1}),
+        "n" => integer(1, onnx_genai_engine::MAX_CHOICES as i64),
         "min_p" => number(0.0, 1.0),
         "repetition_penalty" => json!({"type": "number", "minimum": 0, "exclusiveMinimum": true}),
         "messages" => json!({"type": "array", "minItems": 1, "items": message()}),

@@ -328,3 +328,94 @@ fn a_stop_string_cuts_the_session_history_where_the_text_ends() {
     }
     panic!("no prompt's answer opens with whole ASCII tokens: {tried:?}");
 }
+
+/// Issue 19 (`n`): a request's choices come back as `choices[0..n]`, each
+/// exactly the single request with seed + its index (they share the
+/// prefill; each samples its own way), `usage` counting the prompt once and
+/// every choice's tokens; a stream carries every choice's text under its
+/// index, one finish per choice, the same texts; a stop string cuts each
+/// choice on its own; completions too. `n` outside 1–16 or with a session
+/// is a 400 naming `n` with nothing held, and nothing stays reserved after
+/// the choices end.
+#[test]
+fn choices_answer_as_their_single_requests_would() {
+    let (_d, s) = serve();
+    let ask = |seed: u64, n: usize, streamed: bool| {
+        let mut body = chat(M, "Once upon a time", 8);
+        body["n"] = json!(n);
+        body["seed"] = json!(seed);
+        body["temperature"] = json!(1.0);
+        body["stream"] = json!(streamed);
+        body["stream_options"] = if streamed { json!({"include_usage": true}) } else { Value::Null };
+        post(s.addr, "/v1/chat/completions", &body)
+    };
+    let r = ask(5, 3, false);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let texts: Vec<String> = (0..3)
+        .map(|k| {
+            assert_eq!(v["choices"][k]["index"], k);
+            v["choices"][k]["message"]["content"].as_str().unwrap().to_string()
+        })
+        .collect();
+    let mut single_tokens = 0;
+    for (k, text) in texts.iter().enumerate() {
+        let one = ask(5 + k as u64, 1, false).json();
+        assert_eq!(one["choices"][0]["message"]["content"].as_str().unwrap(), text, "choice {k}");
+        assert_eq!(one["usage"]["prompt_tokens"], v["usage"]["prompt_tokens"]);
+        single_tokens += one["usage"]["completion_tokens"].as_u64().unwrap();
+    }
+    assert_eq!(v["usage"]["completion_tokens"].as_u64(), Some(single_tokens));
+    assert!(texts[0] != texts[1] || texts[1] != texts[2], "choices sample apart: {texts:?}");
+
+    let streamed = ask(5, 3, true);
+    assert_eq!(streamed.status, 200, "{}", streamed.body);
+    let mut parts = vec![String::new(); 3];
+    let mut finishes = vec![0; 3];
+    let mut usage = Value::Null;
+    for line in streamed.body.lines().filter_map(|l| l.strip_prefix("data: ")).filter(|d| *d != "[DONE]") {
+        let event: Value = serde_json::from_str(line).unwrap();
+        if !event["usage"].is_null() {
+            usage = event["usage"].clone();
+        }
+        for choice in event["choices"].as_array().unwrap() {
+            let k = choice["index"].as_u64().unwrap() as usize;
+            parts[k].push_str(choice["delta"]["content"].as_str().unwrap_or(""));
+            finishes[k] += usize::from(!choice["finish_reason"].is_null());
+        }
+    }
+    assert_eq!(parts, texts, "a stream carries the same choices");
+    assert_eq!(finishes, [1, 1, 1], "one finish per choice");
+    assert_eq!(usage, v["usage"]);
+
+    // A stop string cuts each choice where its own text meets it.
+    let stop = texts[1].chars().nth(2).map(String::from).unwrap();
+    let mut body = chat(M, "Once upon a time", 8);
+    body["n"] = json!(3);
+    body["seed"] = json!(5);
+    body["temperature"] = json!(1.0);
+    body["stop"] = json!([stop]);
+    let cut = post(s.addr, "/v1/chat/completions", &body).json();
+    for (k, text) in texts.iter().enumerate() {
+        let want = text.find(stop.as_str()).map_or(text.as_str(), |at| &text[..at]);
+        assert_eq!(cut["choices"][k]["message"]["content"], want, "choice {k}, stop {stop:?}");
+    }
+    assert_eq!(cut["choices"][1]["finish_reason"], "stop");
+
+    let text = post(s.addr, "/v1/completions", &json!({"model": M, "prompt": "Once", "max_tokens": 4, "n": 2})).json();
+    assert_eq!(text["choices"].as_array().map(Vec::len), Some(2), "{text}");
+    assert_eq!(text["choices"][1]["index"], 1);
+
+    let sid = post(s.addr, "/v1/sessions", &json!({"model": M})).json()["id"].as_str().unwrap().to_string();
+    let before = s.gauges();
+    for (n, session) in [(0, None), (17, None), (2, Some(sid.as_str()))] {
+        let mut body = chat(M, "hi", 2);
+        body["n"] = json!(n);
+        let headers: Vec<(&str, &str)> = session.map(|id| ("x-session-id", id)).into_iter().collect();
+        let r = call(s.addr, "POST", "/v1/chat/completions", &headers, &body.to_string());
+        assert_eq!((r.status, r.json()["error"]["param"].clone()), (400, json!("n")), "{}", r.body);
+    }
+    let after = s.gauges();
+    assert_eq!((after.admitted, after.leases), (before.admitted, 0));
+    assert_eq!(after.reserved_bytes, before.reserved_bytes, "the choices released every share");
+}

@@ -348,10 +348,10 @@ fn bad_requests_get_openai_errors() {
             "temperature must be between 0 and 2",
         ),
         (
-            json!({"model": M, "messages": [{"role": "user", "content": "hi"}], "n": 2}).to_string(),
+            json!({"model": M, "messages": [{"role": "user", "content": "hi"}], "n": 17}).to_string(),
             &[],
             400,
-            "`n` is served only at its default 1",
+            "n is 1 to 16 choices, got 17",
         ),
         (
             json!({"model": M, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}).to_string(),

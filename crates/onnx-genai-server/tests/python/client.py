@@ -74,6 +74,16 @@ try:
     raise SystemExit("a logit_bias id outside the vocabulary was accepted")
 except openai.BadRequestError as e:
     assert e.status_code == 400 and "logit_bias" in str(e), e
+# n choices: choice k is the single request with seed + k.
+many = client.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": "Hello"}], max_tokens=6, temperature=1.0, seed=11, n=3
+)
+assert [c.index for c in many.choices] == [0, 1, 2], many
+for k, choice in enumerate(many.choices):
+    one = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hello"}], max_tokens=6, temperature=1.0, seed=11 + k
+    )
+    assert one.choices[0].message.content == choice.message.content, (k, one, choice)
 print("sampling ok")
 
 # Structured outputs: every answer under a json_schema format, sampled over
