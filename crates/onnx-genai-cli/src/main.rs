@@ -37,6 +37,9 @@ enum Command {
         /// recently used of the client holding the most.
         #[arg(long, default_value_t = onnx_genai_server::ServerOptions::default().max_sessions)]
         max_sessions: usize,
+        /// Choices (`n`) one request may ask for (1 to 16); more is a 400.
+        #[arg(long, default_value_t = onnx_genai_server::ServerOptions::default().max_choices)]
+        max_choices: usize,
         /// KV cache bytes all models may reserve together (default: half of
         /// the memory available when the server starts).
         #[arg(long)]
@@ -191,6 +194,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             host,
             port,
             max_sessions,
+            max_choices,
             kv_budget_bytes,
             prefill_chunk,
             queue_limit,
@@ -245,7 +249,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 request_timeout: Duration::from_secs(request_timeout_s),
                 max_connections,
             };
-            let options = onnx_genai_server::ServerOptions { max_sessions, driver, http };
+            let options = onnx_genai_server::ServerOptions { max_sessions, max_choices, driver, http };
             let server = onnx_genai_server::start_with(engines, &format!("{host}:{port}"), options)?;
             eprintln!("serving on http://{} (Ctrl-C stops)", server.addr);
             server.wait();

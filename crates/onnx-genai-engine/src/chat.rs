@@ -20,6 +20,9 @@ pub struct ChatMessage {
     /// The call a `tool` message answers.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tool_call_id: Option<String>,
+    /// A participant's name (OpenAI's `name`), for templates that read it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
     /// Where images sit in `content` (byte offsets, ascending): each is
     /// the package's image placeholder token there, never text a user
     /// could spell.

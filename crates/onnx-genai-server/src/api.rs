@@ -9,9 +9,15 @@ use onnx_genai_engine::{ResponseFormat, MAX_CHOICES};
 
 use crate::error::ApiError;
 
+/// A message as OpenAI sends it; a key it does not define is refused
+/// (nothing is silently ignored, in a message either).
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ChatMessage {
     pub role: String,
+    /// A participant's name: handed to the template (which may ignore it).
+    #[serde(default)]
+    pub name: Option<String>,
     /// `null` in an assistant message that only calls tools.
     #[serde(default)]
     pub content: Option<Content>,
@@ -23,6 +29,7 @@ pub struct ChatMessage {
 
 /// A call in an assistant message the client sends back.
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct WireToolCall {
     pub id: String,
     #[serde(rename = "type")]
@@ -31,6 +38,7 @@ pub struct WireToolCall {
 }
 
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct WireFunctionCall {
     pub name: String,
     /// JSON text, as OpenAI sends it.
@@ -54,9 +62,14 @@ pub struct Part {
     pub text: Option<String>,
     #[serde(default)]
     pub image_url: Option<ImageUrl>,
+    /// Keys no served part type has (refused naming the part, after its
+    /// type: an unsupported type is named as such).
+    #[serde(flatten)]
+    pub other: std::collections::BTreeMap<String, Value>,
 }
 
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ImageUrl {
     pub url: String,
     /// OpenAI's resolution hint: the image is resized to the package's

@@ -47,6 +47,7 @@ pub struct AppState {
     /// The Host names requests may name (`None`: any).
     hosts: Option<Vec<String>>,
     metrics: Arc<metrics::Metrics>,
+    max_choices: usize,
 }
 
 impl AppState {
@@ -85,13 +86,21 @@ pub struct ServerOptions {
     /// Sessions bound at once (beyond it the least recently used idle one
     /// is evicted).
     pub max_sessions: usize,
+    /// Choices (`n`) one request may ask for: 1 to the engine's
+    /// `MAX_CHOICES`.
+    pub max_choices: usize,
     pub driver: DriverOptions,
     pub http: HttpOptions,
 }
 
 impl Default for ServerOptions {
     fn default() -> Self {
-        Self { max_sessions: 64, driver: DriverOptions::default(), http: HttpOptions::default() }
+        Self {
+            max_sessions: 64,
+            max_choices: onnx_genai_engine::MAX_CHOICES,
+            driver: DriverOptions::default(),
+            http: HttpOptions::default(),
+        }
     }
 }
 
@@ -157,6 +166,8 @@ pub enum ServeError {
     DuplicateModel(String),
     #[error("nothing to serve: give at least one package")]
     NoModels,
+    #[error("--max-choices is 1 to 16 (the engine's MAX_CHOICES), got {0}")]
+    MaxChoices(usize),
     #[error("cannot listen on {addr}: {reason}")]
     Bind { addr: String, reason: String },
 }
@@ -212,6 +223,9 @@ pub fn start_with(engines: Vec<Engine>, addr: &str, options: ServerOptions) -> R
     if engines.is_empty() {
         return Err(ServeError::NoModels);
     }
+    if !(1..=onnx_genai_engine::MAX_CHOICES).contains(&options.max_choices) {
+        return Err(ServeError::MaxChoices(options.max_choices));
+    }
     let bind_err = |reason: String| ServeError::Bind { addr: addr.into(), reason };
     let listener = std::net::TcpListener::bind(addr).map_err(|e| bind_err(e.to_string()))?;
     listener.set_nonblocking(true).map_err(|e| bind_err(e.to_string()))?;
@@ -234,6 +248,7 @@ pub fn start_with(engines: Vec<Engine>, addr: &str, options: ServerOptions) -> R
         http,
         hosts,
         metrics: metrics.clone(),
+        max_choices: options.max_choices,
     });
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let app = router(state.clone());

@@ -47,6 +47,13 @@ pub fn read(wire: Vec<api::ChatMessage>) -> Result<(Vec<ChatMessage>, Vec<SentIm
             Some(api::Content::Parts(parts)) => {
                 let mut text = String::new();
                 for (j, part) in parts.into_iter().enumerate() {
+                    let served = matches!(part.kind.as_str(), "text" | "image_url");
+                    if let (true, Some(key)) = (served, part.other.keys().next()) {
+                        return Err(ApiError::param(
+                            &at(&format!("content[{j}].{key}")),
+                            format!("a `{}` part has no field `{key}`", part.kind),
+                        ));
+                    }
                     match (part.kind.as_str(), part.text, part.image_url) {
                         ("text", Some(t), None) => text.push_str(&t),
                         ("image_url", None, Some(url)) if role == "user" => {
@@ -120,7 +127,7 @@ pub fn read(wire: Vec<api::ChatMessage>) -> Result<(Vec<ChatMessage>, Vec<SentIm
             (_, Some(_)) => return Err(ApiError::param(&at("tool_call_id"), "only a tool message answers a call")),
             (_, None) => None,
         };
-        out.push(ChatMessage { role: role.to_string(), content, tool_calls, tool_call_id, image_at });
+        out.push(ChatMessage { role: role.to_string(), content, tool_calls, tool_call_id, image_at, name: m.name });
     }
     if out.is_empty() {
         return Err(ApiError::param("messages", "messages must not be empty"));

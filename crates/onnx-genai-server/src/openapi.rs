@@ -282,6 +282,7 @@ fn message() -> Value {
         &["role"],
         json!({
             "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+        "name": {"type": "string"},
             "content": {"nullable": true, "oneOf": [{"type": "string"}, {"type": "array", "items": part}]},
             "tool_calls": {"type": "array", "items": call},
             "tool_call_id": {"type": "string"}

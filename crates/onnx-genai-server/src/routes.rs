@@ -241,6 +241,9 @@ async fn run_turn(
         Some(v) => Some(v.to_str().map_err(|_| ApiError::invalid("the X-Session-Id header is not text"))?.to_string()),
     };
     let n = opts.choices();
+    if n > state.max_choices {
+        return Err(ApiError::param("n", format!("this server serves at most {} choices, got {n}", state.max_choices)));
+    }
     if n > 1 && session_id.is_some() {
         return Err(ApiError::param("n", "n > 1 cannot continue a session: a session carries one history"));
     }

@@ -336,7 +336,8 @@ fn a_stop_string_cuts_the_session_history_where_the_text_ends() {
 /// index, one finish per choice, the same texts; a stop string cuts each
 /// choice on its own; completions too. `n` outside 1–16 or with a session
 /// is a 400 naming `n` with nothing held, and nothing stays reserved after
-/// the choices end.
+/// the choices end; a server started with `max_choices` 2 refuses 3 (and
+/// one cannot be started with more than 16).
 #[test]
 fn choices_answer_as_their_single_requests_would() {
     let (_d, s) = serve();
@@ -418,4 +419,25 @@ fn choices_answer_as_their_single_requests_would() {
     let after = s.gauges();
     assert_eq!((after.admitted, after.leases), (before.admitted, 0));
     assert_eq!(after.reserved_bytes, before.reserved_bytes, "the choices released every share");
+
+    // A server configured for fewer choices refuses more, naming `n`.
+    let (_d2, p) = package(M);
+    let options = onnx_genai_server::ServerOptions { max_choices: 2, ..Default::default() };
+    let small = onnx_genai_server::start_with(
+        vec![engine(&p, &Gate::default(), Scheduler::unlimited())],
+        "127.0.0.1:0",
+        options,
+    )
+    .unwrap();
+    let mut body = chat(M, "hi", 2);
+    body["n"] = json!(3);
+    let r = post(small.addr, "/v1/chat/completions", &body);
+    assert_eq!((r.status, r.json()["error"]["param"].clone()), (400, json!("n")), "{}", r.body);
+    assert!(r.body.contains("at most 2 choices"), "{}", r.body);
+    body["n"] = json!(2);
+    assert_eq!(post(small.addr, "/v1/chat/completions", &body).status, 200);
+    let bad = onnx_genai_server::ServerOptions { max_choices: 17, ..Default::default() };
+    let refused =
+        onnx_genai_server::start_with(vec![engine(&p, &Gate::default(), Scheduler::unlimited())], "127.0.0.1:0", bad);
+    assert!(matches!(refused, Err(onnx_genai_server::ServeError::MaxChoices(17))));
 }

@@ -75,8 +75,8 @@ fn inline_images_reach_the_decoder_and_are_counted() {
 
 /// Issue 19, images (bad input): a remote URL, a type other than PNG or
 /// JPEG, bad base64, bytes that do not decode, a second image, an image in
-/// an assistant message, a bad `detail`, and an image to a package without
-/// an image input are 400s naming the part, before anything is admitted,
+/// an assistant message, a bad `detail`, a key no part or message has, and
+/// an image to a package without an image input are 400s naming the part, before anything is admitted,
 /// reserved or leased (A2, L1).
 #[test]
 fn bad_images_are_refused_naming_the_part() {
@@ -105,6 +105,12 @@ fn bad_images_are_refused_naming_the_part() {
     let mut detail = ask(VLM, &png);
     detail["messages"][0]["content"][0]["image_url"]["detail"] = json!("ultra");
     cases.push((detail, "messages[0].content[0].image_url.detail", "auto, low or high"));
+    let mut extra = ask(VLM, &png);
+    extra["messages"][0]["content"][1]["cache_control"] = json!({"type": "ephemeral"});
+    cases.push((extra, "messages[0].content[1].cache_control", "has no field"));
+    let mut unknown_key = ask(VLM, &png);
+    unknown_key["messages"][0]["mood"] = json!("curious");
+    cases.push((unknown_key, "messages[0].mood", "unknown field `mood`"));
     let mut audio = ask(VLM, &png);
     audio["messages"][0]["content"][0] = json!({"type": "input_audio", "input_audio": {}});
     cases.push((audio, "messages[0].content[0].type", "not supported"));
