@@ -50,9 +50,11 @@ fn the_official_python_client_works() {
         "stream ok",
         "session ok",
         "sampling ok",
+        "stop ok",
         "structured ok",
         "logprobs ok",
         "tools ok",
+        "images ok",
         "error ok",
     ] {
         assert!(stdout.contains(check), "missing `{check}`:\n{stdout}");

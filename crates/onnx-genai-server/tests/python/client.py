@@ -84,7 +84,34 @@ for k, choice in enumerate(many.choices):
         model=model, messages=[{"role": "user", "content": "Hello"}], max_tokens=6, temperature=1.0, seed=11 + k
     )
     assert one.choices[0].message.content == choice.message.content, (k, one, choice)
+parts = {}
+for chunk in client.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": "Hello"}], max_tokens=6, temperature=1.0, seed=11, n=3, stream=True
+):
+    for c in chunk.choices:
+        parts[c.index] = parts.get(c.index, "") + (c.delta.content or "")
+assert parts == {k: c.message.content for k, c in enumerate(many.choices)}, (parts, many)
 print("sampling ok")
+
+# Stop strings: the text ends before the stop string, finish_reason is
+# "stop" and usage is there, plain and streamed.
+plain = client.completions.create(model=model, prompt="Once upon", max_tokens=12, temperature=0).choices[0].text
+stop = plain[3:5]
+want = plain[: plain.find(stop)]
+cut = client.completions.create(model=model, prompt="Once upon", max_tokens=12, temperature=0, stop=[stop])
+assert (cut.choices[0].text, cut.choices[0].finish_reason) == (want, "stop"), (cut, stop)
+assert cut.usage is not None and cut.usage.completion_tokens > 0, cut
+text, finish, usage = "", None, None
+for chunk in client.completions.create(
+    model=model, prompt="Once upon", max_tokens=12, temperature=0, stop=[stop], stream=True,
+    stream_options={"include_usage": True},
+):
+    for c in chunk.choices:
+        text += c.text
+        finish = c.finish_reason or finish
+    usage = chunk.usage or usage
+assert (text, finish) == (want, "stop") and usage is not None, (text, finish, usage, stop)
+print("stop ok")
 
 # Structured outputs: every answer under a json_schema format, sampled over
 # many seeds and streamed, validates against the schema as the jsonschema
