@@ -100,6 +100,11 @@ pub struct Prompter {
     token_bytes: std::sync::OnceLock<Result<Vec<Vec<u8>>, String>>,
 }
 
+/// The largest width and height an image may declare.
+pub const MAX_IMAGE_SIDE: u32 = 4096;
+/// The most memory decoding one image may take.
+pub const MAX_IMAGE_ALLOC: u64 = 64 << 20;
+
 /// Marks a message's content in a rendered template (private-use code
 /// points, then the message index, then the closing mark).
 const OPEN: char = '\u{E000}';
@@ -139,14 +144,17 @@ impl Prompter {
         let tokenizer = self.package.tokenizer();
         let messages = &chat.messages;
         let spells = |text: &str| self.specials.iter().any(|s| text.contains(s.as_str()));
-        if messages
-            .iter()
-            .flat_map(|msg| &msg.tool_calls)
-            .any(|c| spells(&c.function.name) || spells(&c.function.arguments))
-        {
-            return Err(EngineError::ChatTemplate(
-                "a tool call's arguments spell a special token; the template writes them as they are, so they would become control tokens".into(),
-            ));
+        // What the template (or `written_into_text`) writes as it is, outside
+        // the content markers: it must not spell a control token.
+        let mut verbatim = chat.tools.iter().map(|t| t.to_json().to_string()).chain(messages.iter().flat_map(|msg| {
+            let calls = msg.tool_calls.iter().flat_map(|c| [c.id.clone(), c.call_json().to_string()]);
+            calls.chain(msg.name.clone()).chain(msg.tool_call_id.clone())
+        }));
+        if let Some(text) = verbatim.find(|text| spells(text)) {
+            let shown: String = text.chars().take(60).collect();
+            return Err(EngineError::ChatTemplate(format!(
+                "a tool, a tool call or a message's name or id spells a special token ({shown:?}); the template writes them as they are, so it would become a control token: remove it"
+            )));
         }
         let spells_control = messages.iter().any(|msg| spells(&msg.content) || !msg.image_at.is_empty());
         if !spells_control {
@@ -242,8 +250,21 @@ impl Prompter {
             .ok()
             .filter(|f| matches!(f, image::ImageFormat::Png | image::ImageFormat::Jpeg))
             .ok_or_else(|| EngineError::Image("the image is not PNG or JPEG".into()))?;
-        let decoded = image::load_from_memory_with_format(encoded, format)
-            .map_err(|e| EngineError::Image(format!("the {format:?} image does not decode: {e}")))?;
+        // An image of few bytes can declare a huge size: decoding is bounded
+        // before anything is allocated.
+        let mut limits = image::Limits::default();
+        limits.max_image_width = Some(MAX_IMAGE_SIDE);
+        limits.max_image_height = Some(MAX_IMAGE_SIDE);
+        limits.max_alloc = Some(MAX_IMAGE_ALLOC);
+        let mut reader = image::ImageReader::with_format(std::io::Cursor::new(encoded), format);
+        reader.limits(limits);
+        let decoded = reader.decode().map_err(|e| match e {
+            image::ImageError::Limits(_) => EngineError::Image(format!(
+                "the {format:?} image is larger than {MAX_IMAGE_SIDE}x{MAX_IMAGE_SIDE} pixels or {} MiB decoded",
+                MAX_IMAGE_ALLOC >> 20
+            )),
+            e => EngineError::Image(format!("the {format:?} image does not decode: {e}")),
+        })?;
         let rgb = decoded.resize_exact(width, height, image::imageops::FilterType::Triangle).to_rgb8();
         crate::workflow::pixel_values(rgb.as_raw(), width, height, input)
     }

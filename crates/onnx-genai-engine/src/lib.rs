@@ -133,6 +133,8 @@ struct Session {
     /// Every token of the conversation so far (prompts and generated); the
     /// sequence's KV holds a prefix of them.
     tokens: Vec<u32>,
+    /// Where the last finished turn's generated tokens begin in `tokens`.
+    turn_start: usize,
     /// While idle: the reservation covering the KV its sequence keeps (B2),
     /// which its next turn takes over.
     idle: Option<onnx_genai_scheduler::Admission>,
@@ -298,6 +300,7 @@ impl Engine {
             sequence: Some(sequence),
             conversation: ConversationId(id.0),
             tokens: Vec::new(),
+            turn_start: 0,
             idle: None,
             last_used: 0,
         };
@@ -311,15 +314,31 @@ impl Engine {
         self.sessions.remove(&id).map(drop).ok_or(EngineError::UnknownSession(id))
     }
 
-    /// Cuts an idle session's history to its first `keep` tokens and then
-    /// `tail`: what a server does when a stop string ends a turn inside
-    /// the generated text, so the next turn continues from the text the
-    /// client got, not from tokens it never saw. The KV past the cut is
-    /// dropped and its bytes released.
-    pub fn trim_session(&mut self, id: SessionId, keep: usize, tail: &[u32]) -> Result<(), EngineError> {
+    /// Cuts an idle session's last turn to its first `generated` tokens
+    /// and then `tail`: what a server does when a stop string ends a turn
+    /// inside the generated text, so the next turn continues from the text
+    /// the client got, not from tokens it never saw. `start` is where that
+    /// turn's generated tokens begin (its prompt tokens, as admission
+    /// counted them): a cut meant for an earlier turn — another turn ended
+    /// on the session since — is refused and changes nothing. The KV past
+    /// the cut is dropped and its bytes released.
+    pub fn trim_session(
+        &mut self,
+        id: SessionId,
+        start: usize,
+        generated: usize,
+        tail: &[u32],
+    ) -> Result<(), EngineError> {
         let vocab = self.prompter.vocab_size();
         let s = self.sessions.get_mut(&id).ok_or(EngineError::UnknownSession(id))?;
         let Some(seq) = s.sequence.as_mut() else { return Err(EngineError::SessionBusy(id)) };
+        if start != s.turn_start {
+            return Err(EngineError::Request(format!(
+                "the cut is for a turn that began at token {start}, but the session's last turn began at {}",
+                s.turn_start
+            )));
+        }
+        let keep = start.saturating_add(generated);
         if keep > s.tokens.len() {
             return Err(EngineError::Request(format!(
                 "cannot keep {keep} tokens of a session that has {}",

@@ -57,7 +57,7 @@ pub struct ToolCall {
 impl ToolCall {
     /// `{"name": ..., "arguments": {...}}`: the arguments as an object when
     /// they are JSON (templates write them with `tojson`), else as text.
-    fn call_json(&self) -> Value {
+    pub(crate) fn call_json(&self) -> Value {
         let arguments =
             serde_json::from_str::<Value>(&self.function.arguments).unwrap_or(json!(self.function.arguments));
         json!({"name": self.function.name, "arguments": arguments})
@@ -164,11 +164,24 @@ pub fn parse_calls(text: &str, tools: &[Tool]) -> Option<Calls> {
 /// written: up to the first call, and never into what could be the start
 /// of one.
 pub fn sendable(text: &str) -> usize {
-    if let Some(at) = text.find(CALL_OPEN) {
-        return at;
+    match text.find(CALL_OPEN) {
+        Some(at) => at,
+        None => text.len() - pending_prefix(text, CALL_OPEN),
     }
-    let partial = CALL_OPEN.char_indices().skip(1).map(|(i, _)| &CALL_OPEN[..i]).filter(|p| text.ends_with(p));
-    text.len() - partial.map(str::len).max().unwrap_or(0)
+}
+
+/// Bytes at the end of `text` that begin `pattern` without completing it
+/// (whole characters): what a stream holds back until the next tokens
+/// decide.
+pub fn pending_prefix(text: &str, pattern: &str) -> usize {
+    pattern
+        .char_indices()
+        .skip(1)
+        .map(|(i, _)| &pattern[..i])
+        .filter(|p| text.ends_with(p))
+        .map(str::len)
+        .max()
+        .unwrap_or(0)
 }
 
 /// Whether the template renders tools itself (it reads `tools`).

@@ -67,6 +67,43 @@ pub struct Turn {
 }
 
 impl Turn {
+    /// A turn of no session that has run nothing: the first choice's
+    /// admission fills in the rest, a forked choice its feed.
+    fn blank(
+        admission: Admission,
+        request: GenerateRequest,
+        sampler: Sampler,
+        max_new: usize,
+        eos: Vec<u32>,
+        prompt_tokens: usize,
+    ) -> Self {
+        Turn {
+            admission,
+            session: None,
+            sequence: None,
+            feed: Vec::new(),
+            fed: 0,
+            new_start: 0,
+            kept: 0,
+            request,
+            generated: Vec::new(),
+            emitted: String::new(),
+            sampler,
+            constraint: None,
+            logprobs: Vec::new(),
+            max_new,
+            eos,
+            logits: Vec::new(),
+            finish: None,
+            error: None,
+            panic: None,
+            prompt_tokens,
+            choice: 0,
+            forks: 0,
+            logits_ready: false,
+        }
+    }
+
     pub fn state(&self) -> TurnState {
         if self.finish.is_some() || self.error.is_some() {
             TurnState::Done
@@ -205,30 +242,12 @@ impl Engine {
         let carried_tokens = request.session.and_then(|id| self.sessions.get(&id)).map_or(&[][..], |s| &s.tokens[..]);
         let sampler = Sampler::new(request.sampling.clone())
             .with_prompt(carried_tokens.iter().chain(rows.iter().flatten()).copied());
+        let eos = self.package.manifest.generation.eos_token_ids.clone();
         let mut turn = Turn {
-            admission,
             session: request.session,
-            sequence: None,
-            feed: Vec::new(),
-            fed: 0,
-            new_start: 0,
-            kept: 0,
-            request: request.clone(),
-            generated: Vec::new(),
-            emitted: String::new(),
-            sampler,
             constraint,
-            logprobs: Vec::new(),
-            max_new,
-            eos: self.package.manifest.generation.eos_token_ids.clone(),
-            logits: Vec::new(),
-            finish: None,
-            error: None,
-            panic: None,
-            prompt_tokens,
-            choice: 0,
             forks: request.n.saturating_sub(1),
-            logits_ready: false,
+            ..Turn::blank(admission, request.clone(), sampler, max_new, eos, prompt_tokens)
         };
         if let Err(e) = self.check_bindings(request).and_then(|()| self.bind_sequence(&mut turn, rows)) {
             turn.fail(e);
@@ -458,30 +477,20 @@ impl Engine {
             let copy = turn.sequence.as_ref().map_or(Ok(None), |s| s.fork());
             let mut sampling = turn.request.sampling.clone();
             sampling.seed = sampling.seed.wrapping_add(choice as u64);
+            let sampler = Sampler::new(sampling).with_prompt(turn.feed.iter().copied());
+            let admission = turn.admission.split_off(share);
             let mut sibling = Turn {
-                admission: turn.admission.split_off(share),
-                session: None,
-                sequence: None,
                 feed: turn.feed.clone(),
-                fed: 0,
                 new_start: turn.new_start,
-                kept: 0,
-                request: turn.request.clone(),
-                generated: Vec::new(),
-                emitted: String::new(),
-                sampler: Sampler::new(sampling).with_prompt(turn.feed.iter().copied()),
-                constraint: None,
-                logprobs: Vec::new(),
-                max_new: turn.max_new,
-                eos: turn.eos.clone(),
-                logits: Vec::new(),
-                finish: None,
-                error: None,
-                panic: None,
-                prompt_tokens: turn.prompt_tokens,
                 choice,
-                forks: 0,
-                logits_ready: false,
+                ..Turn::blank(
+                    admission,
+                    turn.request.clone(),
+                    sampler,
+                    turn.max_new,
+                    turn.eos.clone(),
+                    turn.prompt_tokens,
+                )
             };
             match copy {
                 Ok(Some(sequence)) => {
@@ -593,6 +602,7 @@ impl Engine {
                 if let Some(s) = self.sessions.get_mut(&id) {
                     if outcome.is_ok() {
                         s.tokens.extend_from_slice(&new);
+                        s.turn_start = s.tokens.len();
                         s.tokens.extend_from_slice(&turn.generated);
                     }
                     // A turn refused before it took the sequence leaves it.

@@ -148,7 +148,7 @@ impl Turn {
         let said = self.ends[..whole].iter().rev().find_map(|end| *end).unwrap_or(0);
         match cut.prompter.encode_plain(&text[said..]) {
             Ok(tail) => {
-                let _ = cut.driver.send(Command::TrimSession { id: cut.id, keep: cut.history + whole, tail });
+                let _ = cut.driver.send(Command::TrimSession { id: cut.id, start: cut.history, keep: whole, tail });
             }
             Err(e) => tracing::warn!("cannot encode the end of a cut answer: {e}"),
         }
@@ -338,13 +338,7 @@ fn chunk(
 /// from a stream until the next tokens decide, so a stop string split
 /// across tokens never leaks its first part.
 fn undecided_tail(text: &str, stops: &[String]) -> usize {
-    stops
-        .iter()
-        .flat_map(|stop| {
-            stop.char_indices().skip(1).map(|(i, _)| &stop[..i]).filter(|prefix| text.ends_with(prefix)).map(str::len)
-        })
-        .max()
-        .unwrap_or(0)
+    stops.iter().map(|stop| onnx_genai_engine::tools::pending_prefix(text, stop)).max().unwrap_or(0)
 }
 
 /// A choice's last chunks once its answer is whole: the text not sent yet

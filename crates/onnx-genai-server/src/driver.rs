@@ -85,11 +85,15 @@ pub enum Command {
         id: SessionId,
     },
     /// Cuts an idle session's history where a stop string cut its last
-    /// answer: its first `keep` tokens, then `tail` (the text the client
-    /// got after the last whole token). Sent before the answer, so the
+    /// answer: the turn's first `keep` generated tokens, then `tail` (the
+    /// text the client got after the last whole token). Sent before the answer, so the
     /// client's next turn comes after it.
     TrimSession {
         id: SessionId,
+        /// Where the cut turn's generated tokens begin (a cut for a turn
+        /// that is no longer the session's last changes nothing).
+        start: usize,
+        /// Generated tokens kept.
         keep: usize,
         tail: Vec<u32>,
     },
@@ -271,6 +275,10 @@ struct Running {
 }
 
 impl Running {
+    fn new(turn: Turn, lease: Option<Lease>, events: mpsc::Sender<Event>, gone: bool, released: Arc<Released>) -> Self {
+        Self { turn, lease, events, backlog: VecDeque::new(), stalled_since: None, gone, released }
+    }
+
     /// Sends what the channel takes; returns whether everything went out.
     fn flush(&mut self) -> bool {
         while let Some(event) = self.backlog.pop_front() {
@@ -371,8 +379,8 @@ impl<'a> Loop<'a> {
                     tracing::error!("closing {id} panicked");
                 }
             }
-            Command::TrimSession { id, keep, tail } => {
-                match std::panic::catch_unwind(AssertUnwindSafe(|| self.engine.trim_session(id, keep, &tail))) {
+            Command::TrimSession { id, start, keep, tail } => {
+                match std::panic::catch_unwind(AssertUnwindSafe(|| self.engine.trim_session(id, start, keep, &tail))) {
                     Ok(Ok(())) => {}
                     // Closed meanwhile, or its turn failed: nothing to cut.
                     Ok(Err(e)) => tracing::warn!("cannot trim {id}: {e}"),
@@ -404,16 +412,7 @@ impl<'a> Loop<'a> {
             let Waiting { lease, mut admission, events, until, request, released } = w;
             match admitted {
                 Ok(Ok(turn)) => {
-                    let running = Running {
-                        turn,
-                        lease,
-                        events,
-                        backlog: VecDeque::new(),
-                        stalled_since: None,
-                        gone: false,
-                        released: Arc::new(released),
-                    };
-                    self.running.push(running);
+                    self.running.push(Running::new(turn, lease, events, false, Arc::new(released)));
                 }
                 Ok(Err(e)) if deferred(&e) && Instant::now() < until => {
                     // Not yet: it keeps its place at the front of the line.
@@ -476,15 +475,7 @@ impl<'a> Loop<'a> {
             let conversation = choice.conversation();
             match self.running.iter().find(|r| r.turn.choice() == 0 && r.turn.conversation() == conversation) {
                 Some(first) => {
-                    let running = Running {
-                        turn: choice,
-                        lease: None,
-                        events: first.events.clone(),
-                        backlog: VecDeque::new(),
-                        stalled_since: None,
-                        gone: first.gone,
-                        released: first.released.clone(),
-                    };
+                    let running = Running::new(choice, None, first.events.clone(), first.gone, first.released.clone());
                     self.running.push(running);
                 }
                 // (Its first choice is always running when it forks.)

@@ -14,13 +14,20 @@ use crate::fields::{self, Field, Support};
 /// type missing, a request past its time.
 const GUARD_STATUSES: [&str; 6] = ["401", "403", "408", "413", "415", "504"];
 
-/// The document of a server serving `models` (the only values `model`
-/// takes).
-pub fn document(models: &[&str]) -> Value {
+/// What the document describes of a running server.
+pub struct Served<'a> {
+    /// The only values `model` takes.
+    pub models: &'a [&'a str],
+    /// The most choices (`n`) a request may ask for.
+    pub max_choices: usize,
+}
+
+/// The document of a server.
+pub fn document(served: &Served) -> Value {
     let mut paths = Map::new();
     for (method, path) in crate::ROUTES {
         let entry = paths.entry(path.to_string()).or_insert_with(|| json!({}));
-        entry[method.to_ascii_lowercase()] = operation(method, path, models);
+        entry[method.to_ascii_lowercase()] = operation(method, path, served);
     }
     json!({
         "openapi": "3.0.3",
@@ -59,7 +66,8 @@ pub fn document(models: &[&str]) -> Value {
 }
 
 /// One route's operation.
-fn operation(method: &str, path: &str, models: &[&str]) -> Value {
+fn operation(method: &str, path: &str, served: &Served) -> Value {
+    let models = served.models;
     let (summary, body, answer, own): (&str, Option<Value>, Value, &[&str]) = match (method, path) {
         ("GET", "/health") => (
             "Whether every model's driver runs",
@@ -83,19 +91,19 @@ fn operation(method: &str, path: &str, models: &[&str]) -> Value {
         ),
         ("POST", "/v1/chat/completions") => (
             "A chat completion, as JSON or server-sent events",
-            Some(request(&fields::chat(), &["model", "messages"], models)),
+            Some(request(&fields::chat(), &["model", "messages"], served)),
             completion(true),
             &["400", "404", "409", "429", "503"],
         ),
         ("POST", "/v1/completions") => (
             "A text completion, as JSON or server-sent events",
-            Some(request(&fields::completions(), &["model", "prompt"], models)),
+            Some(request(&fields::completions(), &["model", "prompt"], served)),
             completion(false),
             &["400", "404", "409", "429", "503"],
         ),
         ("POST", "/v1/sessions") => (
             "A session whose KV cache carries over its turns (name it with X-Session-Id)",
-            Some(request(&fields::sessions(), &["model"], models)),
+            Some(request(&fields::sessions(), &["model"], served)),
             object(
                 &["id", "object", "model"],
                 json!({"id": {"type": "string"}, "object": {"type": "string"}, "model": {"type": "string"}}),
@@ -173,12 +181,14 @@ fn example(path: &str, models: &[&str]) -> Value {
 
 /// A request body: the fields served, each at the values served, and
 /// nothing else.
-fn request(table: &[Field], required: &[&str], models: &[&str]) -> Value {
+fn request(table: &[Field], required: &[&str], served: &Served) -> Value {
     let mut properties = Map::new();
     for field in table {
         if let Some(mut schema) = field_schema(field) {
-            if field.name == "model" {
-                schema = json!({"enum": models});
+            match field.name {
+                "model" => schema = json!({"enum": served.models}),
+                "n" => schema["maximum"] = json!(served.max_choices),
+                _ => {}
             }
             schema["nullable"] = json!(!required.contains(&field.name));
             schema["description"] = json!(field.note);
@@ -343,7 +353,7 @@ mod tests {
     /// 400 on the wire).
     #[test]
     fn the_document_matches_the_routes_and_the_fields() {
-        let doc = document(&["m"]);
+        let doc = document(&Served { models: &["m"], max_choices: 3 });
         let mut documented = Vec::new();
         for (path, item) in doc["paths"].as_object().unwrap() {
             for (method, op) in item.as_object().unwrap() {
@@ -366,6 +376,8 @@ mod tests {
                     assert_ne!(props[f.name].as_object().map(|o| o.len()), Some(2), "{path} {}: no schema", f.name);
                 }
             }
+            assert_eq!(props["n"]["maximum"], 3, "the configured limit");
+            assert_eq!(props["model"]["enum"], json!(["m"]));
         }
     }
 }

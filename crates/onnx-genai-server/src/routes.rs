@@ -51,7 +51,7 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
 /// The OpenAPI document of every route (`openapi.rs`).
 pub async fn openapi(State(state): State<Arc<AppState>>) -> Json<Value> {
     let models: Vec<&str> = state.drivers.keys().map(String::as_str).collect();
-    Json(crate::openapi::document(&models))
+    Json(crate::openapi::document(&crate::openapi::Served { models: &models, max_choices: state.max_choices }))
 }
 
 pub async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {

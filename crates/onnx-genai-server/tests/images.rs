@@ -74,7 +74,8 @@ fn inline_images_reach_the_decoder_and_are_counted() {
 }
 
 /// Issue 19, images (bad input): a remote URL, a type other than PNG or
-/// JPEG, bad base64, bytes that do not decode, a second image, an image in
+/// JPEG, bad base64, bytes that do not decode, an image wider than 4096
+/// pixels (decoding is bounded), a second image, an image in
 /// an assistant message, a bad `detail`, a key no part or message has, and
 /// an image to a package without an image input are 400s naming the part, before anything is admitted,
 /// reserved or leased (A2, L1).
@@ -86,6 +87,12 @@ fn bad_images_are_refused_naming_the_part() {
         "data:image/png;base64,{}",
         base64::engine::general_purpose::STANDARD.encode(b"\x89PNG\r\n\x1a\nbroken")
     );
+    let wide = {
+        let img = image::RgbImage::new(4097, 1);
+        let mut bytes = std::io::Cursor::new(Vec::new());
+        img.write_to(&mut bytes, image::ImageFormat::Png).unwrap();
+        format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(bytes.into_inner()))
+    };
     let before = s.gauges();
     let part = "messages[0].content[0].image_url";
     let mut cases: Vec<(Value, &str, &str)> = vec![
@@ -93,6 +100,7 @@ fn bad_images_are_refused_naming_the_part() {
         (ask(VLM, "data:image/webp;base64,UklG"), part, "PNG or JPEG"),
         (ask(VLM, "data:image/png;base64,%%%"), part, "base64"),
         (ask(VLM, &not_png), part, "does not decode"),
+        (ask(VLM, &wide), part, "larger than 4096x4096"),
         (ask(LM, &png), part, "takes no images"),
     ];
     let mut two = ask(VLM, &png);
