@@ -111,7 +111,9 @@ fn build_factory(words: &Result<Vec<Vec<u8>>, String>, eos: &[u32]) -> Result<Pa
     Ok(factory)
 }
 
-/// One request's grammar state: which tokens may come next.
+/// One request's grammar state: which tokens may come next. A clone goes
+/// on from the same state (the choices of one request start alike).
+#[derive(Clone)]
 pub struct Constraint {
     matcher: Matcher,
     /// The end-of-sequence id the grammar knows; the package's other

@@ -467,9 +467,9 @@ impl Engine {
 
     /// Makes the other choices of `turn`'s request, whose prompt has just
     /// run: each takes its share of the reservation (A4 holds per choice),
-    /// a copy of the KV and the prompt's logits — or, on a backend that
-    /// cannot copy KV, a fresh sequence that prefills the prompt itself —
-    /// and samples with its own seed. They wait in `forked` for the caller.
+    /// a copy of the KV, the prompt's logits and the grammar — or, on a
+    /// backend that cannot copy KV, a fresh sequence that prefills the
+    /// prompt itself — and samples with its own seed. They wait in `forked` for the caller.
     fn fork_choices(&mut self, turn: &mut Turn) {
         let others = std::mem::take(&mut turn.forks);
         let share = turn.admission.bytes() / (others as u64 + 1);
@@ -502,10 +502,9 @@ impl Engine {
                 Ok(None) => sibling.sequence = Some(self.spare.pop().unwrap_or_else(|| self.model.new_sequence())),
                 Err(e) => sibling.fail(e.into()),
             }
-            match self.prompter.constraint(&turn.request.response_format) {
-                Ok(constraint) => sibling.constraint = constraint,
-                Err(e) => sibling.fail(e),
-            }
+            // The first choice has drawn nothing yet: its grammar is at the
+            // start, as each other choice's must be.
+            sibling.constraint = turn.constraint.clone();
             self.forked.push(sibling);
         }
     }

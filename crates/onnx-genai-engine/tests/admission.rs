@@ -14,7 +14,7 @@ use std::sync::Arc;
 use onnx_genai_backend::{BackendError, DecodeModel, Entry, Sequence};
 use onnx_genai_engine::{
     AdmissionError, BackendKind, BoundTensor, ComponentOverride, Engine, EngineError, Flow, GenerateRequest, Prompt,
-    Scheduler,
+    Sampling, Scheduler,
 };
 use onnx_genai_package::Package;
 
@@ -596,4 +596,72 @@ fn token_rows_are_counted_as_a_padded_batch() {
     let (a, b) =
         (e.generate(&one, &mut |_| Flow::Continue).unwrap(), e.generate(&ids, &mut |_| Flow::Continue).unwrap());
     assert_eq!(a.token_ids, b.token_ids);
+}
+
+/// Issue 19 (`n`): the choices of one request share its prefill — the
+/// model runs the prompt once for all three, and choice `k` is exactly the
+/// single request with seed + `k` (so the copied KV and logits are the
+/// prompt's) — and admission reserves all three copies at once, on ORT and
+/// native-cpu; under a response format every choice follows the grammar.
+/// `n` outside 1–16, `n` > 1 on a session, and `n` > 1 through the
+/// one-choice path are typed errors.
+#[test]
+fn choices_share_the_prefill_and_match_single_requests() {
+    let dir = tempfile::tempdir().unwrap();
+    let package = build(dir.path(), false);
+    for backend in [BackendKind::Ort, BackendKind::NativeCpu] {
+        let probe = Probe::default();
+        let mut e = engine_on(backend, package.clone(), u64::MAX / 2, &probe);
+        let fed = || probe.fed.lock().unwrap().drain(..).sum::<usize>();
+        let prompt = e.encode("Once upon a time there was").unwrap();
+        let ask = |seed: u64, n: usize| GenerateRequest {
+            n,
+            sampling: Sampling { temperature: 1.0, seed, ..Sampling::default() },
+            ..GenerateRequest { max_new_tokens: Some(10), ..GenerateRequest::new(Prompt::TokenIds(prompt.clone())) }
+        };
+        let mut reserved = 0;
+        let choices =
+            e.generate_choices(&ask(7, 3), &mut |a| reserved = a.reserved_bytes, &mut |_, _| Flow::Continue).unwrap();
+        let together = fed();
+        assert_eq!(choices.iter().map(|c| c.choice).collect::<Vec<_>>(), [0, 1, 2]);
+        let mut apart = 0;
+        let mut single_reserved = 0;
+        for (k, choice) in choices.iter().enumerate() {
+            let one = e
+                .generate_with(&ask(7 + k as u64, 1), &mut |a| single_reserved = a.reserved_bytes, &mut |_| {
+                    Flow::Continue
+                })
+                .unwrap();
+            assert_eq!(choice.token_ids, one.token_ids, "{backend:?}: choice {k} is the request with seed 7 + {k}");
+            assert_eq!(choice.prompt_tokens, one.prompt_tokens);
+            apart += fed();
+        }
+        assert_ne!(choices[0].token_ids, choices[1].token_ids, "choices sample apart");
+        assert_eq!(together, apart - 2 * prompt.len(), "{backend:?}: the prompt ran once for three choices");
+        assert_eq!(reserved, 3 * single_reserved, "three copies of the KV are reserved");
+        assert_eq!(e.scheduler().reserved_bytes(), 0, "every choice released its share");
+        // Each choice draws under the request's grammar from its start.
+        let json = GenerateRequest { response_format: onnx_genai_engine::ResponseFormat::JsonObject, ..ask(3, 3) };
+        let objects = e.generate_choices(&json, &mut |_| {}, &mut |_, _| Flow::Continue).unwrap();
+        for o in &objects {
+            assert!(o.text.starts_with('{'), "{backend:?} choice {}: {:?}", o.choice, o.text);
+        }
+
+        for n in [0, 17] {
+            assert!(matches!(
+                e.generate_choices(&ask(1, n), &mut |_| {}, &mut |_, _| Flow::Continue),
+                Err(EngineError::Request(_))
+            ));
+        }
+        let id = e.create_session().unwrap();
+        let on_session = GenerateRequest { session: Some(id), ..ask(1, 2) };
+        assert!(matches!(
+            e.generate_choices(&on_session, &mut |_| {}, &mut |_, _| Flow::Continue),
+            Err(EngineError::Request(_))
+        ));
+        assert!(matches!(
+            e.generate_with(&ask(1, 2), &mut |_| {}, &mut |_| Flow::Continue),
+            Err(EngineError::Request(_))
+        ));
+    }
 }

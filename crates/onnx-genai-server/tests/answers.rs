@@ -231,6 +231,16 @@ fn completion_scores(r: &support::Reply, streamed: bool) -> (String, Vec<String>
     (text, tokens)
 }
 
+/// Where each token of a completions answer starts in its text.
+fn text_offsets(r: &support::Reply) -> Vec<usize> {
+    r.json()["choices"][0]["logprobs"]["text_offset"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| o.as_u64().unwrap() as usize)
+        .collect()
+}
+
 /// Issue 19, logprobs under a stop string: an answer cut where a token's
 /// own text begins carries exactly the tokens before it — the text the
 /// client gets — in JSON and in a stream (where that token was held back
@@ -241,12 +251,7 @@ fn a_stop_string_keeps_the_logprobs_of_the_text_the_client_gets() {
     let body = json!({"model": M, "prompt": "Once upon", "max_tokens": 12, "temperature": 0, "logprobs": 0});
     let full = post(s.addr, "/v1/completions", &body);
     let (text, tokens) = completion_scores(&full, false);
-    let offsets: Vec<usize> = full.json()["choices"][0]["logprobs"]["text_offset"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|o| o.as_u64().unwrap() as usize)
-        .collect();
+    let offsets = text_offsets(&full);
     // A later token whose own text first occurs where that token starts.
     let (cut, stop) = (1..tokens.len())
         .find(|&i| {
@@ -290,12 +295,7 @@ fn a_stop_string_cuts_the_session_history_where_the_text_ends() {
         let whole = session();
         let full = turn(&whole, &body);
         let (text, tokens) = completion_scores(&full, false);
-        let offsets: Vec<usize> = full.json()["choices"][0]["logprobs"]["text_offset"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|o| o.as_u64().unwrap() as usize)
-            .collect();
+        let offsets = text_offsets(&full);
         // A stop string first found where token `i` begins, or one
         // character into it, after whole ASCII tokens only.
         let plain_before = |i: usize| tokens[..=i].iter().all(|t| clean(t));
