@@ -142,5 +142,30 @@ fn attention_step(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, projections, microkernel, attention_step);
+/// A batched decode step: `B` sequences' rows through one projection on
+/// one thread, in multiply-adds per second. One row streams the weight
+/// (memory-bound); each further row reuses every decoded weight vector, so
+/// the rate should grow with `B` until the kernel's arithmetic bounds it.
+fn batched_decode(c: &mut Criterion) {
+    let rows = 16;
+    let x: Vec<f32> = (0..rows * K).map(|i| (i as f32 * 0.01).sin()).collect();
+    for isa in Isa::all_available() {
+        let mut rt = Runtime::new(1).expect("thread pool");
+        rt.isa = isa;
+        for (name, weight) in storages() {
+            let mut y = Vec::new();
+            let mut group = c.benchmark_group(format!("batch_{K}x{N}_1t/{name}/{isa}"));
+            group.sample_size(20);
+            for b in [1usize, 2, 4, 8, 16] {
+                group.throughput(Throughput::Elements((b * K * N) as u64));
+                group.bench_with_input(BenchmarkId::from_parameter(b), &b, |bench, &b| {
+                    bench.iter(|| linear(&x[..b * K], b, &weight, None, &mut y, &rt.ctx()))
+                });
+            }
+            group.finish();
+        }
+    }
+}
+
+criterion_group!(benches, projections, batched_decode, microkernel, attention_step);
 criterion_main!(benches);

@@ -179,6 +179,7 @@ mod tests {
                         ctx.isa = isa;
                         let mut got = Vec::new();
                         linear(&x, m, &tiled, None, &mut got, &ctx);
+                        assert_eq!(got.len(), want.len(), "{} {isa} m={m}: outputs", w.kind());
                         for (i, (a, b)) in got.iter().zip(&want).enumerate() {
                             let close = if w.int8_inputs() {
                                 a.to_bits() == b.to_bits()
