@@ -240,7 +240,6 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 queue_limit,
                 admission_wait: Duration::from_millis(admission_wait_ms),
                 stall_timeout: Duration::from_secs(stall_timeout_s),
-                ..Default::default()
             };
             let http = onnx_genai_server::HttpOptions {
                 api_keys,

@@ -111,10 +111,9 @@ pub struct DriverOptions {
     pub queue_limit: usize,
     /// How long a turn may wait for its client to read its stream before
     /// the turn is cancelled (and its lease and reservation released).
+    /// While it waits it is parked: not stepped, so a client that stops
+    /// reading costs the others nothing but its KV.
     pub stall_timeout: Duration,
-    /// Events a turn may hold back for a slow client before it is
-    /// cancelled.
-    pub backlog_limit: usize,
     /// How long a request that does not fit the KV budget now waits in line
     /// (first come, first served) for room before it is refused with 429.
     pub admission_wait: Duration,
@@ -122,12 +121,7 @@ pub struct DriverOptions {
 
 impl Default for DriverOptions {
     fn default() -> Self {
-        Self {
-            queue_limit: 256,
-            stall_timeout: Duration::from_secs(30),
-            backlog_limit: 1024,
-            admission_wait: Duration::from_millis(500),
-        }
+        Self { queue_limit: 256, stall_timeout: Duration::from_secs(30), admission_wait: Duration::from_millis(500) }
     }
 }
 
@@ -140,6 +134,9 @@ pub struct Counters {
     pub running: AtomicU64,
     /// Turns cancelled because their client stopped reading.
     pub stalled: AtomicU64,
+    /// Turns parked now: their client has not taken what they sent, so
+    /// they are not stepped until it does (or `stall_timeout` cancels them).
+    pub parked: AtomicU64,
     /// The most turns one step advanced.
     pub widest_step: AtomicU64,
     /// Requests waiting in line for KV room.
@@ -247,6 +244,7 @@ impl Driver {
 fn bury(counters: &Counters, rx: &std_mpsc::Receiver<Command>) {
     counters.dead.store(true, Ordering::SeqCst);
     counters.running.store(0, Ordering::SeqCst);
+    counters.parked.store(0, Ordering::SeqCst);
     counters.waiting.store(0, Ordering::SeqCst);
     counters.idle_kv_bytes.store(0, Ordering::SeqCst);
     tracing::error!("a model driver died; its model answers 503 until the server restarts");
@@ -263,7 +261,8 @@ struct Running {
     turn: Turn,
     lease: Option<Lease>,
     events: mpsc::Sender<Event>,
-    /// Events the client has not taken yet (its channel was full).
+    /// Events the client has not taken yet (its channel was full): while
+    /// any wait, the turn is parked, so this holds at most one step's.
     backlog: VecDeque<Event>,
     /// Since when the backlog has not drained.
     stalled_since: Option<Instant>,
@@ -277,6 +276,11 @@ struct Running {
 impl Running {
     fn new(turn: Turn, lease: Option<Lease>, events: mpsc::Sender<Event>, gone: bool, released: Arc<Released>) -> Self {
         Self { turn, lease, events, backlog: VecDeque::new(), stalled_since: None, gone, released }
+    }
+
+    /// Whether the turn waits for its client (not stepped meanwhile).
+    fn parked(&self) -> bool {
+        !self.backlog.is_empty() && self.turn.state() == TurnState::Running
     }
 
     /// Sends what the channel takes; returns whether everything went out.
@@ -332,9 +336,11 @@ impl<'a> Loop<'a> {
 
     fn run(mut self, rx: &std_mpsc::Receiver<Command>) {
         loop {
-            // Idle: wait for work. Busy: take what arrived, then step.
-            if self.running.is_empty() {
-                let next = if self.line.is_empty() {
+            // Idle: wait for work. Busy: take what arrived, then step. When
+            // every running turn is parked, wait a moment for commands
+            // instead of spinning on clients that do not read.
+            if self.running.iter().all(Running::parked) {
+                let next = if self.line.is_empty() && self.running.is_empty() {
                     rx.recv().map_err(|_| true)
                 } else {
                     rx.recv_timeout(LINE_POLL).map_err(|e| e == std_mpsc::RecvTimeoutError::Disconnected)
@@ -436,13 +442,15 @@ impl<'a> Loop<'a> {
         self.counters.waiting.store(self.line.len() as u64, Ordering::SeqCst);
     }
 
-    /// One batched model step over every running turn, then the endings.
+    /// One batched model step over every running turn whose client keeps
+    /// up (a turn whose client has not taken its last events is parked:
+    /// skipped, keeping its KV and reservation, until the client drains or
+    /// `stall_timeout` cancels it), then the endings.
     fn step(&mut self) {
         let now = Instant::now();
         for r in &mut self.running {
             let drained = r.flush();
-            let stalled = r.stalled_since.is_some_and(|t| now.duration_since(t) >= self.options.stall_timeout)
-                || r.backlog.len() > self.options.backlog_limit;
+            let stalled = r.stalled_since.is_some_and(|t| now.duration_since(t) >= self.options.stall_timeout);
             if r.gone || (!drained && stalled) {
                 if !r.gone && stalled {
                     self.counters.stalled.fetch_add(1, Ordering::SeqCst);
@@ -450,13 +458,18 @@ impl<'a> Loop<'a> {
                 r.turn.cancel();
             }
         }
-        let width = self.running.iter().filter(|r| r.turn.state() == TurnState::Running).count() as u64;
+        let parked = self.running.iter().filter(|r| r.parked()).count() as u64;
+        self.counters.parked.store(parked, Ordering::SeqCst);
+        let width = self.running.iter().filter(|r| r.turn.state() == TurnState::Running && !r.parked()).count() as u64;
         self.counters.widest_step.fetch_max(width, Ordering::SeqCst);
         {
-            let mut turns: Vec<&mut Turn> = self.running.iter_mut().map(|r| &mut r.turn).collect();
+            let takes = |r: &Running| !r.parked();
+            // Positions in `running` of the turns this step takes.
+            let stepped: Vec<usize> = (0..self.running.len()).filter(|&i| takes(&self.running[i])).collect();
+            let mut turns: Vec<&mut Turn> = self.running.iter_mut().filter(|r| takes(r)).map(|r| &mut r.turn).collect();
             let mut deltas: Vec<(usize, String, Option<onnx_genai_engine::TokenLogprob>)> = Vec::new();
             self.engine.step(&mut turns, &mut |i, token| {
-                deltas.push((i, token.text_delta.to_string(), token.logprob.cloned()));
+                deltas.push((stepped[i], token.text_delta.to_string(), token.logprob.cloned()));
                 Flow::Continue
             });
             drop(turns);
@@ -493,6 +506,7 @@ impl<'a> Loop<'a> {
             }
         }
         self.counters.running.store(self.running.len() as u64, Ordering::SeqCst);
+        self.counters.parked.store(self.running.iter().filter(|r| r.parked()).count() as u64, Ordering::SeqCst);
     }
 
     fn end(&mut self, done: Running) {

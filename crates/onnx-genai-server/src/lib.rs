@@ -19,6 +19,8 @@ mod metrics;
 mod openapi;
 mod routes;
 mod sessions;
+#[cfg(test)]
+mod stall_tests;
 mod tool_calls;
 
 use std::collections::BTreeMap;
@@ -60,6 +62,7 @@ impl AppState {
             turns: 0,
             running: 0,
             stalled: 0,
+            parked: 0,
             widest_step: 0,
             waiting: 0,
             idle_kv_bytes: 0,
@@ -71,6 +74,7 @@ impl AppState {
             g.turns += d.counters.turns.load(Ordering::SeqCst);
             g.running += d.counters.running.load(Ordering::SeqCst);
             g.stalled += d.counters.stalled.load(Ordering::SeqCst);
+            g.parked += d.counters.parked.load(Ordering::SeqCst);
             g.widest_step = g.widest_step.max(d.counters.widest_step.load(Ordering::SeqCst));
             g.waiting += d.counters.waiting.load(Ordering::SeqCst);
             g.idle_kv_bytes += d.counters.idle_kv_bytes.load(Ordering::SeqCst);
@@ -116,6 +120,8 @@ pub struct Gauges {
     pub running: u64,
     /// Turns cancelled because their client stopped reading.
     pub stalled: u64,
+    /// Turns parked now, waiting for their client to read (not stepped).
+    pub parked: u64,
     /// The most turns one model step has advanced.
     pub widest_step: u64,
     /// Requests waiting in line for KV room.

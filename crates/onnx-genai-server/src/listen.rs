@@ -52,6 +52,13 @@ pub(crate) async fn serve(
             tokio::spawn(refuse(stream, max_connections));
             continue;
         };
+        // A client that stops reading must be noticed while it holds little:
+        // the kernel grows an unbounded send buffer to megabytes (thousands
+        // of streamed tokens), and until it and hyper's buffer fill, the
+        // driver sees a reader. Bounded, its turn parks after ~a thousand.
+        if let Err(e) = socket2::SockRef::from(&stream).set_send_buffer_size(SEND_BUFFER_BYTES) {
+            tracing::debug!("cannot bound a connection's send buffer: {e}");
+        }
         // Requests carry their peer address (a client's identity on a
         // server without API keys).
         let service = TowerToHyperService::new(app.clone().layer(axum::Extension(crate::guard::Peer(peer))));
@@ -61,7 +68,7 @@ pub(crate) async fn serve(
             let mut builder = hyper::server::conn::http1::Builder::new();
             // The header timer restarts whenever the connection waits for a
             // request head, so it is the keep-alive idle timeout too.
-            builder.timer(TokioTimer::new()).header_read_timeout(header_timeout);
+            builder.timer(TokioTimer::new()).header_read_timeout(header_timeout).max_buf_size(SEND_BUFFER_BYTES);
             if let Err(e) = builder.serve_connection(TokioIo::new(stream), service).await {
                 tracing::debug!("connection closed: {e}");
             }
@@ -69,6 +76,11 @@ pub(crate) async fn serve(
         });
     }
 }
+
+/// The kernel send buffer of a connection (Linux doubles it) and hyper's
+/// own write buffer: what a client that stops reading can hold back before
+/// its turn is parked.
+const SEND_BUFFER_BYTES: usize = 64 << 10;
 
 /// Answers 503 in OpenAI's error shape and closes. The request is drained
 /// briefly first: closing a socket with unread input resets it, and the

@@ -33,6 +33,7 @@ pub struct Metrics {
     leases: Gauge,
     queue_depth: Gauge,
     running: Gauge,
+    parked: Gauge,
     kv_reserved: Gauge,
     kv_idle: Gauge,
     models_down: Gauge,
@@ -76,6 +77,11 @@ impl Metrics {
         let leases = gauge(&mut registry, "session_leases", "Sessions running a turn now");
         let queue_depth = gauge(&mut registry, "queue_depth", "Requests waiting in line for KV room");
         let running = gauge(&mut registry, "running_turns", "Turns running on the models now");
+        let parked = gauge(
+            &mut registry,
+            "parked_turns",
+            "Turns waiting for their client to read their stream (not stepped meanwhile)",
+        );
         let kv_reserved = gauge(
             &mut registry,
             "kv_reserved_bytes",
@@ -95,6 +101,7 @@ impl Metrics {
             leases,
             queue_depth,
             running,
+            parked,
             kv_reserved,
             kv_idle,
             models_down,
@@ -129,6 +136,7 @@ impl Metrics {
         set(&self.leases, now.leases as u64);
         set(&self.queue_depth, now.waiting);
         set(&self.running, now.running);
+        set(&self.parked, now.parked);
         set(&self.kv_reserved, now.reserved_bytes);
         set(&self.kv_idle, now.idle_kv_bytes);
         set(&self.models_down, now.models_down as u64);

@@ -1,0 +1,98 @@
+//! A client that stops reading its stream cannot slow the others (issue 16,
+//! back-pressure): once its channel is full its turn is parked — not
+//! stepped, keeping its KV and reservation — and after `stall_timeout` it is
+//! cancelled and everything it held returns. Over loopback HTTP the kernel's
+//! socket buffers absorb far more than the tiny model's 256-token context
+//! before a silent client's channel fills, so the silent client here is a
+//! command with a one-event channel nobody reads; the reader beside it is a
+//! real HTTP request.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use onnx_genai_engine::{BackendKind, Engine, FinishReason, GenerateRequest};
+use serde_json::json;
+use tokio::sync::mpsc;
+
+use crate::client::call;
+use crate::driver::{Command, DriverOptions, Event, Promise};
+use crate::{start_with, ServerOptions};
+
+const MODEL: &str = "tiny-llama-gqa";
+
+fn engine(dir: &Path) -> Engine {
+    let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../../packages/{MODEL}/spec.yaml"));
+    onnx_genai_build::build_package(&onnx_genai_build::read_spec(&spec).unwrap(), dir).unwrap();
+    Engine::open(dir, BackendKind::NativeCpu, 1).unwrap()
+}
+
+/// Waits (bounded) until `what` holds, failing with `never` otherwise.
+fn wait_for(what: impl Fn() -> bool, never: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !what() {
+        assert!(Instant::now() < deadline, "{never}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// B3 for a stalled client (issue 16, item 5, back-pressure): a non-reading client's turn is parked, not stepped — it makes
+/// no more tokens than its channel and one step's backlog hold, while a
+/// reading client beside it gets its whole answer — and is cancelled at
+/// `stall_timeout`, releasing its reservation (A4) with nothing left
+/// running or parked.
+#[test]
+fn a_client_that_stops_reading_parks_out_of_the_batch_then_is_cancelled() {
+    let dir = tempfile::tempdir().unwrap();
+    let stall_timeout = Duration::from_secs(3);
+    let options = ServerOptions { driver: DriverOptions { stall_timeout, ..Default::default() }, ..Default::default() };
+    let server = start_with(vec![engine(dir.path())], "127.0.0.1:0", options).unwrap();
+    let baseline = server.gauges();
+    let driver = &server.state.drivers[MODEL];
+
+    let mut request = GenerateRequest::text("Once upon a time");
+    request.max_new_tokens = Some(200);
+    let (admission, admitted) = Promise::new();
+    let (events, mut silent) = mpsc::channel(1);
+    let (released, _ended) = tokio::sync::oneshot::channel();
+    driver.send(Command::Generate { request: Box::new(request), lease: None, admission, events, released }).unwrap();
+    let started = Instant::now();
+    assert!(admitted.blocking_recv().unwrap().is_ok(), "the silent request was not admitted");
+    wait_for(|| server.gauges().parked == 1, "the silent client's turn was never parked");
+
+    let body = json!({"model": MODEL, "prompt": "A reader", "max_tokens": 40, "temperature": 0});
+    let reply = call(server.addr, "POST", "/v1/completions", &[], &body.to_string()).unwrap();
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(reply.json()["usage"]["completion_tokens"], 40, "{}", reply.body);
+    let g = server.gauges();
+    assert!(
+        started.elapsed() < stall_timeout && g.stalled == 0 && g.parked == 1,
+        "the reader should finish while the silent turn is still parked: {g:?} after {:?}",
+        started.elapsed()
+    );
+
+    wait_for(|| server.gauges().stalled == 1, "the parked turn was never cancelled");
+    wait_for(|| server.gauges().running == 0, "the cancelled turn still runs");
+    let g = server.gauges();
+    assert_eq!((g.parked, g.reserved_bytes, g.leases), (0, baseline.reserved_bytes, 0), "{g:?}");
+
+    // What the silent client would have read: a few tokens, then the end.
+    let (mut deltas, mut result) = (0, None);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while result.is_none() {
+        assert!(Instant::now() < deadline, "the cancelled turn's end never arrived");
+        match silent.try_recv() {
+            Ok(Event::Delta(..)) => deltas += 1,
+            Ok(Event::Finished(r)) => result = Some(r),
+            Ok(Event::Failed(e)) => panic!("the cancelled turn failed: {}", e.message),
+            Err(_) => std::thread::sleep(Duration::from_millis(2)),
+        }
+    }
+    let result = result.unwrap();
+    assert_eq!(result.finish_reason, FinishReason::Stopped);
+    assert_eq!(result.token_ids.len(), deltas, "every token made was sent");
+    assert!(
+        (1..=3).contains(&deltas),
+        "a parked turn makes no tokens: {deltas} made for a one-event channel (200 allowed)"
+    );
+    server.stop();
+}
