@@ -28,6 +28,8 @@ fn schemathesis_finds_no_server_error_or_schema_violation() {
     let server =
         onnx_genai_server::start(vec![engine(&p, &Gate::default(), Scheduler::new(1 << 30))], "127.0.0.1:0", 64)
             .unwrap();
+    let scratch = tempfile::tempdir().unwrap();
+    let scratch = scratch.path();
     let out = Command::new("python3")
         .args(["-m", "schemathesis.cli", "run", &format!("http://{}/openapi.json", server.addr)])
         .args([
@@ -48,6 +50,9 @@ fn schemathesis_finds_no_server_error_or_schema_violation() {
         .args(["--phases", "examples,coverage,fuzzing,stateful", "--request-timeout", "60"])
         .env("PYTHONPATH", &site)
         .env("SCHEMATHESIS_TELEMETRY", "false")
+        // schemathesis writes a `.schemathesis/` cache where it runs: in a
+        // scratch dir, not the source tree.
+        .current_dir(&scratch)
         .output()
         .expect("python3 runs");
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
