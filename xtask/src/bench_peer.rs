@@ -49,7 +49,7 @@ fn packages() -> Result<Vec<(String, PathBuf)>> {
     for model in real::models()? {
         real::fetch(&model)?;
         let base = model.load_spec(&util::target())?;
-        for export in model.exports.iter().filter(|e| e.variant.contrib_ops()) {
+        for export in model.exports.iter().chain(&model.bench_exports).filter(|e| e.variant.contrib_ops()) {
             let dir = out.join(model.package(export));
             model.build(&base, export, &dir)?;
             list.push((model.package(export), dir));

@@ -85,7 +85,7 @@ pub fn build_all() -> Result<()> {
         let started = Instant::now();
         let base = model.load_spec(&util::target())?;
         println!("read {} in {:.1} s", model.gguf_path(&util::target()).display(), started.elapsed().as_secs_f64());
-        for export in &model.exports {
+        for export in model.exports.iter().chain(&model.bench_exports) {
             let out = util::target().join("packages").join(model.package(export));
             if out.exists() {
                 std::fs::remove_dir_all(&out)?;

@@ -22,6 +22,12 @@ pub struct RealModel {
     /// The GGUF's path inside the wheel.
     pub gguf: String,
     pub exports: Vec<Export>,
+    /// Exports built for `cargo xtask bench` and `cargo xtask load` only
+    /// (`cargo xtask packages --real` builds them): forms users run whose
+    /// logits no tier holds on this model, so no parity or golden checks
+    /// them. Their `tier` is what the form is held to on the tiny packages.
+    #[serde(default)]
+    pub bench_exports: Vec<Export>,
     pub steps: usize,
     pub prompts: Vec<PromptDef>,
 }

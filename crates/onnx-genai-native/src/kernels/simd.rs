@@ -185,7 +185,30 @@ mod x86 {
     /// from each `r * ld`.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn scores(q: *const f32, rows: usize, k: *const f32, total: usize, hd: usize, out: *mut f32, ld: usize) {
-        for t in 0..total {
+        // Four keys at a time share every query load; each key keeps its
+        // own single accumulator, so every score is computed exactly as a
+        // key alone would be (same lanes, same order, same reduction).
+        let mut t = 0;
+        while t + 4 <= total {
+            let kt: [*const f32; 4] = std::array::from_fn(|i| k.add((t + i) * hd));
+            for r in 0..rows {
+                let qr = q.add(r * hd);
+                let mut acc = [_mm256_setzero_ps(); 4];
+                let mut c = 0;
+                while c < hd {
+                    let x = _mm256_loadu_ps(qr.add(c));
+                    for (a, key) in acc.iter_mut().zip(&kt) {
+                        *a = _mm256_fmadd_ps(x, _mm256_loadu_ps(key.add(c)), *a);
+                    }
+                    c += 8;
+                }
+                for (i, a) in acc.iter().enumerate() {
+                    *out.add(r * ld + t + i) = hsum(*a);
+                }
+            }
+            t += 4;
+        }
+        while t < total {
             let kt = k.add(t * hd);
             for r in 0..rows {
                 let qr = q.add(r * hd);
@@ -197,6 +220,7 @@ mod x86 {
                 }
                 *out.add(r * ld + t) = hsum(acc);
             }
+            t += 1;
         }
     }
 
@@ -216,25 +240,32 @@ mod x86 {
     ) {
         for r in 0..rows {
             let pr = p.add(r * ld);
+            let o = out.add(r * hd);
             let mut c = 0;
-            // Four column chunks at a time stay in registers across t.
-            while c < hd {
-                let width = ((hd - c) / 8).min(4);
-                let mut acc = [_mm256_setzero_ps(); 4];
-                for (j, a) in acc.iter_mut().enumerate().take(width) {
-                    *a = _mm256_loadu_ps(out.add(r * hd + c + 8 * j));
-                }
+            // 32 columns at a time stay in registers across t: a fixed
+            // count (a run-time one kept them in memory behind a branch
+            // per multiply-add).
+            while c + 32 <= hd {
+                let mut acc: [__m256; 4] = std::array::from_fn(|j| _mm256_loadu_ps(o.add(c + 8 * j)));
                 for t in 0..total {
                     let w = _mm256_set1_ps(*pr.add(t));
                     let row = v.add(t * hd + c);
-                    for (j, a) in acc.iter_mut().enumerate().take(width) {
+                    for (j, a) in acc.iter_mut().enumerate() {
                         *a = _mm256_fmadd_ps(w, _mm256_loadu_ps(row.add(8 * j)), *a);
                     }
                 }
-                for (j, a) in acc.iter().enumerate().take(width) {
-                    _mm256_storeu_ps(out.add(r * hd + c + 8 * j), *a);
+                for (j, a) in acc.iter().enumerate() {
+                    _mm256_storeu_ps(o.add(c + 8 * j), *a);
                 }
-                c += 8 * width;
+                c += 32;
+            }
+            while c < hd {
+                let mut a = _mm256_loadu_ps(o.add(c));
+                for t in 0..total {
+                    a = _mm256_fmadd_ps(_mm256_set1_ps(*pr.add(t)), _mm256_loadu_ps(v.add(t * hd + c)), a);
+                }
+                _mm256_storeu_ps(o.add(c), a);
+                c += 8;
             }
         }
     }

@@ -45,12 +45,23 @@ pub fn quantize(x: &[f32], x_block: usize, q: &mut Vec<i8>, scales: &mut Vec<f32
         let scale = amax / 127.0;
         let inverse = if amax != 0.0 { 127.0 / amax } else { 0.0 };
         let start = q.len();
-        q.extend(chunk.iter().map(|v| (v * inverse).round_ties_even() as i8));
+        q.extend(chunk.iter().map(|v| round_small(v * inverse) as i8));
         for sub in q[start..].chunks(QBLOCK.min(x_block)) {
             scales.push(scale);
             sums.push(sub.iter().map(|v| i32::from(*v)).sum());
         }
     }
+}
+
+/// `v` rounded to nearest, ties to even, for `|v| < 2^22` (quantized
+/// activations are within ±127): adding and subtracting 1.5 · 2^23 leaves
+/// the rounded value in the default rounding mode. `f32::round_ties_even`
+/// is the same, but on the x86-64 baseline (no SSE4.1) it is a call to
+/// `rintf` per value, which was 6% of a batched decode step.
+#[inline]
+fn round_small(v: f32) -> f32 {
+    const SHIFT: f32 = 12_582_912.0;
+    (v + SHIFT) - SHIFT
 }
 
 /// `y[m, n] = x[m, :] . W[n, :]` for a tiled weight on `isa` (which must be
@@ -192,4 +203,23 @@ pub fn run(isa: Isa, t: &Tiled, rows: &Rows<'_>, tiles: std::ops::Range<usize>, 
 /// Output columns tile `tile` covers.
 pub fn tile_width(t: &Tiled, tile: usize) -> usize {
     TILE.min(t.n - tile * TILE)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::round_small;
+
+    /// The activation rounding is ONNX Runtime's (nearest, ties to even) on
+    /// every value quantization can produce: every multiple of 1/64 in
+    /// ±130 (all the ties among them) and the neighbours of each tie.
+    #[test]
+    fn small_rounding_is_nearest_ties_to_even() {
+        for i in -130 * 64..=130 * 64 {
+            let v = i as f32 / 64.0;
+            for w in [v, f32::from_bits(v.to_bits() + 1), f32::from_bits(v.to_bits().saturating_sub(1))] {
+                // (As quantized: the sign of a zero does not survive.)
+                assert_eq!(round_small(w) as i8, w.round_ties_even() as i8, "{w}");
+            }
+        }
+    }
 }
