@@ -52,7 +52,7 @@ fn schemathesis_finds_no_server_error_or_schema_violation() {
         .env("SCHEMATHESIS_TELEMETRY", "false")
         // schemathesis writes a `.schemathesis/` cache where it runs: in a
         // scratch dir, not the source tree.
-        .current_dir(&scratch)
+        .current_dir(scratch)
         .output()
         .expect("python3 runs");
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
