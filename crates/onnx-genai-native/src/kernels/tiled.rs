@@ -33,22 +33,46 @@ pub fn lane_f32(b: &[u8], at: usize) -> f32 {
 /// Below this many multiply-adds a projection runs on the calling thread.
 const PARALLEL_MIN_MACS: usize = 1 << 15;
 
+/// From this many inputs on, rows are quantized in parallel.
+const PARALLEL_MIN_QUANTIZED: usize = 1 << 11;
+
 /// Quantizes `x` (one row, `kp` values) the way ONNX Runtime's CPU
 /// `MatMulNBits` does at `accuracy_level` 4: per block of `x_block` inputs,
 /// scale `max|x| / 127` and values rounded to nearest, ties to even. Scales
 /// and sums are recorded per 32 inputs (a larger block repeats its scale;
 /// a smaller one has its own).
 pub fn quantize(x: &[f32], x_block: usize, q: &mut Vec<i8>, scales: &mut Vec<f32>, sums: &mut Vec<i32>) {
+    let (at, blocks) = (q.len(), scales.len());
+    let entries = quantized_blocks(x.len(), x_block);
+    q.resize(at + x.len(), 0);
+    scales.resize(blocks + entries, 0.0);
+    sums.resize(blocks + entries, 0);
+    quantize_into(x, x_block, &mut q[at..], &mut scales[blocks..], &mut sums[blocks..]);
+}
+
+/// The scales (and sums) [`quantize`] records for `k` inputs.
+fn quantized_blocks(k: usize, x_block: usize) -> usize {
     let x_block = x_block.max(1);
-    for chunk in x.chunks(x_block) {
+    let sub = QBLOCK.min(x_block);
+    (k / x_block) * x_block.div_ceil(sub) + (k % x_block).div_ceil(sub)
+}
+
+/// [`quantize`] into slices of exactly the right lengths (`x.len()` values,
+/// [`quantized_blocks`] scales and sums), so rows can be quantized apart.
+fn quantize_into(x: &[f32], x_block: usize, q: &mut [i8], scales: &mut [f32], sums: &mut [i32]) {
+    let x_block = x_block.max(1);
+    let mut entry = 0;
+    for (chunk, out) in x.chunks(x_block).zip(q.chunks_mut(x_block)) {
         let amax = chunk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         let scale = amax / 127.0;
         let inverse = if amax != 0.0 { 127.0 / amax } else { 0.0 };
-        let start = q.len();
-        q.extend(chunk.iter().map(|v| round_small(v * inverse) as i8));
-        for sub in q[start..].chunks(QBLOCK.min(x_block)) {
-            scales.push(scale);
-            sums.push(sub.iter().map(|v| i32::from(*v)).sum());
+        for (o, v) in out.iter_mut().zip(chunk) {
+            *o = round_small(v * inverse) as i8;
+        }
+        for sub in out.chunks(QBLOCK.min(x_block)) {
+            scales[entry] = scale;
+            sums[entry] = sub.iter().map(|v| i32::from(*v)).sum();
+            entry += 1;
         }
     }
 }
@@ -86,8 +110,29 @@ pub fn linear(t: &Tiled, x: &[f32], m: usize, y: &mut [f32], ctx: &Ctx, isa: Isa
     s.ints.clear();
     match t.data {
         TileData::Q4 { int8: true, x_block, .. } => {
-            for r in 0..m {
-                quantize(&s.a[r * kp..(r + 1) * kp], x_block, &mut s.bytes, &mut s.b, &mut s.ints);
+            // Rows quantize independently: a batch's rows split across the
+            // threads (serial, they left the other thread idle for 3% of a
+            // batched decode step).
+            let per_row = quantized_blocks(kp, x_block);
+            s.bytes.resize(m * kp, 0);
+            s.b.resize(m * per_row, 0.0);
+            s.ints.resize(m * per_row, 0);
+            let (q, scales, sums) = (Disjoint::new(&mut s.bytes), Disjoint::new(&mut s.b), Disjoint::new(&mut s.ints));
+            let a = &s.a;
+            let work = |rows: std::ops::Range<usize>, _t: usize| {
+                for r in rows {
+                    // SAFETY: row `r`'s values, scales and sums belong to
+                    // this range alone.
+                    let (q, scales, sums) = unsafe {
+                        (q.slice(r * kp, kp), scales.slice(r * per_row, per_row), sums.slice(r * per_row, per_row))
+                    };
+                    quantize_into(&a[r * kp..(r + 1) * kp], x_block, q, scales, sums);
+                }
+            };
+            if m > 1 && m * kp >= PARALLEL_MIN_QUANTIZED {
+                ctx.pool.for_ranges(m, 1, &work);
+            } else {
+                work(0..m, 0);
             }
         }
         TileData::Q4 { int8: false, .. } => s.c.extend(s.a.chunks_exact(QBLOCK).map(|b| b.iter().sum::<f32>())),
