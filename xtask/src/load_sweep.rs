@@ -240,7 +240,9 @@ fn interference(server: &onnx_genai_server::RunningServer, model: &str, max_toke
             .map(|c| {
                 let model = model.to_string();
                 std::thread::spawn(move || {
-                    stream_one(addr, &model, &format!("Reader {c}: once upon a time"), max_tokens)
+                    // Four times the sweep's answers: a rate over a second
+                    // or more, not a few hundred milliseconds of a noisy VM.
+                    stream_one(addr, &model, &format!("Reader {c}: once upon a time"), 4 * max_tokens)
                 })
             })
             .collect();
