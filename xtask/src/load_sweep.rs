@@ -1,8 +1,9 @@
 //! `cargo xtask load --package DIR`: one model served on loopback, driven by
 //! 1, 2, 4, 8 and 16 concurrent streaming clients in turn (one run): the
 //! aggregate generated tokens/s, time to first token p50/p95, and the
-//! GFLOP/s the projections reach against this machine's measured FMA peak
-//! at the same thread count. Then two interference checks: how much
+//! G op/s the projections reach against this machine's measured peak for
+//! the export's arithmetic (f32 FMAs, or VNNI int8 dot products) at the
+//! same thread count. Then two interference checks: how much
 //! creating and closing sessions adds to other requests' latency, and how
 //! much a client that stops reading its stream costs the others.
 
@@ -75,13 +76,22 @@ pub fn run(opts: Options) -> Result<()> {
         .with_prefill_chunk(256);
     let model = engine.package().manifest.name.clone();
     // Multiply-adds per generated token, for the GFLOP/s column.
-    let macs = onnx_genai_native::compile_package(engine.package()).map(|p| p.projection_macs()).unwrap_or(0);
+    let plan = onnx_genai_native::compile_package(engine.package()).ok();
+    let macs = plan.as_ref().map_or(0, |p| p.projection_macs());
     let isa = onnx_genai_native::kernels::isa::Isa::best();
-    let peak = onnx_genai_native::kernels::isa::peak_macs(isa, opts.threads.max(1));
+    // The ceiling of the export's own arithmetic: integer dot products for
+    // int8 activations (`accuracy_level` 4) where this CPU has VNNI, else
+    // f32 FMAs.
+    let int8 = plan.as_ref().is_some_and(|p| p.int8_projections());
+    let (peak, peak_kind) =
+        match int8.then(|| onnx_genai_native::kernels::isa::peak_int8_macs(isa, opts.threads.max(1))) {
+            Some(Some(p)) => (p, "int8 VNNI"),
+            _ => (onnx_genai_native::kernels::isa::peak_macs(isa, opts.threads.max(1)), "f32 FMA"),
+        };
     let server = onnx_genai_server::start_with(vec![engine], "127.0.0.1:0", Default::default())?;
     let addr = server.addr;
     println!(
-        "==> {model} on {} ({} threads), max_tokens {}, FMA peak {:.1} GFLOP/s",
+        "==> {model} on {} ({} threads), max_tokens {}, {peak_kind} peak {:.1} GOP/s",
         kind.name(),
         opts.threads,
         opts.max_tokens,
@@ -140,9 +150,9 @@ pub fn run(opts: Options) -> Result<()> {
     let one = rows.first().map_or(1.0, |r| r.tokens_per_s);
     let mut md = format!(
         "# Load: {model}\n\n{} on {} thread(s), streaming `/v1/completions`, max_tokens {}, {} request(s) per \
-         client; clients start together. GFLOP/s = 2 x projection multiply-adds per token ({:.1} M) x aggregate \
-         tokens/s; the machine's FMA peak at {} thread(s) is {:.1} GFLOP/s.\n\n\
-         | clients | aggregate tok/s | x one client | per-client tok/s | TTFT p50 ms | TTFT p95 ms | GFLOP/s | % of peak | widest step |\n\
+         client; clients start together. G op/s = 2 x projection multiply-adds per token ({:.1} M) x aggregate \
+         tokens/s; the peak of the projections' arithmetic ({peak_kind}) at {} thread(s) is {:.1} G op/s.\n\n\
+         | clients | aggregate tok/s | x one client | per-client tok/s | TTFT p50 ms | TTFT p95 ms | G op/s | % of peak | widest step |\n\
          |---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         kind.name(),
         opts.threads,

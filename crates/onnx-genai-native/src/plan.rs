@@ -296,6 +296,15 @@ impl Plan {
             .sum()
     }
 
+    /// Whether any projection quantizes its inputs to int8
+    /// (`accuracy_level` 4): its arithmetic is integer, not f32.
+    pub fn int8_projections(&self) -> bool {
+        self.steps.iter().any(|s| match &s.op {
+            Op::Linear { weight, .. } | Op::GatedMlp { weight } => weight.int8_inputs(),
+            _ => false,
+        })
+    }
+
     /// Bytes of packed projection weights (what a decode step streams).
     pub fn projection_bytes(&self) -> u64 {
         self.steps

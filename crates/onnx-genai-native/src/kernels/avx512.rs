@@ -534,3 +534,23 @@ pub unsafe fn fma_rate(reps: usize) -> f64 {
     std::hint::black_box(acc);
     (reps * 16 * 16) as f64 / started.elapsed().as_secs_f64()
 }
+
+/// Multiply-adds per second of one thread's `vpdpbusd` (16 independent
+/// accumulators, 64 int8 products each): the ceiling of the int8-input
+/// 4-bit kernels.
+///
+/// # Safety
+/// AVX-512 F and AVX-512 VNNI must be available.
+#[target_feature(enable = "avx512f,avx512vnni")]
+pub unsafe fn int8_rate(reps: usize) -> f64 {
+    let mut acc = [_mm512_setzero_si512(); 16];
+    let (a, b) = (_mm512_set1_epi8(3), _mm512_set1_epi8(-2));
+    let started = std::time::Instant::now();
+    for _ in 0..reps {
+        for s in acc.iter_mut() {
+            *s = _mm512_dpbusd_epi32(*s, a, b);
+        }
+    }
+    std::hint::black_box(acc);
+    (reps * 16 * 64) as f64 / started.elapsed().as_secs_f64()
+}

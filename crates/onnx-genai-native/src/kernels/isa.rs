@@ -105,6 +105,20 @@ pub fn peak_macs(isa: Isa, threads: usize) -> f64 {
     (0..3).map(|_| once()).fold(0.0, f64::max) * threads.max(1) as f64
 }
 
+/// Int8 multiply-adds per second `threads` threads sustain with AVX-512
+/// VNNI's `vpdpbusd` (best of three, times `threads`), the ceiling of the
+/// `accuracy_level` 4 kernels; `None` on a path without it.
+pub fn peak_int8_macs(isa: Isa, threads: usize) -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512Vnni && isa.available() {
+        // SAFETY: AVX-512 F and VNNI are available (checked).
+        let once = || unsafe { super::avx512::int8_rate(4_000_000) };
+        return Some((0..3).map(|_| once()).fold(0.0, f64::max) * threads.max(1) as f64);
+    }
+    let _ = (isa, threads);
+    None
+}
+
 impl std::fmt::Display for Isa {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
@@ -153,5 +167,19 @@ mod tests {
             }
         }
         assert!(Isa::all_available().contains(&Isa::Portable));
+    }
+
+    /// The int8 ceiling is probed exactly where the VNNI kernel runs (and
+    /// is a rate; how it compares with f32 is the load report's to say,
+    /// not a timed assertion's).
+    #[test]
+    fn int8_peak_is_probed_only_with_vnni() {
+        for isa in Isa::ALL {
+            let peak = peak_int8_macs(isa, 2);
+            assert_eq!(peak.is_some(), isa == Isa::Avx512Vnni && isa.available(), "{isa}");
+            if let Some(p) = peak {
+                assert!(p.is_finite() && p > 0.0, "{isa}: {p}");
+            }
+        }
     }
 }
