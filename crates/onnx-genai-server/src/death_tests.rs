@@ -15,9 +15,10 @@ use crate::client::call;
 use crate::driver::Command;
 use crate::{start_with, ServerOptions};
 
-const MODEL: &str = "tiny-llama-gqa";
+pub(crate) const MODEL: &str = "tiny-llama-gqa";
 
-fn engine(dir: &Path) -> Engine {
+/// The tiny llama built into `dir`, on native-cpu (one thread).
+pub(crate) fn engine(dir: &Path) -> Engine {
     let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../../packages/{MODEL}/spec.yaml"));
     onnx_genai_build::build_package(&onnx_genai_build::read_spec(&spec).unwrap(), dir).unwrap();
     Engine::open(dir, BackendKind::NativeCpu, 1).unwrap()

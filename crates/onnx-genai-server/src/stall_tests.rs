@@ -7,24 +7,16 @@
 //! command with a one-event channel nobody reads; the reader beside it is a
 //! real HTTP request.
 
-use std::path::Path;
 use std::time::{Duration, Instant};
 
-use onnx_genai_engine::{BackendKind, Engine, FinishReason, GenerateRequest};
+use onnx_genai_engine::{FinishReason, GenerateRequest};
 use serde_json::json;
 use tokio::sync::mpsc;
 
 use crate::client::call;
+use crate::death_tests::{engine, MODEL};
 use crate::driver::{Command, DriverOptions, Event, Promise};
 use crate::{start_with, ServerOptions};
-
-const MODEL: &str = "tiny-llama-gqa";
-
-fn engine(dir: &Path) -> Engine {
-    let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../../packages/{MODEL}/spec.yaml"));
-    onnx_genai_build::build_package(&onnx_genai_build::read_spec(&spec).unwrap(), dir).unwrap();
-    Engine::open(dir, BackendKind::NativeCpu, 1).unwrap()
-}
 
 /// Waits (bounded) until `what` holds, failing with `never` otherwise.
 fn wait_for(what: impl Fn() -> bool, never: &str) {
