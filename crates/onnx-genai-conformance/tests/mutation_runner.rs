@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use onnx_genai_conformance::mutants::{self, Problem, Runner, Selection, Verdict};
+use onnx_genai_conformance::mutants::{self, Problem, Runner, Scope, Selection, Verdict};
 
 fn fixture() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/mutant-crate")
@@ -37,7 +37,9 @@ fn processes_mentioning(needle: &str) -> Vec<String> {
 }
 
 /// One run over the three fixture batteries:
-/// - `killed` is caught by its declared test;
+/// - `killed` is caught by its declared test, run alone, and
+///   `killed-outside` by its killer in another test target (`--test`);
+///   mutants their killers do not kill are judged by the whole battery;
 /// - `survivor` (an off-by-one no test reaches) is MISSED and fails the run;
 /// - `unviable` (a type error) is unviable, not caught;
 /// - `drifted-find` is CATALOG-DRIFT (reported, not skipped);
@@ -74,6 +76,16 @@ fn the_runner_reports_each_known_verdict() {
     let verdict = |id: &str| report.result(id).unwrap_or_else(|| panic!("no result for {id}")).verdict.clone();
     assert_eq!(verdict("killed"), Verdict::Caught { by: vec!["tests::ok_clamp_caps_at_budget".into()] });
     assert!(!report.result("killed").unwrap().is_failure());
+    // The declared killers alone decide a kill, each in its own target;
+    // whatever they do not kill, the whole battery judges.
+    let scope = |id: &str| report.result(id).unwrap().scope;
+    assert_eq!(verdict("killed-outside"), Verdict::Caught { by: vec!["ok_countdown_from_outside".into()] });
+    for id in ["killed", "killed-outside", "dirties-the-tree", "unviable", "spins"] {
+        assert_eq!(scope(id), Scope::Killers, "{id}");
+    }
+    for id in ["survivor", "wrong-killers"] {
+        assert_eq!(scope(id), Scope::Battery, "{id}");
+    }
     assert_eq!(verdict("survivor"), Verdict::Missed);
     assert!(matches!(verdict("unviable"), Verdict::Unviable { .. }), "{:?}", verdict("unviable"));
     assert_eq!(verdict("drifted-find"), Verdict::CatalogDrift { occurrences: 0 });
@@ -111,7 +123,7 @@ fn the_runner_reports_each_known_verdict() {
     assert!(["never-run", "never-judged", "never-killed", "never-selected"]
         .iter()
         .all(|id| report.result(id).is_none()));
-    assert_eq!(seen.len(), 7);
+    assert_eq!(seen.len(), 8);
     assert_eq!(report.failures(), 5);
     assert!(!report.passed());
     assert!(runner.differences().is_empty());
@@ -121,7 +133,7 @@ fn the_runner_reports_each_known_verdict() {
     report.write(&out, "0123abc").unwrap();
     let json: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
     assert_eq!(json["commit"], "0123abc");
-    assert_eq!(json["results"].as_array().unwrap().len(), 7);
+    assert_eq!(json["results"].as_array().unwrap().len(), 8);
     assert_eq!(json["problems"].as_array().unwrap().len(), 4);
     let md = std::fs::read_to_string(out.join("report.md")).unwrap();
     assert!(md.contains("MISSED") && md.contains("CATALOG-DRIFT") && md.contains("FILTER-DRIFT"), "{md}");

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use super::runner::is_killer;
-use super::{Catalog, MutantResult, Runner, TestRun, Verdict};
+use super::{Catalog, MutantResult, Runner, Scope, TestRun, Verdict};
 
 /// Which mutants of each battery run, and how long they may take.
 #[derive(Clone, Debug)]
@@ -141,6 +141,9 @@ impl MutantResult {
             Verdict::Caught { by } if self.unexpected => {
                 format!("caught by {by:?}, but the catalog expects {:?}", self.expected_killers)
             }
+            Verdict::Caught { by } if self.scope == Scope::Battery => {
+                format!("caught by {} (in the whole battery's run)", by.join(", "))
+            }
             Verdict::Caught { by } => format!("caught by {}", by.join(", ")),
             Verdict::Missed => "MISSED: every test passed".into(),
             Verdict::Unviable { reason } => {
@@ -228,6 +231,8 @@ pub fn run_all(
             }
         }
         let limit = selection.min_limit.max(baseline_started.elapsed() * 4);
+        let index =
+            runner.index(catalog, &listed).map_err(|e| format!("placing the tests of {}: {e}", catalog.battery))?;
         let selected = catalog
             .mutants
             .iter()
@@ -236,7 +241,7 @@ pub fn run_all(
             .filter(|(i, _)| selection.shard.is_none_or(|(k, n)| i % n == k - 1))
             .map(|(_, m)| m);
         for m in selected {
-            let result = runner.mutant(catalog, m, limit)?;
+            let result = runner.mutant(catalog, &index, m, limit)?;
             on_result(&result);
             report.results.push(result);
         }

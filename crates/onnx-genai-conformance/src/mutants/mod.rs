@@ -5,6 +5,8 @@
 //! the tests expected to kill it). The runner works on a scratch copy of
 //! the tree (never the user's), checks the baseline is green and the filter
 //! selects the declared count, applies each mutant by rewriting the file,
+//! runs its declared killers alone (the whole battery when they do not all
+//! fail),
 //! restores it by rewriting again (fresh mtime, so the build system cannot
 //! skip the rebuild), and checks the scratch tree ends byte-identical to the
 //! source.
@@ -16,10 +18,12 @@ use serde::{Deserialize, Serialize};
 use crate::HarnessError;
 
 mod battery;
+mod killers;
 mod runner;
 mod seed;
 
 pub use battery::{check_selection, run_all, Problem, Report, Selection};
+pub use killers::{Located, TestIndex};
 pub use runner::{run_limited, RunLock, Runner, TestRun};
 pub use seed::{seed_target, Seeded};
 
@@ -74,12 +78,23 @@ pub enum Verdict {
     },
 }
 
+/// Which tests judged a mutant.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Scope {
+    /// Its declared killers, each run alone, all failed.
+    Killers,
+    /// The whole battery ran (a killer passed, or could not be placed).
+    Battery,
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct MutantResult {
     pub battery: String,
     pub id: String,
     pub breaks: Vec<String>,
     pub verdict: Verdict,
+    pub scope: Scope,
     pub expected_killers: Vec<String>,
     /// Caught, but not by every declared killer.
     pub unexpected: bool,

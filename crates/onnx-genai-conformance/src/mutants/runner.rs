@@ -4,7 +4,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::{occurrences, Catalog, Mutant, MutantResult, Verdict};
+use super::killers::TestIndex;
+use super::{occurrences, Catalog, Mutant, MutantResult, Scope, Verdict};
 
 /// Holds `target/mutants/lock` for one run; a second run refuses to start.
 pub struct RunLock(PathBuf);
@@ -145,11 +146,22 @@ impl Runner {
         out
     }
 
-    fn cargo(&self, catalog: &Catalog, extra: &[&str]) -> Command {
+    /// Cargo in the scratch tree, on the runner's target directory and
+    /// environment.
+    pub(crate) fn cargo_command(&self) -> Command {
         let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+        c.current_dir(&self.scratch).env("CARGO_TARGET_DIR", &self.target_dir);
+        for (k, v) in &self.envs {
+            c.env(k, v);
+        }
+        c
+    }
+
+    fn cargo(&self, catalog: &Catalog, extra: &[&str]) -> Command {
+        let mut c = self.cargo_command();
         // Every test binary runs even after one fails, so the killers are
         // complete.
-        c.args(["test", "--no-fail-fast"]).current_dir(&self.scratch).env("CARGO_TARGET_DIR", &self.target_dir);
+        c.args(["test", "--no-fail-fast"]);
         for p in &catalog.packages {
             c.args(["-p", p]);
         }
@@ -162,9 +174,6 @@ impl Runner {
         }
         for name in &catalog.skip {
             c.args(["--skip", name]);
-        }
-        for (k, v) in &self.envs {
-            c.env(k, v);
         }
         c
     }
@@ -184,37 +193,17 @@ impl Runner {
 
     /// Runs the battery's tests with a time limit.
     pub fn run(&self, catalog: &Catalog, limit: Duration) -> Result<TestRun, String> {
-        let mut command = self.cargo(catalog, &["--test-threads=2"]);
-        own_process_group(&mut command);
-        let mut child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().map_err(|e| e.to_string())?;
-        let (mut out, mut err) = (child.stdout.take(), child.stderr.take());
-        let readers =
-            (std::thread::spawn(move || read_all(out.as_mut())), std::thread::spawn(move || read_all(err.as_mut())));
-        let started = Instant::now();
-        let status = loop {
-            match child.try_wait().map_err(|e| e.to_string())? {
-                Some(s) => break Some(s),
-                None if started.elapsed() > limit => {
-                    kill_tree(&mut child);
-                    break None;
-                }
-                None => std::thread::sleep(Duration::from_millis(50)),
-            }
+        self.run_command(self.cargo(catalog, &["--test-threads=2"]), limit)
+    }
+
+    /// Runs a `cargo test` command with a time limit and reads its verdict.
+    pub(crate) fn run_command(&self, command: Command, limit: Duration) -> Result<TestRun, String> {
+        let Some((status, stdout, stderr)) = Watched::spawn(command)?.wait(Instant::now() + limit)? else {
+            return Ok(TestRun::TimedOut);
         };
-        // After a timeout the output is not needed, and a survivor of the
-        // kill could hold the pipes open: the readers are left to finish
-        // on their own.
-        let Some(status) = status else { return Ok(TestRun::TimedOut) };
-        let stdout = readers.0.join().unwrap_or_default();
-        let stderr = readers.1.join().unwrap_or_default();
-        let failed: Vec<String> = stdout
-            .lines()
-            .filter_map(|l| l.strip_prefix("test ").and_then(|r| r.strip_suffix(" ... FAILED")))
-            .map(full_name)
-            .collect();
+        let failed = failed_tests(&stdout);
         if status.success() {
-            let count = stdout.lines().filter(|l| l.starts_with("test ") && l.ends_with(" ... ok")).count();
-            return Ok(TestRun::Passed { count });
+            return Ok(TestRun::Passed { count: passed_tests(&stdout) });
         }
         if failed.is_empty() && (stderr.contains("could not compile") || stderr.contains("error[")) {
             return Ok(TestRun::BuildFailed { tail: tail(&stderr) });
@@ -224,16 +213,35 @@ impl Runner {
 
     /// Applies `m`, runs, restores. The file is rewritten both ways (fresh
     /// mtime), and restoring is checked against the source bytes.
-    pub fn mutant(&self, catalog: &Catalog, m: &Mutant, limit: Duration) -> Result<MutantResult, String> {
+    /// The mutant's declared killers run first, alone (`killers.rs`); the
+    /// whole battery runs only when they do not all fail.
+    pub fn mutant(
+        &self,
+        catalog: &Catalog,
+        index: &TestIndex,
+        m: &Mutant,
+        limit: Duration,
+    ) -> Result<MutantResult, String> {
         let started = Instant::now();
         let path = self.scratch.join(&m.file);
         let original = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", m.file))?;
         let n = occurrences(&original, &m.find);
+        let mut scope = Scope::Killers;
         let (verdict, unexpected) = if n != 1 {
             (Verdict::CatalogDrift { occurrences: n }, false)
         } else {
             write_fresh(&path, &original.replacen(&m.find, &m.replace, 1))?;
-            let outcome = self.run(catalog, limit);
+            let outcome = match index.killers(&m.killers) {
+                Some(killers) => match self.run_killers(&killers, limit) {
+                    Ok(TestRun::Passed { .. }) => None,
+                    decided => Some(decided),
+                },
+                None => None,
+            };
+            let outcome = outcome.unwrap_or_else(|| {
+                scope = Scope::Battery;
+                self.run(catalog, limit.saturating_sub(started.elapsed()))
+            });
             write_fresh(&path, &original)?;
             match outcome? {
                 TestRun::Passed { .. } => (Verdict::Missed, false),
@@ -245,7 +253,7 @@ impl Runner {
                 TestRun::TimedOut => (Verdict::Timeout, false),
             }
         };
-        self.finish(catalog, m, started, verdict, unexpected)
+        self.finish(catalog, m, started, (verdict, scope), unexpected)
     }
 
     /// Checks the tree is back to its source and reports the verdict.
@@ -254,7 +262,7 @@ impl Runner {
         catalog: &Catalog,
         m: &Mutant,
         started: Instant,
-        verdict: Verdict,
+        (verdict, scope): (Verdict, Scope),
         unexpected: bool,
     ) -> Result<MutantResult, String> {
         let path = self.scratch.join(&m.file);
@@ -277,6 +285,7 @@ impl Runner {
             id: m.id.clone(),
             breaks: m.breaks.clone(),
             verdict,
+            scope,
             expected_killers: m.killers.clone(),
             unexpected,
             seconds: started.elapsed().as_secs_f64(),
@@ -287,7 +296,7 @@ impl Runner {
 
 /// A test's name as libtest (or libtest-mimic, after its `[kind]` tag)
 /// prints it: `module::path::name`.
-fn full_name(printed: &str) -> String {
+pub(crate) fn full_name(printed: &str) -> String {
     let printed = printed.trim();
     let untagged = match printed.strip_prefix('[') {
         Some(rest) => rest.split_once(']').map_or(printed, |(_, name)| name.trim()),
@@ -302,6 +311,68 @@ fn full_name(printed: &str) -> String {
 /// and export tell the harness's tests apart).
 pub(crate) fn is_killer(full: &str, killer: &str) -> bool {
     full == killer || full.strip_suffix(killer).is_some_and(|head| head.ends_with("::"))
+}
+
+/// The tests a libtest (or libtest-mimic) run printed as failed.
+pub(crate) fn failed_tests(stdout: &str) -> Vec<String> {
+    stdout
+        .lines()
+        .filter_map(|l| l.strip_prefix("test ").and_then(|r| r.strip_suffix(" ... FAILED")))
+        .map(full_name)
+        .collect()
+}
+
+/// How many tests a run printed as passed.
+pub(crate) fn passed_tests(stdout: &str) -> usize {
+    stdout.lines().filter(|l| l.starts_with("test ") && l.ends_with(" ... ok")).count()
+}
+
+/// A child in its own process group whose output is read as it runs (a
+/// full pipe must not stall it).
+pub(crate) struct Watched {
+    child: Child,
+    readers: (std::thread::JoinHandle<String>, std::thread::JoinHandle<String>),
+}
+
+impl Watched {
+    pub(crate) fn spawn(mut command: Command) -> Result<Self, String> {
+        own_process_group(&mut command);
+        let mut child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().map_err(|e| e.to_string())?;
+        let (mut out, mut err) = (child.stdout.take(), child.stderr.take());
+        let readers =
+            (std::thread::spawn(move || read_all(out.as_mut())), std::thread::spawn(move || read_all(err.as_mut())));
+        Ok(Self { child, readers })
+    }
+
+    /// Its status, stdout and stderr; `None` when `deadline` passed first
+    /// and the whole process group was killed.
+    pub(crate) fn wait(
+        mut self,
+        deadline: Instant,
+    ) -> Result<Option<(std::process::ExitStatus, String, String)>, String> {
+        let status = loop {
+            match self.child.try_wait().map_err(|e| e.to_string())? {
+                Some(s) => break s,
+                None if Instant::now() > deadline => {
+                    kill_tree(&mut self.child);
+                    // The output is not needed, and a survivor of the kill
+                    // could hold the pipes open: the readers are left to
+                    // finish on their own.
+                    return Ok(None);
+                }
+                None => std::thread::sleep(Duration::from_millis(50)),
+            }
+        };
+        let stdout = self.readers.0.join().unwrap_or_default();
+        let stderr = self.readers.1.join().unwrap_or_default();
+        Ok(Some((status, stdout, stderr)))
+    }
+
+    /// Kills the whole process group (a run abandoned for another's
+    /// timeout).
+    pub(crate) fn kill(mut self) {
+        kill_tree(&mut self.child);
+    }
 }
 
 /// Runs `command` in its own process group for at most `limit`: its exit
@@ -367,7 +438,7 @@ fn write_fresh(path: &Path, text: &str) -> Result<(), String> {
     std::fs::write(path, text).map_err(|e| format!("{}: {e}", path.display()))
 }
 
-fn tail(s: &str) -> String {
+pub(crate) fn tail(s: &str) -> String {
     let lines: Vec<&str> = s.lines().collect();
     lines[lines.len().saturating_sub(8)..].join("\n")
 }
