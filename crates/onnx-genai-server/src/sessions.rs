@@ -265,6 +265,117 @@ mod tests {
         assert_eq!(r.lock().pending, 0, "a refused bind gives its slot back");
     }
 
+    fn bound(max_sessions: usize, ids: &[&str]) -> Arc<Registry> {
+        let r = Registry::new(max_sessions);
+        for (engine, id) in ids.iter().enumerate() {
+            let (slot, _) = r.reserve(&me()).unwrap();
+            r.bind(slot, id, placement(engine as u64 + 1), me()).unwrap();
+        }
+        r
+    }
+
+    /// Pins L1 at the registry: a session holds one lease at a time; a
+    /// second is refused with 409 until the first is dropped.
+    #[test]
+    fn a_second_lease_is_refused_until_the_first_ends() {
+        let r = bound(4, &["s"]);
+        let first = r.lease("m", "s", &me()).unwrap();
+        assert_eq!(r.lease("m", "s", &me()).unwrap_err().status, axum::http::StatusCode::CONFLICT);
+        assert_eq!(r.leased(), 1);
+        drop(first);
+        assert!(r.lease("m", "s", &me()).is_ok(), "the lease is free again once dropped");
+    }
+
+    /// Pins L3 at the registry: a session is leased only for the model
+    /// that owns it; on another model's route it is a 409, never a turn.
+    #[test]
+    fn a_session_is_leased_only_on_its_model() {
+        let r = bound(4, &["s"]);
+        let err = r.lease("other-model", "s", &me()).unwrap_err();
+        assert_eq!(err.status, axum::http::StatusCode::CONFLICT, "{}", err.message);
+        assert_eq!(r.leased(), 0, "the refusal took no lease");
+        assert!(r.lease("m", "s", &me()).is_ok());
+    }
+
+    /// Pins L4 at the registry: closing a session mid-turn is refused (409)
+    /// and the session survives; once the turn's lease is dropped it
+    /// closes.
+    #[test]
+    fn a_leased_session_does_not_close() {
+        let r = bound(4, &["s"]);
+        let turn = r.lease("m", "s", &me()).unwrap();
+        assert_eq!(r.close("s", &me()).unwrap_err().status, axum::http::StatusCode::CONFLICT);
+        assert_eq!(r.active(), 1, "the refused close unbound nothing");
+        drop(turn);
+        assert_eq!(r.close("s", &me()).unwrap(), placement(1));
+        assert_eq!(r.active(), 0);
+    }
+
+    /// Pins L5 and L6 at the registry: with every slot bound and leased, a
+    /// new session is refused (429), never made by evicting a session
+    /// mid-turn; when the lease ends, that session is the one evicted.
+    #[test]
+    fn eviction_never_takes_a_leased_session() {
+        let r = bound(1, &["busy"]);
+        let turn = r.lease("m", "busy", &me()).unwrap();
+        assert_eq!(r.reserve(&me()).unwrap_err().status, axum::http::StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(r.active(), 1);
+        drop(turn);
+        let (_slot, evicted) = r.reserve(&me()).unwrap();
+        assert_eq!(evicted, Some(placement(1)));
+    }
+
+    /// Pins L7 against a rebind that would take over a live session: binding
+    /// a bound id (here while its turn holds the lease) is refused, and the
+    /// first binding keeps its owner, placement and lease.
+    #[test]
+    fn a_rebind_cannot_take_over_a_live_session() {
+        let r = bound(4, &["s"]);
+        let turn = r.lease("m", "s", &me()).unwrap();
+        let other = Owner("key-1".into());
+        let (slot, _) = r.reserve(&other).unwrap();
+        assert_eq!(
+            r.bind(slot, "s", placement(9), other.clone()).unwrap_err().status,
+            axum::http::StatusCode::CONFLICT
+        );
+        assert_eq!(r.lease("m", "s", &other).unwrap_err().status, axum::http::StatusCode::NOT_FOUND);
+        assert_eq!(r.lease("m", "s", &me()).unwrap_err().status, axum::http::StatusCode::CONFLICT, "still mid-turn");
+        drop(turn);
+        assert_eq!(r.lease("m", "s", &me()).unwrap().placement, placement(1));
+    }
+
+    /// Pins L4's "racing closes unbind exactly once": eight threads
+    /// released by one barrier close the same idle session; exactly one
+    /// gets its placement, the others find nothing (404), and the session
+    /// is gone. Repeated on fresh registries so the race is really run.
+    #[test]
+    fn racing_closes_unbind_exactly_once() {
+        for round in 0..16 {
+            let r = Registry::new(4);
+            let (slot, _) = r.reserve(&me()).unwrap();
+            r.bind(slot, "s", placement(1), me()).unwrap();
+            let barrier = std::sync::Barrier::new(8);
+            let outcomes: Vec<Result<Placement, ApiError>> = std::thread::scope(|scope| {
+                let handles: Vec<_> = (0..8)
+                    .map(|_| {
+                        scope.spawn(|| {
+                            barrier.wait();
+                            r.close("s", &me())
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            let closed = outcomes.iter().filter(|o| o.is_ok()).count();
+            assert_eq!(closed, 1, "round {round}: {closed} of 8 racing closes unbound the session");
+            assert!(outcomes
+                .iter()
+                .filter_map(|o| o.as_ref().err())
+                .all(|e| e.status == axum::http::StatusCode::NOT_FOUND));
+            assert_eq!(r.active(), 0);
+        }
+    }
+
     /// Pins L6: slots reserved but not yet bound count against
     /// `max_sessions`, so concurrent creates cannot overshoot it; a slot
     /// dropped unbound is given back. (Found by cargo-mutants.)
