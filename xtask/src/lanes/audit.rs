@@ -4,7 +4,9 @@
 //! select something; every cargo feature must be built by some lane and
 //! linted; an accelerator test must not pass silently on a machine without
 //! the accelerator (it is `#[ignore]`d there, or its crate honours
-//! `ONNX_GENAI_REQUIRE_GPU=1`). Writes `target/conformance/lanes.md`.
+//! `ONNX_GENAI_REQUIRE_GPU=1`); every `cargo xtask` command the README
+//! documents must be run by some lane or excused (`documented.rs`). Writes
+//! `target/conformance/lanes.md`.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
@@ -114,7 +116,10 @@ pub fn run(file: &LaneFile) -> Result<String> {
         }
         listings.push((features.clone(), listed));
     }
-    let f = check(file, &listings, &declared_features(&util::root())?, &honours_require_gpu);
+    let mut f = check(file, &listings, &declared_features(&util::root())?, &honours_require_gpu);
+    let readme = std::fs::read_to_string(util::root().join("README.md"))?;
+    let commands = super::documented::documented(&readme).len();
+    f.problems.extend(super::documented::problems(&readme, file));
     let mut md = format!("# Lane audit\n\ncommit `{}`\n\n| lane | backend | tests |\n|---|---|---:|\n", util::commit());
     for lane in &file.lanes {
         let n = f.executed.values().filter(|lanes| lanes.contains(&lane.name)).count();
@@ -122,11 +127,13 @@ pub fn run(file: &LaneFile) -> Result<String> {
     }
     let _ = writeln!(
         md,
-        "\n{} tests in the workspace, {} executed by some lane, {} accelerator tests, {} feature sets built.",
+        "\n{} tests in the workspace, {} executed by some lane, {} accelerator tests, {} feature sets built; {} \
+         README commands, each run by a lane or excused under `unlaned`.",
         f.total,
         f.executed.len(),
         f.accelerator,
-        feature_sets.len()
+        feature_sets.len(),
+        commands
     );
     for p in &f.problems {
         let _ = writeln!(md, "\n**{p}**");
@@ -259,6 +266,7 @@ mod tests {
             listed("a", "lib", "cuda_kernel_matches", false),
         ];
         let file = LaneFile {
+            unlaned: Default::default(),
             lanes: vec![lane("unit", vec![rule("a", Some("lib"), &["skipped_by_exclude"]), rule("c", None, &[])], &[])],
         };
         let declared = BTreeSet::from([("crate-x".to_string(), "cuda".to_string())]);
@@ -273,7 +281,7 @@ mod tests {
         assert_eq!((f.total, f.executed.len(), f.accelerator), (4, 2, 1));
 
         let clean = vec![listed("a", "lib", "covered", false), listed("a", "lib", "gpu_probe", true)];
-        let file = LaneFile { lanes: vec![lane("unit", vec![rule("a", None, &[])], &[])] };
+        let file = LaneFile { lanes: vec![lane("unit", vec![rule("a", None, &[])], &[])], unlaned: Default::default() };
         let f = check(&file, &[(Vec::new(), clean)], &BTreeSet::new(), &|_| false);
         // The ignored GPU test is fine off-GPU; it still runs in no lane.
         assert_eq!(f.problems, ["test `a/lib::gpu_probe` runs in no lane"]);

@@ -6,6 +6,7 @@
 //! runs use one selection.
 
 pub mod audit;
+pub mod documented;
 pub mod workflow;
 
 use std::path::{Path, PathBuf};
@@ -21,6 +22,10 @@ use crate::{ort, pyclient, real, util};
 #[serde(deny_unknown_fields)]
 pub struct LaneFile {
     pub lanes: Vec<Lane>,
+    /// README commands no lane runs, each with the reason (the audit
+    /// fails on a documented command that is neither run nor excused).
+    #[serde(default)]
+    pub unlaned: std::collections::BTreeMap<String, String>,
 }
 
 #[derive(Clone, Debug, Deserialize)]
