@@ -29,6 +29,12 @@ use clap::{Parser, Subcommand};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// `bench` and `load` only: measure in this (dev) build instead of
+    /// running again from a release build. For smoke runs (the `commands`
+    /// lane), where the release build would cost more than the run; the
+    /// numbers are not the project's.
+    #[arg(long, global = true)]
+    dev_build: bool,
 }
 
 #[derive(Subcommand)]
@@ -204,7 +210,7 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    if matches!(cli.command, Command::Bench { .. } | Command::Load { .. }) && cfg!(debug_assertions) {
+    if matches!(cli.command, Command::Bench { .. } | Command::Load { .. }) && cfg!(debug_assertions) && !cli.dev_build {
         return rerun_optimized();
     }
     let result = match cli.command {

@@ -87,10 +87,14 @@ fn overlapping_turns_on_one_session_conflict() {
         together(8, move |i| if i < 4 { turn(&s, M, Some(&ids[i]), "hi", 4) } else { turn(&s, M, None, "hi", 4) })
     };
     assert!(replies.iter().all(|r| r.status == 200), "{:?}", replies.iter().map(|r| r.status).collect::<Vec<_>>());
-    assert!(eventually(Duration::from_secs(5), || {
-        let g = s.gauges();
-        g.leases == 0 && g.reserved_bytes == g.idle_kv_bytes
-    }));
+    assert!(
+        eventually(Duration::from_secs(5), || {
+            let g = s.gauges();
+            g.leases == 0 && g.reserved_bytes == g.idle_kv_bytes
+        }),
+        "at rest the reservation is the idle KV (B2): {:?}",
+        s.gauges()
+    );
 
     // A turn that fails still releases the session (L2): the next turn is
     // not refused as overlapping.

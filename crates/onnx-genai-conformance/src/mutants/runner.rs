@@ -53,6 +53,9 @@ pub struct Runner {
     /// Directories under the source's `target/` the tests read (installed
     /// runtimes), linked into the scratch tree.
     pub shared_target: Vec<String>,
+    /// `--config` values for every cargo run in the scratch tree (the
+    /// scratch build's own profile; never the user's).
+    pub cargo_config: Vec<String>,
     /// The main build's target directory: its third-party units seed
     /// `target_dir` before the first run (`seed.rs`).
     pub seed_from: Option<PathBuf>,
@@ -69,6 +72,7 @@ impl Runner {
             target_dir,
             envs: Vec::new(),
             shared_target: Vec::new(),
+            cargo_config: Vec::new(),
             seed_from: None,
             snapshot: Default::default(),
         }
@@ -151,6 +155,9 @@ impl Runner {
     pub(crate) fn cargo_command(&self) -> Command {
         let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
         c.current_dir(&self.scratch).env("CARGO_TARGET_DIR", &self.target_dir);
+        for value in &self.cargo_config {
+            c.args(["--config", value]);
+        }
         for (k, v) in &self.envs {
             c.env(k, v);
         }
