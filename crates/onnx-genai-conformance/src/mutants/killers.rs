@@ -19,7 +19,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use super::runner::{failed_tests, full_name, is_killer, tail, Runner, Watched};
+use super::runner::{failed_tests, full_name, is_killer, passed_tests, tail, Runner, Watched};
 use super::{Catalog, TestRun};
 
 /// One test of a battery and the cargo arguments that build and run only
@@ -44,6 +44,10 @@ impl TestIndex {
     /// The tests `killers` name, or `None` when some killer names no test
     /// the index placed (the whole battery must decide then).
     pub fn killers(&self, killers: &[String]) -> Option<Vec<&Located>> {
+        // No killers would be "every killer failed" with nothing run.
+        if killers.is_empty() {
+            return None;
+        }
         let mut out = Vec::new();
         for k in killers {
             let found: Vec<&Located> = self.0.iter().filter(|l| is_killer(&l.name, k)).collect();
@@ -97,10 +101,11 @@ impl Runner {
         Ok(TestIndex(located))
     }
 
-    /// Builds the targets holding `killers` under the applied mutant and
-    /// runs each killer in its own process, all within `limit`. `Failed`
-    /// lists the killers when every one failed; `Passed` otherwise (one
-    /// passed, or a run printed no verdict of its test).
+    /// Builds the targets holding `killers` (under the applied mutant, or
+    /// on the clean tree) and runs each killer in its own process, all
+    /// within `limit`. `Failed` lists the killers whose runs reported them
+    /// failed; `Passed` (none failed) counts those reported passed. A run
+    /// that reports neither (it died first, or ran nothing) is in neither.
     pub fn run_killers(&self, killers: &[&Located], limit: Duration) -> Result<TestRun, String> {
         let deadline = Instant::now() + limit;
         let mut targets: BTreeMap<&str, BTreeSet<&[String]>> = BTreeMap::new();
@@ -121,6 +126,8 @@ impl Runner {
                 Some(_) => {}
             }
         }
+        // On an early return the runs still going are dropped, and a
+        // dropped `Watched` kills its process group.
         let mut running = Vec::new();
         for k in killers {
             let mut c = Command::new(&k.executable);
@@ -128,21 +135,19 @@ impl Runner {
             c.envs(self.envs.iter().map(|(k, v)| (k, v)));
             running.push((k.name.as_str(), Watched::spawn(c)?));
         }
-        let mut failed = Vec::new();
-        let mut running = running.into_iter();
-        while let Some((name, run)) = running.next() {
+        let (mut failed, mut passed) = (Vec::new(), 0);
+        for (name, run) in running {
             let Some((status, stdout, _)) = run.wait(deadline)? else {
-                running.for_each(|(_, other)| other.kill());
                 return Ok(TestRun::TimedOut);
             };
-            // A failure counts only when the run reports this test failed
-            // (not a process that died before it ran, or ran nothing).
             if !status.success() && failed_tests(&stdout).iter().any(|t| t == name) {
                 failed.push(name.to_string());
+            } else if status.success() && passed_tests(&stdout) == 1 {
+                passed += 1;
             }
         }
-        if failed.len() != killers.len() {
-            return Ok(TestRun::Passed { count: killers.len() - failed.len() });
+        if failed.is_empty() {
+            return Ok(TestRun::Passed { count: passed });
         }
         Ok(TestRun::Failed { tests: failed })
     }
@@ -224,6 +229,7 @@ mod tests {
         assert_eq!(placed[0].target, ["--test", "server"]);
         assert!(index.killers(&["is_one_decision".into()]).is_none(), "a fragment of a segment names nothing");
         assert!(index.killers(&["close_is_one_decision".into(), "missing".into()]).is_none());
+        assert!(index.killers(&[]).is_none(), "no killers is never a kill by all of them");
         let twice = index.killers(&["close_is_one_decision".into(), "tests::close_is_one_decision".into()]).unwrap();
         assert_eq!(twice.len(), 1, "two names of one test run it once");
     }

@@ -133,6 +133,12 @@ pub fn load(root: &Path) -> Result<Vec<Catalog>, HarnessError> {
         if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
             return Err(err(&path, format!("mutant id `{}` appears twice", w[0])));
         }
+        if let Some(m) = c.mutants.iter().find(|m| m.killers.is_empty()) {
+            return Err(err(
+                &path,
+                format!("mutant `{}` declares no killers: name the tests that must catch it", m.id),
+            ));
+        }
         catalogs.push(c);
     }
     Ok(catalogs)

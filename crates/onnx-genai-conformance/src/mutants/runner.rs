@@ -238,16 +238,18 @@ impl Runner {
             (Verdict::CatalogDrift { occurrences: n }, false)
         } else {
             write_fresh(&path, &original.replacen(&m.find, &m.replace, 1))?;
-            let outcome = match index.killers(&m.killers) {
-                Some(killers) => match self.run_killers(&killers, limit) {
-                    Ok(TestRun::Passed { .. }) => None,
-                    decided => Some(decided),
-                },
-                None => None,
+            // Only a kill by every killer, a build failure or a timeout
+            // decides here; anything else (a killer that passed, one the
+            // index could not place, a run that could not start) goes to
+            // the whole battery, with a limit of its own.
+            let outcome = match index.killers(&m.killers).map(|k| (k.len(), self.run_killers(&k, limit))) {
+                Some((n, Ok(TestRun::Failed { tests }))) if tests.len() == n => Some(Ok(TestRun::Failed { tests })),
+                Some((_, Ok(decided @ (TestRun::BuildFailed { .. } | TestRun::TimedOut)))) => Some(Ok(decided)),
+                _ => None,
             };
             let outcome = outcome.unwrap_or_else(|| {
                 scope = Scope::Battery;
-                self.run(catalog, limit.saturating_sub(started.elapsed()))
+                self.run(catalog, limit)
             });
             write_fresh(&path, &original)?;
             match outcome? {
@@ -335,10 +337,12 @@ pub(crate) fn passed_tests(stdout: &str) -> usize {
 }
 
 /// A child in its own process group whose output is read as it runs (a
-/// full pipe must not stall it).
+/// full pipe must not stall it). Dropped before it was waited for, it
+/// kills the whole group: no early return leaves a test running.
 pub(crate) struct Watched {
     child: Child,
-    readers: (std::thread::JoinHandle<String>, std::thread::JoinHandle<String>),
+    readers: Option<(std::thread::JoinHandle<String>, std::thread::JoinHandle<String>)>,
+    waited: bool,
 }
 
 impl Watched {
@@ -348,7 +352,7 @@ impl Watched {
         let (mut out, mut err) = (child.stdout.take(), child.stderr.take());
         let readers =
             (std::thread::spawn(move || read_all(out.as_mut())), std::thread::spawn(move || read_all(err.as_mut())));
-        Ok(Self { child, readers })
+        Ok(Self { child, readers: Some(readers), waited: false })
     }
 
     /// Its status, stdout and stderr; `None` when `deadline` passed first
@@ -360,25 +364,26 @@ impl Watched {
         let status = loop {
             match self.child.try_wait().map_err(|e| e.to_string())? {
                 Some(s) => break s,
-                None if Instant::now() > deadline => {
-                    kill_tree(&mut self.child);
-                    // The output is not needed, and a survivor of the kill
-                    // could hold the pipes open: the readers are left to
-                    // finish on their own.
-                    return Ok(None);
-                }
+                // The drop kills the group. The output is not needed, and a
+                // survivor of the kill could hold the pipes open: the
+                // readers are left to finish on their own.
+                None if Instant::now() > deadline => return Ok(None),
                 None => std::thread::sleep(Duration::from_millis(50)),
             }
         };
-        let stdout = self.readers.0.join().unwrap_or_default();
-        let stderr = self.readers.1.join().unwrap_or_default();
-        Ok(Some((status, stdout, stderr)))
+        self.waited = true;
+        let (out, err) = self.readers.take().map_or((String::new(), String::new()), |(out, err)| {
+            (out.join().unwrap_or_default(), err.join().unwrap_or_default())
+        });
+        Ok(Some((status, out, err)))
     }
+}
 
-    /// Kills the whole process group (a run abandoned for another's
-    /// timeout).
-    pub(crate) fn kill(mut self) {
-        kill_tree(&mut self.child);
+impl Drop for Watched {
+    fn drop(&mut self) {
+        if !self.waited {
+            kill_tree(&mut self.child);
+        }
     }
 }
 
