@@ -53,7 +53,9 @@ fn processes_mentioning(needle: &str) -> Vec<String> {
 /// - battery `drifted` is FILTER-DRIFT and battery `baseline-red` is
 ///   BASELINE-RED, battery `baseline-short` (its one test is ignored) is
 ///   BASELINE-SHORT, battery `unselected` (its killer is outside its
-///   filter) is UNSELECTED-KILLER, and none of them judges a mutant;
+///   filter) is UNSELECTED-KILLER, battery `alone-red` (its killer passes
+///   under cargo but fails run alone, as the fast path runs it) is
+///   BASELINE-RED, and none of them judges a mutant;
 /// - `killed` names its killer by path (`tests::ok_clamp_caps_at_budget`),
 ///   the others by name alone: both match;
 /// - the scratch tree is byte-identical to the source afterwards, the
@@ -68,7 +70,7 @@ fn the_runner_reports_each_known_verdict() {
     let mut runner = Runner::new(source.clone(), scratch.clone(), work.path().join("target"));
     runner.prepare().unwrap();
     let catalogs = mutants::load(&source).unwrap();
-    assert_eq!(catalogs.len(), 5);
+    assert_eq!(catalogs.len(), 6);
     let selection = Selection { min_limit: Duration::from_secs(20), ..Selection::default() };
     let mut seen = Vec::new();
     let report = mutants::run_all(&runner, &catalogs, &selection, |r| seen.push(r.id.clone())).unwrap();
@@ -115,12 +117,19 @@ fn the_runner_reports_each_known_verdict() {
         passed: 0,
         selected: 1
     }));
+    assert!(
+        report.problems.iter().any(
+            |p| matches!(p, Problem::BaselineRed { battery, detail } if battery == "alone-red" && detail.contains("alone"))
+        ),
+        "{:?}",
+        report.problems
+    );
     assert!(report.problems.contains(&Problem::UnselectedKiller {
         battery: "unselected".into(),
         killers: vec!["never-selected: ok_fits_accepts_small_requests".into()]
     }));
     assert!(!report.problems.iter().any(|p| matches!(p, Problem::NotRestored { .. })), "{:?}", report.problems);
-    assert!(["never-run", "never-judged", "never-killed", "never-selected"]
+    assert!(["never-run", "never-judged", "never-killed", "never-selected", "never-trusted"]
         .iter()
         .all(|id| report.result(id).is_none()));
     assert_eq!(seen.len(), 8);
@@ -134,7 +143,7 @@ fn the_runner_reports_each_known_verdict() {
     let json: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
     assert_eq!(json["commit"], "0123abc");
     assert_eq!(json["results"].as_array().unwrap().len(), 8);
-    assert_eq!(json["problems"].as_array().unwrap().len(), 4);
+    assert_eq!(json["problems"].as_array().unwrap().len(), 5);
     let md = std::fs::read_to_string(out.join("report.md")).unwrap();
     assert!(md.contains("MISSED") && md.contains("CATALOG-DRIFT") && md.contains("FILTER-DRIFT"), "{md}");
 }

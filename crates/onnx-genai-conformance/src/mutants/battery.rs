@@ -10,6 +10,10 @@ use serde::Serialize;
 use super::runner::is_killer;
 use super::{Catalog, MutantResult, Runner, Scope, TestRun, Verdict};
 
+/// How many killers the clean-tree check runs at once: as many as a
+/// mutant declares at most.
+const KILLERS_AT_ONCE: usize = 4;
+
 /// Which mutants of each battery run, and how long they may take.
 #[derive(Clone, Debug)]
 pub struct Selection {
@@ -233,13 +237,34 @@ pub fn run_all(
         let limit = selection.min_limit.max(baseline_started.elapsed() * 4);
         let index =
             runner.index(catalog, &listed).map_err(|e| format!("placing the tests of {}: {e}", catalog.battery))?;
-        let selected = catalog
+        let selected: Vec<_> = catalog
             .mutants
             .iter()
             .filter(|m| selection.mutant.as_ref().is_none_or(|id| *id == m.id))
             .enumerate()
             .filter(|(i, _)| selection.shard.is_none_or(|(k, n)| i % n == k - 1))
-            .map(|(_, m)| m);
+            .map(|(_, m)| m)
+            .collect();
+        // The killers judge alone, so they must pass alone on the clean
+        // tree, run as a mutant's are (a few at once): a killer that failed
+        // there for its own reasons would "catch" every mutant it names.
+        let mut killers = Vec::new();
+        for k in selected.iter().filter_map(|m| index.killers(&m.killers)).flatten() {
+            if !killers.contains(&k) {
+                killers.push(k);
+            }
+        }
+        let mut red = None;
+        for group in killers.chunks(KILLERS_AT_ONCE) {
+            match runner.run_killers(group, selection.baseline_limit)? {
+                TestRun::Passed { count } if count == group.len() => {}
+                other => red = Some(format!("declared killers run alone on the clean tree: {other:?}")),
+            }
+        }
+        if let Some(detail) = red {
+            report.problems.push(Problem::BaselineRed { battery: catalog.battery.clone(), detail });
+            continue;
+        }
         for m in selected {
             let result = runner.mutant(catalog, &index, m, limit)?;
             on_result(&result);
