@@ -12,29 +12,44 @@ use std::time::Duration;
 use onnx_genai_engine::Scheduler;
 use onnx_genai_server::{start_with, DriverOptions, RunningServer, ServerOptions};
 use serde_json::json;
-use support::{call, engine, eventually, package, Gate};
+use support::{call, engine, eventually, kv_tokens_held, package, Gate};
 
 /// The model that holds the budget (its turns held at a closed gate) and
 /// the model whose waiting line the tests watch; they share one budget.
-const HOLD: &str = "tiny-llama-gqa";
-const M: &str = "tiny-gpt2";
+/// The holder has the larger KV per token, so that on native-cpu (KV in
+/// 64-token blocks) its one block leaves room for a two-block request of
+/// `M` in the whole budget.
+const HOLD: &str = "tiny-gpt2";
+const M: &str = "tiny-llama-gqa";
+/// The holder's request: its prompt and new tokens.
+const HOLD_PROMPT: &str = "hold";
+const HOLD_NEW: u32 = 46;
 
 /// Serves `HOLD` (through `hold`) and `M` (through `line`) on one budget of
-/// 48 `HOLD` tokens plus `room` `M` tokens; requests wait in line up to
-/// 20 s. Returns `M`'s token count of a text, to build prompts of known
-/// lengths.
-fn serve(hold: &Gate, line: &Gate, room: u64) -> (Vec<tempfile::TempDir>, RunningServer, impl Fn(&str) -> usize) {
+/// the KV that the holder's request and 16 `M` tokens hold on this backend
+/// ([`kv_tokens_held`]); requests wait in line up to 20 s. Returns a prompt
+/// of `M` too long for that room (with its 2 new tokens), whose token count
+/// is the prefill the line records, and `M`'s token count of a text.
+fn serve(hold: &Gate, line: &Gate) -> (Vec<tempfile::TempDir>, RunningServer, (String, usize), impl Fn(&str) -> usize) {
     let (hold_dir, hp) = package(HOLD);
     let (dir, p) = package(M);
     let (hold_bpt, bpt) = (hp.kv_geometry().unwrap().bytes_per_token(), p.kv_geometry().unwrap().bytes_per_token());
-    let scheduler = Scheduler::new(48 * hold_bpt + room * bpt);
+    let room = kv_tokens_held(&p, 16);
+    // Exactly what the holder reserves: its prompt and HOLD_NEW tokens.
+    let holder_tokens = hp.tokenizer().encode(HOLD_PROMPT, false).unwrap().get_ids().len() as u64 + HOLD_NEW as u64;
+    let scheduler = Scheduler::new(kv_tokens_held(&hp, holder_tokens) * hold_bpt + room * bpt);
     let engines = vec![engine(&hp, hold, scheduler.clone()), engine(&p, line, scheduler)];
     let driver = DriverOptions { admission_wait: Duration::from_secs(20), ..DriverOptions::default() };
     let server =
         start_with(engines, "127.0.0.1:0", ServerOptions { max_sessions: 8, driver, ..Default::default() }).unwrap();
     let tokenizer = p.tokenizer().clone();
     let count = move |text: &str| tokenizer.encode(text, false).unwrap().get_ids().len();
-    (vec![hold_dir, dir], server, count)
+    let mut too_long = String::new();
+    while (count(&too_long) + 2) as u64 <= room {
+        too_long.push_str("word ");
+    }
+    let tokens = count(&too_long);
+    (vec![hold_dir, dir], server, (too_long, tokens), count)
 }
 
 fn completion(model: &str, prompt: &str, max: u32) -> serde_json::Value {
@@ -45,14 +60,13 @@ fn post(s: &RunningServer, model: &str, prompt: &str, max: u32) -> support::Repl
     call(s.addr, "POST", "/v1/completions", &[], &completion(model, prompt, max).to_string())
 }
 
-/// Starts a turn on `HOLD` that keeps all of its 48 tokens of the budget
+/// Starts a turn on `HOLD` that keeps its whole share of the budget
 /// until `hold` opens.
 fn hold_budget(s: &Arc<RunningServer>, hold: &Gate) -> std::thread::JoinHandle<support::Reply> {
     hold.close();
     let t = {
         let s = s.clone();
-        // "hold" is two tokens; 46 new ones fill the 48.
-        std::thread::spawn(move || post(&s, HOLD, "hold", 46))
+        std::thread::spawn(move || post(&s, HOLD, HOLD_PROMPT, HOLD_NEW))
     };
     hold.wait_held(1);
     t
@@ -64,11 +78,11 @@ fn hold_budget(s: &Arc<RunningServer>, hold: &Gate) -> std::thread::JoinHandle<s
 #[test]
 fn batching_serves_the_waiting_line_first_come_first_served() {
     let (hold, line) = (Gate::default(), Gate::default());
-    let (_d, s, count) = serve(&hold, &line, 16);
+    let (_d, s, (large_text, large), count) = serve(&hold, &line);
     let s = Arc::new(s);
-    let (large_text, small_text) = ("word ".repeat(8), "hi there");
-    let (large, small) = (count(&large_text), count(small_text));
-    assert!(large > small && small > 1 && large + 2 > 16, "{large} {small}");
+    let small_text = "hi there";
+    let small = count(small_text);
+    assert!(large > small && small > 1, "{large} {small}");
     let h = hold_budget(&s, &hold);
     let l = {
         let s = s.clone();
@@ -102,10 +116,8 @@ fn batching_serves_the_waiting_line_first_come_first_served() {
 fn batching_drops_a_request_cancelled_while_queued() {
     use std::io::Write;
     let (hold, line) = (Gate::default(), Gate::default());
-    let (_d, s, count) = serve(&hold, &line, 16);
+    let (_d, s, (gone_text, gone), _) = serve(&hold, &line);
     let s = Arc::new(s);
-    let gone_text = "word ".repeat(8);
-    let gone = count(&gone_text);
     let h = hold_budget(&s, &hold);
     let admitted = s.gauges().admitted;
     // A raw client: sends its request, then hangs up while it waits.

@@ -113,6 +113,14 @@ impl DecodeModel for Gated {
     fn context_length(&self) -> usize {
         self.inner.context_length()
     }
+    // Forwarded, not defaulted: the engine sizes batches and rounds
+    // reservations by them, and the gate must not change either.
+    fn batch_width(&self) -> usize {
+        self.inner.batch_width()
+    }
+    fn kv_granularity(&self) -> usize {
+        self.inner.kv_granularity()
+    }
     fn new_sequence(&self) -> Box<dyn Sequence> {
         if self.gate.current() == Fault::SequencePanics {
             panic!("injected: the backend cannot make a sequence");
@@ -132,9 +140,31 @@ impl DecodeModel for Gated {
     }
 }
 
-/// An engine on real ONNX Runtime whose model steps pass `gate`.
+/// The backend this test binary's engines run: `tests/native_cpu.rs`
+/// compiles the HTTP test files again as modules of a crate of that name;
+/// every other binary runs ONNX Runtime, the reference. (A compile-time
+/// name, so no setting outside the source can change what a test ran on.)
+pub fn backend() -> BackendKind {
+    if env!("CARGO_CRATE_NAME") == "native_cpu" {
+        BackendKind::NativeCpu
+    } else {
+        BackendKind::Ort
+    }
+}
+
+/// The tokens of KV that a reservation of `tokens` holds on this binary's
+/// backend for `package`: rounded up to the blocks its KV is resident in
+/// (token-exact on ONNX Runtime, 64-token blocks on native-cpu). Budgets
+/// of the tests are sized with it, so a test means the same on both.
+pub fn kv_tokens_held(package: &Package, tokens: u64) -> u64 {
+    let granularity = backend().load(package, 1).unwrap().kv_granularity().max(1) as u64;
+    tokens.div_ceil(granularity) * granularity
+}
+
+/// An engine on this binary's real backend ([`backend`]) whose model steps
+/// pass `gate`.
 pub fn engine(package: &Package, gate: &Gate, scheduler: Scheduler) -> Engine {
-    let inner = BackendKind::Ort.load(package, 1).unwrap();
+    let inner = backend().load(package, 1).unwrap();
     let model = Arc::new(Gated { inner, gate: gate.clone() });
     Engine::new(package.clone(), model).unwrap().with_scheduler(scheduler)
 }

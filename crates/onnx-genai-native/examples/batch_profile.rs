@@ -1,0 +1,71 @@
+//! Where a batched decode step spends its time: loads a package, prefills
+//! B sequences, then times decode steps of all B together, per op kind.
+//!
+//! `cargo run --release -p onnx-genai-native --example batch_profile -- DIR [THREADS] [B...]`
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use onnx_genai_backend::{DecodeModel, Entry, Input};
+use onnx_genai_native::NativeModel;
+use onnx_genai_package::Package;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let mut args = std::env::args().skip(1);
+    let dir = args.next().ok_or("usage: batch_profile DIR [THREADS] [B...]")?;
+    let threads: usize = args.next().map_or(Ok(2), |t| t.parse())?;
+    let mut batches: Vec<usize> = args.map(|b| b.parse()).collect::<Result<_, _>>()?;
+    if batches.is_empty() {
+        batches = vec![1, 8, 16];
+    }
+    let package = Package::open(std::path::Path::new(&dir))?;
+    let model = NativeModel::load(&package, threads)?;
+    let ops = model.plan().step_ops();
+    let steps = 32;
+    for b in batches {
+        let mut seqs: Vec<_> = (0..b).map(|_| model.new_sequence()).collect();
+        let mut logits = vec![Vec::new(); b];
+        let prompts: Vec<Vec<u32>> = (0..b).map(|i| (0..12 + i as u32).map(|t| 100 + 7 * t).collect()).collect();
+        for ((s, p), l) in seqs.iter_mut().zip(&prompts).zip(logits.iter_mut()) {
+            model.step(&mut [Entry { sequence: &mut **s, input: Input::Tokens(p), logits: l }])?;
+        }
+        let next: Vec<Vec<u32>> = (0..b).map(|i| vec![200 + i as u32]).collect();
+        let mut run = |n: usize| -> Result<Duration, Box<dyn std::error::Error>> {
+            let t = Instant::now();
+            for _ in 0..n {
+                let mut batch: Vec<Entry> = seqs
+                    .iter_mut()
+                    .zip(&next)
+                    .zip(logits.iter_mut())
+                    .map(|((s, t), l)| Entry { sequence: &mut **s, input: Input::Tokens(t), logits: l })
+                    .collect();
+                model.step(&mut batch)?;
+            }
+            Ok(t.elapsed())
+        };
+        run(4)?;
+        let wall = run(steps)?;
+        model.set_profiling(true);
+        run(steps)?;
+        let profile = model.profile();
+        model.set_profiling(false);
+        let mut by_op: BTreeMap<&str, Duration> = BTreeMap::new();
+        for (op, d) in ops.iter().zip(&profile) {
+            *by_op.entry(op.as_str()).or_default() += *d;
+        }
+        let profiled: Duration = profile.iter().sum();
+        let per_step = wall.as_secs_f64() / steps as f64;
+        println!(
+            "B={b}: {:.2} ms/step, {:.0} tok/s aggregate (profiled steps sum {:.2} ms/step)",
+            per_step * 1e3,
+            b as f64 / per_step,
+            profiled.as_secs_f64() * 1e3 / steps as f64
+        );
+        let mut sorted: Vec<_> = by_op.into_iter().collect();
+        sorted.sort_by_key(|b| std::cmp::Reverse(b.1));
+        for (op, d) in sorted.iter().take(10) {
+            println!("    {op:<24} {:>8.3} ms/step", d.as_secs_f64() * 1e3 / steps as f64);
+        }
+    }
+    Ok(())
+}
