@@ -230,6 +230,17 @@ impl ThreadPool {
             f(item, t);
         });
     }
+
+    /// [`ThreadPool::for_claimed`] over chunks: `0..n` in ranges of
+    /// `chunk` items (the last may be shorter), each thread claiming the
+    /// next range when it finishes one. For a projection on a machine that
+    /// also runs a server: a fixed split makes the region wait for a thread
+    /// the OS preempted, while claimed chunks let the other thread take
+    /// over its share.
+    pub fn for_claimed_ranges(&self, n: usize, chunk: usize, f: &(dyn Fn(std::ops::Range<usize>, usize) + Sync)) {
+        let chunk = chunk.max(1);
+        self.for_claimed(n.div_ceil(chunk), &|c, t| f(c * chunk..((c + 1) * chunk).min(n), t));
+    }
 }
 
 /// The `t`-th of `threads` ranges over `0..n`, in units of `align`.
@@ -458,6 +469,23 @@ mod tests {
         // A fixed split would give it 20; anything the other thread left
         // it (a scheduler hiccup) stays well below that.
         assert!(stalled < 20, "the stalled thread took {stalled} of 40 items: the split is not dynamic");
+    }
+
+    /// Claimed ranges cover `0..n` exactly once, in chunks of the size
+    /// asked (the last one shorter), for awkward sizes and pool sizes.
+    #[test]
+    fn claimed_ranges_cover_the_work_once() {
+        for (n, chunk, threads) in [(0, 4, 2), (5, 16, 2), (18, 2, 2), (97, 5, 3), (1000, 1, 2)] {
+            let pool = ThreadPool::new(threads, Duration::from_micros(50)).unwrap();
+            let covered: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+            pool.for_claimed_ranges(n, chunk, &|r, _| {
+                assert!(!r.is_empty() && (r.len() == chunk || r.end == n), "n={n} chunk={chunk}: {r:?}");
+                r.for_each(|i| {
+                    covered[i].fetch_add(1, Ordering::Relaxed);
+                });
+            });
+            assert!(covered.iter().all(|c| c.load(Ordering::Relaxed) == 1), "n={n} chunk={chunk} threads={threads}");
+        }
     }
 
     /// A panic in a worker reaches the caller after the region ends, and the
