@@ -91,6 +91,7 @@ fn the_runner_reports_each_known_verdict() {
     assert_eq!(verdict("survivor"), Verdict::Missed);
     assert!(matches!(verdict("unviable"), Verdict::Unviable { .. }), "{:?}", verdict("unviable"));
     assert_eq!(verdict("drifted-find"), Verdict::CatalogDrift { occurrences: 0 });
+    assert_eq!(scope("drifted-find"), Scope::Nothing, "a mutant that cannot be applied runs nothing");
     let wrong = report.result("wrong-killers").unwrap();
     assert!(matches!(&wrong.verdict, Verdict::Caught { by } if by == &["tests::ok_clamp_caps_at_budget"]));
     assert!(wrong.unexpected && wrong.is_failure());

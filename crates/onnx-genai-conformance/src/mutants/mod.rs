@@ -86,6 +86,8 @@ pub enum Scope {
     Killers,
     /// The whole battery ran (a killer passed, or could not be placed).
     Battery,
+    /// Nothing ran: the mutant could not be applied (CATALOG-DRIFT).
+    Nothing,
 }
 
 #[derive(Clone, Debug, Serialize)]

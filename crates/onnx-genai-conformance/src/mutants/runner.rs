@@ -200,11 +200,11 @@ impl Runner {
 
     /// Runs the battery's tests with a time limit.
     pub fn run(&self, catalog: &Catalog, limit: Duration) -> Result<TestRun, String> {
-        self.run_command(self.cargo(catalog, &["--test-threads=2"]), limit)
+        Self::run_command(self.cargo(catalog, &["--test-threads=2"]), limit)
     }
 
     /// Runs a `cargo test` command with a time limit and reads its verdict.
-    pub(crate) fn run_command(&self, command: Command, limit: Duration) -> Result<TestRun, String> {
+    pub(crate) fn run_command(command: Command, limit: Duration) -> Result<TestRun, String> {
         let Some((status, stdout, stderr)) = Watched::spawn(command)?.wait(Instant::now() + limit)? else {
             return Ok(TestRun::TimedOut);
         };
@@ -233,10 +233,11 @@ impl Runner {
         let path = self.scratch.join(&m.file);
         let original = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", m.file))?;
         let n = occurrences(&original, &m.find);
-        let mut scope = Scope::Killers;
+        let mut scope = Scope::Nothing;
         let (verdict, unexpected) = if n != 1 {
             (Verdict::CatalogDrift { occurrences: n }, false)
         } else {
+            scope = Scope::Killers;
             write_fresh(&path, &original.replacen(&m.find, &m.replace, 1))?;
             // Only a kill by every killer, a build failure or a timeout
             // decides here; anything else (a killer that passed, one the
@@ -346,8 +347,23 @@ pub(crate) struct Watched {
 }
 
 impl Watched {
-    pub(crate) fn spawn(mut command: Command) -> Result<Self, String> {
+    /// Runs `command` with its output captured (returned by [`Watched::wait`]).
+    pub(crate) fn spawn(command: Command) -> Result<Self, String> {
+        Self::start(command, true)
+    }
+
+    /// Runs `command` with its output where this process's goes (a long
+    /// run the user watches); [`Watched::wait`] returns empty output.
+    pub(crate) fn spawn_inherited(command: Command) -> Result<Self, String> {
+        Self::start(command, false)
+    }
+
+    fn start(mut command: Command, captured: bool) -> Result<Self, String> {
         own_process_group(&mut command);
+        if !captured {
+            let child = command.spawn().map_err(|e| e.to_string())?;
+            return Ok(Self { child, readers: None, waited: false });
+        }
         let mut child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().map_err(|e| e.to_string())?;
         let (mut out, mut err) = (child.stdout.take(), child.stderr.take());
         let readers =
@@ -389,20 +405,8 @@ impl Drop for Watched {
 
 /// Runs `command` in its own process group for at most `limit`: its exit
 /// status, or `None` when the limit killed the whole group.
-pub fn run_limited(mut command: Command, limit: Duration) -> Result<Option<std::process::ExitStatus>, String> {
-    own_process_group(&mut command);
-    let mut child = command.spawn().map_err(|e| e.to_string())?;
-    let started = Instant::now();
-    loop {
-        if let Some(status) = child.try_wait().map_err(|e| e.to_string())? {
-            return Ok(Some(status));
-        }
-        if started.elapsed() > limit {
-            kill_tree(&mut child);
-            return Ok(None);
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
+pub fn run_limited(command: Command, limit: Duration) -> Result<Option<std::process::ExitStatus>, String> {
+    Ok(Watched::spawn_inherited(command)?.wait(Instant::now() + limit)?.map(|(status, _, _)| status))
 }
 
 /// Cargo runs the test binary as its own child: killing cargo alone would
