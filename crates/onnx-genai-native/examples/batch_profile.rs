@@ -66,6 +66,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         for (op, d) in sorted.iter().take(10) {
             println!("    {op:<24} {:>8.3} ms/step", d.as_secs_f64() * 1e3 / steps as f64);
         }
+        // The costliest single steps, with the projection sizes (n x k).
+        let shapes = model.plan().step_shapes();
+        let mut single: Vec<(usize, Duration)> = profile.iter().copied().enumerate().collect();
+        single.sort_by_key(|s| std::cmp::Reverse(s.1));
+        for (i, d) in single.iter().take(4) {
+            let shape = shapes[*i].map(|(n, k)| format!(" {n}x{k}")).unwrap_or_default();
+            println!("    step {i:>4} {}{shape}: {:.3} ms/step", ops[*i], d.as_secs_f64() * 1e3 / steps as f64);
+        }
     }
     Ok(())
 }

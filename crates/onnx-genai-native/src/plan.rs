@@ -321,6 +321,18 @@ impl Plan {
         self.steps.iter().map(|s| s.op.name()).collect()
     }
 
+    /// Each step's projection weight as (outputs, inputs), indexed like
+    /// [`Plan::step_ops`]; `None` for steps that project nothing.
+    pub fn step_shapes(&self) -> Vec<Option<(usize, usize)>> {
+        self.steps
+            .iter()
+            .map(|s| match &s.op {
+                Op::Linear { weight, .. } | Op::GatedMlp { weight } => Some((weight.n, weight.k)),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// Whether the logits projection runs on each sequence's last row only
     /// (a prefill computes one row of logits, not one per prompt token).
     pub fn head_selects_rows(&self) -> bool {
