@@ -60,18 +60,90 @@ fn quantized_blocks(k: usize, x_block: usize) -> usize {
 /// [`quantize`] into slices of exactly the right lengths (`x.len()` values,
 /// [`quantized_blocks`] scales and sums), so rows can be quantized apart.
 fn quantize_into(x: &[f32], x_block: usize, q: &mut [i8], scales: &mut [f32], sums: &mut [i32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 checked.
+        unsafe { quantize_avx2(x, x_block, q, scales, sums) };
+        return;
+    }
+    quantize_portable(x, x_block, q, scales, sums);
+}
+
+fn quantize_portable(x: &[f32], x_block: usize, q: &mut [i8], scales: &mut [f32], sums: &mut [i32]) {
     let x_block = x_block.max(1);
     let mut entry = 0;
     for (chunk, out) in x.chunks(x_block).zip(q.chunks_mut(x_block)) {
-        let amax = chunk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        let scale = amax / 127.0;
-        let inverse = if amax != 0.0 { 127.0 / amax } else { 0.0 };
-        for (o, v) in out.iter_mut().zip(chunk) {
-            *o = round_small(v * inverse) as i8;
+        entry = quantize_chunk(chunk, out, x_block, &mut scales[entry..], &mut sums[entry..]) + entry;
+    }
+}
+
+/// One block of [`quantize_into`]; returns the scales (and sums) written.
+fn quantize_chunk(chunk: &[f32], out: &mut [i8], x_block: usize, scales: &mut [f32], sums: &mut [i32]) -> usize {
+    let amax = chunk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let scale = amax / 127.0;
+    let inverse = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+    for (o, v) in out.iter_mut().zip(chunk) {
+        *o = round_small(v * inverse) as i8;
+    }
+    let mut entry = 0;
+    for sub in out.chunks(QBLOCK.min(x_block)) {
+        scales[entry] = scale;
+        sums[entry] = sub.iter().map(|v| i32::from(*v)).sum();
+        entry += 1;
+    }
+    entry
+}
+
+/// [`quantize_portable`] on AVX2, to the same bits: `max` is exact in any
+/// order, the scale and its inverse are the same scalar divisions, the
+/// products the same multiplications, and `cvtps2dq` rounds to nearest,
+/// ties to even (the default rounding mode), as [`round_small`] does; the
+/// sums are exact integers. Blocks of other than whole 32s take the
+/// portable path. (It was 5% of a 16-sequence decode step in scalar code.)
+///
+/// # Safety
+/// AVX2 must be available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn quantize_avx2(x: &[f32], x_block: usize, q: &mut [i8], scales: &mut [f32], sums: &mut [i32]) {
+    use std::arch::x86_64::*;
+    let x_block = x_block.max(1);
+    let mut entry = 0;
+    for (chunk, out) in x.chunks(x_block).zip(q.chunks_mut(x_block)) {
+        if !chunk.len().is_multiple_of(QBLOCK) || !x_block.is_multiple_of(QBLOCK) {
+            entry += quantize_chunk(chunk, out, x_block, &mut scales[entry..], &mut sums[entry..]);
+            continue;
         }
-        for sub in out.chunks(QBLOCK.min(x_block)) {
+        let magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+        let mut m = _mm256_setzero_ps();
+        for v in chunk.chunks_exact(8) {
+            // SAFETY: `v` holds 8 values. (|v| first: `maxps` returns its
+            // second operand when one is NaN, so a NaN is skipped as
+            // `f32::max` skips it.)
+            m = _mm256_max_ps(_mm256_and_ps(unsafe { _mm256_loadu_ps(v.as_ptr()) }, magnitude), m);
+        }
+        let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps(m2, m2, 1)));
+        let scale = amax / 127.0;
+        let inverse = _mm256_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
+        // packs work within 128-bit lanes: this puts the four 8-value groups
+        // back in order.
+        let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        for (sub, o) in chunk.chunks_exact(QBLOCK).zip(out.chunks_exact_mut(QBLOCK)) {
+            // SAFETY: `sub` holds 32 values: four loads of 8.
+            let [a, b, c, d]: [__m256i; 4] = std::array::from_fn(|i| {
+                _mm256_cvtps_epi32(_mm256_mul_ps(unsafe { _mm256_loadu_ps(sub.as_ptr().add(8 * i)) }, inverse))
+            });
+            let bytes = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
+            // SAFETY: `o` holds 32 bytes.
+            unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), _mm256_permutevar8x32_epi32(bytes, order)) };
+            let s = _mm256_add_epi32(_mm256_add_epi32(a, b), _mm256_add_epi32(c, d));
+            let s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+            let s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+            let s1 = _mm_add_epi32(s2, _mm_shuffle_epi32(s2, 1));
             scales[entry] = scale;
-            sums[entry] = sub.iter().map(|v| i32::from(*v)).sum();
+            sums[entry] = _mm_cvtsi128_si32(s1);
             entry += 1;
         }
     }
@@ -257,7 +329,55 @@ pub fn tile_width(t: &Tiled, tile: usize) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::round_small;
+    use super::*;
+
+    type Quantizer = dyn Fn(&[f32], usize, &mut [i8], &mut [f32], &mut [i32]);
+
+    /// The AVX2 quantization gives [`quantize_portable`]'s bits: values,
+    /// scales and sums, on rows with zero blocks, ties (x.5 after scaling),
+    /// the block maximum at either end, negative maxima, blocks of 32, 64
+    /// and 128, and a last block that is not whole 32s (portable there).
+    #[test]
+    fn quantization_is_the_same_on_every_path() {
+        let mut seed = 0x9e37_79b9u32;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 17;
+            seed ^= seed << 5;
+            seed
+        };
+        for (k, x_block) in [(96, 32), (128, 64), (256, 128), (100, 32), (72, 64)] {
+            for case in 0..40 {
+                let mut x: Vec<f32> = (0..k).map(|_| (next() % 20001) as f32 / 1000.0 - 10.0).collect();
+                match case % 4 {
+                    // Zero blocks.
+                    0 => x[..k.min(32)].iter_mut().for_each(|v| *v = 0.0),
+                    // Ties: max 127 gives scale 1, halves round to even.
+                    1 => {
+                        x[0] = -127.0;
+                        x.iter_mut().skip(1).step_by(3).for_each(|v| *v = (next() % 255) as f32 / 2.0 - 63.5);
+                    }
+                    // The maximum last in its block.
+                    2 => x[k - 1] = 50.0,
+                    _ => {}
+                }
+                let entries = quantized_blocks(k, x_block);
+                let run = |f: &Quantizer| {
+                    let (mut q, mut s, mut sums) = (vec![0i8; k], vec![0f32; entries], vec![0i32; entries]);
+                    f(&x, x_block, &mut q, &mut s, &mut sums);
+                    (q, s.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), sums)
+                };
+                let want = run(&quantize_portable);
+                #[cfg(target_arch = "x86_64")]
+                if std::arch::is_x86_feature_detected!("avx2") {
+                    // SAFETY: AVX2 checked.
+                    let got = run(&|x, b, q, s, sums| unsafe { quantize_avx2(x, b, q, s, sums) });
+                    assert_eq!(got, want, "k={k} x_block={x_block} case={case}");
+                }
+                assert_eq!(run(&quantize_into), want);
+            }
+        }
+    }
 
     /// The activation rounding is ONNX Runtime's (nearest, ties to even) on
     /// every value quantization can produce: every multiple of 1/64 in
