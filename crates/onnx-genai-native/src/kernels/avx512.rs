@@ -53,6 +53,13 @@ unsafe fn tiles_vnni(t: &Tiled, rows: &Rows<'_>, tiles: Range<usize>, y: &Disjoi
 /// features.
 #[inline(always)]
 unsafe fn tiles_body<const VNNI: bool>(t: &Tiled, rows: &Rows<'_>, tiles: Range<usize>, y: &Disjoint<'_, f32>) {
+    // Int8 inputs run at most 4 rows a call: 8 rows x 2 tiles keep 16
+    // integer sums beside 16 row results, more than the 32 registers, and
+    // the spills made 8 rows slower per multiply-add than 4 (criterion
+    // `batch_576x3072_1t/q4_int8_inputs/avx512-vnni`, one thread: 90 G/s
+    // at 8 rows against 106 at 4 on a Zen 4; run as two calls of 4, 8 rows
+    // went from 97 to 124 G/s and 16 from 101 to 134 in adjacent runs).
+    let eight = !matches!(t.data, TileData::Q4 { int8: true, .. });
     let mut tile = tiles.start;
     while tile < tiles.end {
         let pair = tiles.end - tile >= 2;
@@ -63,11 +70,11 @@ unsafe fn tiles_body<const VNNI: bool>(t: &Tiled, rows: &Rows<'_>, tiles: Range<
             // and rows `r..` are in bounds.
             unsafe {
                 match (pair, left) {
-                    (true, 8..) => r += dispatch::<2, 8, VNNI>(t, rows, tile, r, y),
+                    (true, 8..) if eight => r += dispatch::<2, 8, VNNI>(t, rows, tile, r, y),
                     (true, 4..) => r += dispatch::<2, 4, VNNI>(t, rows, tile, r, y),
                     (true, 2..) => r += dispatch::<2, 2, VNNI>(t, rows, tile, r, y),
                     (true, _) => r += dispatch::<2, 1, VNNI>(t, rows, tile, r, y),
-                    (false, 8..) => r += dispatch::<1, 8, VNNI>(t, rows, tile, r, y),
+                    (false, 8..) if eight => r += dispatch::<1, 8, VNNI>(t, rows, tile, r, y),
                     (false, 4..) => r += dispatch::<1, 4, VNNI>(t, rows, tile, r, y),
                     (false, 2..) => r += dispatch::<1, 2, VNNI>(t, rows, tile, r, y),
                     (false, _) => r += dispatch::<1, 1, VNNI>(t, rows, tile, r, y),
