@@ -287,13 +287,7 @@ impl Plan {
     /// Multiply-adds of the projections per position (every weight used
     /// once; attention, which grows with the context, is not counted).
     pub fn projection_macs(&self) -> u64 {
-        self.steps
-            .iter()
-            .map(|s| match &s.op {
-                Op::Linear { weight, .. } | Op::GatedMlp { weight } => (weight.n * weight.k) as u64,
-                _ => 0,
-            })
-            .sum()
+        self.step_shapes().into_iter().flatten().map(|(n, k)| (n * k) as u64).sum()
     }
 
     /// Whether any projection quantizes its inputs to int8

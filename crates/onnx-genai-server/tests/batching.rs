@@ -12,7 +12,7 @@ use std::time::Duration;
 use onnx_genai_engine::Scheduler;
 use onnx_genai_server::{start_with, DriverOptions, RunningServer, ServerOptions};
 use serde_json::json;
-use support::{call, engine, eventually, kv_tokens_held, package, Gate};
+use support::{call, engine, eventually, package, Gate, KvBlocks};
 
 /// The model that holds the budget (its turns held at a closed gate) and
 /// the model whose waiting line the tests watch; they share one budget.
@@ -27,17 +27,17 @@ const HOLD_NEW: u32 = 46;
 
 /// Serves `HOLD` (through `hold`) and `M` (through `line`) on one budget of
 /// the KV that the holder's request and 16 `M` tokens hold on this backend
-/// ([`kv_tokens_held`]); requests wait in line up to 20 s. Returns a prompt
+/// ([`KvBlocks`]); requests wait in line up to 20 s. Returns a prompt
 /// of `M` too long for that room (with its 2 new tokens), whose token count
 /// is the prefill the line records, and `M`'s token count of a text.
 fn serve(hold: &Gate, line: &Gate) -> (Vec<tempfile::TempDir>, RunningServer, (String, usize), impl Fn(&str) -> usize) {
     let (hold_dir, hp) = package(HOLD);
     let (dir, p) = package(M);
-    let (hold_bpt, bpt) = (hp.kv_geometry().unwrap().bytes_per_token(), p.kv_geometry().unwrap().bytes_per_token());
-    let room = kv_tokens_held(&p, 16);
+    let (held, line_kv) = (KvBlocks::of(&hp), KvBlocks::of(&p));
+    let room = line_kv.tokens(16);
     // Exactly what the holder reserves: its prompt and HOLD_NEW tokens.
     let holder_tokens = hp.tokenizer().encode(HOLD_PROMPT, false).unwrap().get_ids().len() as u64 + HOLD_NEW as u64;
-    let scheduler = Scheduler::new(kv_tokens_held(&hp, holder_tokens) * hold_bpt + room * bpt);
+    let scheduler = Scheduler::new(held.bytes(holder_tokens) + line_kv.bytes(room));
     let engines = vec![engine(&hp, hold, scheduler.clone()), engine(&p, line, scheduler)];
     let driver = DriverOptions { admission_wait: Duration::from_secs(20), ..DriverOptions::default() };
     let server =

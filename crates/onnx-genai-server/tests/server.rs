@@ -298,22 +298,17 @@ fn a_stop_string_answer_comes_after_the_session_is_free() {
 fn the_admission_promise_decides_the_status() {
     let gate = Gate::default();
     let ((dir, p), (other_dir, other)) = (package(M), package("tiny-gpt2"));
-    // Bytes a reservation of `tokens` holds (blocks measured once).
-    let block = |package: &onnx_genai_package::Package| support::kv_tokens_held(package, 1);
-    let blocks = [(p.manifest.name.clone(), block(&p)), (other.manifest.name.clone(), block(&other))];
-    let held = |package: &onnx_genai_package::Package, tokens: u64| {
-        let g = blocks.iter().find(|(n, _)| *n == package.manifest.name).unwrap().1;
-        tokens.div_ceil(g) * g * package.kv_geometry().unwrap().bytes_per_token()
+    let (kv, other_kv) = (support::KvBlocks::of(&p), support::KvBlocks::of(&other));
+    let count = |package: &onnx_genai_package::Package, text: &str| {
+        package.tokenizer().encode(text, false).unwrap().len() as u64
     };
     // 60 tokens of `M`, and at least what a short request on the other
     // model holds (one 64-token block of it on native-cpu), so that one
     // fits an empty budget and waits only behind the holder.
-    let budget = held(&p, 60).max(held(&other, 8));
+    let budget = kv.bytes(60).max(other_kv.bytes(8));
     // Inside the context, beyond the whole budget on either model.
     let mut huge = String::new();
-    while held(&p, p.tokenizer().encode(huge.as_str(), false).unwrap().len() as u64) <= budget
-        || held(&other, other.tokenizer().encode(huge.as_str(), false).unwrap().len() as u64) <= budget
-    {
+    while kv.bytes(count(&p, &huge)) <= budget || other_kv.bytes(count(&other, &huge)) <= budget {
         huge.push_str("word ");
     }
     drop((dir, other_dir));

@@ -73,7 +73,7 @@ fn quantize_portable(x: &[f32], x_block: usize, q: &mut [i8], scales: &mut [f32]
     let x_block = x_block.max(1);
     let mut entry = 0;
     for (chunk, out) in x.chunks(x_block).zip(q.chunks_mut(x_block)) {
-        entry = quantize_chunk(chunk, out, x_block, &mut scales[entry..], &mut sums[entry..]) + entry;
+        entry += quantize_chunk(chunk, out, x_block, &mut scales[entry..], &mut sums[entry..]);
     }
 }
 
@@ -108,13 +108,20 @@ fn quantize_chunk(chunk: &[f32], out: &mut [i8], x_block: usize, scales: &mut [f
 unsafe fn quantize_avx2(x: &[f32], x_block: usize, q: &mut [i8], scales: &mut [f32], sums: &mut [i32]) {
     use std::arch::x86_64::*;
     let x_block = x_block.max(1);
+    if !x_block.is_multiple_of(QBLOCK) {
+        quantize_portable(x, x_block, q, scales, sums);
+        return;
+    }
+    let magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+    // packs work within 128-bit lanes: this puts the four 8-value groups
+    // back in order.
+    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     let mut entry = 0;
     for (chunk, out) in x.chunks(x_block).zip(q.chunks_mut(x_block)) {
-        if !chunk.len().is_multiple_of(QBLOCK) || !x_block.is_multiple_of(QBLOCK) {
+        if !chunk.len().is_multiple_of(QBLOCK) {
             entry += quantize_chunk(chunk, out, x_block, &mut scales[entry..], &mut sums[entry..]);
             continue;
         }
-        let magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
         let mut m = _mm256_setzero_ps();
         for v in chunk.chunks_exact(8) {
             // SAFETY: `v` holds 8 values. (|v| first: `maxps` returns its
@@ -127,9 +134,6 @@ unsafe fn quantize_avx2(x: &[f32], x_block: usize, q: &mut [i8], scales: &mut [f
         let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps(m2, m2, 1)));
         let scale = amax / 127.0;
         let inverse = _mm256_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
-        // packs work within 128-bit lanes: this puts the four 8-value groups
-        // back in order.
-        let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
         for (sub, o) in chunk.chunks_exact(QBLOCK).zip(out.chunks_exact_mut(QBLOCK)) {
             // SAFETY: `sub` holds 32 values: four loads of 8.
             let [a, b, c, d]: [__m256i; 4] = std::array::from_fn(|i| {

@@ -152,13 +152,31 @@ pub fn backend() -> BackendKind {
     }
 }
 
-/// The tokens of KV that a reservation of `tokens` holds on this binary's
-/// backend for `package`: rounded up to the blocks its KV is resident in
-/// (token-exact on ONNX Runtime, 64-token blocks on native-cpu). Budgets
-/// of the tests are sized with it, so a test means the same on both.
-pub fn kv_tokens_held(package: &Package, tokens: u64) -> u64 {
-    let granularity = backend().load(package, 1).unwrap().kv_granularity().max(1) as u64;
-    tokens.div_ceil(granularity) * granularity
+/// How a package's KV is held on this binary's backend: reservations are
+/// rounded up to its resident blocks (token-exact on ONNX Runtime,
+/// 64-token blocks on native-cpu). Budgets of the tests are sized with it,
+/// so a test means the same on both.
+pub struct KvBlocks {
+    granularity: u64,
+    bytes_per_token: u64,
+}
+
+impl KvBlocks {
+    /// Loads the backend once to read its block size.
+    pub fn of(package: &Package) -> Self {
+        let granularity = backend().load(package, 1).unwrap().kv_granularity().max(1) as u64;
+        Self { granularity, bytes_per_token: package.kv_geometry().unwrap().bytes_per_token() }
+    }
+
+    /// The tokens of KV a reservation of `tokens` holds.
+    pub fn tokens(&self, tokens: u64) -> u64 {
+        tokens.div_ceil(self.granularity) * self.granularity
+    }
+
+    /// The bytes a reservation of `tokens` holds.
+    pub fn bytes(&self, tokens: u64) -> u64 {
+        self.tokens(tokens) * self.bytes_per_token
+    }
 }
 
 /// An engine on this binary's real backend ([`backend`]) whose model steps
