@@ -82,17 +82,14 @@ pub trait DecodeModel: Send + Sync {
 
     /// How many sequences one [`DecodeModel::step`] advances in a single
     /// pass over the weights (1: the model runs a batch's entries one after
-    /// another).
-    fn batch_width(&self) -> usize {
-        1
-    }
+    /// another). No default: a wrapper that forgot to forward it would
+    /// silently change how the engine batches.
+    fn batch_width(&self) -> usize;
 
     /// Positions a sequence's KV memory grows by (its blocks; 1: exactly
     /// what it holds). Admission reserves whole blocks so that what it
-    /// counts covers what is resident.
-    fn kv_granularity(&self) -> usize {
-        1
-    }
+    /// counts covers what is resident. No default, for the same reason.
+    fn kv_granularity(&self) -> usize;
 }
 
 /// One sequence's decode state: its KV cache and position.

@@ -253,6 +253,12 @@ mod tests {
             }
             Ok(())
         }
+        fn batch_width(&self) -> usize {
+            1
+        }
+        fn kv_granularity(&self) -> usize {
+            1
+        }
     }
 
     fn scripted(rows: Vec<Vec<f32>>) -> Decoder {

@@ -135,7 +135,11 @@ fn a_chat_turn_answers_in_text_and_in_json() {
             parameters: serde_json::json!({"type": "object", "properties": {}, "additionalProperties": false}),
         },
     ];
-    let chat = Chat { messages: vec![ChatMessage::new("user", "What is the weather in Paris?")], tools: tools.clone() };
+    let chat = Chat {
+        messages: vec![ChatMessage::new("user", "What is the weather in Paris?")],
+        tools: tools.clone(),
+        ..Chat::default()
+    };
     let plain = engine.prompter().rows(&Prompt::Chat(chat.messages.clone().into())).unwrap().remove(0);
     let request = GenerateRequest {
         max_new_tokens: Some(60),

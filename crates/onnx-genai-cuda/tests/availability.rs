@@ -1,18 +1,8 @@
 //! native-cuda on the machine at hand: with a GPU it loads a package and
 //! decodes; without one it says so with a typed error.
 
-use std::path::Path;
-
 use onnx_genai_backend::{BackendError, Decoder};
 use onnx_genai_cuda::CudaModel;
-use onnx_genai_package::Package;
-
-fn tiny_package(dir: &Path) -> Package {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let spec = onnx_genai_build::read_spec(&root.join("packages/tiny-llama-gqa/spec.yaml")).unwrap();
-    onnx_genai_build::build_package(&spec, dir).unwrap();
-    Package::open(dir).unwrap()
-}
 
 /// Choosing native-cuda on a machine without a CUDA driver or device is
 /// `BackendError::Unavailable` naming what is missing (never a panic, never
@@ -21,8 +11,7 @@ fn tiny_package(dir: &Path) -> Package {
 /// step returns finite logits of the vocabulary's width.
 #[test]
 fn native_cuda_loads_on_a_gpu_and_says_why_not_elsewhere() {
-    let dir = tempfile::tempdir().unwrap();
-    let package = tiny_package(dir.path());
+    let (_dir, package) = onnx_genai_test_support::build("tiny-llama-gqa");
     let required = std::env::var("ONNX_GENAI_REQUIRE_GPU").is_ok_and(|v| v == "1");
     match onnx_genai_cuda::probe() {
         Ok(device) => {

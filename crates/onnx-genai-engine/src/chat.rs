@@ -36,27 +36,50 @@ impl ChatMessage {
     }
 }
 
-/// A chat prompt: its messages and the tools the model may call.
-#[derive(Clone, Debug, Default, PartialEq)]
+/// A chat prompt: its messages, the tools the model may call, and what
+/// else its template reads.
+#[derive(Clone, Debug, PartialEq)]
 pub struct Chat {
     pub messages: Vec<ChatMessage>,
     pub tools: Vec<Tool>,
+    /// Whether the rendered prompt ends with the assistant's header (the
+    /// templates' `add_generation_prompt`; off to continue the last
+    /// message).
+    pub add_generation_prompt: bool,
+    /// Extra variables the template reads (`enable_thinking`,
+    /// `date_string`, ...: a request's `chat_template_kwargs`); they may
+    /// not replace what the renderer sets (`messages`, `tools`,
+    /// `add_generation_prompt`, `bos_token`, `eos_token`).
+    pub template_vars: serde_json::Map<String, serde_json::Value>,
+}
+
+impl Default for Chat {
+    fn default() -> Self {
+        Self { messages: Vec::new(), tools: Vec::new(), add_generation_prompt: true, template_vars: Default::default() }
+    }
 }
 
 impl From<Vec<ChatMessage>> for Chat {
     fn from(messages: Vec<ChatMessage>) -> Self {
-        Self { messages, tools: Vec::new() }
+        Self { messages, ..Self::default() }
     }
 }
 
-/// The chat as `template` renders it: the tools handed to a template that
-/// reads them, else written into the messages' text (`tools.rs`).
-pub(crate) fn render(
+/// Renders `template` with `chat` as Hugging Face's `apply_chat_template`
+/// does (`template.rs`), with `bos_token` and `eos_token` as the
+/// tokenizer's texts of those tokens.
+pub fn render_chat_template(
     template: &str,
     chat: &Chat,
-    tokenizer: &Tokenizer,
-    manifest: &Manifest,
+    bos_token: &str,
+    eos_token: &str,
 ) -> Result<String, EngineError> {
+    if let Some(name) = chat.template_vars.keys().find(|k| crate::template::RESERVED.contains(&k.as_str())) {
+        return Err(EngineError::Request(format!(
+            "chat_template_kwargs cannot set `{name}`: the renderer sets {}",
+            crate::template::RESERVED.map(|r| format!("`{r}`")).join(", ")
+        )));
+    }
     let knows_tools = tools::template_knows_tools(template);
     let written;
     let messages = if knows_tools {
@@ -67,18 +90,38 @@ pub(crate) fn render(
     };
     let tools: Option<Vec<serde_json::Value>> =
         (knows_tools && !chat.tools.is_empty()).then(|| chat.tools.iter().map(Tool::to_json).collect());
-    let token = |id: Option<u32>| id.and_then(|id| tokenizer.id_to_token(id)).unwrap_or_default();
-    let mut env = minijinja::Environment::new();
-    env.add_template("chat", template).map_err(|e| EngineError::ChatTemplate(e.to_string()))?;
-    let tmpl = env.get_template("chat").map_err(|e| EngineError::ChatTemplate(e.to_string()))?;
-    tmpl.render(minijinja::context! {
+    let env = crate::template::environment();
+    let tmpl = env.template_from_str(template).map_err(|e| EngineError::ChatTemplate(e.to_string()))?;
+    let fixed = minijinja::context! {
         messages => messages,
         tools => tools,
-        add_generation_prompt => true,
-        bos_token => token(manifest.generation.bos_token_id),
-        eos_token => token(manifest.generation.eos_token_ids.first().copied()),
-    })
-    .map_err(|e| EngineError::ChatTemplate(e.to_string()))
+        add_generation_prompt => chat.add_generation_prompt,
+        bos_token => bos_token,
+        eos_token => eos_token,
+    };
+    let context = minijinja::context! { ..fixed, ..minijinja::Value::from_serialize(&chat.template_vars) };
+    tmpl.render(context).map_err(|e| EngineError::ChatTemplate(template_error(&e)))
+}
+
+/// A render error with its cause (minijinja puts the template's own
+/// `raise_exception` message in the detail).
+fn template_error(e: &minijinja::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(cause) = source {
+        text.push_str(&format!(": {cause}"));
+        source = cause.source();
+    }
+    text
+}
+
+/// The chat as the package's template renders it, with the tokenizer's
+/// texts of the package's bos and eos tokens.
+fn render(template: &str, chat: &Chat, tokenizer: &Tokenizer, manifest: &Manifest) -> Result<String, EngineError> {
+    let token = |id: Option<u32>| id.and_then(|id| tokenizer.id_to_token(id)).unwrap_or_default();
+    let bos = token(manifest.generation.bos_token_id);
+    let eos = token(manifest.generation.eos_token_ids.first().copied());
+    render_chat_template(template, chat, &bos, &eos)
 }
 
 /// Turns text and chat prompts into token ids with the package's tokenizer
@@ -146,14 +189,19 @@ impl Prompter {
         let spells = |text: &str| self.specials.iter().any(|s| text.contains(s.as_str()));
         // What the template (or `written_into_text`) writes as it is, outside
         // the content markers: it must not spell a control token.
-        let mut verbatim = chat.tools.iter().map(|t| t.to_json().to_string()).chain(messages.iter().flat_map(|msg| {
-            let calls = msg.tool_calls.iter().flat_map(|c| [c.id.clone(), c.call_json().to_string()]);
-            calls.chain(msg.name.clone()).chain(msg.tool_call_id.clone())
-        }));
+        let mut verbatim = chat
+            .tools
+            .iter()
+            .map(|t| t.to_json().to_string())
+            .chain(messages.iter().flat_map(|msg| {
+                let calls = msg.tool_calls.iter().flat_map(|c| [c.id.clone(), c.call_json().to_string()]);
+                calls.chain(msg.name.clone()).chain(msg.tool_call_id.clone())
+            }))
+            .chain(chat.template_vars.values().map(serde_json::Value::to_string));
         if let Some(text) = verbatim.find(|text| spells(text)) {
             let shown: String = text.chars().take(60).collect();
             return Err(EngineError::ChatTemplate(format!(
-                "a tool, a tool call or a message's name or id spells a special token ({shown:?}); the template writes them as they are, so it would become a control token: remove it"
+                "a tool, a tool call, a message's name or id, or a template variable spells a special token ({shown:?}); the template writes them as they are, so it would become a control token: remove it"
             )));
         }
         let spells_control = messages.iter().any(|msg| spells(&msg.content) || !msg.image_at.is_empty());
@@ -166,7 +214,7 @@ impl Prompter {
                 .enumerate()
                 .map(|(i, msg)| ChatMessage { content: format!("{OPEN}{i}{CLOSE}"), ..msg.clone() })
                 .collect(),
-            tools: chat.tools.clone(),
+            ..chat.clone()
         };
         let rendered = render(template, &marked, tokenizer, m)?;
         let garbled = || {

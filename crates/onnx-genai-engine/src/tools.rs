@@ -31,10 +31,13 @@ pub struct Tool {
 impl Tool {
     /// The tool as OpenAI's request (and chat templates) spell it.
     pub fn to_json(&self) -> Value {
-        let mut function = json!({"name": self.name, "parameters": self.parameters});
+        // In the order clients send and templates were trained on: name,
+        // description, parameters.
+        let mut function = json!({"name": self.name});
         if let Some(d) = &self.description {
             function["description"] = json!(d);
         }
+        function["parameters"] = self.parameters.clone();
         json!({"type": "function", "function": function})
     }
 }

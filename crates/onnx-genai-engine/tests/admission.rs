@@ -11,12 +11,14 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use onnx_genai_backend::{BackendError, DecodeModel, Entry, Sequence};
+use onnx_genai_backend::{BackendError, Entry};
 use onnx_genai_engine::{
     AdmissionError, BackendKind, BoundTensor, ComponentOverride, Engine, EngineError, Flow, GenerateRequest, Prompt,
     Sampling, Scheduler,
 };
 use onnx_genai_package::Package;
+use onnx_genai_test_support::Variant;
+use onnx_genai_test_support::{build_into, Hook, Hooked};
 
 /// Counts forward calls across every backend an engine makes; fails them
 /// while `fail` is set.
@@ -26,11 +28,6 @@ struct Probe {
     fail: Arc<AtomicBool>,
     /// Tokens fed per forward call, in order.
     fed: Arc<std::sync::Mutex<Vec<usize>>>,
-}
-
-struct Probed {
-    inner: Arc<dyn DecodeModel>,
-    probe: Probe,
 }
 
 /// What an engine reserves at rest (B2): the KV its idle sessions keep —
@@ -43,28 +40,16 @@ fn resting(e: &Engine) -> u64 {
     }
 }
 
-impl DecodeModel for Probed {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    fn vocab_size(&self) -> usize {
-        self.inner.vocab_size()
-    }
-    fn context_length(&self) -> usize {
-        self.inner.context_length()
-    }
-    fn new_sequence(&self) -> Box<dyn Sequence> {
-        self.inner.new_sequence()
-    }
-    fn step(&self, batch: &mut [Entry<'_>]) -> Result<(), BackendError> {
-        for e in batch.iter() {
-            self.probe.forwards.fetch_add(1, Ordering::SeqCst);
-            self.probe.fed.lock().unwrap().push(e.input.positions());
+impl Hook for Probe {
+    fn step(&self, batch: &[Entry<'_>]) -> Result<(), BackendError> {
+        for e in batch {
+            self.forwards.fetch_add(1, Ordering::SeqCst);
+            self.fed.lock().unwrap().push(e.input.positions());
         }
-        if self.probe.fail.load(Ordering::SeqCst) {
+        if self.fail.load(Ordering::SeqCst) {
             return Err(BackendError::Run { backend: "probe", reason: "injected failure".into() });
         }
-        self.inner.step(batch)
+        Ok(())
     }
 }
 
@@ -73,14 +58,14 @@ fn build(dir: &Path, strip_geometry: bool) -> Package {
 }
 
 fn build_named(name: &str, dir: &Path, strip_geometry: bool) -> Package {
-    let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../../packages/{name}/spec.yaml"));
-    onnx_genai_build::build_package(&onnx_genai_build::read_spec(&spec).unwrap(), dir).unwrap();
-    if strip_geometry {
-        let path = dir.join("package.yaml");
-        let mut yaml: serde_yaml_ng::Value = serde_yaml_ng::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-        yaml.as_mapping_mut().unwrap().remove("kv_cache").expect("the built manifest declares kv_cache");
-        std::fs::write(&path, serde_yaml_ng::to_string(&yaml).unwrap()).unwrap();
+    let package = build_into(name, Variant::Decomposed, dir);
+    if !strip_geometry {
+        return package;
     }
+    let path = dir.join("package.yaml");
+    let mut yaml: serde_yaml_ng::Value = serde_yaml_ng::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    yaml.as_mapping_mut().unwrap().remove("kv_cache").expect("the built manifest declares kv_cache");
+    std::fs::write(&path, serde_yaml_ng::to_string(&yaml).unwrap()).unwrap();
     Package::open(dir).unwrap()
 }
 
@@ -89,7 +74,7 @@ fn engine(package: Package, budget: u64, probe: &Probe) -> Engine {
 }
 
 fn engine_on(kind: BackendKind, package: Package, budget: u64, probe: &Probe) -> Engine {
-    let model = Arc::new(Probed { inner: kind.load(&package, 1).unwrap(), probe: probe.clone() });
+    let model = Arc::new(Hooked::new(kind.load(&package, 1).unwrap(), probe.clone()));
     Engine::new(package, model).unwrap().with_scheduler(Scheduler::new(budget))
 }
 

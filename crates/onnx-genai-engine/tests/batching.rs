@@ -4,15 +4,15 @@
 //! how many sequences each model step advanced and can fail (or panic) the
 //! steps that carry a poisoned token.
 
-use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use onnx_genai_backend::{BackendError, DecodeModel, Entry, Input, Sequence};
+use onnx_genai_backend::{BackendError, Entry, Input};
 use onnx_genai_engine::{
     BackendKind, Engine, EngineError, FinishReason, Flow, GenerateRequest, Prompt, Scheduler, Turn, TurnState,
 };
 use onnx_genai_package::Package;
+use onnx_genai_test_support::{build, Hook, Hooked};
 
 /// A token no test prompt uses: a step that feeds it fails (or panics).
 const POISON: u32 = 377;
@@ -25,52 +25,23 @@ struct Probe {
     steps: AtomicUsize,
 }
 
-struct Probed {
-    inner: Arc<dyn DecodeModel>,
-    probe: Arc<Probe>,
-}
-
-impl DecodeModel for Probed {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    fn vocab_size(&self) -> usize {
-        self.inner.vocab_size()
-    }
-    fn context_length(&self) -> usize {
-        self.inner.context_length()
-    }
-    fn new_sequence(&self) -> Box<dyn Sequence> {
-        self.inner.new_sequence()
-    }
-    fn step(&self, batch: &mut [Entry<'_>]) -> Result<(), BackendError> {
-        self.probe.steps.fetch_add(1, Ordering::SeqCst);
-        self.probe.widths.lock().unwrap().push(batch.len());
+impl Hook for Probe {
+    fn step(&self, batch: &[Entry<'_>]) -> Result<(), BackendError> {
+        self.steps.fetch_add(1, Ordering::SeqCst);
+        self.widths.lock().unwrap().push(batch.len());
         let poisoned = batch.iter().any(|e| matches!(e.input, Input::Tokens(t) if t.contains(&POISON)));
         if poisoned {
-            if self.probe.panic.load(Ordering::SeqCst) {
+            if self.panic.load(Ordering::SeqCst) {
                 panic!("the backend crashed on this sequence");
             }
             return Err(BackendError::Run { backend: "probe", reason: "injected failure".into() });
         }
-        self.inner.step(batch)
+        Ok(())
     }
-    fn batch_width(&self) -> usize {
-        self.inner.batch_width()
-    }
-    fn kv_granularity(&self) -> usize {
-        self.inner.kv_granularity()
-    }
-}
-
-fn package(dir: &Path) -> Package {
-    let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packages/tiny-llama-gqa/spec.yaml");
-    onnx_genai_build::build_package(&onnx_genai_build::read_spec(&spec).unwrap(), dir).unwrap();
-    Package::open(dir).unwrap()
 }
 
 fn engine(kind: BackendKind, package: &Package, budget: u64, probe: &Arc<Probe>) -> Engine {
-    let model = Arc::new(Probed { inner: kind.load(package, 2).unwrap(), probe: probe.clone() });
+    let model = Arc::new(Hooked::new(kind.load(package, 2).unwrap(), probe.clone()));
     Engine::new(package.clone(), model).unwrap().with_scheduler(Scheduler::new(budget))
 }
 
@@ -134,8 +105,7 @@ fn together(e: &mut Engine, reqs: &[GenerateRequest], joins: &[usize]) -> Vec<Re
 /// together (steps wider than one).
 #[test]
 fn batch_generates_what_each_request_generates_alone() {
-    let dir = tempfile::tempdir().unwrap();
-    let package = package(dir.path());
+    let (_dir, package) = build("tiny-llama-gqa");
     let reqs: Vec<_> = prompts().into_iter().zip([12, 7, 20, 9]).map(|(p, n)| request(p, n)).collect();
     let reference = Arc::new(Probe::default());
     let mut ort = engine(BackendKind::Ort, &package, u64::MAX / 2, &reference);
@@ -160,8 +130,7 @@ fn batch_generates_what_each_request_generates_alone() {
 /// generates what an uninterrupted conversation would.
 #[test]
 fn batch_counts_idle_sessions_and_they_give_way() {
-    let dir = tempfile::tempdir().unwrap();
-    let package = package(dir.path());
+    let (_dir, package) = build("tiny-llama-gqa");
     let bpt = package.kv_geometry().unwrap().bytes_per_token();
     for kind in BackendKind::available_here() {
         let probe = Arc::new(Probe::default());
@@ -200,8 +169,7 @@ fn batch_counts_idle_sessions_and_they_give_way() {
 /// generate alone, and the reservations return to rest.
 #[test]
 fn batch_with_a_failing_sequence_fails_it_alone() {
-    let dir = tempfile::tempdir().unwrap();
-    let package = package(dir.path());
+    let (_dir, package) = build("tiny-llama-gqa");
     for kind in BackendKind::available_here() {
         for panics in [false, true] {
             let probe = Arc::new(Probe::default());
@@ -231,8 +199,7 @@ fn batch_with_a_failing_sequence_fails_it_alone() {
 /// and the others carry on unchanged.
 #[test]
 fn batch_drops_a_cancelled_turn_at_the_next_step() {
-    let dir = tempfile::tempdir().unwrap();
-    let package = package(dir.path());
+    let (_dir, package) = build("tiny-llama-gqa");
     for kind in BackendKind::available_here() {
         let probe = Arc::new(Probe::default());
         let mut e = engine(kind, &package, u64::MAX / 2, &probe);

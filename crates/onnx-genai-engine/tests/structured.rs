@@ -12,8 +12,7 @@ use onnx_genai_engine::{
 use serde_json::{json, Value};
 
 fn package(dir: &Path) {
-    let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packages/tiny-llama-gqa/spec.yaml");
-    onnx_genai_build::build_package(&onnx_genai_build::read_spec(&spec).unwrap(), dir).unwrap();
+    onnx_genai_test_support::build_into("tiny-llama-gqa", onnx_genai_test_support::Variant::Decomposed, dir);
 }
 
 /// Every string is an enum, every number bounded and every array capped:

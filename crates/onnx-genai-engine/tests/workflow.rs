@@ -1,8 +1,6 @@
 //! Interpreted multimodal workflows on the tiny vision-language package:
 //! bound images, overrides, the encoder cache, refusals, sessions.
 
-use std::path::Path;
-
 /// What an engine reserves at rest (B2): the KV its idle sessions keep —
 /// nothing for a package without KV geometry (A8).
 fn resting(e: &Engine) -> u64 {
@@ -18,10 +16,7 @@ use onnx_genai_engine::{
 };
 
 fn vlm() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packages/tiny-vlm/spec.yaml");
-    onnx_genai_build::build_package(&onnx_genai_build::read_spec(&spec).unwrap(), dir.path()).unwrap();
-    dir
+    onnx_genai_test_support::build("tiny-vlm").0
 }
 
 fn image(seed: u8) -> Vec<u8> {

@@ -2,21 +2,17 @@
 //! reason — never a panic and never a silent fallback. Each case mutates a
 //! real decoder graph the builder exports.
 
-use std::path::Path;
-
-use onnx_genai_build::{build_variant, graph::build_decoder, read_spec, Variant};
+use onnx_genai_build::{graph::build_decoder, Variant};
 use onnx_genai_native::{compile, Binding, CompileError};
 use onnx_genai_onnx::ir::{AttrValue, Model};
 use onnx_genai_onnx::{DataType, Dim, Tensor};
 
 fn spec() -> onnx_genai_build::Spec {
-    read_spec(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packages/tiny-llama-gqa/spec.yaml")).unwrap()
+    onnx_genai_test_support::spec("tiny-llama-gqa")
 }
 
 fn binding() -> Binding {
-    let dir = tempfile::tempdir().unwrap();
-    build_variant(&spec(), Variant::Decomposed, dir.path()).unwrap();
-    let package = onnx_genai_package::Package::open(dir.path()).unwrap();
+    let (_dir, package) = onnx_genai_test_support::build("tiny-llama-gqa");
     Binding::from_package(&package).unwrap().0
 }
 
@@ -222,11 +218,8 @@ fn genai_layout_ops_refuse_what_they_cannot_run() {
     assert!(err.contains("key without value"), "{err}");
 
     // The f16 spec's genai export shares its 4-bit table with the embedding.
-    let shared =
-        read_spec(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packages/tiny-llama-f16/spec.yaml")).unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    build_variant(&shared, Variant::Genai, dir.path()).unwrap();
-    let package = onnx_genai_package::Package::open(dir.path()).unwrap();
+    let shared = onnx_genai_test_support::spec("tiny-llama-f16");
+    let (_dir, package) = onnx_genai_test_support::build_variant("tiny-llama-f16", Variant::Genai);
     let shared_binding = Binding::from_package(&package).unwrap().0;
     let base = build_decoder(&shared, Variant::Genai).unwrap();
     compile(&base, &shared_binding).unwrap();

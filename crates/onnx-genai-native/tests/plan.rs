@@ -2,12 +2,10 @@
 //! generic matrix product or KV concatenation survives, buffers are shared,
 //! and the KV cache is preallocated once.
 
-use std::path::Path;
-
 use std::sync::Arc;
 
 use onnx_genai_backend::{DecodeModel, Decoder, Entry, Input};
-use onnx_genai_build::{build_variant, read_spec, Variant};
+use onnx_genai_build::Variant;
 use onnx_genai_native::kv::BLOCK_TOKENS;
 use onnx_genai_native::{compile_package, NativeModel};
 
@@ -15,14 +13,7 @@ fn decoder(package: &onnx_genai_package::Package, threads: usize) -> Decoder {
     Decoder::new(Arc::new(NativeModel::load(package, threads).unwrap()))
 }
 
-fn package(name: &str, variant: Variant) -> (tempfile::TempDir, onnx_genai_package::Package) {
-    let spec =
-        read_spec(&Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../../packages/{name}/spec.yaml"))).unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    build_variant(&spec, variant, dir.path()).unwrap();
-    let package = onnx_genai_package::Package::open(dir.path()).unwrap();
-    (dir, package)
-}
+use onnx_genai_test_support::build_variant as package;
 
 /// Fusion coverage per export: a matcher that silently stops firing fails
 /// here even though the generic kernels would still compute the right

@@ -8,12 +8,11 @@
 //! process, so nothing else may run while a step is measured.
 
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use onnx_genai_backend::{DecodeModel, Entry, Input};
-use onnx_genai_build::{build_variant, read_spec, Variant};
+use onnx_genai_build::Variant;
 use onnx_genai_native::NativeModel;
 
 struct Counting;
@@ -77,11 +76,7 @@ fn a_warm_decode_step_allocates_nothing() {
         ("tiny-gpt2", Variant::Contrib, "q4, gpt2"),
     ];
     for (name, variant, what) in cases {
-        let spec =
-            read_spec(&Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../../packages/{name}/spec.yaml"))).unwrap();
-        let dir = tempfile::tempdir().unwrap();
-        build_variant(&spec, variant, dir.path()).unwrap();
-        let package = onnx_genai_package::Package::open(dir.path()).unwrap();
+        let (_dir, package) = onnx_genai_test_support::build_variant(name, variant);
         for threads in [1, 2] {
             let model: Arc<dyn DecodeModel> = Arc::new(NativeModel::load(&package, threads).unwrap());
             let mut seqs = [model.new_sequence(), model.new_sequence()];

@@ -237,6 +237,18 @@ impl DecodeModel for OrtModel {
             _ => Err(BackendError::Run { backend: NAME, reason: "a chunk of one holds more".into() }),
         })
     }
+
+    // The exported graphs take one sequence per run, so a batch runs its
+    // sequences one after another.
+    fn batch_width(&self) -> usize {
+        1
+    }
+
+    // Past KV is concatenated per token: what is resident is exactly what
+    // the sequence holds.
+    fn kv_granularity(&self) -> usize {
+        1
+    }
 }
 
 impl OrtSequence {

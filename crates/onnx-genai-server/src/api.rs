@@ -5,7 +5,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use onnx_genai_engine::sampling::MAX_TOP_LOGPROBS;
-use onnx_genai_engine::{ResponseFormat, MAX_CHOICES};
+use onnx_genai_engine::{ResponseFormat, MAX_CHOICES, RESERVED_TEMPLATE_VARS};
 
 use crate::error::ApiError;
 
@@ -151,8 +151,36 @@ pub struct ChatRequest {
     pub tool_choice: Option<Value>,
     #[serde(default)]
     pub parallel_tool_calls: Option<bool>,
+    /// Read by [`ChatRequest::template_vars`].
+    #[serde(default)]
+    pub chat_template_kwargs: Option<Value>,
     #[serde(skip)]
     pub common: Sampling,
+}
+
+/// The most extra chat-template variables a request may set.
+pub const MAX_TEMPLATE_VARS: usize = 32;
+
+impl ChatRequest {
+    /// `chat_template_kwargs`: an object of at most [`MAX_TEMPLATE_VARS`]
+    /// variables, none of those the renderer sets.
+    pub fn template_vars(&self) -> Result<serde_json::Map<String, Value>, ApiError> {
+        match &self.chat_template_kwargs {
+            None | Some(Value::Null) => Ok(Default::default()),
+            Some(Value::Object(vars)) if vars.len() > MAX_TEMPLATE_VARS => Err(ApiError::param(
+                "chat_template_kwargs",
+                format!("at most {MAX_TEMPLATE_VARS} variables, got {}", vars.len()),
+            )),
+            Some(Value::Object(vars)) => match vars.keys().find(|k| RESERVED_TEMPLATE_VARS.contains(&k.as_str())) {
+                Some(name) => Err(ApiError::param(
+                    "chat_template_kwargs",
+                    format!("`{name}` is set by the server from the request; leave it out"),
+                )),
+                None => Ok(vars.clone()),
+            },
+            Some(_) => Err(ApiError::param("chat_template_kwargs", "an object of template variables")),
+        }
+    }
 }
 
 #[derive(Debug, Deserialize)]

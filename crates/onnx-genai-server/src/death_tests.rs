@@ -19,8 +19,7 @@ pub(crate) const MODEL: &str = "tiny-llama-gqa";
 
 /// The tiny llama built into `dir`, on native-cpu (one thread).
 pub(crate) fn engine(dir: &Path) -> Engine {
-    let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../../packages/{MODEL}/spec.yaml"));
-    onnx_genai_build::build_package(&onnx_genai_build::read_spec(&spec).unwrap(), dir).unwrap();
+    onnx_genai_test_support::build_into(MODEL, onnx_genai_test_support::Variant::Decomposed, dir);
     Engine::open(dir, BackendKind::NativeCpu, 1).unwrap()
 }
 

@@ -77,7 +77,7 @@ const COMMON: [Field; 17] = [
     refused("service_tier", "one tier", "\"flex\""),
 ];
 
-const CHAT_ONLY: [Field; 16] = [
+const CHAT_ONLY: [Field; 17] = [
     served(
         "messages",
         "system (or developer), user, assistant (with `tool_calls`) and tool (with `tool_call_id`) messages; text content or text parts, and for a vision-language package one `image_url` part per request: an inline PNG or JPEG `data:` URL",
@@ -106,6 +106,11 @@ const CHAT_ONLY: [Field; 16] = [
         "\"none\"",
     ),
     served("parallel_tool_calls", "`false`: at most the first call is returned", "false"),
+    served(
+        "chat_template_kwargs",
+        "extension (as vLLM): up to 32 extra variables the chat template reads (`enable_thinking`, `date_string`, ...); not `messages`, `tools`, `add_generation_prompt`, `bos_token` or `eos_token`",
+        "{\"enable_thinking\": false}",
+    ),
     refused("functions", "deprecated by OpenAI; no tool calling", "[]"),
     refused("function_call", "deprecated by OpenAI; no tool calling", "\"auto\""),
     default_only("store", "false", "nothing is stored", "true"),

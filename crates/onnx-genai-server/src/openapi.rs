@@ -223,6 +223,7 @@ pub(crate) fn field_schema(field: &Field) -> Option<Value> {
             {"type": "array", "maxItems": crate::api::MAX_STOPS, "items": {"type": "string", "maxLength": crate::api::MAX_STOP_CHARS}}
         ]}),
         "stream" | "parallel_tool_calls" => json!({"type": "boolean"}),
+        "chat_template_kwargs" => json!({"type": "object", "maxProperties": crate::api::MAX_TEMPLATE_VARS}),
         "stream_options" => json!({"type": "object", "properties": {"include_usage": {"type": "boolean"}}}),
         "frequency_penalty" | "presence_penalty" => number(-2.0, 2.0),
         "logit_bias" => json!({"type": "object", "maxProperties": crate::api::MAX_LOGIT_BIAS,

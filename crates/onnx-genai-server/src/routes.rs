@@ -153,9 +153,11 @@ pub async fn chat_completions(
             }
             format = call;
         }
+        let template_vars = req.template_vars()?;
         let (messages, images) = messages::read(req.messages)?;
         let answer = Answer { kind: Kind::Chat, format, logprobs, tools: tool_use, images };
-        run_turn(&state, &owner, &headers, Prompt::Chat(Chat { messages, tools }), answer, req.common).await
+        let chat = Chat { messages, tools, template_vars, ..Chat::default() };
+        run_turn(&state, &owner, &headers, Prompt::Chat(chat), answer, req.common).await
     };
     turn.await.unwrap_or_else(IntoResponse::into_response)
 }

@@ -188,6 +188,13 @@ fn bad_tools_and_tool_messages_are_refused_naming_the_field() {
         ),
         (json!({"messages": [{"role": "user", "content": null}]}), "messages[0].content", "needs content"),
         (json!({"messages": [{"role": "robot", "content": "x"}]}), "messages[0].role", "not system"),
+        (json!({"chat_template_kwargs": 5}), "chat_template_kwargs", "an object"),
+        (json!({"chat_template_kwargs": {"messages": []}}), "chat_template_kwargs", "`messages` is set by the server"),
+        (
+            json!({"chat_template_kwargs": (0..33).map(|i| (format!("v{i}"), json!(i))).collect::<serde_json::Map<_, _>>()}),
+            "chat_template_kwargs",
+            "at most 32",
+        ),
     ];
     for (extra, param, want) in cases {
         let mut body = chat(M, "hi", 4);
@@ -203,4 +210,28 @@ fn bad_tools_and_tool_messages_are_refused_naming_the_field() {
     assert_eq!((after.admitted, after.reserved_bytes, after.leases), (before.admitted, before.reserved_bytes, 0));
     let r = call(s.addr, "POST", "/v1/chat/completions", &[("x-session-id", &sid)], &chat(M, "ok", 2).to_string());
     assert_eq!(r.status, 200, "{}", r.body);
+}
+
+/// `chat_template_kwargs` reach the template as variables (vLLM's
+/// extension): a template that writes `persona` when it is set renders a
+/// longer prompt with it, and the same one without it otherwise.
+#[test]
+fn template_variables_reach_the_chat_template() {
+    let (_dir, mut p) = package(M);
+    p.manifest.chat_template = Some(
+        "{% if persona is defined %}<|im_start|>system\n{{ persona }}<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n".into(),
+    );
+    let s = start(vec![engine(&p, &Gate::default(), Scheduler::new(u64::MAX / 2))], "127.0.0.1:0", 8).unwrap();
+    let prompt_tokens = |body: Value| {
+        let r = post(s.addr, "/v1/chat/completions", &body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()["usage"]["prompt_tokens"].as_u64().unwrap()
+    };
+    let plain = prompt_tokens(chat(M, "hi", 1));
+    let mut with = chat(M, "hi", 1);
+    with["chat_template_kwargs"] = json!({"persona": "a pirate who answers in rhymes"});
+    assert!(prompt_tokens(with) > plain + 5, "the variable was not rendered");
+    let mut unrelated = chat(M, "hi", 1);
+    unrelated["chat_template_kwargs"] = json!({"enable_thinking": false});
+    assert_eq!(prompt_tokens(unrelated), plain);
 }

@@ -3,25 +3,19 @@
 
 #![allow(dead_code)]
 
-use std::path::Path;
 use std::sync::{Arc, Barrier, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use onnx_genai_backend::{BackendError, DecodeModel, Entry, Sequence};
+use onnx_genai_backend::{BackendError, Entry};
 use onnx_genai_engine::{BackendKind, Engine, Scheduler};
 use onnx_genai_package::Package;
+use onnx_genai_test_support::{Hook, Hooked};
 
 /// A chat template that renders tools itself, as tool-calling models'
 /// templates do (compactly: the tiny model's context is 256 tokens).
 pub const TOOLS_TEMPLATE: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}{% if tools %}<|im_start|>tools\n{% for t in tools %}{{ t.function.name }} {{ t.function.parameters.properties | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}<|im_start|>assistant\n";
 
-pub fn package(name: &str) -> (tempfile::TempDir, Package) {
-    let dir = tempfile::tempdir().unwrap();
-    let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../../packages/{name}/spec.yaml"));
-    onnx_genai_build::build_package(&onnx_genai_build::read_spec(&spec).unwrap(), dir.path()).unwrap();
-    let package = Package::open(dir.path()).unwrap();
-    (dir, package)
-}
+pub use onnx_genai_test_support::build as package;
 
 /// (closed, calls held so far, calls still let through while closed)
 type GateState = (bool, usize, usize);
@@ -98,45 +92,21 @@ impl Gate {
     }
 }
 
-struct Gated {
-    inner: Arc<dyn DecodeModel>,
-    gate: Gate,
-}
-
-impl DecodeModel for Gated {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    fn vocab_size(&self) -> usize {
-        self.inner.vocab_size()
-    }
-    fn context_length(&self) -> usize {
-        self.inner.context_length()
-    }
-    // Forwarded, not defaulted: the engine sizes batches and rounds
-    // reservations by them, and the gate must not change either.
-    fn batch_width(&self) -> usize {
-        self.inner.batch_width()
-    }
-    fn kv_granularity(&self) -> usize {
-        self.inner.kv_granularity()
-    }
-    fn new_sequence(&self) -> Box<dyn Sequence> {
-        if self.gate.current() == Fault::SequencePanics {
+impl Hook for Gate {
+    fn new_sequence(&self) {
+        if self.current() == Fault::SequencePanics {
             panic!("injected: the backend cannot make a sequence");
         }
-        self.inner.new_sequence()
     }
-    fn step(&self, batch: &mut [Entry<'_>]) -> Result<(), BackendError> {
-        self.gate.pass();
+    fn step(&self, batch: &[Entry<'_>]) -> Result<(), BackendError> {
+        self.pass();
         let prefills = batch.iter().map(|e| e.input.positions()).filter(|n| *n > 1);
-        self.gate.1.lock().unwrap().extend(prefills);
-        match self.gate.current() {
-            Fault::StepFails => return Err(BackendError::Run { backend: "gated", reason: "injected failure".into() }),
+        self.1.lock().unwrap().extend(prefills);
+        match self.current() {
+            Fault::StepFails => Err(BackendError::Run { backend: "gated", reason: "injected failure".into() }),
             Fault::StepPanics => panic!("injected: the backend panicked in a step"),
-            Fault::None | Fault::SequencePanics => {}
+            Fault::None | Fault::SequencePanics => Ok(()),
         }
-        self.inner.step(batch)
     }
 }
 
@@ -183,7 +153,7 @@ impl KvBlocks {
 /// pass `gate`.
 pub fn engine(package: &Package, gate: &Gate, scheduler: Scheduler) -> Engine {
     let inner = backend().load(package, 1).unwrap();
-    let model = Arc::new(Gated { inner, gate: gate.clone() });
+    let model = Arc::new(Hooked::new(inner, gate.clone()));
     Engine::new(package.clone(), model).unwrap().with_scheduler(scheduler)
 }
 
