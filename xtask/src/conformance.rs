@@ -9,9 +9,10 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use onnx_genai_build::Variant;
 use onnx_genai_conformance::cases::{discover, Filter, Suite};
+use onnx_genai_conformance::check;
 use onnx_genai_conformance::report::Report;
 use onnx_genai_conformance::run::{run_check, CheckResult, Context, Status};
-use onnx_genai_engine::{BackendKind, Engine, Flow, GenerateRequest};
+use onnx_genai_engine::BackendKind;
 
 use crate::{ort, packages, util};
 
@@ -54,6 +55,13 @@ fn stage(
         batch: None,
         golden_text: None,
     }
+}
+
+/// A shared stage's result under this report's names (`stage::package::variant`).
+fn named(mut r: CheckResult, package: &str, variant: Variant) -> CheckResult {
+    r.name = format!("{}::{package}::{}", r.suite, variant.name());
+    r.variant = variant.name();
+    r
 }
 
 fn print_result(i: usize, n: usize, r: &CheckResult) {
@@ -144,19 +152,19 @@ pub fn run(opts: Options) -> Result<()> {
             );
             print_result(results.len() + 1, stages, &r);
             results.push(r);
-            let t = Instant::now();
-            let r = stage("ort-load", &b.name, variant, "ort", t, ort_greedy_twice(&dir, opts.threads));
+            let r = named(check::ort_load_stage(&dir, &b.name, opts.threads), &b.name, variant);
             print_result(results.len() + 1, stages, &r);
             results.push(r);
             let t = Instant::now();
-            let compiled = if b.spec.vision.is_some() {
+            let r = if b.spec.vision.is_some() {
                 // Workflow packages run interpreted on ONNX Runtime; native
                 // compiles decode cores (a decoder reading token ids).
-                Ok("workflow package: interpreted on ONNX Runtime (native-cpu compiles decode cores only)".into())
+                let interpreted =
+                    "workflow package: interpreted on ONNX Runtime (native-cpu compiles decode cores only)";
+                stage("native-compile", &b.name, variant, "native-cpu", t, Ok(interpreted.into()))
             } else {
-                native_compile(&dir)
+                named(check::native_compile_stage(&dir, &b.name).0, &b.name, variant)
             };
-            let r = stage("native-compile", &b.name, variant, "native-cpu", t, compiled);
             print_result(results.len() + 1, stages, &r);
             results.push(r);
         }
@@ -182,12 +190,10 @@ pub fn run(opts: Options) -> Result<()> {
         let r = stage("validate", package, *variant, "-", t, outcome);
         print_result(results.len() + 1, stages, &r);
         results.push(r);
-        let t = Instant::now();
-        let r = stage("ort-load", package, *variant, "ort", t, ort_greedy_twice(&dir, opts.threads));
+        let r = named(check::ort_load_stage(&dir, package, opts.threads), package, *variant);
         print_result(results.len() + 1, stages, &r);
         results.push(r);
-        let t = Instant::now();
-        let r = stage("native-compile", package, *variant, "native-cpu", t, native_compile(&dir));
+        let r = named(check::native_compile_stage(&dir, package).0, package, *variant);
         print_result(results.len() + 1, stages, &r);
         results.push(r);
     }
@@ -231,33 +237,26 @@ pub fn run(opts: Options) -> Result<()> {
     Ok(())
 }
 
-/// Greedy generation through the engine on ONNX Runtime, twice on fresh
-/// state: the token ids must agree.
-fn ort_greedy_twice(dir: &std::path::Path, threads: usize) -> Result<String> {
-    let mut engine = Engine::open(dir, BackendKind::Ort, threads)?;
-    let request = GenerateRequest { max_new_tokens: Some(8), ..GenerateRequest::text("The capital of France is") };
-    let first = engine.generate(&request, &mut |_| Flow::Continue)?;
-    let second = engine.generate(&request, &mut |_| Flow::Continue)?;
-    if first.token_ids != second.token_ids {
-        bail!("greedy decoding is not deterministic: {:?} then {:?}", first.token_ids, second.token_ids);
+/// `--package-dir`: the `onnx-genai check` stages on each directory, the
+/// reports written beside the suites' (`target/conformance/check.md`,
+/// `check.json`, `check.junit.xml`); fails unless every package passed
+/// (near-ties are reported, not failed).
+pub fn run_dirs(dirs: &[std::path::PathBuf], threads: usize) -> Result<()> {
+    let lib = ort::provision()?;
+    // Read by the in-process reference backend; set before any thread starts.
+    std::env::set_var("ORT_DYLIB_PATH", &lib);
+    let opts = check::CheckOptions { threads: threads.max(1), ..Default::default() };
+    let checks: Vec<_> = dirs.iter().map(|d| check::check_dir(d, &opts)).collect();
+    print!("{}", check::table(&checks));
+    let out = util::target().join("conformance");
+    std::fs::create_dir_all(&out)?;
+    std::fs::write(out.join("check.md"), check::markdown(&checks))?;
+    std::fs::write(out.join("check.json"), check::json(&checks))?;
+    std::fs::write(out.join("check.junit.xml"), check::report(&checks).junit())?;
+    println!("reports: {}/check.{{md,json,junit.xml}}", out.display());
+    match check::exit_code(&checks) {
+        0 => Ok(()),
+        1 => bail!("a native backend does not match ONNX Runtime on a package"),
+        _ => bail!("a package could not be checked"),
     }
-    if first.token_ids.is_empty() {
-        bail!("generated no tokens (finish: {:?})", first.finish_reason);
-    }
-    Ok(format!("loaded; greedy deterministic: {:?}", first.token_ids))
-}
-
-fn native_compile(dir: &std::path::Path) -> Result<String> {
-    let package = onnx_genai_package::Package::open(dir)?;
-    let plan = onnx_genai_native::compile_package(&package)?;
-    let s = &plan.stats;
-    let fused: Vec<String> = s.fusions.iter().map(|(k, n)| format!("{k} x{n}")).collect();
-    Ok(format!(
-        "{} nodes -> {} steps; fused {}; {} values in {} slots",
-        s.imported_nodes,
-        s.planned_steps,
-        fused.join(", "),
-        plan.values,
-        plan.slots()
-    ))
 }

@@ -82,6 +82,10 @@ enum Command {
         /// First seed of --random (seed S, S+1, ...).
         #[arg(long, default_value_t = 1, requires = "random")]
         seed: u64,
+        /// Instead of the suites: `onnx-genai check`'s stages on a package
+        /// directory of your own (repeatable); reports in target/conformance/check.*.
+        #[arg(long, value_name = "DIR", conflicts_with_all = ["package", "backend", "suite", "shard", "random"])]
+        package_dir: Vec<std::path::PathBuf>,
     },
     /// Decode speed, native-cpu vs ONNX Runtime side by side (ratio; context 64 vs 1024).
     Bench {
@@ -219,6 +223,9 @@ fn main() -> ExitCode {
             packages::build_all(bless).and_then(|_| if with_real { real::build_all() } else { Ok(()) })
         }
         Command::Conformance { random: Some(n), seed, threads, .. } => random_specs::run(n, seed, threads),
+        Command::Conformance { package_dir, threads, .. } if !package_dir.is_empty() => {
+            conformance::run_dirs(&package_dir, threads)
+        }
         Command::Conformance { package, backend, suite, shard, threads, no_real, .. } => {
             conformance::run(conformance::Options { package, backend, suite, shard, threads, no_real })
         }

@@ -1,7 +1,7 @@
 //! `onnx-genai`: validate, build, inspect and generate from model packages.
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -143,6 +143,84 @@ enum Command {
         #[arg(long)]
         image: Option<PathBuf>,
     },
+    /// Does native decode match ONNX Runtime on these package directories
+    /// (ours or ONNX Runtime GenAI's)? Validate, load, compile, parity on
+    /// every prompt, speed side by side. Exit 0: pass (near-ties reported),
+    /// 1: a mismatch, 2: could not run.
+    Check {
+        #[arg(required = true)]
+        packages: Vec<PathBuf>,
+        /// A YAML list of prompt strings (default: four built in).
+        #[arg(long)]
+        prompts: Option<PathBuf>,
+        /// Greedy decode steps compared after each prompt's prefill.
+        #[arg(long, default_value_t = 16)]
+        steps: usize,
+        /// Tolerance tier: f32, f16, f16deep, int4, int8act (default: what
+        /// the compiled plan computes in).
+        #[arg(long, value_parser = parse_tier)]
+        tier: Option<onnx_genai_conformance::tolerance::Tier>,
+        /// Threads of every backend.
+        #[arg(long, default_value_t = 2)]
+        threads: usize,
+        /// Alternatives shown on each side where the backends part.
+        #[arg(long, default_value_t = 5)]
+        top_k: usize,
+        #[arg(long, value_enum, default_value = "table")]
+        format: CheckFormat,
+        /// Write the report here instead of to stdout.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum CheckFormat {
+    Table,
+    Markdown,
+    Json,
+    Junit,
+}
+
+fn parse_tier(s: &str) -> Result<onnx_genai_conformance::tolerance::Tier, String> {
+    use onnx_genai_conformance::tolerance::Tier;
+    Tier::ALL
+        .into_iter()
+        .find(|t| t.name() == s)
+        .ok_or_else(|| format!("unknown tier `{s}` ({})", Tier::ALL.map(Tier::name).join(", ")))
+}
+
+/// `onnx-genai check`: the conformance crate's stages on each directory.
+fn check(
+    packages: &[PathBuf],
+    prompts: Option<&Path>,
+    opts: onnx_genai_conformance::check::CheckOptions,
+    format: CheckFormat,
+    out: Option<&Path>,
+) -> Result<ExitCode> {
+    use onnx_genai_conformance::check as c;
+    let mut opts = opts;
+    if let Some(path) = prompts {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let list: Vec<String> = serde_yaml_ng::from_str(&text)
+            .with_context(|| format!("{}: expected a YAML list of prompt strings", path.display()))?;
+        if list.is_empty() || list.iter().any(String::is_empty) {
+            anyhow::bail!("{}: give at least one prompt, none empty", path.display());
+        }
+        opts.prompts = list;
+    }
+    let checks: Vec<c::PackageCheck> = packages.iter().map(|p| c::check_dir(p, &opts)).collect();
+    let text = match format {
+        CheckFormat::Table => c::table(&checks),
+        CheckFormat::Markdown => c::markdown(&checks),
+        CheckFormat::Json => c::json(&checks),
+        CheckFormat::Junit => c::report(&checks).junit(),
+    };
+    match out {
+        Some(path) => std::fs::write(path, &text).with_context(|| format!("writing {}", path.display()))?,
+        None => print!("{text}"),
+    }
+    Ok(ExitCode::from(c::exit_code(&checks) as u8))
 }
 
 /// Bytes of memory available now (`MemAvailable` in /proc/meminfo).
@@ -189,6 +267,20 @@ fn run(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Inspect { package } => inspect(&package),
+        Command::Check { packages, prompts, steps, tier, threads, top_k, format, out } => {
+            let opts = onnx_genai_conformance::check::CheckOptions {
+                steps,
+                tier,
+                threads: threads.max(1),
+                top_k,
+                ..Default::default()
+            };
+            // Exit 1 means a mismatch: a check that cannot start is a 2.
+            check(&packages, prompts.as_deref(), opts, format, out.as_deref()).or_else(|e| {
+                eprintln!("error: {e:#}");
+                Ok(ExitCode::from(2))
+            })
+        }
         Command::Serve {
             packages,
             host,

@@ -5,6 +5,7 @@
 
 pub mod batch;
 pub mod cases;
+pub mod check;
 pub mod golden;
 pub mod mutants;
 pub mod onnx_node;

@@ -23,6 +23,16 @@ fn model() -> RealModel {
     RealModel::load_all(&root()).unwrap().into_iter().find(|m| m.name == "smollm2-135m-instruct").unwrap()
 }
 
+/// The real model's export `name` built into a temp dir.
+fn export_dir(name: &str) -> tempfile::TempDir {
+    let m = model();
+    let base = m.load_spec(&root().join("target")).unwrap();
+    let export = m.exports.iter().find(|e| e.name == name).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    m.build(&base, export, dir.path()).unwrap();
+    dir
+}
+
 fn tokenizer() -> &'static Tokenizer {
     static TOKENIZER: OnceLock<Tokenizer> = OnceLock::new();
     TOKENIZER.get_or_init(|| {
@@ -74,11 +84,7 @@ fn encodings_of_tricky_strings() {
 /// one function named, it calls it with arguments under its schema.
 #[test]
 fn a_chat_turn_answers_in_text_and_in_json() {
-    let m = model();
-    let base = m.load_spec(&root().join("target")).unwrap();
-    let export = m.exports.iter().find(|e| e.name == "f32").unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    m.build(&base, export, dir.path()).unwrap();
+    let dir = export_dir("f32");
     let mut engine = Engine::open(dir.path(), BackendKind::NativeCpu, 1).unwrap();
     let messages = vec![ChatMessage::new("user", "What is the capital of France?")];
     let request = GenerateRequest { max_new_tokens: Some(16), ..GenerateRequest::new(Prompt::Chat(messages.into())) };
@@ -153,4 +159,37 @@ fn a_chat_turn_answers_in_text_and_in_json() {
     assert_eq!(call.name, "weather");
     let arguments: serde_json::Value = serde_json::from_str(&call.arguments).unwrap();
     assert!(arguments["city"].is_string() && arguments["unit"].is_string(), "{}", out.text);
+}
+
+/// `onnx-genai check`'s stages on the real model (issue 18): the f16
+/// export held to the f32 tier parts from ONNX Runtime at the prefill — a
+/// mismatch (exit 1) with both sides' top-5 and margins read from the
+/// logits; held to the tier its plan calls for (f16deep: f16 KV, 30
+/// layers) it passes or, at worst, reports a near-tie.
+#[test]
+fn check_finds_the_f16_export_outside_the_f32_tier() {
+    use onnx_genai_conformance::check::{check_dir, CheckOptions, Verdict};
+    use onnx_genai_conformance::tolerance::Tier;
+    let dir = export_dir("f16");
+    let opts = CheckOptions {
+        prompts: vec!["The capital of France is".into()],
+        steps: 2,
+        tier: Some(Tier::F32),
+        ..CheckOptions::default()
+    };
+    let strict = check_dir(dir.path(), &opts);
+    assert_eq!(strict.verdict, Verdict::Mismatch, "{:?}", strict.results);
+    assert_eq!(strict.verdict.exit_code(), 1);
+    let parted = &strict.partings[0];
+    assert_eq!((parted.backend.as_str(), parted.step, parted.near_tie), ("native-cpu", 0, false));
+    for top in [&parted.reference_top, &parted.candidate_top] {
+        assert_eq!(top.len(), 5);
+        assert!(top.windows(2).all(|w| w[0].1 >= w[1].1), "{top:?}");
+        assert_eq!(top[0].2, " Paris", "{top:?}");
+    }
+    assert_eq!(parted.reference_margin, parted.reference_top[0].1 - parted.reference_top[1].1);
+
+    let own = check_dir(dir.path(), &CheckOptions { tier: None, ..opts });
+    assert_eq!(own.tier, Some(Tier::F16Deep));
+    assert!(own.verdict <= Verdict::NearTie, "{:?}", own.results);
 }

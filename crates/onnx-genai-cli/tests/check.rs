@@ -1,0 +1,126 @@
+//! `onnx-genai check` on package directories the tests build: our own
+//! layout and ONNX Runtime GenAI's (a genai_config.json package), with the
+//! exit codes CI reads (0 pass, 1 mismatch, 2 could not run) and every
+//! report format. The mismatch side (exit 1, with both sides' top-k) is in
+//! the conformance crate's real_model.rs, on SmolLM2's f16 export held to
+//! the f32 tier: the tiny packages sit well inside every tier.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn cli(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_onnx-genai")).args(args).output().unwrap()
+}
+
+fn built(name: &str, variant: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packages").join(name).join("spec.yaml");
+    let out = cli(&["build", spec.to_str().unwrap(), dir.path().to_str().unwrap(), "--variant", variant]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    dir
+}
+
+fn json_of(out: &Output) -> Value {
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!("{e}: {}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+    })
+}
+
+/// Both layouts pass with exit 0: every stage ran and passed, parity of
+/// native-cpu on each of the four built-in prompts, speed of both
+/// backends, and the tier chosen from the plan (f32 for the decomposed
+/// export, int8 activations for the genai one at accuracy_level 4).
+#[test]
+fn check_passes_on_our_layout_and_on_ort_genais() {
+    let ours = built("tiny-llama-gqa", "decomposed");
+    let theirs = built("tiny-llama-gqa", "genai");
+    assert!(theirs.path().join("genai_config.json").is_file());
+    let out = cli(&[
+        "check",
+        ours.path().to_str().unwrap(),
+        theirs.path().to_str().unwrap(),
+        "--steps",
+        "6",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stdout));
+    let report = json_of(&out);
+    let packages = report["packages"].as_array().unwrap();
+    assert_eq!(packages.len(), 2);
+    for (p, tier) in packages.iter().zip(["f32", "int8act"]) {
+        assert_eq!(p["verdict"], "pass", "{p}");
+        assert_eq!(p["tier"], tier, "{}", p["dir"]);
+        let results = p["results"].as_array().unwrap();
+        let stages: Vec<&str> = results.iter().map(|r| r["suite"].as_str().unwrap()).collect();
+        assert_eq!(
+            stages,
+            ["validate", "ort-load", "native-compile", "parity", "parity", "parity", "parity", "speed", "speed"],
+            "{}",
+            p["dir"]
+        );
+        assert!(results.iter().all(|r| r["status"] == "passed"), "{p}");
+        for r in results.iter().filter(|r| r["suite"] == "parity") {
+            assert_eq!(r["backend"], "native-cpu");
+            assert_eq!(r["parity"]["steps"], 6, "{r}");
+            assert_eq!(r["parity"]["tokens"].as_array().unwrap().len(), 6, "{r}");
+        }
+        let speed: Vec<&str> = p["speed"].as_array().unwrap().iter().map(|s| s["backend"].as_str().unwrap()).collect();
+        assert_eq!(speed, ["ort", "native-cpu"]);
+    }
+
+    // The same run as a terminal table, Markdown and JUnit.
+    let dir = ours.path().to_str().unwrap();
+    let table = cli(&["check", dir, "--steps", "2"]);
+    let table_text = String::from_utf8_lossy(&table.stdout);
+    assert_eq!(table.status.code(), Some(0));
+    assert!(table_text.contains("ok   parity::tiny-llama-gqa::native-cpu::prompt3"), "{table_text}");
+    assert!(table_text.contains("| native-cpu |"), "{table_text}");
+    let md = cli(&["check", dir, "--steps", "2", "--format", "markdown"]);
+    assert!(String::from_utf8_lossy(&md.stdout).contains("| parity | 4 | 0 | 0 |"));
+    let junit_path = ours.path().join("junit.xml");
+    let junit = cli(&["check", dir, "--steps", "2", "--format", "junit", "--out", junit_path.to_str().unwrap()]);
+    assert_eq!(junit.status.code(), Some(0));
+    let xml = std::fs::read_to_string(&junit_path).unwrap();
+    assert!(xml.contains("<testsuite name=\"parity\" tests=\"4\" failures=\"0\""), "{xml}");
+}
+
+/// A prompts file replaces the built-in prompts; one that is not a list of
+/// strings is exit 2 naming the file, as is a directory that is no package
+/// (validation's error quoted) and a package whose model is not ONNX.
+#[test]
+fn check_reads_prompts_and_says_when_it_could_not_run() {
+    let ours = built("tiny-llama-gqa", "decomposed");
+    let dir = ours.path().to_str().unwrap();
+    let prompts = ours.path().join("prompts.yaml");
+    std::fs::write(&prompts, "- Hello there\n- 'def main():'\n").unwrap();
+    let out = cli(&["check", dir, "--prompts", prompts.to_str().unwrap(), "--steps", "3", "--format", "json"]);
+    assert_eq!(out.status.code(), Some(0));
+    let parity =
+        json_of(&out)["packages"][0]["results"].as_array().unwrap().iter().filter(|r| r["suite"] == "parity").count();
+    assert_eq!(parity, 2, "one parity check per prompt");
+
+    std::fs::write(&prompts, "prompts: [a, b]\n").unwrap();
+    let out = cli(&["check", dir, "--prompts", prompts.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("a YAML list of prompt strings"));
+
+    let empty = tempfile::tempdir().unwrap();
+    let out = cli(&["check", empty.path().to_str().unwrap(), "--format", "json"]);
+    assert_eq!(out.status.code(), Some(2));
+    let p = &json_of(&out)["packages"][0];
+    assert_eq!(p["verdict"], "could-not-run");
+    assert!(p["results"][0]["summary"].as_str().unwrap().contains("PKG001"), "{p}");
+
+    let broken = built("tiny-llama-gqa", "decomposed");
+    std::fs::write(broken.path().join("model.onnx"), b"not an onnx file").unwrap();
+    let out = cli(&["check", broken.path().to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stdout));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("FAIL validate::"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}

@@ -1,0 +1,555 @@
+//! `onnx-genai check DIR...`: the harness's question asked of any package
+//! directory, ours or ONNX Runtime GenAI's — does native decode match the
+//! reference on it, and where exactly do they part? Stages, in order, each
+//! a [`CheckResult`]: validate, load in ONNX Runtime (greedy twice, the
+//! same tokens), compile natively (the tier comes from what the compiled
+//! plan computes in, unless given), parity of every native backend here
+//! against ONNX Runtime on every prompt, then speed side by side. A
+//! divergence carries both sides' top-k and margins; one where the
+//! reference's own top-2 margin is inside the tier is a near-tie, reported
+//! and not failed. The same stages back `cargo xtask conformance`.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use onnx_genai_backend::Decoder;
+use onnx_genai_engine::{BackendKind, Engine, Flow, GenerateRequest};
+use onnx_genai_package::{ElementType, Package};
+use serde::Serialize;
+
+use crate::parity::{self, Divergence};
+use crate::report::Report;
+use crate::run::{open_backend, CheckResult, Status};
+use crate::tolerance::Tier;
+
+/// The prompts a check runs when none are given: prose, code, a list and
+/// a fact, so a divergence is not one prompt's accident.
+pub const DEFAULT_PROMPTS: [&str; 4] = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Three things to pack for a week of hiking:\n1.",
+    "Once upon a time, in a village by the sea, there lived",
+];
+
+#[derive(Clone, Debug)]
+pub struct CheckOptions {
+    pub prompts: Vec<String>,
+    /// Greedy decode steps compared after each prompt's prefill.
+    pub steps: usize,
+    /// The tolerance tier; `None`: from what the compiled plan computes in.
+    pub tier: Option<Tier>,
+    pub threads: usize,
+    /// Alternatives shown on each side of a divergence.
+    pub top_k: usize,
+}
+
+impl Default for CheckOptions {
+    fn default() -> Self {
+        Self { prompts: DEFAULT_PROMPTS.map(String::from).to_vec(), steps: 16, tier: None, threads: 2, top_k: 5 }
+    }
+}
+
+/// What a check of one package concluded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Verdict {
+    Pass,
+    /// Greedy tokens parted where the reference itself could not tell the
+    /// two apart within the tier: reported, not failed.
+    NearTie,
+    Mismatch,
+    /// A stage before parity failed (validation, loading, compiling) or a
+    /// backend errored.
+    CouldNotRun,
+}
+
+impl Verdict {
+    /// The process exit code for CI: 0 pass (near-ties included), 1
+    /// mismatch, 2 could not run.
+    pub fn exit_code(self) -> i32 {
+        match self {
+            Verdict::Pass | Verdict::NearTie => 0,
+            Verdict::Mismatch => 1,
+            Verdict::CouldNotRun => 2,
+        }
+    }
+}
+
+/// One side's likeliest tokens at a divergence: (token, logit, text).
+pub type Top = Vec<(u32, f32, String)>;
+
+/// Where a native backend parted from the reference, with what both saw.
+#[derive(Clone, Debug, Serialize)]
+pub struct Parting {
+    pub backend: String,
+    pub prompt: usize,
+    /// 0 is the prefill's logits, k the k-th decode step's.
+    pub step: usize,
+    pub near_tie: bool,
+    pub reference_top: Top,
+    pub candidate_top: Top,
+    /// Each side's top-1 minus top-2 logit.
+    pub reference_margin: f32,
+    pub candidate_margin: f32,
+}
+
+/// Speed of one backend on the first prompt.
+#[derive(Clone, Debug, Serialize)]
+pub struct Speed {
+    pub backend: String,
+    pub prefill_tokens: usize,
+    pub prefill_tokens_per_s: f64,
+    pub decode_tokens: usize,
+    pub decode_tokens_per_s: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct PackageCheck {
+    pub dir: PathBuf,
+    pub name: String,
+    pub tier: Option<Tier>,
+    pub verdict: Verdict,
+    pub results: Vec<CheckResult>,
+    pub partings: Vec<Parting>,
+    pub speed: Vec<Speed>,
+}
+
+fn result(stage: &'static str, package: &str, backend: &str, started: Instant) -> CheckResult {
+    CheckResult {
+        name: format!("{stage}::{package}::{backend}"),
+        suite: stage,
+        package: package.into(),
+        variant: "package",
+        backend: backend.into(),
+        status: Status::Failed,
+        summary: String::new(),
+        seconds: started.elapsed().as_secs_f64(),
+        parity: None,
+        batch: None,
+        golden_text: None,
+    }
+}
+
+fn finish(mut r: CheckResult, outcome: Result<String, String>, started: Instant) -> CheckResult {
+    (r.status, r.summary) = match outcome {
+        Ok(s) => (Status::Passed, s),
+        Err(e) => (Status::Failed, e),
+    };
+    r.seconds = started.elapsed().as_secs_f64();
+    r
+}
+
+/// Validation of `dir`: passes with its warnings counted, fails on errors
+/// (the first three quoted). Also the package's name, when its manifest
+/// reads.
+pub fn validate_stage(dir: &Path, name: &str) -> (CheckResult, Option<String>) {
+    let started = Instant::now();
+    let (report, checked) = onnx_genai_package::validate(dir);
+    let name = checked.manifest.map_or_else(|| name.to_string(), |m| m.name);
+    let warnings = report.diagnostics.len() - report.errors().count();
+    let outcome = if report.has_errors() {
+        let first: Vec<String> =
+            report.errors().take(3).map(|d| format!("{} {}: {}", d.code, d.file, d.message)).collect();
+        Err(format!("{} errors ({warnings} warnings): {}", report.errors().count(), first.join("; ")))
+    } else {
+        Ok(format!("valid ({warnings} warnings)"))
+    };
+    (finish(result("validate", &name, "-", started), outcome, started), Some(name))
+}
+
+/// ONNX Runtime loads the package and greedy decoding through the engine
+/// gives the same tokens twice on fresh state.
+pub fn ort_load_stage(dir: &Path, name: &str, threads: usize) -> CheckResult {
+    let started = Instant::now();
+    let outcome = (|| {
+        let mut engine = Engine::open(dir, BackendKind::Ort, threads).map_err(|e| e.to_string())?;
+        let request = GenerateRequest { max_new_tokens: Some(8), ..GenerateRequest::text("The capital of France is") };
+        let mut run = || engine.generate(&request, &mut |_| Flow::Continue).map_err(|e| e.to_string());
+        let (first, second) = (run()?, run()?);
+        if first.token_ids != second.token_ids {
+            return Err(format!(
+                "greedy decoding is not deterministic: {:?} then {:?}",
+                first.token_ids, second.token_ids
+            ));
+        }
+        if first.token_ids.is_empty() {
+            return Err(format!("generated no tokens (finish: {:?})", first.finish_reason));
+        }
+        Ok(format!("loaded; greedy deterministic: {:?}", first.token_ids))
+    })();
+    finish(result("ort-load", name, "ort", started), outcome, started)
+}
+
+/// The native compiler's plan of the package at `dir`, summarized; and the
+/// tier its arithmetic calls for.
+pub fn native_compile_stage(dir: &Path, name: &str) -> (CheckResult, Option<Tier>) {
+    let started = Instant::now();
+    let compiled = Package::open(dir)
+        .map_err(|e| e.to_string())
+        .and_then(|p| onnx_genai_native::compile_package(&p).map(|plan| (plan, p)).map_err(|e| e.to_string()));
+    let (outcome, tier) = match compiled {
+        Ok((plan, package)) => {
+            let s = &plan.stats;
+            let fused: Vec<String> = s.fusions.iter().map(|(k, n)| format!("{k} x{n}")).collect();
+            let tier = tier_of(&plan.step_ops(), &package);
+            let summary = format!(
+                "{} nodes -> {} steps; fused {}; {} values in {} slots",
+                s.imported_nodes,
+                s.planned_steps,
+                fused.join(", "),
+                plan.values,
+                plan.slots()
+            );
+            (Ok(summary), Some(tier))
+        }
+        Err(e) => (Err(e), None),
+    };
+    (finish(result("native-compile", name, "native-cpu", started), outcome, started), tier)
+}
+
+/// The tier a package's arithmetic calls for: int8 activations (4-bit
+/// weights at `accuracy_level` 4), 4-bit or 8-bit weights, f16 KV (deep
+/// models drift further), else f32.
+pub fn tier_of(step_ops: &[String], package: &Package) -> Tier {
+    let any = |kind: &str| step_ops.iter().any(|op| op.contains(&format!("[{kind}")));
+    let layers = package.manifest.architecture.num_layers;
+    let f16_kv = package.kv_geometry().is_some_and(|g| g.dtype == ElementType::F16);
+    if any("q4i8") {
+        Tier::Int8Act
+    } else if any("q4") || any("q8") {
+        Tier::Int4
+    } else if f16_kv || any("f16") {
+        if layers > 8 {
+            Tier::F16Deep
+        } else {
+            Tier::F16
+        }
+    } else {
+        Tier::F32
+    }
+}
+
+fn top(logits: &[f32], k: usize, package: &Package) -> Top {
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    let k = k.min(order.len());
+    if k == 0 {
+        return Vec::new();
+    }
+    order.select_nth_unstable_by(k - 1, |a, b| logits[*b].total_cmp(&logits[*a]));
+    order.truncate(k);
+    order.sort_by(|a, b| logits[*b].total_cmp(&logits[*a]));
+    order
+        .into_iter()
+        .map(|i| {
+            let text = package.tokenizer().decode(&[i as u32], false).unwrap_or_default();
+            (i as u32, logits[i], text)
+        })
+        .collect()
+}
+
+fn margin(top: &Top) -> f32 {
+    match top.as_slice() {
+        [a, b, ..] => a.1 - b.1,
+        _ => f32::INFINITY,
+    }
+}
+
+/// Both sides' logits at the step a parity run parted: the prompt and the
+/// tokens they agreed on, run fresh.
+fn parting(
+    reference: &mut Decoder,
+    candidate: &mut Decoder,
+    prompt: &[u32],
+    agreed: &[u32],
+    k: usize,
+    package: &Package,
+) -> Result<(Top, Top), String> {
+    let input: Vec<u32> = prompt.iter().chain(agreed).copied().collect();
+    let side = |d: &mut Decoder| {
+        d.reset();
+        d.forward(&input).map(|l| top(&l, k, package)).map_err(|e| e.to_string())
+    };
+    Ok((side(reference)?, side(candidate)?))
+}
+
+/// Parity of `backend` against ONNX Runtime on every prompt.
+fn parity_stage(
+    package: &Package,
+    name: &str,
+    backend: &str,
+    prompts: &[Vec<u32>],
+    opts: &CheckOptions,
+    tier: Tier,
+    partings: &mut Vec<Parting>,
+) -> Vec<(CheckResult, Verdict)> {
+    let mut out = Vec::new();
+    let opened =
+        open_backend("ort", package, opts.threads).and_then(|r| Ok((r, open_backend(backend, package, opts.threads)?)));
+    let (mut reference, mut candidate) = match opened {
+        Ok(pair) => pair,
+        Err(e) => {
+            let started = Instant::now();
+            let r = finish(result("parity", name, backend, started), Err(e.to_string()), started);
+            return vec![(r, Verdict::CouldNotRun)];
+        }
+    };
+    for (i, tokens) in prompts.iter().enumerate() {
+        let started = Instant::now();
+        let mut r = result("parity", name, backend, started);
+        r.name = format!("parity::{name}::{backend}::prompt{i}");
+        let run = parity::run(&mut reference, &mut candidate, tokens, opts.steps, tier);
+        let verdict = match &run.divergence {
+            None => Verdict::Pass,
+            Some(Divergence::Token { near_tie: true, .. }) => Verdict::NearTie,
+            Some(Divergence::Error { .. }) => Verdict::CouldNotRun,
+            Some(_) => Verdict::Mismatch,
+        };
+        let summary = match &run.divergence {
+            None => format!(
+                "{} steps, tier {}: max |d| {:.2e} ({:.1}% of tolerance), greedy tokens identical, min top-2 gap {:.2e}",
+                run.steps,
+                tier.name(),
+                run.worst.max_abs,
+                100.0 * run.worst.worst_ratio,
+                run.min_top2_gap
+            ),
+            Some(d) => {
+                let step = match d {
+                    Divergence::Logits { step, .. } | Divergence::Token { step, .. } | Divergence::Error { step, .. } => {
+                        *step
+                    }
+                };
+                if !matches!(d, Divergence::Error { .. }) {
+                    match parting(&mut reference, &mut candidate, tokens, &run.tokens, opts.top_k, package) {
+                        Ok((reference_top, candidate_top)) => partings.push(Parting {
+                            backend: backend.into(),
+                            prompt: i,
+                            step,
+                            near_tie: verdict == Verdict::NearTie,
+                            reference_margin: margin(&reference_top),
+                            candidate_margin: margin(&candidate_top),
+                            reference_top,
+                            candidate_top,
+                        }),
+                        Err(e) => eprintln!("{name} prompt {i}: the top-k rerun failed: {e}"),
+                    }
+                }
+                let verdict_text = if verdict == Verdict::NearTie { "near-tie (not a failure): " } else { "" };
+                format!("{verdict_text}{}", parity::describe(d, tier, "ort", backend))
+            }
+        };
+        r.status = if verdict <= Verdict::NearTie { Status::Passed } else { Status::Failed };
+        r.summary = summary;
+        r.parity = Some(run);
+        r.seconds = started.elapsed().as_secs_f64();
+        out.push((r, verdict));
+    }
+    out
+}
+
+/// Prefill and greedy decode speed of `backend` on `prompt` (one warm-up
+/// run first).
+fn speed(package: &Package, backend: &str, prompt: &[u32], steps: usize, threads: usize) -> Result<Speed, String> {
+    let mut d = open_backend(backend, package, threads).map_err(|e| e.to_string())?;
+    let mut timed = || -> Result<(f64, f64), String> {
+        d.reset();
+        let started = Instant::now();
+        let mut logits = d.forward(prompt).map_err(|e| e.to_string())?;
+        let prefill = started.elapsed().as_secs_f64();
+        let started = Instant::now();
+        for _ in 0..steps {
+            let (next, _) = crate::tolerance::top2(&logits);
+            logits = d.forward(&[next]).map_err(|e| e.to_string())?;
+        }
+        Ok((prefill, started.elapsed().as_secs_f64()))
+    };
+    timed()?;
+    let (prefill, decode) = timed()?;
+    Ok(Speed {
+        backend: backend.into(),
+        prefill_tokens: prompt.len(),
+        prefill_tokens_per_s: prompt.len() as f64 / prefill.max(1e-9),
+        decode_tokens: steps,
+        decode_tokens_per_s: steps as f64 / decode.max(1e-9),
+    })
+}
+
+/// The native backends this machine can run (native-cuda only with a GPU).
+pub fn native_backends() -> Vec<String> {
+    BackendKind::available_here().into_iter().filter(|k| *k != BackendKind::Ort).map(|k| k.name().to_string()).collect()
+}
+
+/// Every stage on the package at `dir`; stops after the first stage that
+/// could not run.
+pub fn check_dir(dir: &Path, opts: &CheckOptions) -> PackageCheck {
+    let dir_name = dir.file_name().map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned());
+    let (validated, name) = validate_stage(dir, &dir_name);
+    let name = name.unwrap_or(dir_name);
+    let mut check = PackageCheck {
+        dir: dir.into(),
+        name: name.clone(),
+        tier: opts.tier,
+        verdict: Verdict::CouldNotRun,
+        results: Vec::new(),
+        partings: Vec::new(),
+        speed: Vec::new(),
+    };
+    let valid = validated.status == Status::Passed;
+    check.results.push(validated);
+    if !valid {
+        return check;
+    }
+    let package = match Package::open(dir) {
+        Ok(p) => p,
+        Err(e) => {
+            let started = Instant::now();
+            check.results.push(finish(result("validate", &name, "open", started), Err(e.to_string()), started));
+            return check;
+        }
+    };
+    let loaded = ort_load_stage(dir, &name, opts.threads);
+    let ort_ok = loaded.status == Status::Passed;
+    check.results.push(loaded);
+    let (compiled, planned_tier) = native_compile_stage(dir, &name);
+    let compiled_ok = compiled.status == Status::Passed;
+    check.results.push(compiled);
+    if !ort_ok || !compiled_ok {
+        return check;
+    }
+    let tier = opts.tier.or(planned_tier).unwrap_or(Tier::F32);
+    check.tier = Some(tier);
+    let prompts: Result<Vec<Vec<u32>>, String> = opts
+        .prompts
+        .iter()
+        .map(|p| package.tokenizer().encode(p.as_str(), false).map(|e| e.get_ids().to_vec()).map_err(|e| e.to_string()))
+        .collect();
+    let prompts = match prompts {
+        Ok(p) if p.iter().all(|t| !t.is_empty()) => p,
+        Ok(_) => {
+            let started = Instant::now();
+            let r = finish(result("parity", &name, "-", started), Err("a prompt encodes to no tokens".into()), started);
+            check.results.push(r);
+            return check;
+        }
+        Err(e) => {
+            let started = Instant::now();
+            check.results.push(finish(result("parity", &name, "-", started), Err(format!("tokenizer: {e}")), started));
+            return check;
+        }
+    };
+    let mut verdict = Verdict::Pass;
+    for backend in native_backends() {
+        for (r, v) in parity_stage(&package, &name, &backend, &prompts, opts, tier, &mut check.partings) {
+            verdict = verdict.max(v);
+            check.results.push(r);
+        }
+    }
+    for backend in std::iter::once("ort".to_string()).chain(native_backends()) {
+        let started = Instant::now();
+        let outcome = speed(&package, &backend, &prompts[0], opts.steps.max(1), opts.threads);
+        let summary = outcome.map(|s| {
+            let line = format!(
+                "prefill {:.1} tok/s ({} tokens), decode {:.1} tok/s ({} tokens)",
+                s.prefill_tokens_per_s, s.prefill_tokens, s.decode_tokens_per_s, s.decode_tokens
+            );
+            check.speed.push(s);
+            line
+        });
+        let r = finish(result("speed", &name, &backend, started), summary, started);
+        if r.status == Status::Failed {
+            verdict = verdict.max(Verdict::CouldNotRun);
+        }
+        check.results.push(r);
+    }
+    check.verdict = verdict;
+    check
+}
+
+/// The checks of several packages as one report (Markdown, JSON, JUnit).
+pub fn report(checks: &[PackageCheck]) -> Report {
+    Report {
+        commit: format!("onnx-genai {}", env!("CARGO_PKG_VERSION")),
+        results: checks.iter().flat_map(|c| c.results.clone()).collect(),
+    }
+}
+
+/// The worst verdict's exit code.
+pub fn exit_code(checks: &[PackageCheck]) -> i32 {
+    checks.iter().map(|c| c.verdict.exit_code()).max().unwrap_or(2)
+}
+
+fn partings_text(c: &PackageCheck, md: bool) -> String {
+    let mut s = String::new();
+    for p in &c.partings {
+        let what = if p.near_tie { "near-tie" } else { "divergence" };
+        let _ = writeln!(
+            s,
+            "{}{what}: {} prompt {} step {} (reference margin {:.3e}, {} margin {:.3e})",
+            if md { "- " } else { "  " },
+            p.backend,
+            p.prompt,
+            p.step,
+            p.reference_margin,
+            p.backend,
+            p.candidate_margin
+        );
+        for (side, top) in [("ort", &p.reference_top), (p.backend.as_str(), &p.candidate_top)] {
+            let items: Vec<String> = top.iter().map(|(t, l, text)| format!("{t} {text:?} {l:.4}")).collect();
+            let _ = writeln!(s, "{}{side:>10}: {}", if md { "  - " } else { "    " }, items.join(" | "));
+        }
+    }
+    s
+}
+
+fn speed_text(c: &PackageCheck) -> String {
+    let mut s = String::from("| backend | prefill tok/s | decode tok/s |\n|---|---:|---:|\n");
+    for sp in &c.speed {
+        let _ = writeln!(s, "| {} | {:.1} | {:.1} |", sp.backend, sp.prefill_tokens_per_s, sp.decode_tokens_per_s);
+    }
+    s
+}
+
+/// For a terminal: every stage's line, where the sides parted, speed.
+pub fn table(checks: &[PackageCheck]) -> String {
+    let mut s = String::new();
+    for c in checks {
+        let tier = c.tier.map_or("-", Tier::name);
+        let _ = writeln!(s, "== {} ({}) tier {tier}: {:?}", c.name, c.dir.display(), c.verdict);
+        for r in &c.results {
+            let mark = if r.status == Status::Passed { "ok  " } else { "FAIL" };
+            let _ = writeln!(s, "{mark} {:<48} {:>7.2}s  {}", r.name, r.seconds, r.summary);
+        }
+        s.push_str(&partings_text(c, false));
+        if !c.speed.is_empty() {
+            s.push('\n');
+            s.push_str(&speed_text(c));
+        }
+    }
+    s
+}
+
+/// The report's Markdown with each package's partings and speed after it.
+pub fn markdown(checks: &[PackageCheck]) -> String {
+    let mut s = report(checks).markdown();
+    for c in checks {
+        let tier = c.tier.map_or("-", Tier::name);
+        let _ = writeln!(s, "\n## {} — {:?} (tier {tier})\n", c.name, c.verdict);
+        s.push_str(&partings_text(c, true));
+        if !c.speed.is_empty() {
+            s.push('\n');
+            s.push_str(&speed_text(c));
+        }
+    }
+    s
+}
+
+/// Every package's stages, partings, speed and verdict as JSON.
+pub fn json(checks: &[PackageCheck]) -> String {
+    serde_json::to_string_pretty(&serde_json::json!({
+        "version": env!("CARGO_PKG_VERSION"),
+        "exit_code": exit_code(checks),
+        "packages": checks,
+    }))
+    .unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
+}
