@@ -227,10 +227,18 @@ pub fn manifest(spec: &Spec) -> Manifest {
             None => Some(tokenizer::CHAT_TEMPLATE.into()),
         },
         generation: match &spec.pretrained {
-            Some(p) => {
-                Generation { bos_token_id: p.bos_token_id, eos_token_ids: p.eos_token_ids.clone(), max_new_tokens: 64 }
-            }
-            None => Generation { bos_token_id: Some(eos), eos_token_ids: vec![eos], max_new_tokens: 32 },
+            Some(p) => Generation {
+                bos_token_id: p.bos_token_id,
+                eos_token_ids: p.eos_token_ids.clone(),
+                max_new_tokens: 64,
+                sampling: Default::default(),
+            },
+            None => Generation {
+                bos_token_id: Some(eos),
+                eos_token_ids: vec![eos],
+                max_new_tokens: 32,
+                sampling: Default::default(),
+            },
         },
     }
 }

@@ -118,14 +118,16 @@ enum Command {
         chat: bool,
         #[arg(long)]
         max_new_tokens: Option<u32>,
-        /// 0 is greedy decoding.
-        #[arg(long, default_value_t = 0.0)]
-        temperature: f32,
-        /// 0 keeps every token.
-        #[arg(long, default_value_t = 0)]
-        top_k: usize,
-        #[arg(long, default_value_t = 1.0)]
-        top_p: f32,
+        /// 0 is greedy decoding (default: the package's sampling default,
+        /// else 0).
+        #[arg(long)]
+        temperature: Option<f32>,
+        /// 0 keeps every token (default: the package's, else 0).
+        #[arg(long)]
+        top_k: Option<usize>,
+        /// Default: the package's, else 1.
+        #[arg(long)]
+        top_p: Option<f32>,
         #[arg(long, default_value_t = 0)]
         seed: u64,
         /// Decode backend (ort, native-cpu).
@@ -171,6 +173,11 @@ enum Command {
         /// Write the report here instead of to stdout.
         #[arg(long)]
         out: Option<PathBuf>,
+        /// Golden records, one per package and prompt (the format of the
+        /// repository's goldens): recorded from ONNX Runtime when missing,
+        /// every backend held to them when present.
+        #[arg(long)]
+        golden: Option<PathBuf>,
     },
 }
 
@@ -267,12 +274,13 @@ fn run(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Inspect { package } => inspect(&package),
-        Command::Check { packages, prompts, steps, tier, threads, top_k, format, out } => {
+        Command::Check { packages, prompts, steps, tier, threads, top_k, format, out, golden } => {
             let opts = onnx_genai_conformance::check::CheckOptions {
                 steps,
                 tier,
                 threads: threads.max(1),
                 top_k,
+                golden,
                 ..Default::default()
             };
             // Exit 1 means a mismatch: a check that cannot start is a 2.
@@ -383,7 +391,17 @@ fn run(cli: Cli) -> Result<ExitCode> {
             };
             let request = GenerateRequest {
                 max_new_tokens,
-                sampling: Sampling { temperature, top_k, top_p, seed, ..Sampling::default() },
+                sampling: {
+                    let d = prompter.sampling_defaults();
+                    Sampling {
+                        temperature: temperature.or(d.temperature).unwrap_or(0.0),
+                        top_k: top_k.or(d.top_k.map(|k| k as usize)).unwrap_or(0),
+                        top_p: top_p.or(d.top_p).unwrap_or(1.0),
+                        repetition_penalty: d.repetition_penalty.unwrap_or(1.0),
+                        seed,
+                        ..Sampling::default()
+                    }
+                },
                 inputs,
                 ..GenerateRequest::new(prompt)
             };

@@ -124,3 +124,78 @@ fn check_reads_prompts_and_says_when_it_could_not_run() {
         String::from_utf8_lossy(&out.stdout)
     );
 }
+
+/// `--golden DIR`: the first run records each prompt's greedy run from ONNX
+/// Runtime (the repository's golden format), the next holds every backend
+/// to it and passes; a record whose tokens or logits were changed is a
+/// mismatch (exit 1) naming what differs, and one that cannot be read is
+/// exit 2.
+#[test]
+fn check_records_goldens_then_holds_every_backend_to_them() {
+    let ours = built("tiny-llama-gqa", "decomposed");
+    let dir = ours.path().to_str().unwrap();
+    let golden = ours.path().join("golden");
+    let golden_arg = golden.to_str().unwrap();
+    let prompts = ours.path().join("prompts.yaml");
+    std::fs::write(&prompts, "- The capital of France is\n- 'def main():'\n").unwrap();
+    let run = || {
+        cli(&[
+            "check",
+            dir,
+            "--prompts",
+            prompts.to_str().unwrap(),
+            "--steps",
+            "4",
+            "--golden",
+            golden_arg,
+            "--format",
+            "json",
+        ])
+    };
+    let summaries = |out: &Output| -> Vec<String> {
+        json_of(out)["packages"][0]["results"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|r| r["suite"] == "golden")
+            .map(|r| format!("{} {}", r["status"], r["summary"]))
+            .collect()
+    };
+    let first = run();
+    assert_eq!(first.status.code(), Some(0));
+    let recorded = summaries(&first);
+    assert_eq!(recorded.len(), 4, "ort and native-cpu on two prompts: {recorded:?}");
+    assert!(recorded[0].contains("recorded") && recorded[1].contains("matches"), "{recorded:?}");
+    let snap = golden.join("tiny-llama-gqa__prompt0.snap");
+    let text = std::fs::read_to_string(&snap).unwrap();
+    assert!(text.starts_with("---\nsource: onnx-genai check\n---\npackage: tiny-llama-gqa\n"), "{text}");
+    assert!(text.contains("top5_logits:\n  - step: 0\n"), "{text}");
+
+    let again = run();
+    assert_eq!(again.status.code(), Some(0));
+    assert!(
+        summaries(&again).iter().all(|s| s.contains("\"passed\"") && s.contains("matches")),
+        "{:?}",
+        summaries(&again)
+    );
+
+    // Another token in the record: every backend differs from it.
+    let token_line = text.lines().find(|l| l.starts_with("token_ids: [")).unwrap();
+    let changed = token_line.replacen("[", "[1, ", 1);
+    std::fs::write(&snap, text.replace(token_line, &changed)).unwrap();
+    let out = run();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(summaries(&out)[0].contains("differs from the snapshot"), "{:?}", summaries(&out));
+
+    // A recorded logit moved by 0.1: outside the f32 tier.
+    let top = text.lines().find(|l| l.trim_start().starts_with("top5: [[")).unwrap();
+    let value: String = top.split(", ").nth(1).unwrap().trim_end_matches(']').to_string();
+    let moved = format!("{:.5}", value.parse::<f32>().unwrap() + 0.1);
+    std::fs::write(&snap, text.replacen(top, &top.replacen(&value, &moved, 1), 1)).unwrap();
+    let out = run();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(summaries(&out)[0].contains("the tolerance"), "{:?}", summaries(&out));
+
+    std::fs::write(&snap, text.replacen("top5: [[", "top5: nonsense [[", 1)).unwrap();
+    assert_eq!(run().status.code(), Some(2));
+}

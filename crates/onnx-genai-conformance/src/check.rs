@@ -42,11 +42,21 @@ pub struct CheckOptions {
     pub threads: usize,
     /// Alternatives shown on each side of a divergence.
     pub top_k: usize,
+    /// Golden records: each prompt's greedy run from ONNX Runtime, recorded
+    /// here when missing, and every backend held to it when present.
+    pub golden: Option<PathBuf>,
 }
 
 impl Default for CheckOptions {
     fn default() -> Self {
-        Self { prompts: DEFAULT_PROMPTS.map(String::from).to_vec(), steps: 16, tier: None, threads: 2, top_k: 5 }
+        Self {
+            prompts: DEFAULT_PROMPTS.map(String::from).to_vec(),
+            steps: 16,
+            tier: None,
+            threads: 2,
+            top_k: 5,
+            golden: None,
+        }
     }
 }
 
@@ -348,6 +358,72 @@ fn parity_stage(
     out
 }
 
+/// The golden record of prompt `i` in `dir`: `<package>__prompt<i>.snap`,
+/// the format of the repository's own goldens (`golden/decode/`).
+fn golden_path(dir: &Path, name: &str, i: usize) -> PathBuf {
+    dir.join(format!("{name}__prompt{i}.snap"))
+}
+
+/// `--golden DIR`: per prompt, ONNX Runtime's greedy record is written
+/// when DIR has none; then every backend's run is judged against the
+/// record (token ids and text exactly, the recorded top-5 logits at the
+/// tier).
+fn golden_stage(
+    package: &Package,
+    name: &str,
+    dir: &Path,
+    prompts: &[(String, Vec<u32>)],
+    opts: &CheckOptions,
+    tier: Tier,
+) -> Vec<(CheckResult, Verdict)> {
+    let steps = opts.steps.max(1);
+    let mut at: Vec<usize> = vec![0, 1, steps / 2, steps - 1];
+    at.retain(|s| *s < steps);
+    at.sort_unstable();
+    at.dedup();
+    let mut out = Vec::new();
+    for (i, (text, tokens)) in prompts.iter().enumerate() {
+        let g = crate::cases::GoldenFile {
+            prompt: text.clone(),
+            max_new_tokens: steps,
+            top5_at_steps: at.clone(),
+            decimals: 5,
+        };
+        let path = golden_path(dir, name, i);
+        for backend in std::iter::once("ort".to_string()).chain(native_backends()) {
+            let started = Instant::now();
+            let mut r = result("golden", name, &backend, started);
+            r.name = format!("golden::{name}::{backend}::prompt{i}");
+            let recorded =
+                open_backend(&backend, package, opts.threads).map_err(|e| e.to_string()).and_then(|mut d| {
+                    crate::golden::record(name, "package", package, &mut d, tokens, &g).map_err(|e| e.to_string())
+                });
+            let (verdict, outcome) = match recorded {
+                Err(e) => (Verdict::CouldNotRun, Err(e)),
+                Ok(rec) if backend == "ort" && !path.exists() => {
+                    let written = std::fs::create_dir_all(dir)
+                        .and_then(|()| std::fs::write(&path, crate::golden::snapshot_file("onnx-genai check", &rec)));
+                    match written {
+                        Ok(()) => (Verdict::Pass, Ok(format!("recorded {} from ONNX Runtime", path.display()))),
+                        Err(e) => (Verdict::CouldNotRun, Err(format!("cannot write {}: {e}", path.display()))),
+                    }
+                }
+                Ok(rec) => match crate::golden::judge(&path, &rec, tier, g.decimals) {
+                    crate::golden::Judgement::Matches => {
+                        (Verdict::Pass, Ok(format!("matches {} (logits at tier {})", path.display(), tier.name())))
+                    }
+                    j @ crate::golden::Judgement::Malformed { .. } => {
+                        (Verdict::CouldNotRun, Err(format!("{j} ({})", path.display())))
+                    }
+                    j => (Verdict::Mismatch, Err(format!("{j} ({})", path.display()))),
+                },
+            };
+            out.push((finish(r, outcome, started), verdict));
+        }
+    }
+    out
+}
+
 /// Prefill and greedy decode speed of `backend` on `prompt` (one warm-up
 /// run first).
 fn speed(package: &Package, backend: &str, prompt: &[u32], steps: usize, threads: usize) -> Result<Speed, String> {
@@ -441,6 +517,13 @@ pub fn check_dir(dir: &Path, opts: &CheckOptions) -> PackageCheck {
     let mut verdict = Verdict::Pass;
     for backend in native_backends() {
         for (r, v) in parity_stage(&package, &name, &backend, &prompts, opts, tier, &mut check.partings) {
+            verdict = verdict.max(v);
+            check.results.push(r);
+        }
+    }
+    if let Some(dir) = &opts.golden {
+        let texts: Vec<(String, Vec<u32>)> = opts.prompts.iter().cloned().zip(prompts.iter().cloned()).collect();
+        for (r, v) in golden_stage(&package, &name, dir, &texts, opts, tier) {
             verdict = verdict.max(v);
             check.results.push(r);
         }

@@ -52,9 +52,11 @@ fn rounded(v: f32, decimals: u32) -> String {
     format!("{v:.prec$}", prec = decimals as usize)
 }
 
-/// Greedy-decodes and renders the golden record.
+/// Greedy-decodes and renders the golden record of `name` (a package) in
+/// `variant` (an export form, or how the user's package is named).
 pub fn record(
-    check: &Check,
+    name: &str,
+    variant: &str,
     package: &Package,
     backend: &mut Decoder,
     prompt: &[u32],
@@ -80,7 +82,7 @@ pub fn record(
     let text =
         package.tokenizer().decode(&tokens, false).map_err(|e| HarnessError::Build(format!("tokenizer: {e}")))?;
     let mut out = String::new();
-    let _ = writeln!(out, "package: {}\nvariant: {}", check.package, check.variant.name());
+    let _ = writeln!(out, "package: {name}\nvariant: {variant}");
     let _ = writeln!(out, "prompt: {:?}\nprompt_tokens: {prompt:?}", g.prompt);
     let _ = writeln!(out, "token_ids: {tokens:?}\ntext: {text:?}\ntop5_logits:\n{top}");
     Ok(Recording { text: out, logits: kept })
@@ -126,6 +128,12 @@ impl std::fmt::Display for Judgement {
             Judgement::Malformed { line, reason } => write!(f, "the snapshot is malformed at line {line}: {reason}"),
         }
     }
+}
+
+/// The snapshot file of a record: insta's metadata header, then the body
+/// [`judge`] reads (what `onnx-genai check --golden` writes).
+pub fn snapshot_file(source: &str, rec: &Recording) -> String {
+    format!("---\nsource: {source}\n---\n{}", rec.text)
 }
 
 /// Judges `rec` against the committed insta snapshot at `path` (the body

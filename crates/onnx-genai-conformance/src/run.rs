@@ -308,7 +308,7 @@ fn run_golden(
     let package = ctx.package(&check.package, check.variant)?;
     let tokens = encode(&package, &g.prompt)?;
     let mut backend = open_backend(&check.backend, &package, ctx.threads)?;
-    let recording = crate::golden::record(check, &package, &mut backend, &tokens, g)?;
+    let recording = crate::golden::record(&check.package, check.variant.name(), &package, &mut backend, &tokens, g)?;
     let path = crate::golden::snapshot_path(&ctx.root, check);
     let judgement = crate::golden::judge(&path, &recording, tier, g.decimals);
     result.status = if judgement == Judgement::Matches { Status::Passed } else { Status::Failed };

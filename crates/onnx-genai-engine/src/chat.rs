@@ -317,6 +317,11 @@ impl Prompter {
         crate::workflow::pixel_values(rgb.as_raw(), width, height, input)
     }
 
+    /// The package's sampling defaults (for what a request leaves unset).
+    pub fn sampling_defaults(&self) -> &onnx_genai_package::manifest::SamplingDefaults {
+        &self.package.manifest.generation.sampling
+    }
+
     /// Tokens the model's logits cover (what a `logit_bias` id must be
     /// below): the loaded model's width when the engine made this prompter,
     /// else the manifest's vocabulary.

@@ -67,6 +67,9 @@ pub enum Code {
     PKG042,
     /// A special token id (eos/bos) outside the vocabulary.
     PKG043,
+    /// A sampling default out of its range (temperature below 0, top_p
+    /// outside (0, 1], repetition_penalty not above 0).
+    PKG044,
     /// The chat template does not parse.
     PKG050,
     /// A workflow application input or step that the graph does not have.
@@ -83,6 +86,9 @@ pub enum Code {
     PKG105,
     /// `search.max_length` beyond the model's `context_length` (a warning).
     PKG106,
+    /// A `tokenizer_config.json` tokenizer class without the
+    /// `tokenizer.json` this runtime reads.
+    PKG107,
 }
 
 impl std::fmt::Display for Code {

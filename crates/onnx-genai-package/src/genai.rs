@@ -6,7 +6,8 @@ use serde::Deserialize;
 
 use crate::diagnostics::{Code, Diagnostic, Report};
 use crate::manifest::{
-    Architecture, Component, ElementType, Family, Generation, KvCache, Manifest, Port, Role, TokenizerRef, FORMAT,
+    Architecture, Component, ElementType, Family, Generation, KvCache, Manifest, Port, Role, SamplingDefaults,
+    TokenizerRef, FORMAT,
 };
 use crate::schema::{deserialize_closed, SchemaCodes, Tree};
 
@@ -121,7 +122,7 @@ struct GenaiOutputs {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-#[allow(dead_code)] // read for schema checking; generation defaults come from `max_length`
+#[allow(dead_code)] // all read for schema checking; the sampling ones and `max_length` used
 struct GenaiSearch {
     #[serde(default)]
     diversity_penalty: Option<f64>,
@@ -318,9 +319,52 @@ pub fn import(text: &str, report: &mut Report) -> Option<Manifest> {
                 OneOrMany::Many(ids) => ids,
             },
             max_new_tokens: max_len.min(256),
+            sampling: config.search.as_ref().map(sampling_defaults).unwrap_or_default(),
         },
     };
     ok.then_some(manifest)
+}
+
+/// A package without `tokenizer.json` whose `tokenizer_config.json` names a
+/// tokenizer class: that class reads files this runtime does not (a
+/// SentencePiece `tokenizer.model`, `vocab.json` + `merges.txt`), so the
+/// error says which class and what to ship instead (beside the missing
+/// file's own error).
+fn check_tokenizer_class(root: &std::path::Path, tokenizer_file: &str, report: &mut Report) {
+    const TOKENIZER_CONFIG: &str = "tokenizer_config.json";
+    if std::fs::symlink_metadata(root.join(tokenizer_file)).is_ok()
+        || std::fs::symlink_metadata(root.join(TOKENIZER_CONFIG)).is_err()
+    {
+        return;
+    }
+    let Some(text) = crate::validate::read_text(root, TOKENIZER_CONFIG, report) else { return };
+    let Ok(config) = serde_json::from_str::<serde_json::Value>(&text) else { return };
+    if let Some(class) = config["tokenizer_class"].as_str() {
+        report.push(Diagnostic::error(
+            Code::PKG107,
+            TOKENIZER_CONFIG,
+            "tokenizer_class",
+            format!(
+                "tokenizer_class `{class}` is not supported without {tokenizer_file}: this runtime reads Hugging Face's fast-tokenizer file only (not a SentencePiece tokenizer.model or vocab.json + merges.txt)"
+            ),
+            format!(
+                "save the fast tokenizer into the package (`AutoTokenizer.from_pretrained(...).save_pretrained(dir)` writes {tokenizer_file})"
+            ),
+        ));
+    }
+}
+
+/// `search` as sampling defaults, as ONNX Runtime GenAI reads it: without
+/// `do_sample` it decodes greedily (temperature, top_k and top_p unused);
+/// `repetition_penalty` applies either way.
+fn sampling_defaults(search: &GenaiSearch) -> SamplingDefaults {
+    let sampled = search.do_sample == Some(true);
+    SamplingDefaults {
+        temperature: if sampled { search.temperature.map(|t| t as f32) } else { Some(0.0) },
+        top_k: if sampled { search.top_k } else { None },
+        top_p: if sampled { search.top_p.map(|p| p as f32) } else { None },
+        repetition_penalty: search.repetition_penalty.map(|r| r as f32),
+    }
 }
 
 /// What an ONNX Runtime GenAI package says outside `genai_config.json`:
@@ -340,6 +384,7 @@ pub(crate) fn complete(
     if let Some(name) = dir.file_name().map(|n| n.to_string_lossy().to_string()).filter(|n| !n.is_empty()) {
         m.name = name;
     }
+    check_tokenizer_class(root, &m.tokenizer.file, report);
     if std::fs::symlink_metadata(root.join(JINJA)).is_ok() {
         m.chat_template = crate::validate::read_text(root, JINJA, report);
         return Some((JINJA, ""));

@@ -7,6 +7,7 @@ pub mod diagnostics;
 pub mod genai;
 pub mod geometry;
 pub mod manifest;
+mod sampling_defaults;
 pub mod schema;
 mod tokenizer_file;
 pub mod validate;

@@ -241,6 +241,34 @@ pub struct Generation {
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
     pub max_new_tokens: u32,
+    /// What a request that does not say gets (an ONNX Runtime GenAI
+    /// package's `search` section).
+    #[serde(default, skip_serializing_if = "SamplingDefaults::is_empty")]
+    pub sampling: SamplingDefaults,
+}
+
+/// A package's sampling defaults: each applies to a request that leaves it
+/// unset (the server's OpenAI defaults, the CLI's greedy decoding, apply
+/// otherwise).
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct SamplingDefaults {
+    /// 0 is greedy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub temperature: Option<f32>,
+    /// 0 keeps every token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_k: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_p: Option<f32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub repetition_penalty: Option<f32>,
+}
+
+impl SamplingDefaults {
+    pub fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
 }
 
 impl Manifest {

@@ -92,6 +92,7 @@ pub fn validate(root: &Path) -> (Report, Checked) {
     check_roles_present(&ctx, m, &mut report);
     check_workflow(&ctx, m, &models, &mut report);
     checked.tokenizer = crate::tokenizer_file::check(&ctx, m, &mut report);
+    crate::sampling_defaults::check(&ctx, m, &mut report);
     check_chat_template(&ctx, m, template_source, &mut report);
     checked.manifest = manifest;
     (report, checked)

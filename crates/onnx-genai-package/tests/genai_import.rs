@@ -50,3 +50,88 @@ fn name_and_chat_template_come_with_the_package() {
     std::fs::remove_file(dir.join("tokenizer_config.json")).unwrap();
     assert_eq!(Package::open(&dir).unwrap().manifest.chat_template, None);
 }
+
+/// `search` becomes the package's sampling defaults as ONNX Runtime GenAI
+/// reads it (issue 18, part 3): with `do_sample` its temperature, top_k and
+/// top_p; without it greedy (temperature 0, the others unused);
+/// `repetition_penalty` either way. A default out of range is PKG044 naming
+/// the `search` key; the same rule holds for a manifest's
+/// `generation.sampling`.
+#[test]
+fn search_becomes_the_sampling_defaults() {
+    use onnx_genai_package::manifest::SamplingDefaults;
+    use onnx_genai_package::Code;
+    let parent = tempfile::tempdir().unwrap();
+    let dir = parent.path().join("imported");
+    build("tiny-llama-gqa", Layout::OrtGenai, &dir);
+    let greedy = Package::open(&dir).unwrap().manifest.generation.sampling;
+    assert_eq!(
+        greedy,
+        SamplingDefaults { temperature: Some(0.0), repetition_penalty: Some(1.0), ..Default::default() }
+    );
+
+    let path = dir.join("genai_config.json");
+    let original: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let with_search = |search: serde_json::Value| {
+        let mut config = original.clone();
+        for (k, v) in search.as_object().unwrap() {
+            config["search"][k] = v.clone();
+        }
+        std::fs::write(&path, serde_json::to_string_pretty(&config).unwrap()).unwrap();
+    };
+    with_search(
+        serde_json::json!({"do_sample": true, "temperature": 0.6, "top_k": 20, "top_p": 0.9, "repetition_penalty": 1.1}),
+    );
+    let sampled = Package::open(&dir).unwrap().manifest.generation.sampling;
+    assert_eq!(
+        sampled,
+        SamplingDefaults { temperature: Some(0.6), top_k: Some(20), top_p: Some(0.9), repetition_penalty: Some(1.1) }
+    );
+
+    for (key, value) in [("temperature", -0.5), ("top_p", 1.5), ("repetition_penalty", 0.0)] {
+        with_search(
+            serde_json::json!({"do_sample": true, "temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.1, key: value}),
+        );
+        let (report, _) = onnx_genai_package::validate(&dir);
+        let d = report.errors().find(|d| d.code == Code::PKG044).unwrap_or_else(|| panic!("{key}: {report}"));
+        assert_eq!((d.file.as_str(), d.field.as_str()), ("genai_config.json", format!("search.{key}").as_str()));
+    }
+
+    // Our own manifest: the same check on generation.sampling.
+    let ours = parent.path().join("ours");
+    build("tiny-llama-gqa", Layout::Native, &ours);
+    let manifest = ours.join("package.yaml");
+    let text = std::fs::read_to_string(&manifest).unwrap();
+    let mut yaml: serde_yaml_ng::Value = serde_yaml_ng::from_str(&text).unwrap();
+    yaml["generation"]["sampling"] = serde_yaml_ng::from_str("{temperature: 0.7, top_k: 40}").unwrap();
+    std::fs::write(&manifest, serde_yaml_ng::to_string(&yaml).unwrap()).unwrap();
+    let p = Package::open(&ours).unwrap();
+    assert_eq!(
+        p.manifest.generation.sampling,
+        SamplingDefaults { temperature: Some(0.7), top_k: Some(40), ..Default::default() }
+    );
+    yaml["generation"]["sampling"] = serde_yaml_ng::from_str("{top_p: 0}").unwrap();
+    std::fs::write(&manifest, serde_yaml_ng::to_string(&yaml).unwrap()).unwrap();
+    let (report, _) = onnx_genai_package::validate(&ours);
+    let d = report.errors().find(|d| d.code == Code::PKG044).unwrap_or_else(|| panic!("{report}"));
+    assert_eq!(d.field, "generation.sampling.top_p");
+}
+
+/// A package with a tokenizer class but no `tokenizer.json` (a
+/// SentencePiece `tokenizer.model` only, say) is PKG107 naming the class
+/// and what to ship instead, not only the missing file's error.
+#[test]
+fn a_tokenizer_class_without_tokenizer_json_is_named() {
+    use onnx_genai_package::Code;
+    let parent = tempfile::tempdir().unwrap();
+    let dir = parent.path().join("slow-tokenizer");
+    build("tiny-llama-gqa", Layout::OrtGenai, &dir);
+    let (report, _) = onnx_genai_package::validate(&dir);
+    assert!(report.diagnostics.iter().all(|d| d.code != Code::PKG107), "{report}");
+    std::fs::remove_file(dir.join("tokenizer.json")).unwrap();
+    std::fs::write(dir.join("tokenizer_config.json"), r#"{"tokenizer_class": "LlamaTokenizer"}"#).unwrap();
+    let (report, _) = onnx_genai_package::validate(&dir);
+    let d = report.errors().find(|d| d.code == Code::PKG107).unwrap_or_else(|| panic!("{report}"));
+    assert_eq!((d.file.as_str(), d.field.as_str()), ("tokenizer_config.json", "tokenizer_class"));
+    assert!(d.message.contains("`LlamaTokenizer`") && d.hint.contains("save_pretrained"), "{d:?}");
+}

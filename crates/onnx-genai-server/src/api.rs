@@ -6,6 +6,7 @@ use serde_json::{json, Value};
 
 use onnx_genai_engine::sampling::MAX_TOP_LOGPROBS;
 use onnx_genai_engine::{ResponseFormat, MAX_CHOICES, RESERVED_TEMPLATE_VARS};
+use onnx_genai_package::manifest::SamplingDefaults;
 
 use crate::error::ApiError;
 
@@ -281,7 +282,7 @@ impl Sampling {
                 return Err(ApiError::param("top_p", format!("top_p must be in (0, 1], got {p}")));
             }
         }
-        if let Err(message) = self.engine_sampling(|| 0)?.check() {
+        if let Err(message) = self.engine_sampling(&SamplingDefaults::default(), || 0)?.check() {
             // The engine's messages start with the field's name.
             let field = ["min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"]
                 .into_iter()
@@ -343,18 +344,26 @@ impl Sampling {
         }
     }
 
-    /// The engine's sampling options for this request (`seed` drawn when
-    /// absent: each such request samples its own way, as OpenAI does).
-    pub fn engine_sampling(&self, seed: impl FnOnce() -> u64) -> Result<onnx_genai_engine::Sampling, ApiError> {
+    /// The engine's sampling options for this request: what it leaves
+    /// unset from the package's `defaults`, else OpenAI's (`seed` drawn
+    /// when absent: each such request samples its own way, as OpenAI does).
+    pub fn engine_sampling(
+        &self,
+        defaults: &SamplingDefaults,
+        seed: impl FnOnce() -> u64,
+    ) -> Result<onnx_genai_engine::Sampling, ApiError> {
         Ok(onnx_genai_engine::Sampling {
-            temperature: self.temperature.unwrap_or(1.0),
-            top_k: self.top_k()?,
-            top_p: self.top_p.unwrap_or(1.0),
+            temperature: self.temperature.or(defaults.temperature).unwrap_or(1.0),
+            top_k: match self.top_k {
+                Some(_) => self.top_k()?,
+                None => defaults.top_k.unwrap_or(0) as usize,
+            },
+            top_p: self.top_p.or(defaults.top_p).unwrap_or(1.0),
             min_p: self.min_p.unwrap_or(0.0),
             seed: self.seed.unwrap_or_else(seed),
             presence_penalty: self.presence_penalty.unwrap_or(0.0),
             frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
-            repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
+            repetition_penalty: self.repetition_penalty.or(defaults.repetition_penalty).unwrap_or(1.0),
             logit_bias: self.logit_bias()?,
         })
     }

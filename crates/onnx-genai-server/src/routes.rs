@@ -201,7 +201,7 @@ async fn run_turn(
     // Without a seed, each request samples its own way (OpenAI's
     // behaviour); with one, the same request gives the same text. Checked
     // before the lease: a refused request holds nothing.
-    let sampling = opts.engine_sampling(crate::sessions::random_u64)?;
+    let sampling = opts.engine_sampling(driver.prompter.sampling_defaults(), crate::sessions::random_u64)?;
     sampling.check_vocabulary(driver.prompter.vocab_size()).map_err(|m| ApiError::param("logit_bias", m))?;
     // A schema the grammar compiler refuses is refused here, before the
     // lease; compiling here also builds the model's shared compiler off the

@@ -441,3 +441,35 @@ fn choices_answer_as_their_single_requests_would() {
         onnx_genai_server::start_with(vec![engine(&p, &Gate::default(), Scheduler::unlimited())], "127.0.0.1:0", bad);
     assert!(matches!(refused, Err(onnx_genai_server::ServeError::MaxChoices(17))));
 }
+
+/// A package's sampling defaults apply to what a request leaves unset
+/// (issue 18, part 3): with the package's default temperature 0 two
+/// requests that name no temperature and no seed give the same (greedy)
+/// text; without it they sample at OpenAI's default temperature 1 with
+/// seeds of their own and part; a request's own temperature still wins.
+#[test]
+fn the_packages_sampling_defaults_fill_what_a_request_leaves_unset() {
+    let texts = |greedy_default: bool, body: Value| {
+        let (_dir, mut p) = package(M);
+        if greedy_default {
+            p.manifest.generation.sampling.temperature = Some(0.0);
+        }
+        let s = start(vec![engine(&p, &Gate::default(), Scheduler::new(u64::MAX / 2))], "127.0.0.1:0", 8).unwrap();
+        (0..3)
+            .map(|_| {
+                let r = post(s.addr, "/v1/chat/completions", &body);
+                assert_eq!(r.status, 200, "{}", r.body);
+                r.json()["choices"][0]["message"]["content"].as_str().unwrap().to_string()
+            })
+            .collect::<Vec<_>>()
+    };
+    let unset = json!({"model": M, "messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 24});
+    let greedy = texts(true, unset.clone());
+    assert!(greedy.iter().all(|t| *t == greedy[0]), "{greedy:?}");
+    let sampled = texts(false, unset.clone());
+    assert!(sampled.iter().any(|t| *t != sampled[0]), "{sampled:?}");
+    let mut hot = unset;
+    hot["temperature"] = json!(1.0);
+    let asked = texts(true, hot);
+    assert!(asked.iter().any(|t| *t != asked[0]), "{asked:?}");
+}
