@@ -6,6 +6,7 @@ pub mod digest;
 pub mod genai_config;
 pub mod gguf;
 pub mod graph;
+pub mod hf;
 pub mod pretrained;
 pub mod rng;
 pub mod spec;

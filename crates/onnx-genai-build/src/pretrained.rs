@@ -57,3 +57,57 @@ impl std::ops::Deref for PretrainedRef {
         &self.0
     }
 }
+
+/// `[rows][cols]` → `[cols][rows]`: a checkpoint's `[outputs, inputs]`
+/// matrix in the builder's `[inputs, outputs]` layout. 4-bit blocks stay
+/// per output row: only the f32 view turns.
+pub(crate) fn transpose(w: Weight) -> Weight {
+    let (r, c) = (w.dims[0] as usize, w.dims[1] as usize);
+    let mut out = vec![0.0; w.values.len()];
+    for (i, row) in w.values.chunks_exact(c).enumerate() {
+        for (j, v) in row.iter().enumerate() {
+            out[j * r + i] = *v;
+        }
+    }
+    Weight { dims: vec![w.dims[1], w.dims[0]], values: out, q4: w.q4 }
+}
+
+/// A pretrained llama checkpoint's architecture numbers (GGUF metadata,
+/// Hugging Face's `config.json`).
+pub struct LlamaShape {
+    pub hidden: u32,
+    pub layers: u32,
+    pub heads: u32,
+    pub kv_heads: u32,
+    pub ffn: u32,
+    pub vocab: u32,
+    pub context: u32,
+    pub rope_theta: f64,
+    pub norm_epsilon: f64,
+    pub tied: bool,
+}
+
+impl LlamaShape {
+    /// The f32 llama spec named `name` that builds from `weights`.
+    pub fn spec(&self, name: &str, weights: Pretrained) -> crate::spec::Spec {
+        crate::spec::Spec {
+            name: name.into(),
+            seed: 0,
+            family: onnx_genai_package::Family::Llama,
+            dtype: onnx_genai_package::ElementType::F32,
+            hidden_size: self.hidden,
+            num_layers: self.layers,
+            num_attention_heads: self.heads,
+            num_kv_heads: Some(self.kv_heads),
+            intermediate_size: self.ffn,
+            vocab_size: self.vocab,
+            max_sequence_length: self.context,
+            rope_theta: Some(self.rope_theta),
+            norm_epsilon: self.norm_epsilon,
+            tie_embeddings: self.tied,
+            vision: None,
+            genai: Default::default(),
+            pretrained: Some(PretrainedRef(Arc::new(weights))),
+        }
+    }
+}

@@ -106,6 +106,22 @@ enum Command {
         #[arg(long, default_value = "decomposed", value_parser = parse_variant)]
         variant: onnx_genai_build::Variant,
     },
+    /// Import a Hugging Face checkpoint directory (llama family:
+    /// `config.json`, `model.safetensors` or its shards' index,
+    /// `tokenizer.json`) as a package in any export form.
+    Import {
+        checkpoint: PathBuf,
+        out: PathBuf,
+        /// Export form: decomposed, opset23, contrib (4-bit weights) or genai.
+        #[arg(long, default_value = "decomposed", value_parser = parse_variant)]
+        variant: onnx_genai_build::Variant,
+        /// Weights and KV cache: f32 or f16.
+        #[arg(long, default_value = "f32", value_parser = parse_dtype)]
+        dtype: onnx_genai_package::ElementType,
+        /// Package name (default: the checkpoint directory's name).
+        #[arg(long)]
+        name: Option<String>,
+    },
     /// Show components, ports, KV geometry, bytes per token and parameter count.
     Inspect { package: PathBuf },
     /// Generate text, streaming it to stdout.
@@ -238,6 +254,14 @@ fn available_memory() -> Option<u64> {
     Some(kib * 1024)
 }
 
+fn parse_dtype(s: &str) -> Result<onnx_genai_package::ElementType, String> {
+    match s {
+        "f32" => Ok(onnx_genai_package::ElementType::F32),
+        "f16" => Ok(onnx_genai_package::ElementType::F16),
+        _ => Err(format!("unknown dtype `{s}` (f32, f16)")),
+    }
+}
+
 fn parse_variant(s: &str) -> Result<onnx_genai_build::Variant, String> {
     onnx_genai_build::Variant::parse(s)
         .ok_or_else(|| format!("unknown variant `{s}` (decomposed, opset23, contrib, genai)"))
@@ -274,6 +298,17 @@ fn run(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Inspect { package } => inspect(&package),
+        Command::Import { checkpoint, out, variant, dtype, name } => {
+            let name = name.unwrap_or_else(|| {
+                let dir = std::fs::canonicalize(&checkpoint).unwrap_or_else(|_| checkpoint.clone());
+                dir.file_name().map_or_else(|| "imported".into(), |n| n.to_string_lossy().into_owned())
+            });
+            let mut spec = onnx_genai_build::hf::spec_from_hf(&checkpoint, &name)?;
+            spec.dtype = dtype;
+            onnx_genai_build::build_variant(&spec, variant, &out)?;
+            println!("imported {} ({}, {dtype:?}) into {}", checkpoint.display(), variant.name(), out.display());
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Check { packages, prompts, steps, tier, threads, top_k, format, out, golden } => {
             let opts = onnx_genai_conformance::check::CheckOptions {
                 steps,

@@ -193,3 +193,63 @@ fn check_finds_the_f16_export_outside_the_f32_tier() {
     assert_eq!(own.tier, Some(Tier::F16Deep));
     assert!(own.verdict <= Verdict::NearTie, "{:?}", own.results);
 }
+
+/// `onnx-genai import` on a real model (issue 18, part 2): SmolLM2's GGUF
+/// weights written out as a Hugging Face checkpoint (`config.json`,
+/// `model.safetensors` with `[outputs, inputs]` f32 projections,
+/// `tokenizer.json`, `tokenizer_config.json`) import to a package
+/// that decodes the same greedy tokens as the f32 export built from the
+/// GGUF directly.
+#[test]
+fn a_hugging_face_checkpoint_of_smollm2_imports_to_the_same_tokens() {
+    let m = model();
+    let base = m.load_spec(&root().join("target")).unwrap();
+    let p = base.pretrained.clone().unwrap();
+    let hf = tempfile::tempdir().unwrap();
+    let tensors: Vec<(String, Vec<usize>, Vec<f32>)> = p
+        .weights
+        .iter()
+        .map(|(name, w)| {
+            let dims: Vec<usize> = w.dims.iter().map(|d| *d as usize).collect();
+            let (dims, values) = if dims.len() == 2 && name != "model.embed_tokens.weight" {
+                onnx_genai_test_support::transposed(&dims, &w.values)
+            } else {
+                (dims, w.values.clone())
+            };
+            (name.clone(), dims, values)
+        })
+        .collect();
+    onnx_genai_test_support::write_safetensors(&hf.path().join("model.safetensors"), &tensors);
+    let config = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": base.hidden_size,
+        "num_hidden_layers": base.num_layers,
+        "num_attention_heads": base.num_attention_heads,
+        "num_key_value_heads": base.num_kv_heads,
+        "intermediate_size": base.intermediate_size,
+        "vocab_size": base.vocab_size,
+        "max_position_embeddings": base.max_sequence_length,
+        "rope_theta": base.rope_theta,
+        "rms_norm_eps": base.norm_epsilon,
+        "tie_word_embeddings": base.tie_embeddings,
+        "bos_token_id": p.bos_token_id,
+        "eos_token_id": p.eos_token_ids,
+    });
+    std::fs::write(hf.path().join("config.json"), config.to_string()).unwrap();
+    std::fs::write(hf.path().join("tokenizer.json"), &p.tokenizer_json).unwrap();
+    let template = serde_json::json!({"chat_template": p.chat_template});
+    std::fs::write(hf.path().join("tokenizer_config.json"), template.to_string()).unwrap();
+
+    let spec = onnx_genai_build::hf::spec_from_hf(hf.path(), "smollm2-from-hf").unwrap();
+    let imported = tempfile::tempdir().unwrap();
+    onnx_genai_build::build_package(&spec, imported.path()).unwrap();
+    let direct = export_dir("f32");
+    let greedy = |dir: &Path| {
+        let mut engine = Engine::open(dir, BackendKind::NativeCpu, 2).unwrap();
+        let request = GenerateRequest { max_new_tokens: Some(12), ..GenerateRequest::text("The capital of France is") };
+        engine.generate(&request, &mut |_| Flow::Continue).unwrap().token_ids
+    };
+    assert_eq!(greedy(imported.path()), greedy(direct.path()));
+    let manifest = onnx_genai_package::Package::open(imported.path()).unwrap().manifest;
+    assert_eq!(manifest.chat_template, p.chat_template);
+}

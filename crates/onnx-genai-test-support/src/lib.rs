@@ -119,3 +119,33 @@ impl<H: Hook> DecodeModel for Hooked<H> {
         self.inner.kv_granularity()
     }
 }
+
+/// A `[rows, cols]` matrix as `[cols, rows]`: the builder's `[inputs,
+/// outputs]` projections in a Hugging Face checkpoint's `[outputs,
+/// inputs]` layout (and back).
+pub fn transposed(dims: &[usize], values: &[f32]) -> (Vec<usize>, Vec<f32>) {
+    let (r, c) = (dims[0], dims[1]);
+    let mut out = vec![0.0; values.len()];
+    for (i, row) in values.chunks_exact(c).enumerate() {
+        for (j, v) in row.iter().enumerate() {
+            out[j * r + i] = *v;
+        }
+    }
+    (vec![c, r], out)
+}
+
+/// Writes f32 tensors (name, dims, values) as a safetensors file.
+pub fn write_safetensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]) {
+    let bytes: Vec<Vec<u8>> =
+        tensors.iter().map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect()).collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .zip(&bytes)
+        .map(|((name, dims, _), data)| {
+            let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, dims.clone(), data)
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            (name.clone(), view)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+}

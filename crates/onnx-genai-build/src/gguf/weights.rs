@@ -6,11 +6,9 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use onnx_genai_package::{ElementType, Family};
-
 use super::quant::TensorType;
 use super::{Gguf, GgufError, TensorInfo, Value};
-use crate::pretrained::{Pretrained, PretrainedRef, Q4Blocks, Weight};
+use crate::pretrained::{transpose, LlamaShape, Pretrained, Q4Blocks, Weight};
 use crate::spec::Spec;
 
 /// The spec (f32) and weights of a llama-architecture GGUF, named `name`.
@@ -114,25 +112,9 @@ pub fn spec_from_gguf(g: &Gguf, name: &str, origin: &str) -> Result<Spec, GgufEr
         eos_token_ids: id("tokenizer.ggml.eos_token_id").into_iter().collect(),
         origin: origin.into(),
     };
-    Ok(Spec {
-        name: name.into(),
-        seed: 0,
-        family: Family::Llama,
-        dtype: ElementType::F32,
-        hidden_size: hidden,
-        num_layers: layers,
-        num_attention_heads: heads,
-        num_kv_heads: Some(kv_heads),
-        intermediate_size: ffn,
-        vocab_size: vocab,
-        max_sequence_length: context,
-        rope_theta: Some(theta),
-        norm_epsilon: eps,
-        tie_embeddings: tied,
-        vision: None,
-        genai: Default::default(),
-        pretrained: Some(PretrainedRef(Arc::new(pretrained))),
-    })
+    let shape =
+        LlamaShape { hidden, layers, heads, kv_heads, ffn, vocab, context, rope_theta: theta, norm_epsilon: eps, tied };
+    Ok(shape.spec(name, pretrained))
 }
 
 fn tensor<'g>(g: &'g Gguf, name: &str) -> Result<&'g TensorInfo, GgufError> {
@@ -173,19 +155,6 @@ fn vector(g: &Gguf, name: &str, n: u32) -> Result<Weight, GgufError> {
 /// A GGML `[inputs, outputs]` matrix: row-major `[outputs][inputs]`.
 fn matrix(g: &Gguf, name: &str, inputs: u32, outputs: u32) -> Result<Weight, GgufError> {
     rows(g, name, &[inputs, outputs])
-}
-
-/// `[rows][cols]` → `[cols][rows]`.
-fn transpose(w: Weight) -> Weight {
-    // The 4-bit blocks stay per output row: only the f32 view turns.
-    let (r, c) = (w.dims[0] as usize, w.dims[1] as usize);
-    let mut out = vec![0.0; w.values.len()];
-    for (i, row) in w.values.chunks_exact(c).enumerate() {
-        for (j, v) in row.iter().enumerate() {
-            out[j * r + i] = *v;
-        }
-    }
-    Weight { dims: vec![w.dims[1], w.dims[0]], values: out, q4: w.q4 }
 }
 
 /// Undoes llama.cpp's query/key permutation on `[heads·head_dim][inputs]`
