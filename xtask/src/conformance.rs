@@ -135,21 +135,7 @@ pub fn run(opts: Options) -> Result<()> {
     for b in &selected {
         for variant in b.spec.variants() {
             let dir = b.dir.join(variant.name());
-            let t = Instant::now();
-            let (report, _) = onnx_genai_package::validate(&dir);
-            let valid = !report.has_errors();
-            let r = stage(
-                "validate",
-                &b.name,
-                variant,
-                "-",
-                t,
-                if valid {
-                    Ok(format!("{} diagnostics, no errors", report.diagnostics.len()))
-                } else {
-                    Err(anyhow::anyhow!("{report}"))
-                },
-            );
+            let r = named(check::validate_stage(&dir, &b.name).0, &b.name, variant);
             print_result(results.len() + 1, stages, &r);
             results.push(r);
             let r = named(check::ort_load_stage(&dir, &b.name, opts.threads), &b.name, variant);
@@ -172,8 +158,8 @@ pub fn run(opts: Options) -> Result<()> {
     for (package, variant) in &real_exports {
         let t = Instant::now();
         let dir = ctx.package_dir(package, *variant);
-        let (report, _) = match &dir {
-            Ok(dir) => onnx_genai_package::validate(dir),
+        let dir = match dir {
+            Ok(dir) => dir,
             Err(e) => {
                 let r = stage("validate", package, *variant, "-", t, Err(anyhow::anyhow!("{e}")));
                 print_result(results.len() + 1, stages, &r);
@@ -181,13 +167,7 @@ pub fn run(opts: Options) -> Result<()> {
                 continue;
             }
         };
-        let dir = dir?;
-        let outcome = if report.has_errors() {
-            Err(anyhow::anyhow!("{report}"))
-        } else {
-            Ok(format!("built from the GGUF; {} diagnostics, no errors", report.diagnostics.len()))
-        };
-        let r = stage("validate", package, *variant, "-", t, outcome);
+        let r = named(check::validate_stage(&dir, package).0, package, *variant);
         print_result(results.len() + 1, stages, &r);
         results.push(r);
         let r = named(check::ort_load_stage(&dir, package, opts.threads), package, *variant);

@@ -91,6 +91,17 @@ pub fn spec_from_hf(dir: &Path, name: &str) -> Result<Spec, HfError> {
             "sliding_window {window} is shorter than max_position_embeddings {context}: sliding-window attention is not supported"
         )));
     }
+    // What the llama graph does not compute must not be dropped silently.
+    for key in ["attention_bias", "mlp_bias"] {
+        if config[key].as_bool() == Some(true) {
+            return Err(HfError::Unsupported(format!(
+                "config.json {key}: true is not supported (no projection biases)"
+            )));
+        }
+    }
+    if let Some(act) = config["hidden_act"].as_str().filter(|a| *a != "silu") {
+        return Err(HfError::Unsupported(format!("config.json hidden_act `{act}` is not supported (silu is)")));
+    }
     let tied = config["tie_word_embeddings"].as_bool().unwrap_or(false);
     let mut tensors = Tensors::open(dir)?;
     let mut weights = HashMap::new();
@@ -119,6 +130,15 @@ pub fn spec_from_hf(dir: &Path, name: &str) -> Result<Spec, HfError> {
     if !tied {
         weights.insert("lm_head.weight".into(), transpose(tensors.get("lm_head.weight", &[vocab, hidden])?));
     }
+    // A tensor the graph does not read (a bias, an extra layer) would be
+    // lost: refused by name. Rotary frequencies are recomputed from
+    // rope_theta.
+    if let Some(extra) = tensors.unused(&weights).into_iter().find(|n| !n.ends_with("rotary_emb.inv_freq")) {
+        return Err(HfError::Tensor {
+            name: extra,
+            reason: "is in the checkpoint but not read by a llama graph".into(),
+        });
+    }
     let tokenizer_json = read(dir, "tokenizer.json").map_err(|e| {
         HfError::Unsupported(format!(
             "{e}: the importer needs Hugging Face's fast-tokenizer file (`AutoTokenizer.from_pretrained(...).save_pretrained(dir)` writes it)"
@@ -146,6 +166,12 @@ pub fn spec_from_hf(dir: &Path, name: &str) -> Result<Spec, HfError> {
         Value::Array(ids) => ids.iter().filter_map(id_of).collect(),
         v => id_of(v).into_iter().collect(),
     };
+    if eos_token_ids.is_empty() {
+        return Err(HfError::Invalid {
+            file: "config.json".into(),
+            reason: "no eos_token_id (here or in generation_config.json): generation could not stop".into(),
+        });
+    }
     let pretrained = Pretrained {
         weights,
         tokenizer_json,
@@ -166,7 +192,9 @@ pub fn spec_from_hf(dir: &Path, name: &str) -> Result<Spec, HfError> {
         norm_epsilon: config["rms_norm_eps"].as_f64().unwrap_or(1e-6),
         tied,
     };
-    Ok(shape.spec(name, pretrained))
+    let spec = shape.spec(name, pretrained);
+    spec.check(&dir.display().to_string()).map_err(|e| HfError::Unsupported(e.to_string()))?;
+    Ok(spec)
 }
 
 /// The checkpoint's safetensors files, memory-mapped, and which holds
@@ -220,6 +248,13 @@ impl Tensors {
             maps.push((file, map));
         }
         Ok(Self { maps, at })
+    }
+
+    /// The checkpoint's tensors not among `used`, sorted.
+    fn unused(&self, used: &HashMap<String, Weight>) -> Vec<String> {
+        let mut names: Vec<String> = self.at.keys().filter(|n| !used.contains_key(*n)).cloned().collect();
+        names.sort();
+        names
     }
 
     /// Tensor `name`, which must have exactly `shape`, as f32 values

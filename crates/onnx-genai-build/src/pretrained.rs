@@ -61,7 +61,7 @@ impl std::ops::Deref for PretrainedRef {
 /// `[rows][cols]` → `[cols][rows]`: a checkpoint's `[outputs, inputs]`
 /// matrix in the builder's `[inputs, outputs]` layout. 4-bit blocks stay
 /// per output row: only the f32 view turns.
-pub(crate) fn transpose(w: Weight) -> Weight {
+pub fn transpose(w: Weight) -> Weight {
     let (r, c) = (w.dims[0] as usize, w.dims[1] as usize);
     let mut out = vec![0.0; w.values.len()];
     for (i, row) in w.values.chunks_exact(c).enumerate() {

@@ -179,7 +179,7 @@ impl Spec {
         self.hidden_size / self.num_attention_heads.max(1)
     }
 
-    fn check(&self, origin: &str) -> Result<(), BuildError> {
+    pub(crate) fn check(&self, origin: &str) -> Result<(), BuildError> {
         let fail = |reason: String| Err(BuildError::Spec { origin: origin.into(), reason });
         if self.num_attention_heads == 0 || !self.hidden_size.is_multiple_of(self.num_attention_heads) {
             return fail(format!(

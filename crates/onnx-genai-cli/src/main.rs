@@ -239,8 +239,14 @@ fn check(
         CheckFormat::Json => c::json(&checks),
         CheckFormat::Junit => c::report(&checks).junit(),
     };
-    match out {
-        Some(path) => std::fs::write(path, &text).with_context(|| format!("writing {}", path.display()))?,
+    // The verdict's exit code stands even when the report cannot be
+    // written: it then goes to stdout.
+    match out.map(|path| std::fs::write(path, &text).map_err(|e| (path, e))) {
+        Some(Ok(())) => {}
+        Some(Err((path, e))) => {
+            eprintln!("error: cannot write {}: {e}; the report follows", path.display());
+            print!("{text}");
+        }
         None => print!("{text}"),
     }
     Ok(ExitCode::from(c::exit_code(&checks) as u8))

@@ -5,7 +5,6 @@
 //! the conformance crate's real_model.rs, on SmolLM2's f16 export held to
 //! the f32 tier: the tiny packages sit well inside every tier.
 
-use std::path::Path;
 use std::process::{Command, Output};
 
 use serde_json::Value;
@@ -16,7 +15,7 @@ fn cli(args: &[&str]) -> Output {
 
 fn built(name: &str, variant: &str) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
-    let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packages").join(name).join("spec.yaml");
+    let spec = onnx_genai_test_support::spec_path(name);
     let out = cli(&["build", spec.to_str().unwrap(), dir.path().to_str().unwrap(), "--variant", variant]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     dir
@@ -55,20 +54,21 @@ fn check_passes_on_our_layout_and_on_ort_genais() {
         assert_eq!(p["tier"], tier, "{}", p["dir"]);
         let results = p["results"].as_array().unwrap();
         let stages: Vec<&str> = results.iter().map(|r| r["suite"].as_str().unwrap()).collect();
-        assert_eq!(
-            stages,
-            ["validate", "ort-load", "native-compile", "parity", "parity", "parity", "parity", "speed", "speed"],
-            "{}",
-            p["dir"]
-        );
+        // Parity and speed of every native backend this machine has
+        // (native-cuda too where a GPU is).
+        let natives = onnx_genai_conformance::check::native_backends();
+        let mut want = vec!["validate", "ort-load", "native-compile"];
+        want.extend(std::iter::repeat_n("parity", 4 * natives.len()));
+        want.extend(std::iter::repeat_n("speed", 1 + natives.len()));
+        assert_eq!(stages, want, "{}", p["dir"]);
         assert!(results.iter().all(|r| r["status"] == "passed"), "{p}");
         for r in results.iter().filter(|r| r["suite"] == "parity") {
-            assert_eq!(r["backend"], "native-cpu");
+            assert!(natives.iter().any(|n| r["backend"] == n.as_str()), "{r}");
             assert_eq!(r["parity"]["steps"], 6, "{r}");
             assert_eq!(r["parity"]["tokens"].as_array().unwrap().len(), 6, "{r}");
         }
         let speed: Vec<&str> = p["speed"].as_array().unwrap().iter().map(|s| s["backend"].as_str().unwrap()).collect();
-        assert_eq!(speed, ["ort", "native-cpu"]);
+        assert_eq!(speed[..2], ["ort", "native-cpu"]);
     }
 
     // The same run as a terminal table, Markdown and JUnit.
@@ -79,12 +79,17 @@ fn check_passes_on_our_layout_and_on_ort_genais() {
     assert!(table_text.contains("ok   parity::tiny-llama-gqa::native-cpu::prompt3"), "{table_text}");
     assert!(table_text.contains("| native-cpu |"), "{table_text}");
     let md = cli(&["check", dir, "--steps", "2", "--format", "markdown"]);
-    assert!(String::from_utf8_lossy(&md.stdout).contains("| parity | 4 | 0 | 0 |"));
+    let parity_row = format!("| parity | {} | 0 | 0 |", 4 * onnx_genai_conformance::check::native_backends().len());
+    assert!(String::from_utf8_lossy(&md.stdout).contains(&parity_row));
     let junit_path = ours.path().join("junit.xml");
     let junit = cli(&["check", dir, "--steps", "2", "--format", "junit", "--out", junit_path.to_str().unwrap()]);
     assert_eq!(junit.status.code(), Some(0));
     let xml = std::fs::read_to_string(&junit_path).unwrap();
-    assert!(xml.contains("<testsuite name=\"parity\" tests=\"4\" failures=\"0\""), "{xml}");
+    let suite = format!(
+        "<testsuite name=\"parity\" tests=\"{}\" failures=\"0\"",
+        4 * onnx_genai_conformance::check::native_backends().len()
+    );
+    assert!(xml.contains(&suite), "{xml}");
 }
 
 /// A prompts file replaces the built-in prompts; one that is not a list of
@@ -100,7 +105,7 @@ fn check_reads_prompts_and_says_when_it_could_not_run() {
     assert_eq!(out.status.code(), Some(0));
     let parity =
         json_of(&out)["packages"][0]["results"].as_array().unwrap().iter().filter(|r| r["suite"] == "parity").count();
-    assert_eq!(parity, 2, "one parity check per prompt");
+    assert_eq!(parity, 2 * onnx_genai_conformance::check::native_backends().len(), "one parity check per prompt");
 
     std::fs::write(&prompts, "prompts: [a, b]\n").unwrap();
     let out = cli(&["check", dir, "--prompts", prompts.to_str().unwrap()]);
@@ -164,9 +169,15 @@ fn check_records_goldens_then_holds_every_backend_to_them() {
     let first = run();
     assert_eq!(first.status.code(), Some(0));
     let recorded = summaries(&first);
-    assert_eq!(recorded.len(), 4, "ort and native-cpu on two prompts: {recorded:?}");
+    let backends = 1 + onnx_genai_conformance::check::native_backends().len();
+    assert_eq!(recorded.len(), 2 * backends, "every backend on two prompts: {recorded:?}");
     assert!(recorded[0].contains("recorded") && recorded[1].contains("matches"), "{recorded:?}");
-    let snap = golden.join("tiny-llama-gqa__prompt0.snap");
+    let snaps: Vec<_> = std::fs::read_dir(&golden).unwrap().map(|e| e.unwrap().path()).collect();
+    assert_eq!(snaps.len(), 2, "one record per prompt: {snaps:?}");
+    let snap =
+        snaps.iter().find(|p| p.file_name().unwrap().to_str().unwrap().ends_with("__prompt0.snap")).unwrap().clone();
+    let file = snap.file_name().unwrap().to_str().unwrap().to_string();
+    assert!(file.starts_with("tiny-llama-gqa__") && !file.contains(".."), "named by package and directory: {file}");
     let text = std::fs::read_to_string(&snap).unwrap();
     assert!(text.starts_with("---\nsource: onnx-genai check\n---\npackage: tiny-llama-gqa\n"), "{text}");
     assert!(text.contains("top5_logits:\n  - step: 0\n"), "{text}");

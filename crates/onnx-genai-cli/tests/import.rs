@@ -5,7 +5,8 @@
 //! `tokenizer.json`, `tokenizer_config.json`). The import decodes exactly
 //! the tokens of the direct build, in the decomposed and the 4-bit contrib
 //! forms, from one file or from shards; an unsupported architecture, a
-//! missing tensor or a tensor of the wrong shape is an error naming it.
+//! missing tensor, one the graph would not read (a bias) or one of the
+//! wrong shape is an error naming it.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -24,7 +25,7 @@ fn ok(out: Output) -> String {
 
 fn built(variant: &str) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
-    let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packages/tiny-llama-gqa/spec.yaml");
+    let spec = onnx_genai_test_support::spec_path("tiny-llama-gqa");
     ok(cli(&["build", spec.to_str().unwrap(), dir.path().to_str().unwrap(), "--variant", variant]));
     dir
 }
@@ -165,6 +166,13 @@ fn what_the_importer_cannot_take_is_named() {
     let hf = checkpoint(direct.path(), &missing, 1, "LlamaForCausalLM");
     let e = failed(hf.path());
     assert!(e.contains("model.layers.1.mlp.up_proj.weight") && e.contains("missing"), "{e}");
+
+    // A bias the llama graph would not read is refused, not dropped.
+    let mut biased = tensors.clone();
+    biased.insert("model.layers.0.self_attn.q_proj.bias".into(), (vec![64], vec![0.5; 64]));
+    let hf = checkpoint(direct.path(), &biased, 1, "LlamaForCausalLM");
+    let e = failed(hf.path());
+    assert!(e.contains("model.layers.0.self_attn.q_proj.bias") && e.contains("not read"), "{e}");
 
     let mut wrong = tensors.clone();
     wrong.get_mut("model.norm.weight").unwrap().0 = vec![32, 2];

@@ -283,6 +283,19 @@ fn parting(
     Ok((side(reference)?, side(candidate)?))
 }
 
+/// What one parity run concluded. A flip where the reference itself could
+/// not tell the two tokens apart is a near-tie only while the logits
+/// stayed in the tier: wrong logits that happen to flip a close call are a
+/// mismatch.
+fn verdict_of(run: &parity::ParityOutcome) -> Verdict {
+    match &run.divergence {
+        None => Verdict::Pass,
+        Some(Divergence::Token { near_tie: true, .. }) if run.worst.worst_ratio <= 1.0 => Verdict::NearTie,
+        Some(Divergence::Error { .. }) => Verdict::CouldNotRun,
+        Some(_) => Verdict::Mismatch,
+    }
+}
+
 /// Parity of `backend` against ONNX Runtime on every prompt.
 fn parity_stage(
     package: &Package,
@@ -309,12 +322,7 @@ fn parity_stage(
         let mut r = result("parity", name, backend, started);
         r.name = format!("parity::{name}::{backend}::prompt{i}");
         let run = parity::run(&mut reference, &mut candidate, tokens, opts.steps, tier);
-        let verdict = match &run.divergence {
-            None => Verdict::Pass,
-            Some(Divergence::Token { near_tie: true, .. }) => Verdict::NearTie,
-            Some(Divergence::Error { .. }) => Verdict::CouldNotRun,
-            Some(_) => Verdict::Mismatch,
-        };
+        let verdict = verdict_of(&run);
         let summary = match &run.divergence {
             None => format!(
                 "{} steps, tier {}: max |d| {:.2e} ({:.1}% of tolerance), greedy tokens identical, min top-2 gap {:.2e}",
@@ -358,23 +366,35 @@ fn parity_stage(
     out
 }
 
-/// The golden record of prompt `i` in `dir`: `<package>__prompt<i>.snap`,
-/// the format of the repository's own goldens (`golden/decode/`).
-fn golden_path(dir: &Path, name: &str, i: usize) -> PathBuf {
-    dir.join(format!("{name}__prompt{i}.snap"))
+/// The golden record of prompt `i` of the package at `package_dir` (named
+/// `name`) in `dir`: `<name>__<directory>__prompt<i>.snap` — two exports
+/// of one model are two records — in the format of the repository's own
+/// goldens (`golden/decode/`). Only letters, digits, `.`, `-` and `_` are
+/// kept, so no manifest name can place a file outside `dir`.
+fn golden_path(dir: &Path, name: &str, package_dir: &Path, i: usize) -> PathBuf {
+    let safe = |s: &str| -> String {
+        let kept: String =
+            s.chars().map(|c| if c.is_ascii_alphanumeric() || matches!(c, '-' | '_') { c } else { '_' }).collect();
+        kept.trim_start_matches('_').to_string()
+    };
+    let dir_name = package_dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    dir.join(format!("{}__{}__prompt{i}.snap", safe(name), safe(&dir_name)))
 }
 
 /// `--golden DIR`: per prompt, ONNX Runtime's greedy record is written
 /// when DIR has none; then every backend's run is judged against the
 /// record (token ids and text exactly, the recorded top-5 logits at the
 /// tier).
+/// `near_ties`: the (backend, prompt) pairs parity found parted only at a
+/// near-tie — their tokens may leave the record there without failing.
 fn golden_stage(
     package: &Package,
-    name: &str,
+    (name, package_dir): (&str, &Path),
     dir: &Path,
     prompts: &[(String, Vec<u32>)],
     opts: &CheckOptions,
     tier: Tier,
+    near_ties: &[(String, usize)],
 ) -> Vec<(CheckResult, Verdict)> {
     let steps = opts.steps.max(1);
     let mut at: Vec<usize> = vec![0, 1, steps / 2, steps - 1];
@@ -389,7 +409,7 @@ fn golden_stage(
             top5_at_steps: at.clone(),
             decimals: 5,
         };
-        let path = golden_path(dir, name, i);
+        let path = golden_path(dir, name, package_dir, i);
         for backend in std::iter::once("ort".to_string()).chain(native_backends()) {
             let started = Instant::now();
             let mut r = result("golden", name, &backend, started);
@@ -415,6 +435,17 @@ fn golden_stage(
                     j @ crate::golden::Judgement::Malformed { .. } => {
                         (Verdict::CouldNotRun, Err(format!("{j} ({})", path.display())))
                     }
+                    crate::golden::Judgement::Differs { ref committed, .. } if committed.starts_with("prompt") => (
+                        Verdict::CouldNotRun,
+                        Err(format!(
+                            "{} records another prompt ({committed}): delete it to record this one",
+                            path.display()
+                        )),
+                    ),
+                    j if near_ties.contains(&(backend.clone(), i)) => (
+                        Verdict::NearTie,
+                        Ok(format!("{j} ({}): where parity found a near-tie (not a failure)", path.display())),
+                    ),
                     j => (Verdict::Mismatch, Err(format!("{j} ({})", path.display()))),
                 },
             };
@@ -459,6 +490,7 @@ pub fn native_backends() -> Vec<String> {
 /// Every stage on the package at `dir`; stops after the first stage that
 /// could not run.
 pub fn check_dir(dir: &Path, opts: &CheckOptions) -> PackageCheck {
+    let dir_path = dir;
     let dir_name = dir.file_name().map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned());
     let (validated, name) = validate_stage(dir, &dir_name);
     let name = name.unwrap_or(dir_name);
@@ -501,10 +533,11 @@ pub fn check_dir(dir: &Path, opts: &CheckOptions) -> PackageCheck {
         .map(|p| package.tokenizer().encode(p.as_str(), false).map(|e| e.get_ids().to_vec()).map_err(|e| e.to_string()))
         .collect();
     let prompts = match prompts {
-        Ok(p) if p.iter().all(|t| !t.is_empty()) => p,
+        Ok(p) if !p.is_empty() && p.iter().all(|t| !t.is_empty()) => p,
         Ok(_) => {
             let started = Instant::now();
-            let r = finish(result("parity", &name, "-", started), Err("a prompt encodes to no tokens".into()), started);
+            let why = "no prompts, or a prompt that encodes to no tokens".to_string();
+            let r = finish(result("parity", &name, "-", started), Err(why), started);
             check.results.push(r);
             return check;
         }
@@ -515,15 +548,20 @@ pub fn check_dir(dir: &Path, opts: &CheckOptions) -> PackageCheck {
         }
     };
     let mut verdict = Verdict::Pass;
+    let mut near_ties = Vec::new();
     for backend in native_backends() {
-        for (r, v) in parity_stage(&package, &name, &backend, &prompts, opts, tier, &mut check.partings) {
+        let results = parity_stage(&package, &name, &backend, &prompts, opts, tier, &mut check.partings);
+        for (i, (r, v)) in results.into_iter().enumerate() {
+            if v == Verdict::NearTie {
+                near_ties.push((backend.clone(), i));
+            }
             verdict = verdict.max(v);
             check.results.push(r);
         }
     }
     if let Some(dir) = &opts.golden {
         let texts: Vec<(String, Vec<u32>)> = opts.prompts.iter().cloned().zip(prompts.iter().cloned()).collect();
-        for (r, v) in golden_stage(&package, &name, dir, &texts, opts, tier) {
+        for (r, v) in golden_stage(&package, (&name, dir_path), dir, &texts, opts, tier, &near_ties) {
             verdict = verdict.max(v);
             check.results.push(r);
         }
@@ -635,4 +673,46 @@ pub fn json(checks: &[PackageCheck]) -> String {
         "packages": checks,
     }))
     .unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tolerance::Deviation;
+
+    fn run(divergence: Option<Divergence>, worst_ratio: f32) -> parity::ParityOutcome {
+        parity::ParityOutcome {
+            steps: 3,
+            worst: Deviation { max_abs: 0.0, worst_index: 0, worst_ratio },
+            min_top2_gap: 0.0,
+            tokens: vec![1, 2],
+            divergence,
+            arbitration: None,
+        }
+    }
+
+    /// The verdicts behind the exit codes: a near-tie passes only with the
+    /// logits inside the tier; a flip outside it, logits out of tier and a
+    /// backend error do not.
+    #[test]
+    fn a_near_tie_passes_only_with_logits_inside_the_tier() {
+        let flip = |near_tie| Divergence::Token {
+            step: 2,
+            reference: 5,
+            candidate: 6,
+            top2_gap: 1e-5,
+            max_abs: 0.0,
+            near_tie,
+        };
+        assert_eq!(verdict_of(&run(None, 0.5)), Verdict::Pass);
+        assert_eq!(verdict_of(&run(Some(flip(true)), 0.9)), Verdict::NearTie);
+        assert_eq!(verdict_of(&run(Some(flip(true)), 3.0)), Verdict::Mismatch);
+        assert_eq!(verdict_of(&run(Some(flip(false)), 0.1)), Verdict::Mismatch);
+        let error = Divergence::Error { step: 0, backend: "native-cpu".into(), message: "x".into() };
+        assert_eq!(verdict_of(&run(Some(error), 0.0)), Verdict::CouldNotRun);
+        assert_eq!(
+            [Verdict::Pass, Verdict::NearTie, Verdict::Mismatch, Verdict::CouldNotRun].map(Verdict::exit_code),
+            [0, 0, 1, 2]
+        );
+    }
 }

@@ -43,8 +43,8 @@ pub struct Chat {
     pub messages: Vec<ChatMessage>,
     pub tools: Vec<Tool>,
     /// Whether the rendered prompt ends with the assistant's header (the
-    /// templates' `add_generation_prompt`; off to continue the last
-    /// message).
+    /// templates' `add_generation_prompt`; off, the prompt ends after the
+    /// last message as the template closes it).
     pub add_generation_prompt: bool,
     /// Extra variables the template reads (`enable_thinking`,
     /// `date_string`, ...: a request's `chat_template_kwargs`); they may

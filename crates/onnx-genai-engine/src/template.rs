@@ -17,7 +17,8 @@ use minijinja::{Environment, Error, ErrorKind, Value};
 
 /// Variables the renderer itself sets: a request's extra variables may not
 /// replace them.
-pub const RESERVED: [&str; 5] = ["messages", "tools", "add_generation_prompt", "bos_token", "eos_token"];
+pub const RESERVED: [&str; 7] =
+    ["messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception", "strftime_now"];
 
 /// A fresh environment with Hugging Face's settings and functions.
 pub fn environment() -> Environment<'static> {
@@ -136,7 +137,9 @@ impl Style {
             return;
         }
         for c in quoted.chars() {
-            if c.is_ascii() {
+            // Python's ASCII-only output keeps ' ' to '~' and escapes the
+            // rest (DEL included).
+            if c.is_ascii() && c != '\x7f' {
                 out.push(c);
             } else {
                 let mut units = [0u16; 2];
@@ -152,6 +155,8 @@ impl Style {
 /// shortest digits that read back, positional for exponents -4 to 15
 /// (`123.0`, `0.0001`), else `1e-05` / `1.5e+16`.
 fn python_float(x: f64) -> String {
+    // Values reach `tojson` through JSON, which has no NaN or infinity;
+    // written as Python would anyway.
     if x.is_nan() {
         return "NaN".into();
     }
@@ -181,8 +186,9 @@ fn python_float(x: f64) -> String {
     }
 }
 
-/// `strftime_now(format)`: the current UTC time (templates print today's
-/// date with it).
+/// `strftime_now(format)`: the current time in UTC (templates print
+/// today's date with it; transformers uses the local time, which on a
+/// server is normally UTC).
 fn strftime_now(format: String) -> Result<String, Error> {
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
     strftime(&format, now as i64)

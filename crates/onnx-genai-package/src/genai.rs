@@ -319,7 +319,7 @@ pub fn import(text: &str, report: &mut Report) -> Option<Manifest> {
                 OneOrMany::Many(ids) => ids,
             },
             max_new_tokens: max_len.min(256),
-            sampling: config.search.as_ref().map(sampling_defaults).unwrap_or_default(),
+            sampling: sampling_defaults(config.search.as_ref()),
         },
     };
     ok.then_some(manifest)
@@ -355,9 +355,14 @@ fn check_tokenizer_class(root: &std::path::Path, tokenizer_file: &str, report: &
 }
 
 /// `search` as sampling defaults, as ONNX Runtime GenAI reads it: without
-/// `do_sample` it decodes greedily (temperature, top_k and top_p unused);
-/// `repetition_penalty` applies either way.
-fn sampling_defaults(search: &GenaiSearch) -> SamplingDefaults {
+/// `do_sample` (or without a `search` section) it decodes greedily
+/// (temperature, top_k and top_p unused); `repetition_penalty` applies
+/// either way. A key the section leaves out is left to the server's
+/// defaults.
+fn sampling_defaults(search: Option<&GenaiSearch>) -> SamplingDefaults {
+    let Some(search) = search else {
+        return SamplingDefaults { temperature: Some(0.0), ..Default::default() };
+    };
     let sampled = search.do_sample == Some(true);
     SamplingDefaults {
         temperature: if sampled { search.temperature.map(|t| t as f32) } else { Some(0.0) },

@@ -76,9 +76,10 @@ impl<H: Hook + ?Sized> Hook for Arc<H> {
 }
 
 /// A real model behind a [`Hook`]. Every method of [`DecodeModel`] is
-/// forwarded, the defaulted ones too: a wrapper that let a default answer
-/// for the model (batch width 1, token-exact KV) would change how the
-/// engine batches and reserves, and the test would measure something else.
+/// forwarded: a wrapper that answered for the model (batch width 1,
+/// token-exact KV) would change how the engine batches and reserves, and
+/// the test would measure something else (the trait has no defaults for
+/// them, so a wrapper cannot forget one).
 pub struct Hooked<H> {
     inner: Arc<dyn DecodeModel>,
     hook: H,
@@ -124,14 +125,13 @@ impl<H: Hook> DecodeModel for Hooked<H> {
 /// outputs]` projections in a Hugging Face checkpoint's `[outputs,
 /// inputs]` layout (and back).
 pub fn transposed(dims: &[usize], values: &[f32]) -> (Vec<usize>, Vec<f32>) {
-    let (r, c) = (dims[0], dims[1]);
-    let mut out = vec![0.0; values.len()];
-    for (i, row) in values.chunks_exact(c).enumerate() {
-        for (j, v) in row.iter().enumerate() {
-            out[j * r + i] = *v;
-        }
-    }
-    (vec![c, r], out)
+    let w = onnx_genai_build::pretrained::Weight {
+        dims: dims.iter().map(|d| *d as u32).collect(),
+        values: values.to_vec(),
+        q4: None,
+    };
+    let t = onnx_genai_build::pretrained::transpose(w);
+    (t.dims.iter().map(|d| *d as usize).collect(), t.values)
 }
 
 /// Writes f32 tensors (name, dims, values) as a safetensors file.
