@@ -27,7 +27,7 @@ pub fn genai_config(spec: &Spec, variant: Variant) -> String {
     if !theirs {
         inputs["position_ids"] = names::POSITION_IDS.into();
     }
-    let search = if theirs {
+    let mut search = if theirs {
         serde_json::json!({
             "diversity_penalty": 0.0,
             "do_sample": false,
@@ -55,6 +55,9 @@ pub fn genai_config(spec: &Spec, variant: Variant) -> String {
             "top_p": 1.0,
         })
     };
+    if let Some(p) = &spec.pretrained {
+        carry_sampling(&mut search, &p.sampling);
+    }
     let config = serde_json::json!({
         "model": {
             "bos_token_id": bos,
@@ -85,6 +88,32 @@ pub fn genai_config(spec: &Spec, variant: Variant) -> String {
         "search": search,
     });
     serde_json::to_string_pretty(&config).unwrap_or_default()
+}
+
+/// The checkpoint's sampling defaults in `search`, where ONNX Runtime GenAI
+/// (and the package reader) take them from: sampled when the default
+/// temperature is above 0.
+fn carry_sampling(search: &mut serde_json::Value, sampling: &onnx_genai_package::manifest::SamplingDefaults) {
+    if sampling.is_empty() {
+        return;
+    }
+    // f32 → the shortest decimal (0.7, not 0.699999988).
+    let num = |v: f32| v.to_string().parse::<f64>().map_or(serde_json::Value::Null, serde_json::Value::from);
+    let sampled = sampling.temperature.is_some_and(|t| t > 0.0);
+    search["do_sample"] = sampled.into();
+    if sampled {
+        for (key, value) in [("temperature", sampling.temperature), ("top_p", sampling.top_p)] {
+            if let Some(v) = value {
+                search[key] = num(v);
+            }
+        }
+        if let Some(k) = sampling.top_k {
+            search["top_k"] = k.into();
+        }
+    }
+    if let Some(r) = sampling.repetition_penalty {
+        search["repetition_penalty"] = num(r);
+    }
 }
 
 /// `tokenizer_config.json` as Hugging Face tokenizers write it: the special

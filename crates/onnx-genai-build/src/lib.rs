@@ -231,8 +231,8 @@ pub fn manifest(spec: &Spec) -> Manifest {
             Some(p) => Generation {
                 bos_token_id: p.bos_token_id,
                 eos_token_ids: p.eos_token_ids.clone(),
-                max_new_tokens: 64,
-                sampling: Default::default(),
+                max_new_tokens: p.max_new_tokens.unwrap_or(64),
+                sampling: p.sampling.clone(),
             },
             None => Generation {
                 bos_token_id: Some(eos),

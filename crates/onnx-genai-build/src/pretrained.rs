@@ -36,6 +36,10 @@ pub struct Pretrained {
     pub chat_template: Option<String>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
+    /// Sampling defaults (Hugging Face's `generation_config.json`).
+    pub sampling: onnx_genai_package::manifest::SamplingDefaults,
+    /// `max_new_tokens` of `generation_config.json`.
+    pub max_new_tokens: Option<u32>,
     /// Where the numbers came from (for messages).
     pub origin: String,
 }
@@ -85,6 +89,8 @@ pub struct LlamaShape {
     pub rope_theta: f64,
     pub norm_epsilon: f64,
     pub tied: bool,
+    /// Biases on the Q, K and V projections (Qwen2).
+    pub qkv_bias: bool,
 }
 
 impl LlamaShape {
@@ -105,6 +111,7 @@ impl LlamaShape {
             rope_theta: Some(self.rope_theta),
             norm_epsilon: self.norm_epsilon,
             tie_embeddings: self.tied,
+            qkv_bias: self.qkv_bias,
             vision: None,
             genai: Default::default(),
             pretrained: Some(PretrainedRef(Arc::new(weights))),

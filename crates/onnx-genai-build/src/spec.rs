@@ -34,6 +34,10 @@ pub struct Spec {
     pub norm_epsilon: f64,
     /// Share the token embedding with the output projection.
     pub tie_embeddings: bool,
+    /// Llama family: biases on the Q, K and V projections (Qwen2's
+    /// layout; the gpt2 family's projections are always biased).
+    #[serde(default)]
+    pub qkv_bias: bool,
     /// Makes a vision-language package: a vision encoder, a token-embedding
     /// component and a decoder that takes `inputs_embeds`, run as a
     /// declared workflow.
@@ -204,6 +208,9 @@ impl Spec {
             }
             (Family::Gpt2, _, Some(k)) if k != self.num_attention_heads => {
                 return fail("the gpt2 family is multi-head attention; remove num_kv_heads".into())
+            }
+            (Family::Gpt2, _, _) if self.qkv_bias => {
+                return fail("the gpt2 family's projections always carry biases; remove qkv_bias".into())
             }
             _ => {}
         }

@@ -53,6 +53,8 @@ pub fn draw(seed: u64) -> String {
     let symmetric = pick(2) == 0;
     let shared = tied && pick(2) == 0;
     let weights_seed = pick(1 << 20);
+    // Drawn last, so the draws before it stay what they were.
+    let qkv_bias = llama && pick(2) == 0;
     let mut y = String::new();
     let _ = writeln!(y, "name: random-{seed}\nseed: {weights_seed}");
     let _ = writeln!(y, "family: {}\ndtype: {}", if llama { "llama" } else { "gpt2" }, if f16 { "f16" } else { "f32" });
@@ -62,6 +64,9 @@ pub fn draw(seed: u64) -> String {
     }
     let _ = writeln!(y, "intermediate_size: {intermediate}\nvocab_size: {vocab}\nmax_sequence_length: {context}");
     let _ = writeln!(y, "norm_epsilon: 1.0e-5\ntie_embeddings: {tied}");
+    if qkv_bias {
+        let _ = writeln!(y, "qkv_bias: true");
+    }
     if llama {
         let _ = writeln!(
             y,
@@ -189,6 +194,7 @@ fn smaller(yaml: &str) -> Vec<String> {
         }
     }
     out.push(yaml.replace("dtype: f16", "dtype: f32"));
+    out.push(yaml.replace("qkv_bias: true\n", ""));
     out.push(
         yaml.replace("tie_embeddings: true", "tie_embeddings: false")
             .replace("shared_embeddings: true", "shared_embeddings: false"),
@@ -224,7 +230,8 @@ mod tests {
     /// The generator's draws are valid specs, the same for the same seed,
     /// and cover the space it claims: both families and dtypes, MQA, GQA
     /// and MHA, head dims a GroupQueryAttention export cannot take, FFN
-    /// widths off the 32-block, odd vocabularies, tied and untied.
+    /// widths off the 32-block, odd vocabularies, tied and untied, llamas
+    /// with and without Q/K/V biases (Qwen2's layout).
     #[test]
     fn draws_are_valid_repeatable_and_cover_the_space() {
         assert_eq!(draw(7), draw(7));
@@ -242,6 +249,7 @@ mod tests {
         assert!(any(&|s| s.tie_embeddings) && any(&|s| !s.tie_embeddings));
         assert!(any(&|s| s.rope_theta.is_some_and(|t| t > 5e5)));
         assert!(any(&|s| s.genai.accuracy_level == 4) && any(&|s| s.genai.accuracy_level == 0));
+        assert!(any(&|s| s.qkv_bias) && any(&|s| s.family == Family::Llama && !s.qkv_bias));
     }
 
     /// A generated export is held to the tier the shipped packages' suite

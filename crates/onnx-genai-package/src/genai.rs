@@ -354,22 +354,21 @@ fn check_tokenizer_class(root: &std::path::Path, tokenizer_file: &str, report: &
     }
 }
 
-/// `search` as sampling defaults, as ONNX Runtime GenAI reads it: without
-/// `do_sample` (or without a `search` section) it decodes greedily
-/// (temperature, top_k and top_p unused); `repetition_penalty` applies
-/// either way. A key the section leaves out is left to the server's
-/// defaults.
+/// `search` as sampling defaults, as ONNX Runtime GenAI reads it (see
+/// [`SamplingDefaults::of_generation_config`]); without a `search` section
+/// it decodes greedily. A key the section leaves out is left to the
+/// server's defaults.
 fn sampling_defaults(search: Option<&GenaiSearch>) -> SamplingDefaults {
     let Some(search) = search else {
         return SamplingDefaults { temperature: Some(0.0), ..Default::default() };
     };
-    let sampled = search.do_sample == Some(true);
-    SamplingDefaults {
-        temperature: if sampled { search.temperature.map(|t| t as f32) } else { Some(0.0) },
-        top_k: if sampled { search.top_k } else { None },
-        top_p: if sampled { search.top_p.map(|p| p as f32) } else { None },
-        repetition_penalty: search.repetition_penalty.map(|r| r as f32),
-    }
+    SamplingDefaults::of_generation_config(
+        search.do_sample,
+        search.temperature,
+        search.top_k,
+        search.top_p,
+        search.repetition_penalty,
+    )
 }
 
 /// What an ONNX Runtime GenAI package says outside `genai_config.json`:

@@ -269,6 +269,51 @@ impl SamplingDefaults {
     pub fn is_empty(&self) -> bool {
         *self == Self::default()
     }
+
+    /// Each default outside the range the engine's sampler accepts, as
+    /// (key, value, the range in words).
+    pub fn out_of_range(&self) -> Vec<(&'static str, f32, &'static str)> {
+        let ranged = [
+            (
+                "temperature",
+                self.temperature,
+                "a finite number >= 0 (0 is greedy)",
+                self.temperature.is_none_or(|t| t.is_finite() && t >= 0.0),
+            ),
+            ("top_p", self.top_p, "in (0, 1]", self.top_p.is_none_or(|p| p > 0.0 && p <= 1.0)),
+            (
+                "repetition_penalty",
+                self.repetition_penalty,
+                "a finite number > 0 (1 leaves logits alone)",
+                self.repetition_penalty.is_none_or(|r| r.is_finite() && r > 0.0),
+            ),
+        ];
+        ranged
+            .into_iter()
+            .filter_map(|(key, value, range, ok)| value.filter(|_| !ok).map(|v| (key, v, range)))
+            .collect()
+    }
+
+    /// The defaults Hugging Face's `generate` (and ONNX Runtime GenAI, which
+    /// reads the same keys in its `search` section) applies: without
+    /// `do_sample: true` it decodes greedily, so temperature, top_k and
+    /// top_p are unused and the default is greedy; `repetition_penalty`
+    /// applies either way.
+    pub fn of_generation_config(
+        do_sample: Option<bool>,
+        temperature: Option<f64>,
+        top_k: Option<u32>,
+        top_p: Option<f64>,
+        repetition_penalty: Option<f64>,
+    ) -> Self {
+        let sampled = do_sample == Some(true);
+        Self {
+            temperature: if sampled { temperature.map(|t| t as f32) } else { Some(0.0) },
+            top_k: if sampled { top_k } else { None },
+            top_p: if sampled { top_p.map(|p| p as f32) } else { None },
+            repetition_penalty: repetition_penalty.map(|r| r as f32),
+        }
+    }
 }
 
 impl Manifest {

@@ -110,10 +110,23 @@ pub fn spec_from_gguf(g: &Gguf, name: &str, origin: &str) -> Result<Spec, GgufEr
         chat_template: g.get("tokenizer.chat_template").and_then(Value::as_str).map(str::to_string),
         bos_token_id: id("tokenizer.ggml.bos_token_id"),
         eos_token_ids: id("tokenizer.ggml.eos_token_id").into_iter().collect(),
+        sampling: Default::default(),
+        max_new_tokens: None,
         origin: origin.into(),
     };
-    let shape =
-        LlamaShape { hidden, layers, heads, kv_heads, ffn, vocab, context, rope_theta: theta, norm_epsilon: eps, tied };
+    let shape = LlamaShape {
+        hidden,
+        layers,
+        heads,
+        kv_heads,
+        ffn,
+        vocab,
+        context,
+        rope_theta: theta,
+        norm_epsilon: eps,
+        tied,
+        qkv_bias: false,
+    };
     Ok(shape.spec(name, pretrained))
 }
 

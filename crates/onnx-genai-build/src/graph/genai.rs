@@ -46,9 +46,17 @@ pub(super) fn embed(d: &mut Decoder, embedding: &WeightValues) -> String {
 }
 
 /// `GroupQueryAttention` over one packed projection `x @ [Wq | Wk | Wv]`
-/// (key and value inputs left empty), rotating Q and K itself from the
+/// (plus `[bq | bk | bv]` when `biases` holds the three, as for Qwen2;
+/// key and value inputs left empty), rotating Q and K itself from the
 /// cos/sin caches at the positions the sequence lengths imply.
-pub(super) fn packed_attention(d: &mut Decoder, layer: u32, x: &str, qkv: [&WeightValues; 3], r: &Rotary) -> String {
+pub(super) fn packed_attention(
+    d: &mut Decoder,
+    layer: u32,
+    x: &str,
+    qkv: [&WeightValues; 3],
+    biases: &[WeightValues],
+    r: &Rotary,
+) -> String {
     let spec = d.spec;
     let k = qkv[0].dims[0] as usize;
     let widths: Vec<usize> = qkv.iter().map(|w| w.dims[1] as usize).collect();
@@ -61,7 +69,13 @@ pub(super) fn packed_attention(d: &mut Decoder, layer: u32, x: &str, qkv: [&Weig
     }
     let name = format!("model.layers.{layer}.self_attn.qkv_proj.weight");
     let packed = WeightValues { name, dims: vec![k as u32, n as u32], values, q4: None };
-    let projected = d.apply_weight(x, &packed);
+    let mut projected = d.apply_weight(x, &packed);
+    if !biases.is_empty() {
+        let values = biases.iter().flat_map(|b| b.values.iter().copied()).collect();
+        let name = format!("model.layers.{layer}.self_attn.qkv_proj.bias");
+        let bias = WeightValues { name, dims: vec![n as u32], values, q4: None };
+        projected = d.add_bias(&projected, &bias);
+    }
     let (past_k, past_v, present_k, present_v) = present_names(layer);
     let (seqlens, total) = gqa_lengths(d);
     let out = d.b.fresh("GroupQueryAttention");

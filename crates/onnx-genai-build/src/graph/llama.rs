@@ -32,13 +32,24 @@ pub(super) fn build(d: &mut Decoder) {
         let wq = d.draw_projection(&format!("{p}.self_attn.q_proj.weight"), h, heads * hd);
         let wk = d.draw_projection(&format!("{p}.self_attn.k_proj.weight"), h, kv_heads * hd);
         let wv = d.draw_projection(&format!("{p}.self_attn.v_proj.weight"), h, kv_heads * hd);
+        let mut biases = Vec::new();
+        if spec.qkv_bias {
+            for (proj, width) in [("q_proj", heads * hd), ("k_proj", kv_heads * hd), ("v_proj", kv_heads * hd)] {
+                biases.push(d.draw(&format!("{p}.self_attn.{proj}.bias"), &[width], 0.1, 0.0));
+            }
+        }
         let ctx = if d.variant == Variant::Genai {
-            genai::packed_attention(d, layer, &normed, [&wq, &wk, &wv], &rotary)
+            genai::packed_attention(d, layer, &normed, [&wq, &wk, &wv], &biases, &rotary)
         } else {
-            let q = d.apply_weight(&normed, &wq);
-            let k = d.apply_weight(&normed, &wk);
-            let v = d.apply_weight(&normed, &wv);
-            self_attention(d, layer, &q, &k, &v, Some(&rotary))
+            let mut qkv = Vec::new();
+            for (i, w) in [&wq, &wk, &wv].into_iter().enumerate() {
+                let y = d.apply_weight(&normed, w);
+                qkv.push(match biases.get(i) {
+                    Some(b) => d.add_bias(&y, b),
+                    None => y,
+                });
+            }
+            self_attention(d, layer, &qkv[0], &qkv[1], &qkv[2], Some(&rotary))
         };
         let attn_out = d.project(&ctx, &format!("{p}.self_attn.o_proj.weight"), heads * hd, h);
         (x, normed) = residual_rms_norm(d, &x, &attn_out, &format!("{p}.post_attention_layernorm.weight"));

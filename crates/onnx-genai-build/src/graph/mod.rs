@@ -270,8 +270,14 @@ impl<'s> Decoder<'s> {
     /// `x @ W + b` (GPT-2 projections).
     pub fn biased_project(&mut self, x: &str, prefix: &str, inputs: u32, outputs: u32) -> String {
         let y = self.project(x, &format!("{prefix}.weight"), inputs, outputs);
-        let b = self.weight(&format!("{prefix}.bias"), &[outputs], 0.1, 0.0);
-        self.b.op("Add", &[&y, &b])
+        let b = self.draw(&format!("{prefix}.bias"), &[outputs], 0.1, 0.0);
+        self.add_bias(&y, &b)
+    }
+
+    /// `y + b` for a projection's bias.
+    pub fn add_bias(&mut self, y: &str, bias: &WeightValues) -> String {
+        let b = self.store(bias);
+        self.b.op("Add", &[y, &b])
     }
 
     /// `[batch, seq, heads*dim]` -> `[batch, heads, seq, dim]`.
