@@ -164,16 +164,21 @@ enum Command {
         /// Only this mutant id.
         #[arg(long)]
         mutant: Option<String>,
-        /// Only the k-th of n shards of each battery's mutants.
+        /// Only the k-th of n shards of each battery's mutants (with --compare:
+        /// of each target's; `auto/N` picks k from the commit, so successive
+        /// commits walk through the shards).
         #[arg(long)]
         shard: Option<String>,
         /// Instead: run cargo-mutants (pinned, installed with cargo install) on the
-        /// scheduler crate and the server's lease module, beside the batteries.
+        /// targets of conformance/cargo-mutants.yaml, beside the batteries.
         #[arg(long)]
         compare: bool,
         /// With --compare: minutes each cargo-mutants target may take.
         #[arg(long, default_value_t = 20)]
         minutes: u64,
+        /// With --compare: only these targets (repeatable).
+        #[arg(long)]
+        target: Vec<String>,
     },
     /// Coverage-guided fuzzing (nightly, libFuzzer): every target, or one, for a time each;
     /// reports executions and findings (target/fuzz/report.md). --seeds rewrites fuzz/corpus/.
@@ -262,7 +267,13 @@ fn main() -> ExitCode {
         Command::Load { clients, turns, max_tokens, backend, .. } => {
             load::run(load::Options { clients, turns, max_tokens: max_tokens.max(1), backend })
         }
-        Command::Mutants { compare: true, minutes, .. } => mutants_compare::run(minutes.max(1)),
+        Command::Mutants { compare: true, minutes, target, shard, .. } => {
+            mutants_compare::run(mutants_compare::Options {
+                minutes_per_target: minutes.max(1),
+                targets: target,
+                shard,
+            })
+        }
         Command::Mutants { battery, mutant, shard, .. } => mutants::run(mutants::Options { battery, mutant, shard }),
         Command::Fuzz { target, time, rss_limit_mb, input_timeout, seeds } => {
             fuzz::run(fuzz::Options { target, time, rss_limit_mb, input_timeout, seeds })

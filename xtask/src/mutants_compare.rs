@@ -1,10 +1,11 @@
 //! `cargo xtask mutants --compare`: runs cargo-mutants (installed with
 //! `cargo install`, the version pinned in
-//! `conformance/cargo-mutants.yaml`) time-boxed on the scheduler
-//! crate and the server's lease module, and reports its caught / missed /
-//! unviable / timeout counts beside the batteries' last report. Each miss
-//! is either listed as equivalent (with the reason) in that file or
-//! reported as a GAP, which fails the command.
+//! `conformance/cargo-mutants.yaml`) time-boxed on that file's targets
+//! (the scheduler crate, the server's lease module, its routes and its
+//! model driver), optionally one shard of each, and reports its caught /
+//! missed / unviable / timeout counts beside the batteries' last report.
+//! Each miss is either listed as equivalent (with the reason) in that file
+//! or reported as a GAP, which fails the command.
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -75,30 +76,65 @@ fn install(version: &str) -> Result<std::path::PathBuf> {
     Ok(bin)
 }
 
-pub fn run(minutes_per_target: u64) -> Result<()> {
+pub struct Options {
+    pub minutes_per_target: u64,
+    /// Only these targets (all when empty).
+    pub targets: Vec<String>,
+    /// `k/n`, or `auto/n` (k from the commit).
+    pub shard: Option<String>,
+}
+
+/// `k/n` as cargo-mutants' `--shard` value; `auto/n` takes k from the
+/// commit hash, so each commit's CI run tests another slice.
+fn shard_arg(shard: &str, commit: &str) -> Result<String> {
+    let (k, n) = shard.split_once('/').context("--shard is k/n or auto/n")?;
+    let n: u64 = n.parse().ok().filter(|n| *n > 0).context("--shard k/n: n must be a positive integer")?;
+    let k: u64 = if k == "auto" {
+        u64::from_str_radix(commit.get(..8).unwrap_or("0"), 16).unwrap_or(0) % n
+    } else {
+        k.parse().ok().filter(|k| *k < n).with_context(|| format!("--shard k/n: k must be below {n}"))?
+    };
+    Ok(format!("{k}/{n}"))
+}
+
+pub fn run(opts: Options) -> Result<()> {
+    let minutes_per_target = opts.minutes_per_target;
     let root = util::root();
     let text = std::fs::read_to_string(root.join("conformance/cargo-mutants.yaml"))?;
     let config: Config = serde_yaml_ng::from_str(&text).context("conformance/cargo-mutants.yaml")?;
+    if let Some(unknown) = opts.targets.iter().find(|t| !config.targets.iter().any(|c| &&c.name == t)) {
+        bail!(
+            "no cargo-mutants target `{unknown}` in conformance/cargo-mutants.yaml (there are: {})",
+            config.targets.iter().map(|t| t.name.as_str()).collect::<Vec<_>>().join(", ")
+        );
+    }
+    let targets: Vec<&Target> =
+        config.targets.iter().filter(|t| opts.targets.is_empty() || opts.targets.contains(&t.name)).collect();
+    let commit = util::commit();
+    let shard = opts.shard.as_deref().map(|s| shard_arg(s, &commit)).transpose()?;
     let lib = ort::provision()?;
     let bin = install(&config.version)?;
     let out = util::target().join("mutants/compare");
     let mut md = format!(
-        "# cargo-mutants {} beside the batteries\n\ncommit `{}`; each target time-boxed to {minutes_per_target} min.\n\n\
+        "# cargo-mutants {} beside the batteries\n\ncommit `{}`; each target time-boxed to {minutes_per_target} min{}.\n\n\
          | tool | target | mutants | caught | missed | unviable | timeout | complete |\n|---|---|---:|---:|---:|---:|---:|---|\n",
         config.version,
-        util::commit()
+        commit,
+        shard.as_ref().map(|s| format!(", shard {s} of each")).unwrap_or_default()
     );
     let mut gaps = Vec::new();
     let mut problems: Vec<String> = Vec::new();
     let mut misses_md = String::new();
-    for t in &config.targets {
+    for t in targets {
         let dir = out.join(&t.name);
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir)?;
         let mut c = Command::new(&bin);
         c.arg("mutants")
             .args(&t.args)
-            .args(["--no-shuffle", "--cap-lints", "true", "--minimum-test-timeout", "60", "--output"])
+            .args(["--no-shuffle", "--minimum-test-timeout", "60"])
+            .args(shard.iter().flat_map(|s| ["--shard", s.as_str()]))
+            .arg("--output")
             .arg(&dir)
             .current_dir(&root)
             .env("ORT_DYLIB_PATH", &lib)
@@ -195,7 +231,20 @@ pub fn run(minutes_per_target: u64) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::without_position;
+    use super::{shard_arg, without_position};
+
+    /// `--shard auto/n` walks the shards with the commit; an explicit shard
+    /// out of range, or a malformed one, is refused (a shard that selects
+    /// nothing would pass vacuously).
+    #[test]
+    fn shards_are_checked_and_auto_follows_the_commit() {
+        assert_eq!(shard_arg("2/5", "x").unwrap(), "2/5");
+        assert_eq!(shard_arg("auto/4", "0000000a").unwrap(), "2/4");
+        assert_eq!(shard_arg("auto/4", "0000000b").unwrap(), "3/4");
+        for bad in ["5/5", "1/0", "auto", "x/3"] {
+            assert!(shard_arg(bad, "00000000").is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn positions_are_dropped_from_names() {

@@ -452,7 +452,8 @@ impl<'a> Loop<'a> {
             let drained = r.flush();
             let stalled = r.stalled_since.is_some_and(|t| now.duration_since(t) >= self.options.stall_timeout);
             if r.gone || (!drained && stalled) {
-                if !r.gone && stalled {
+                // (Here a client still there is one that stalled.)
+                if !r.gone {
                     self.counters.stalled.fetch_add(1, Ordering::SeqCst);
                 }
                 r.turn.cancel();

@@ -48,7 +48,20 @@ fn a_client_that_stops_reading_parks_out_of_the_batch_then_is_cancelled() {
     let (released, _ended) = tokio::sync::oneshot::channel();
     driver.send(Command::Generate { request: Box::new(request), lease: None, admission, events, released }).unwrap();
     let started = Instant::now();
-    assert!(admitted.blocking_recv().unwrap().is_ok(), "the silent request was not admitted");
+    // Bounded, so a driver that never decides fails here instead of hanging.
+    let mut admitted = admitted;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let decided = loop {
+        match admitted.try_recv() {
+            Ok(decided) => break decided,
+            Err(tokio::sync::oneshot::error::TryRecvError::Empty) => {
+                assert!(Instant::now() < deadline, "the silent request was never admitted nor refused");
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Err(e) => panic!("the admission promise was dropped unresolved: {e}"),
+        }
+    };
+    assert!(decided.is_ok(), "the silent request was not admitted");
     wait_for(|| server.gauges().parked == 1, "the silent client's turn was never parked");
 
     let body = json!({"model": MODEL, "prompt": "A reader", "max_tokens": 40, "temperature": 0});
@@ -61,6 +74,8 @@ fn a_client_that_stops_reading_parks_out_of_the_batch_then_is_cancelled() {
         "the reader should finish while the silent turn is still parked: {g:?} after {:?}",
         started.elapsed()
     );
+    // Parked, the silent turn was not stepped beside the reader.
+    assert_eq!(g.widest_step, 1, "{g:?}");
 
     wait_for(|| server.gauges().stalled == 1, "the parked turn was never cancelled");
     wait_for(|| server.gauges().running == 0, "the cancelled turn still runs");

@@ -218,7 +218,9 @@ fn sessions_are_model_qualified() {
 
 /// Pins L2, L9 and A4: a client that disconnects mid-stream stops its turn;
 /// the lease and the KV reservation are released (polled with a bound) and
-/// the session takes the next turn.
+/// the session takes the next turn. And the gauges (L7): a client that
+/// left is not counted as one that stalled, and turns that ran one at a
+/// time never made a step wider than one.
 #[test]
 fn a_disconnect_mid_stream_releases_lease_and_reservation() {
     let gate = Gate::default();
@@ -235,6 +237,47 @@ fn a_disconnect_mid_stream_releases_lease_and_reservation() {
         g.leases == 0 && g.reserved_bytes == g.idle_kv_bytes
     }));
     assert_eq!(turn(&s, M, Some(&sid), "still there?", 2).status, 200);
+    let g = s.gauges();
+    assert_eq!((g.stalled, g.widest_step), (0, 1), "{g:?}");
+}
+
+/// Pins B1 at the server, and where the extra choices of `n` > 1 go: a
+/// request arriving while another runs joins its model steps (the
+/// `widest_step` gauge reaches 2), its second choice answers on its own
+/// channel, and the running request keeps exactly its one choice and all
+/// its tokens. The running one is held at the gate after two steps, so it
+/// is mid-answer whenever the second is admitted.
+#[test]
+fn a_request_joining_a_running_one_steps_with_it_and_keeps_its_choices() {
+    let gate = Gate::default();
+    let (_d, s) = serve(&[M], &gate, u64::MAX / 2, 8);
+    let s = Arc::new(s);
+    gate.close();
+    gate.allow(2);
+    let first = {
+        let s = s.clone();
+        std::thread::spawn(move || {
+            post(
+                s.addr,
+                "/v1/completions",
+                &json!({"model": M, "prompt": "A reader", "max_tokens": 40, "temperature": 0}),
+            )
+        })
+    };
+    gate.wait_held(1);
+    let second = {
+        let s = s.clone();
+        let body = json!({"model": M, "prompt": "Two ways", "max_tokens": 3, "n": 2, "temperature": 0.8, "seed": 1});
+        std::thread::spawn(move || post(s.addr, "/v1/completions", &body))
+    };
+    gate.open();
+    let (first, second) = (first.join().unwrap(), second.join().unwrap());
+    assert_eq!((first.status, second.status), (200, 200), "{}\n{}", first.body, second.body);
+    let (first, second) = (first.json(), second.json());
+    assert_eq!(first["choices"].as_array().map(Vec::len), Some(1), "{first}");
+    assert_eq!(first["usage"]["completion_tokens"], 40, "{first}");
+    assert_eq!(second["choices"].as_array().map(Vec::len), Some(2), "{second}");
+    assert!(s.gauges().widest_step >= 2, "the second request never stepped with the first: {:?}", s.gauges());
 }
 
 /// Pins L2 for answers cut short by a stop string: the answer never
