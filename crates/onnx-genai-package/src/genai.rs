@@ -330,15 +330,8 @@ pub fn import(text: &str, report: &mut Report) -> Option<Manifest> {
 /// SentencePiece `tokenizer.model`, `vocab.json` + `merges.txt`), so the
 /// error says which class and what to ship instead (beside the missing
 /// file's own error).
-fn check_tokenizer_class(root: &std::path::Path, tokenizer_file: &str, report: &mut Report) {
+fn check_tokenizer_class(tokenizer_file: &str, config: &serde_json::Value, report: &mut Report) {
     const TOKENIZER_CONFIG: &str = "tokenizer_config.json";
-    if std::fs::symlink_metadata(root.join(tokenizer_file)).is_ok()
-        || std::fs::symlink_metadata(root.join(TOKENIZER_CONFIG)).is_err()
-    {
-        return;
-    }
-    let Some(text) = crate::validate::read_text(root, TOKENIZER_CONFIG, report) else { return };
-    let Ok(config) = serde_json::from_str::<serde_json::Value>(&text) else { return };
     if let Some(class) = config["tokenizer_class"].as_str() {
         report.push(Diagnostic::error(
             Code::PKG107,
@@ -388,16 +381,24 @@ pub(crate) fn complete(
     if let Some(name) = dir.file_name().map(|n| n.to_string_lossy().to_string()).filter(|n| !n.is_empty()) {
         m.name = name;
     }
-    check_tokenizer_class(root, &m.tokenizer.file, report);
-    if std::fs::symlink_metadata(root.join(JINJA)).is_ok() {
+    let exists = |file: &str| std::fs::symlink_metadata(root.join(file)).is_ok();
+    let (no_tokenizer, jinja) = (!exists(&m.tokenizer.file), exists(JINJA));
+    // Read once, and only when something needs it: the tokenizer class
+    // (without tokenizer.json) or the template (without the .jinja).
+    let config = if exists(TOKENIZER_CONFIG) && (no_tokenizer || !jinja) {
+        crate::validate::read_text(root, TOKENIZER_CONFIG, report)
+            .map(|text| serde_json::from_str::<serde_json::Value>(&text))
+    } else {
+        None
+    };
+    if let (true, Some(Ok(config))) = (no_tokenizer, &config) {
+        check_tokenizer_class(&m.tokenizer.file, config, report);
+    }
+    if jinja {
         m.chat_template = crate::validate::read_text(root, JINJA, report);
         return Some((JINJA, ""));
     }
-    if std::fs::symlink_metadata(root.join(TOKENIZER_CONFIG)).is_err() {
-        return None;
-    }
-    let text = crate::validate::read_text(root, TOKENIZER_CONFIG, report)?;
-    match serde_json::from_str::<serde_json::Value>(&text) {
+    match config? {
         Ok(config) => {
             let template = &config["chat_template"];
             m.chat_template = match template.as_array() {

@@ -110,6 +110,27 @@ fn batching_serves_the_waiting_line_first_come_first_served() {
     assert!(at(large) < at(small), "the line ran in the order {order:?}");
 }
 
+/// Pins A9's other side: a request larger than the whole KV budget is
+/// refused at once (400, naming the budget) — retrying cannot help, so it
+/// never waits out the line's 20 s — and nothing is left waiting.
+#[test]
+fn batching_refuses_at_once_a_request_that_can_never_fit() {
+    let (hold, line) = (Gate::default(), Gate::default());
+    let (_d, s, _, count) = serve(&hold, &line);
+    // Within the context (256) but more than the whole budget holds.
+    let mut huge = String::new();
+    while count(&huge) < 220 {
+        huge.push_str("word ");
+    }
+    let started = std::time::Instant::now();
+    let r = post(&s, M, &huge, 2);
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("whole budget"), "{}", r.body);
+    assert!(started.elapsed() < Duration::from_secs(10), "refused only after {:?} in line", started.elapsed());
+    assert_eq!(s.gauges().waiting, 0, "{:?}", s.gauges());
+    assert!(line.prefills().is_empty(), "{:?}", line.prefills());
+}
+
 /// Pins B4: a request whose client leaves while it waits in line is never
 /// admitted and never prefilled.
 #[test]

@@ -69,7 +69,8 @@ fn a_backend_panic_fails_only_its_turn() {
 /// A session whose opening fails (the backend panics making its sequence)
 /// is reported gone at its first turn (404, `session_not_found`) and
 /// unbound then, so the registry keeps no session that cannot run; the
-/// driver lives on.
+/// driver lives on. A request's own sequence failing after admission is a
+/// 500, or, streamed, an error event and `[DONE]`.
 #[test]
 fn a_session_that_fails_to_open_is_unbound_at_its_first_turn() {
     let gate = Gate::default();
@@ -81,6 +82,15 @@ fn a_session_that_fails_to_open_is_unbound_at_its_first_turn() {
     let id = made.json()["id"].as_str().unwrap().to_string();
     let stateless = turn(&s, None);
     assert_eq!(stateless.status, 500, "a request's own sequence fails too: {}", stateless.body);
+    // Streamed, the headers went out at admission: the failure after it is
+    // the stream's last event, then [DONE] (the stream does not just stop).
+    let mut body = chat(M, "hello", 3);
+    body["stream"] = json!(true);
+    let mut sse = support::stream(s.addr, "/v1/chat/completions", &[], &body);
+    let events: Vec<String> = std::iter::from_fn(|| sse.next_data()).collect();
+    assert_eq!(sse.status, 200);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{events:?}");
+    assert!(events.iter().any(|e| e.contains("\"error\"")), "no error event: {events:?}");
     gate.fault(Fault::None);
     let gone = turn(&s, Some(&id));
     assert_eq!(gone.status, 404, "{}", gone.body);

@@ -111,6 +111,19 @@ fn overlapping_turns_on_one_session_conflict() {
     assert_eq!(failed.status, 500, "{}", failed.body);
     assert!(eventually(Duration::from_secs(5), || s.gauges().leases == 0), "a failed turn kept its lease");
     assert_eq!(turn(&s, M, Some(&sid), "after the backend failure", 2).status, 200);
+
+    // Streamed, the headers are out when the step fails: the failure is
+    // the stream's last event, then [DONE] — the stream does not just stop.
+    let mut body = chat(M, "this streamed step fails", 4);
+    body["stream"] = json!(true);
+    gate.failing(true);
+    let mut sse = stream(s.addr, "/v1/chat/completions", &[("x-session-id", &sid)], &body);
+    let events: Vec<String> = std::iter::from_fn(|| sse.next_data()).collect();
+    gate.failing(false);
+    assert_eq!(sse.status, 200);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{events:?}");
+    assert!(events.iter().any(|e| e.contains("\"error\"")), "no error event: {events:?}");
+    assert!(eventually(Duration::from_secs(5), || s.gauges().leases == 0), "a failed stream kept its lease");
 }
 
 /// Pins L4: a DELETE racing a live turn is refused and the session
