@@ -165,8 +165,8 @@ enum Command {
         #[arg(long)]
         mutant: Option<String>,
         /// Only the k-th of n shards of each battery's mutants (with --compare:
-        /// of each target's; `auto/N` picks k from the commit, so successive
-        /// commits walk through the shards).
+        /// of each target's; `auto/N` picks k = commits in the history mod N,
+        /// so successive commits walk through the shards).
         #[arg(long)]
         shard: Option<String>,
         /// Instead: run cargo-mutants (pinned, installed with cargo install) on the

@@ -38,7 +38,29 @@ struct Target {
 #[serde(deny_unknown_fields)]
 struct Equivalent {
     mutant: String,
+    /// Text of the mutated source line, when the description alone names
+    /// several mutants (two `!` deletions in one function): only the one
+    /// on a line holding this text is the equivalent one.
+    #[serde(default)]
+    at: Option<String>,
     why: String,
+}
+
+/// The source line a `file:line:col: ...` mutant name points at (in the
+/// unmutated tree), trimmed; empty when it cannot be read.
+fn source_line(root: &Path, name: &str) -> String {
+    let mut parts = name.splitn(3, ':');
+    let (Some(file), Some(line)) = (parts.next(), parts.next().and_then(|l| l.parse::<usize>().ok())) else {
+        return String::new();
+    };
+    let text = std::fs::read_to_string(root.join(file)).unwrap_or_default();
+    text.lines().nth(line.saturating_sub(1)).unwrap_or("").trim().to_string()
+}
+
+/// Whether `equivalent` covers the missed mutant `name` (whose source line
+/// is `line`).
+fn covers(equivalent: &Equivalent, name: &str, line: &str) -> bool {
+    equivalent.mutant == without_position(name) && equivalent.at.as_deref().is_none_or(|at| line.contains(at))
 }
 
 /// `file:line:col: description` → `file: description` (stable when lines
@@ -80,17 +102,18 @@ pub struct Options {
     pub minutes_per_target: u64,
     /// Only these targets (all when empty).
     pub targets: Vec<String>,
-    /// `k/n`, or `auto/n` (k from the commit).
+    /// `k/n`, or `auto/n` (k from the history's length).
     pub shard: Option<String>,
 }
 
 /// `k/n` as cargo-mutants' `--shard` value; `auto/n` takes k from the
-/// commit hash, so each commit's CI run tests another slice.
-fn shard_arg(shard: &str, commit: &str) -> Result<String> {
+/// number of commits in the history (`commits`), so successive commits
+/// test successive slices.
+fn shard_arg(shard: &str, commits: impl FnOnce() -> Result<u64>) -> Result<String> {
     let (k, n) = shard.split_once('/').context("--shard is k/n or auto/n")?;
     let n: u64 = n.parse().ok().filter(|n| *n > 0).context("--shard k/n: n must be a positive integer")?;
     let k: u64 = if k == "auto" {
-        u64::from_str_radix(commit.get(..8).unwrap_or("0"), 16).unwrap_or(0) % n
+        commits()? % n
     } else {
         k.parse().ok().filter(|k| *k < n).with_context(|| format!("--shard k/n: k must be below {n}"))?
     };
@@ -111,7 +134,14 @@ pub fn run(opts: Options) -> Result<()> {
     let targets: Vec<&Target> =
         config.targets.iter().filter(|t| opts.targets.is_empty() || opts.targets.contains(&t.name)).collect();
     let commit = util::commit();
-    let shard = opts.shard.as_deref().map(|s| shard_arg(s, &commit)).transpose()?;
+    let commits = || -> Result<u64> {
+        let out = Command::new("git").args(["rev-list", "--count", "HEAD"]).current_dir(&root).output()?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        text.trim()
+            .parse()
+            .with_context(|| format!("--shard auto/N: `git rev-list --count HEAD` gave `{}`", text.trim()))
+    };
+    let shard = opts.shard.as_deref().map(|s| shard_arg(s, commits)).transpose()?;
     let lib = ort::provision()?;
     let bin = install(&config.version)?;
     let out = util::target().join("mutants/compare");
@@ -174,8 +204,8 @@ pub fn run(opts: Options) -> Result<()> {
             if finished.is_some() { "yes" } else { "time box reached" }
         );
         for m in &missed {
-            let key = without_position(m);
-            match config.equivalent.iter().find(|e| e.mutant == key) {
+            let line = source_line(&root, m);
+            match config.equivalent.iter().find(|e| covers(e, m, &line)) {
                 Some(e) => {
                     let _ = writeln!(misses_md, "- equivalent: `{m}` — {}", e.why);
                 }
@@ -233,17 +263,34 @@ pub fn run(opts: Options) -> Result<()> {
 mod tests {
     use super::{shard_arg, without_position};
 
-    /// `--shard auto/n` walks the shards with the commit; an explicit shard
-    /// out of range, or a malformed one, is refused (a shard that selects
-    /// nothing would pass vacuously).
+    /// `--shard auto/n` walks the shards with the history's length; an
+    /// explicit shard out of range, a malformed one, or `auto` without a
+    /// history is refused (a shard that selects nothing would pass
+    /// vacuously).
     #[test]
-    fn shards_are_checked_and_auto_follows_the_commit() {
-        assert_eq!(shard_arg("2/5", "x").unwrap(), "2/5");
-        assert_eq!(shard_arg("auto/4", "0000000a").unwrap(), "2/4");
-        assert_eq!(shard_arg("auto/4", "0000000b").unwrap(), "3/4");
+    fn shards_are_checked_and_auto_follows_the_history() {
+        assert_eq!(shard_arg("2/5", || Ok(0)).unwrap(), "2/5");
+        assert_eq!(shard_arg("auto/4", || Ok(10)).unwrap(), "2/4");
+        assert_eq!(shard_arg("auto/4", || Ok(11)).unwrap(), "3/4");
+        assert!(shard_arg("auto/4", || anyhow::bail!("no git")).is_err());
         for bad in ["5/5", "1/0", "auto", "x/3"] {
-            assert!(shard_arg(bad, "00000000").is_err(), "{bad}");
+            assert!(shard_arg(bad, || Ok(0)).is_err(), "{bad}");
         }
+    }
+
+    /// An equivalent entry with `at` covers only the mutant on a line
+    /// holding that text: another `!` deletion in the same function stays a
+    /// gap.
+    #[test]
+    fn an_equivalent_with_at_covers_only_its_line() {
+        let e = super::Equivalent {
+            mutant: "src/a.rs: delete ! in f".into(),
+            at: Some("!r.flush()".into()),
+            why: String::new(),
+        };
+        assert!(super::covers(&e, "src/a.rs:7:9: delete ! in f", "if !r.flush() && r.gone {"));
+        assert!(!super::covers(&e, "src/a.rs:3:9: delete ! in f", "if !r.gone {"));
+        assert!(!super::covers(&e, "src/b.rs:7:9: delete ! in f", "if !r.flush() && r.gone {"));
     }
 
     #[test]

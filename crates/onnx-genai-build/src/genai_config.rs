@@ -92,7 +92,8 @@ pub fn genai_config(spec: &Spec, variant: Variant) -> String {
 
 /// The checkpoint's sampling defaults in `search`, where ONNX Runtime GenAI
 /// (and the package reader) take them from: sampled when the default
-/// temperature is above 0.
+/// temperature is above 0, every sampling key then written (the contrib
+/// template's greedy `top_k: 1` must not survive).
 fn carry_sampling(search: &mut serde_json::Value, sampling: &onnx_genai_package::manifest::SamplingDefaults) {
     if sampling.is_empty() {
         return;
@@ -102,14 +103,10 @@ fn carry_sampling(search: &mut serde_json::Value, sampling: &onnx_genai_package:
     let sampled = sampling.temperature.is_some_and(|t| t > 0.0);
     search["do_sample"] = sampled.into();
     if sampled {
-        for (key, value) in [("temperature", sampling.temperature), ("top_p", sampling.top_p)] {
-            if let Some(v) = value {
-                search[key] = num(v);
-            }
-        }
-        if let Some(k) = sampling.top_k {
-            search["top_k"] = k.into();
-        }
+        search["temperature"] = num(sampling.temperature.unwrap_or(1.0));
+        search["top_p"] = num(sampling.top_p.unwrap_or(1.0));
+        // 0 keeps every token, in both readers.
+        search["top_k"] = sampling.top_k.unwrap_or(0).into();
     }
     if let Some(r) = sampling.repetition_penalty {
         search["repetition_penalty"] = num(r);

@@ -269,7 +269,8 @@ fn a_qwen2_checkpoint_keeps_its_qkv_biases() {
 
 /// `generation_config.json` (issue 18): with `do_sample` its sampling
 /// defaults and `max_new_tokens` become the package's — in `package.yaml`
-/// and in the genai export's `search` — and both packages validate;
+/// and in the genai export's `search` — and both packages validate; keys it
+/// leaves out take Hugging Face's defaults (temperature 1, top_k 50);
 /// without `do_sample` Hugging Face decodes greedily, and so does the
 /// package by default; a default out of the sampler's range is refused
 /// naming the file and the key.
@@ -321,6 +322,24 @@ fn generation_config_defaults_become_the_packages() {
     let sampling = &direct_manifest(&greedy_default)["generation"]["sampling"];
     assert_eq!(sampling["temperature"].as_f64(), Some(0.0), "{sampling:?}");
     assert!(sampling["top_p"].is_null(), "{sampling:?}");
+
+    // Keys save_pretrained leaves out take Hugging Face's defaults, in the
+    // package and in the genai export's search alike.
+    generation(json!({"do_sample": true, "top_p": 0.9}));
+    let defaulted = out.path().join("defaulted");
+    ok(import(hf.path(), &defaulted, "decomposed"));
+    let sampling = &direct_manifest(&defaulted)["generation"]["sampling"];
+    assert_eq!((sampling["temperature"].as_f64(), sampling["top_k"].as_u64()), (Some(1.0), Some(50)), "{sampling:?}");
+    let defaulted_genai = out.path().join("defaulted-genai");
+    ok(import(hf.path(), &defaulted_genai, "genai"));
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(defaulted_genai.join("genai_config.json")).unwrap()).unwrap();
+    let search = &config["search"];
+    assert_eq!(
+        (&search["do_sample"], &search["temperature"], &search["top_k"], &search["top_p"]),
+        (&json!(true), &json!(1.0), &json!(50), &json!(0.9)),
+        "{search}"
+    );
 
     generation(json!({"do_sample": true, "top_p": 1.5}));
     let refused = import(hf.path(), &out.path().join("refused"), "decomposed");

@@ -297,8 +297,10 @@ impl SamplingDefaults {
     /// The defaults Hugging Face's `generate` (and ONNX Runtime GenAI, which
     /// reads the same keys in its `search` section) applies: without
     /// `do_sample: true` it decodes greedily, so temperature, top_k and
-    /// top_p are unused and the default is greedy; `repetition_penalty`
-    /// applies either way.
+    /// top_p are unused and the default is greedy; with it, a key left out
+    /// takes their default (temperature 1, top_k 50, top_p 1 — what
+    /// `save_pretrained` omits because it is the default);
+    /// `repetition_penalty` applies either way.
     pub fn of_generation_config(
         do_sample: Option<bool>,
         temperature: Option<f64>,
@@ -308,9 +310,9 @@ impl SamplingDefaults {
     ) -> Self {
         let sampled = do_sample == Some(true);
         Self {
-            temperature: if sampled { temperature.map(|t| t as f32) } else { Some(0.0) },
-            top_k: if sampled { top_k } else { None },
-            top_p: if sampled { top_p.map(|p| p as f32) } else { None },
+            temperature: Some(if sampled { temperature.unwrap_or(1.0) as f32 } else { 0.0 }),
+            top_k: sampled.then_some(top_k.unwrap_or(50)),
+            top_p: sampled.then_some(top_p.unwrap_or(1.0) as f32),
             repetition_penalty: repetition_penalty.map(|r| r as f32),
         }
     }

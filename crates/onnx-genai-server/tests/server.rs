@@ -255,11 +255,12 @@ fn a_disconnect_mid_stream_releases_lease_and_reservation() {
 }
 
 /// Pins B1 at the server, and where the extra choices of `n` > 1 go: a
-/// request arriving while another runs joins its model steps (the
-/// `widest_step` gauge reaches 2), its second choice answers on its own
-/// channel, and the running request keeps exactly its one choice and all
-/// its tokens. The running one is held at the gate after two steps, so it
-/// is mid-answer whenever the second is admitted.
+/// request arriving while another runs joins its model steps (one step
+/// advances the first and both choices of the second: `widest_step` ≥ 3),
+/// its second choice answers on its own channel, and the running request
+/// keeps exactly its one choice and all its tokens. The first is held at
+/// the gate and let through one step at a time until the driver has taken
+/// the second, so the two surely overlap.
 #[test]
 fn a_request_joining_a_running_one_steps_with_it_and_keeps_its_choices() {
     let gate = Gate::default();
@@ -283,6 +284,13 @@ fn a_request_joining_a_running_one_steps_with_it_and_keeps_its_choices() {
         let body = json!({"model": M, "prompt": "Two ways", "max_tokens": 3, "n": 2, "temperature": 0.8, "seed": 1});
         std::thread::spawn(move || post(s.addr, "/v1/completions", &body))
     };
+    let mut held = 1;
+    while !eventually(Duration::from_millis(200), || s.gauges().running >= 2) {
+        assert!(held < 30, "the second request never joined the first: {:?}", s.gauges());
+        gate.release_one();
+        held += 1;
+        gate.wait_held(held);
+    }
     gate.open();
     let (first, second) = (first.join().unwrap(), second.join().unwrap());
     assert_eq!((first.status, second.status), (200, 200), "{}\n{}", first.body, second.body);
@@ -290,7 +298,7 @@ fn a_request_joining_a_running_one_steps_with_it_and_keeps_its_choices() {
     assert_eq!(first["choices"].as_array().map(Vec::len), Some(1), "{first}");
     assert_eq!(first["usage"]["completion_tokens"], 40, "{first}");
     assert_eq!(second["choices"].as_array().map(Vec::len), Some(2), "{second}");
-    assert!(s.gauges().widest_step >= 2, "the second request never stepped with the first: {:?}", s.gauges());
+    assert!(s.gauges().widest_step >= 3, "the second request's choices never stepped with the first: {:?}", s.gauges());
 }
 
 /// Pins L2 for answers cut short by a stop string: the answer never

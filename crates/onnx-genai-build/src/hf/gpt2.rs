@@ -27,7 +27,11 @@ pub(super) fn spec(
     let heads = config.int("n_head")?;
     let positions = config.int("n_positions")?;
     let vocab = config.int("vocab_size")?;
-    let ffn = config.int_or("n_inner", 4 * hidden)?;
+    // Checked: a crafted n_embd must be an error, not an overflow.
+    let times =
+        |k: u32| hidden.checked_mul(k).ok_or_else(|| HfError::Unsupported(format!("n_embd {hidden} is too large")));
+    let (qkv_width, default_ffn) = (times(3)?, times(4)?);
+    let ffn = config.int_or("n_inner", default_ffn)?;
     if !hidden.is_multiple_of(heads) {
         return Err(HfError::Unsupported(format!("n_embd {hidden} is not a multiple of n_head {heads}")));
     }
@@ -64,8 +68,8 @@ pub(super) fn spec(
                 put(format!("{ours}.{norm}.{part}"), tensors.get(&format!("{p}.{norm}.{part}"), &[hidden])?);
             }
         }
-        let qkv = tensors.get(&format!("{p}.attn.c_attn.weight"), &[hidden, 3 * hidden])?;
-        let qkv_bias = tensors.get(&format!("{p}.attn.c_attn.bias"), &[3 * hidden])?;
+        let qkv = tensors.get(&format!("{p}.attn.c_attn.weight"), &[hidden, qkv_width])?;
+        let qkv_bias = tensors.get(&format!("{p}.attn.c_attn.bias"), &[qkv_width])?;
         for (i, proj) in ["q_proj", "k_proj", "v_proj"].into_iter().enumerate() {
             put(format!("{ours}.attn.{proj}.weight"), columns(&qkv, i, hidden));
             put(format!("{ours}.attn.{proj}.bias"), columns(&qkv_bias, i, hidden));

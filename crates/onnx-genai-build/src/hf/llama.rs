@@ -42,8 +42,9 @@ pub(super) fn spec(
             config.value["rope_scaling"]
         )));
     }
-    // Qwen2 states a window it does not use unless `use_sliding_window`.
-    let windowed = config.flag("use_sliding_window")?.unwrap_or(true);
+    // Qwen2 states a window it does not use unless `use_sliding_window`
+    // (false by default there); Mistral's window is always on.
+    let windowed = config.flag("use_sliding_window")?.unwrap_or(!qwen2);
     if let Some(window) = config.value["sliding_window"].as_u64().filter(|w| windowed && *w < u64::from(context)) {
         return Err(HfError::Unsupported(format!(
             "sliding_window {window} is shorter than max_position_embeddings {context}: sliding-window attention is not supported"

@@ -172,9 +172,10 @@ fn text_files(dir: &Path, config: &Keys) -> Result<Pretrained, HfError> {
         v => id_of(v).into_iter().collect(),
     };
     if eos_token_ids.is_empty() {
+        let file = if generation.present("eos_token_id") { GENERATION_CONFIG } else { "config.json" };
         return Err(HfError::Invalid {
-            file: "config.json".into(),
-            reason: "no eos_token_id (here or in generation_config.json): generation could not stop".into(),
+            file: file.into(),
+            reason: format!("no usable eos_token_id ({}): generation could not stop", special("eos_token_id")),
         });
     }
     let (sampling, max_new_tokens) = if generation_value.is_object() {

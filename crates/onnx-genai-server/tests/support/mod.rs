@@ -62,6 +62,11 @@ impl Gate {
     pub fn allow(&self, n: usize) {
         self.0 .0.lock().unwrap().2 = n;
     }
+    /// While closed, lets one held call (or the next call) through.
+    pub fn release_one(&self) {
+        self.0 .0.lock().unwrap().2 += 1;
+        self.0 .1.notify_all();
+    }
     pub fn open(&self) {
         self.0 .0.lock().unwrap().0 = false;
         self.0 .1.notify_all();
@@ -85,8 +90,12 @@ impl Gate {
         if g.0 {
             g.1 += 1;
             self.0 .1.notify_all();
-            while g.0 {
+            while g.0 && g.2 == 0 {
                 g = self.0 .1.wait(g).unwrap();
+            }
+            if g.0 {
+                // Let through by `release_one` while still closed.
+                g.2 -= 1;
             }
         }
     }
