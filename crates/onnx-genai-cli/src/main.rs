@@ -106,9 +106,10 @@ enum Command {
         #[arg(long, default_value = "decomposed", value_parser = parse_variant)]
         variant: onnx_genai_build::Variant,
     },
-    /// Import a Hugging Face checkpoint directory (llama family:
-    /// `config.json`, `model.safetensors` or its shards' index,
-    /// `tokenizer.json`) as a package in any export form.
+    /// Import a Hugging Face checkpoint directory (Llama, Mistral, Qwen2,
+    /// GPT-2: `config.json`, `model.safetensors` or its shards' index,
+    /// `tokenizer.json`, `generation_config.json`) as a package in any
+    /// export form.
     Import {
         checkpoint: PathBuf,
         out: PathBuf,

@@ -267,6 +267,13 @@ fn a_qwen2_checkpoint_keeps_its_qkv_biases() {
     }
 }
 
+/// The `search` section of a genai export's `genai_config.json`.
+fn search_of(package: &Path) -> serde_json::Value {
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(package.join("genai_config.json")).unwrap()).unwrap();
+    config["search"].clone()
+}
+
 /// `generation_config.json` (issue 18): with `do_sample` its sampling
 /// defaults and `max_new_tokens` become the package's — in `package.yaml`
 /// and in the genai export's `search` — and both packages validate; keys it
@@ -298,9 +305,7 @@ fn generation_config_defaults_become_the_packages() {
     assert_eq!(manifest["generation"]["max_new_tokens"].as_u64(), Some(48));
     let theirs = out.path().join("theirs");
     ok(import(hf.path(), &theirs, "genai"));
-    let config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(theirs.join("genai_config.json")).unwrap()).unwrap();
-    let search = &config["search"];
+    let search = search_of(&theirs);
     assert_eq!(
         (
             &search["do_sample"],
@@ -332,9 +337,7 @@ fn generation_config_defaults_become_the_packages() {
     assert_eq!((sampling["temperature"].as_f64(), sampling["top_k"].as_u64()), (Some(1.0), Some(50)), "{sampling:?}");
     let defaulted_genai = out.path().join("defaulted-genai");
     ok(import(hf.path(), &defaulted_genai, "genai"));
-    let config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(defaulted_genai.join("genai_config.json")).unwrap()).unwrap();
-    let search = &config["search"];
+    let search = search_of(&defaulted_genai);
     assert_eq!(
         (&search["do_sample"], &search["temperature"], &search["top_k"], &search["top_p"]),
         (&json!(true), &json!(1.0), &json!(50), &json!(0.9)),

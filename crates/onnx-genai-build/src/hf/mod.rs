@@ -82,6 +82,14 @@ impl Keys<'_> {
         }
     }
 
+    /// A non-negative integer, when present.
+    fn count(&self, key: &str) -> Result<Option<u32>, HfError> {
+        match &self.value[key] {
+            Value::Null => Ok(None),
+            v => v.as_u64().and_then(|k| u32::try_from(k).ok()).map(Some).ok_or_else(|| self.invalid(key, "a count")),
+        }
+    }
+
     fn float(&self, key: &str) -> Result<Option<f64>, HfError> {
         match &self.value[key] {
             Value::Null => Ok(None),
@@ -179,12 +187,7 @@ fn text_files(dir: &Path, config: &Keys) -> Result<Pretrained, HfError> {
         });
     }
     let (sampling, max_new_tokens) = if generation_value.is_object() {
-        let top_k = match &generation_value["top_k"] {
-            Value::Null => None,
-            v => Some(
-                v.as_u64().and_then(|k| u32::try_from(k).ok()).ok_or_else(|| generation.invalid("top_k", "a count"))?,
-            ),
-        };
+        let top_k = generation.count("top_k")?;
         let sampling = SamplingDefaults::of_generation_config(
             generation.flag("do_sample")?,
             generation.float("temperature")?,
