@@ -64,6 +64,7 @@ fn read_bandwidth(threads: usize, bytes: usize, reps: usize, passes: usize) -> (
 /// that is not read), so the report flags it instead of trusting it.
 const ROOFLINE_LIMIT: f64 = 1.0;
 
+#[derive(Clone, Copy, Debug)]
 pub(crate) struct Speed {
     /// Prefill tokens/s `(min, median)` and decode tokens/s `(min, median)`.
     pub prefill: (f64, f64),

@@ -105,10 +105,13 @@ enum Command {
         /// machine's read bandwidth and the roofline, 4-bit error against f32).
         #[arg(long)]
         real: bool,
-        /// Instead: race native-cpu against a peer runtime on the same contrib packages
-        /// (ort-genai: ONNX Runtime GenAI, pinned, installed with pip into target/genai).
-        #[arg(long)]
-        peer: Option<String>,
+        /// Instead: race native-cpu against peer runtimes, in one run (repeat
+        /// or comma-separate): ort-genai (ONNX Runtime GenAI on the same
+        /// contrib packages, pinned, pip into target/genai), llama.cpp
+        /// (llama-cpp-python on the real models' GGUF, pinned, compiled by
+        /// pip into target/llama-cpp on first use).
+        #[arg(long, value_delimiter = ',', conflicts_with_all = ["package", "real", "backend"])]
+        peer: Vec<String>,
         /// Instead: this backend's bench (native-cuda: decode at batch 1 and
         /// 16 and prefill of a SmolLM2-shaped package on the GPU, beside
         /// ONNX Runtime on this CPU and the HBM roofline).
@@ -241,8 +244,9 @@ fn main() -> ExitCode {
         Command::GpuTrace => gpu::trace(),
         Command::CudaCompile => cuda_compile::run(),
         Command::OnnxTests { bless, case } => onnx_tests::run(onnx_tests::Options { bless, case }),
-        Command::Bench { threads, rounds, steps, peer: Some(peer), .. } => {
-            bench_peer::run(&peer, threads, rounds.clamp(1, 5), steps.clamp(1, 32))
+        Command::Bench { threads, rounds, steps, peer, .. } if !peer.is_empty() => {
+            let peers = peer.iter().map(|p| bench_peer::Peer::parse(p)).collect::<anyhow::Result<Vec<_>>>();
+            peers.and_then(|peers| bench_peer::run(&peers, threads, rounds.clamp(1, 5), steps.clamp(1, 32)))
         }
         Command::Bench { threads, rounds, steps, real: true, .. } => {
             bench_real::run(threads, rounds.clamp(1, 5), steps.clamp(1, 32))

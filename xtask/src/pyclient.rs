@@ -1,8 +1,9 @@
 //! Pinned Python packages installed with pip into folders under `target/`:
 //! the official `openai` client and `jsonschema` (`target/python`, for the
 //! server's real-client test), schemathesis (`target/schemathesis`, the
-//! API fuzzer of the `api-fuzz` lane) and ONNX Runtime GenAI (`target/genai`, the peer
-//! runtime of the interop lane and `cargo xtask bench --peer ort-genai`).
+//! API fuzzer of the `api-fuzz` lane), ONNX Runtime GenAI (`target/genai`, the peer
+//! runtime of the interop lane and `cargo xtask bench --peer ort-genai`) and
+//! llama-cpp-python (`target/llama-cpp`, `cargo xtask bench --peer llama.cpp`).
 
 use std::process::Command;
 
@@ -17,17 +18,21 @@ pub const JSONSCHEMA_VERSION: &str = "4.26.0";
 pub const ORT_GENAI_VERSION: &str = "0.18.0";
 /// The property-based API fuzzer of the `api-fuzz` lane.
 pub const SCHEMATHESIS_VERSION: &str = "4.32.5";
+/// llama.cpp's Python binding; the package index has it as source only, so
+/// pip compiles llama.cpp (CMake and Ninja come from the index as build
+/// requirements) once, for this machine's CPU.
+pub const LLAMA_CPP_PYTHON_VERSION: &str = "0.3.36";
 
 /// Ensures `target/python` holds `openai==OPENAI_VERSION` and
 /// `jsonschema==JSONSCHEMA_VERSION`; idempotent.
 pub fn provision() -> Result<()> {
-    install("python", &[&format!("openai=={OPENAI_VERSION}"), &format!("jsonschema=={JSONSCHEMA_VERSION}")])
+    install("python", &[&format!("openai=={OPENAI_VERSION}"), &format!("jsonschema=={JSONSCHEMA_VERSION}")], &[])
 }
 
 /// Ensures `target/schemathesis` holds `schemathesis==SCHEMATHESIS_VERSION`;
 /// idempotent.
 pub fn provision_schemathesis() -> Result<()> {
-    install("schemathesis", &[&format!("schemathesis=={SCHEMATHESIS_VERSION}")])
+    install("schemathesis", &[&format!("schemathesis=={SCHEMATHESIS_VERSION}")], &[])
 }
 
 /// Ensures `target/genai` holds `onnxruntime-genai==ORT_GENAI_VERSION` with
@@ -36,12 +41,45 @@ pub fn provision_ort_genai() -> Result<()> {
     install(
         "genai",
         &[&format!("onnxruntime-genai=={ORT_GENAI_VERSION}"), &format!("onnxruntime=={}", crate::ort::VERSION)],
+        &[],
     )
 }
 
-fn install(dir_name: &str, requirements: &[&str]) -> Result<()> {
+/// Ensures `target/llama-cpp` holds `llama-cpp-python==LLAMA_CPP_PYTHON_VERSION`,
+/// built for this machine's CPU (llama.cpp's own default, `GGML_NATIVE`),
+/// without its multimodal library, examples, tools or server; idempotent.
+/// The first call compiles llama.cpp: minutes on two cores.
+///
+/// AMX is left out: these VMs report `amx_tile`/`amx_int8`, so a native
+/// build takes ggml's AMX matmul for every multi-token batch of the Q4_1
+/// weights, and that crashed (SIGSEGV in `llama_decode`, 2026-12-02) while
+/// single-token decode ran; AVX-512 VNNI stays, as native-cpu uses it.
+pub fn provision_llama_cpp() -> Result<()> {
+    let no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16";
+    let cmake_args = format!(
+        "-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+         -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF '-DCMAKE_C_FLAGS={no_amx}' \
+         '-DCMAKE_CXX_FLAGS={no_amx}'"
+    );
+    let jobs = std::thread::available_parallelism().map_or(1, |n| n.get()).to_string();
+    install(
+        "llama-cpp",
+        &[&format!("llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}")],
+        &[("CMAKE_ARGS", &cmake_args), ("CMAKE_BUILD_PARALLEL_LEVEL", &jobs)],
+    )
+}
+
+/// `pip install --target target/<dir_name>`, with `env` set for the build
+/// of a source-only requirement.
+fn install(dir_name: &str, requirements: &[&str], env: &[(&str, &str)]) -> Result<()> {
     let dir = util::target().join(dir_name);
-    let marker = dir.join(format!(".installed-{}", requirements.join("-")));
+    // A build setting is part of what was installed: a folder built with
+    // other settings (an AMX build of llama.cpp) is built again.
+    let settings: String = env.iter().map(|(k, v)| format!("{k}={v};")).collect();
+    let marker = match env.is_empty() {
+        true => dir.join(format!(".installed-{}", requirements.join("-"))),
+        false => dir.join(format!(".installed-{}-{:016x}", requirements.join("-"), fnv1a(&settings))),
+    };
     if marker.is_file() {
         return Ok(());
     }
@@ -59,7 +97,11 @@ fn install(dir_name: &str, requirements: &[&str]) -> Result<()> {
             "--target",
         ])
         .arg(&dir)
+        // pip's cache of wheels it built from source ignores the build
+        // settings (and the CPU a native build was made for).
+        .args(if env.is_empty() { &[][..] } else { &["--no-cache-dir"][..] })
         .args(requirements)
+        .envs(env.iter().copied())
         .status()
         .context("cannot run python3 -m pip (is Python with pip installed?)")?;
     if !status.success() {
@@ -67,4 +109,9 @@ fn install(dir_name: &str, requirements: &[&str]) -> Result<()> {
     }
     std::fs::write(&marker, "")?;
     Ok(())
+}
+
+/// FNV-1a: a stable digest of the build settings for a marker's name.
+fn fnv1a(text: &str) -> u64 {
+    text.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
 }

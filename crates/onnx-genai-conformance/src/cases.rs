@@ -309,6 +309,29 @@ impl Filter {
             None => selected.collect(),
         }
     }
+
+    /// [`Filter::apply`] for a run: a selection of no checks is an error
+    /// (such a run would pass having compared nothing, as `--backend ort
+    /// --suite parity` once did).
+    pub fn select(&self, checks: Vec<Check>) -> Result<Vec<Check>, String> {
+        let selected = self.apply(checks);
+        if selected.is_empty() {
+            let hint = match (self.backend.as_deref(), self.suite) {
+                (Some("ort"), Some(Suite::Parity)) => {
+                    "; parity compares a native backend against ONNX Runtime, so it has no ort checks"
+                }
+                _ => "",
+            };
+            return Err(format!(
+                "the filters select no checks (package {:?}, backend {:?}, suite {:?}, shard {:?}){hint}",
+                self.package,
+                self.backend,
+                self.suite.map(|s| s.name()),
+                self.shard
+            ));
+        }
+        Ok(selected)
+    }
 }
 
 #[cfg(test)]
@@ -385,6 +408,20 @@ mod tests {
         let only =
             Filter { package: Some("tiny-gpt2".into()), suite: Some(Suite::Golden), ..Filter::default() }.apply(all);
         assert!(!only.is_empty() && only.iter().all(|c| c.package == "tiny-gpt2" && c.suite == Suite::Golden));
+    }
+
+    /// A run's selection of nothing is an error, not a pass on zero checks
+    /// (issue 21: `--backend ort --suite parity` selected nothing and
+    /// passed).
+    #[test]
+    fn a_run_that_selects_no_checks_is_an_error() {
+        let ort_parity = Filter { backend: Some("ort".into()), suite: Some(Suite::Parity), ..Filter::default() };
+        let err = ort_parity.select(checks()).unwrap_err();
+        assert!(err.contains("select no checks") && err.contains("no ort checks"), "{err}");
+        let unknown = Filter { package: Some("no-such-package".into()), ..Filter::default() };
+        assert!(unknown.select(checks()).is_err());
+        let golden = Filter { backend: Some("ort".into()), suite: Some(Suite::Golden), ..Filter::default() };
+        assert!(!golden.select(checks()).unwrap().is_empty(), "ort has golden checks");
     }
 
     /// A malformed suite file is an error naming the file and field.

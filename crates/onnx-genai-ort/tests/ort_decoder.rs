@@ -1,7 +1,5 @@
 //! The reference backend on every shipped tiny package, with real ONNX Runtime.
 
-use std::path::{Path, PathBuf};
-
 use std::sync::Arc;
 
 use onnx_genai_backend::Decoder;
@@ -12,16 +10,10 @@ fn load(package: &Package) -> Decoder {
     Decoder::new(Arc::new(OrtModel::load(package, 1).expect("session loads")))
 }
 
-fn specs() -> Vec<PathBuf> {
-    let specs = onnx_genai_build::spec_files(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packages")).unwrap();
+fn specs() -> Vec<String> {
+    let specs = onnx_genai_test_support::shipped();
     assert!(specs.len() >= 3, "expected the shipped tiny packages, found {specs:?}");
     specs
-}
-
-fn open(spec: &Path, dir: &Path) -> Package {
-    let spec = onnx_genai_build::read_spec(spec).expect("spec parses");
-    onnx_genai_build::build_package(&spec, dir).expect("package builds");
-    Package::open(dir).expect("package validates")
 }
 
 /// Feeds `tokens` as ids, or — for a decoder that reads embeddings — as
@@ -46,13 +38,12 @@ fn feed(d: &mut Decoder, package: &Package, tokens: &[u32]) -> Result<Vec<f32>, 
 #[test]
 fn incremental_decode_matches_full_prefix_on_every_package() {
     for spec in specs() {
-        let dir = tempfile::tempdir().unwrap();
-        let package = open(&spec, dir.path());
+        let (_dir, package) = onnx_genai_test_support::build(&spec);
         let tokens = [5u32, 77, 300, 12, 9, 150];
         let mut full = load(&package);
         let expected = feed(&mut full, &package, &tokens).expect("full prefix runs");
         assert_eq!(expected.len(), package.manifest.architecture.vocab_size as usize);
-        assert!(expected.iter().all(|v| v.is_finite()), "{}: non-finite logits", spec.display());
+        assert!(expected.iter().all(|v| v.is_finite()), "{}: non-finite logits", spec);
 
         let mut step = load(&package);
         feed(&mut step, &package, &tokens[..3]).unwrap();
@@ -60,18 +51,18 @@ fn incremental_decode_matches_full_prefix_on_every_package() {
         assert_eq!(step.kv_len(), 5);
         let got = feed(&mut step, &package, &tokens[5..]).unwrap();
         assert_eq!(step.kv_len(), 6);
-        assert_eq!(expected.len(), got.len(), "{}", spec.display());
+        assert_eq!(expected.len(), got.len(), "{}", spec);
         let max_diff = expected.iter().zip(&got).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
         // f16 packages round the cached KV to f16 in both runs identically.
-        assert!(max_diff < 1e-4, "{}: incremental logits differ by {max_diff}", spec.display());
+        assert!(max_diff < 1e-4, "{}: incremental logits differ by {max_diff}", spec);
         let spread =
             expected.iter().cloned().fold(f32::MIN, f32::max) - expected.iter().cloned().fold(f32::MAX, f32::min);
-        assert!(spread > 1e-3, "{}: logits are flat ({spread}); the model computes nothing", spec.display());
+        assert!(spread > 1e-3, "{}: logits are flat ({spread}); the model computes nothing", spec);
 
         step.reset();
         assert_eq!(step.kv_len(), 0);
         let again = feed(&mut step, &package, &tokens).unwrap();
-        assert_eq!(again, expected, "{}: reset does not give a fresh sequence", spec.display());
+        assert_eq!(again, expected, "{}: reset does not give a fresh sequence", spec);
     }
 }
 
@@ -79,8 +70,7 @@ fn incremental_decode_matches_full_prefix_on_every_package() {
 #[test]
 fn exceeding_the_context_is_a_capacity_error() {
     let spec = &specs()[0];
-    let dir = tempfile::tempdir().unwrap();
-    let package = open(spec, dir.path());
+    let (_dir, package) = onnx_genai_test_support::build(spec);
     let mut d = load(&package);
     let max = package.manifest.architecture.max_sequence_length as usize;
     let err = d.forward(&vec![1u32; max + 1]).unwrap_err();

@@ -143,6 +143,7 @@ fn close_is_one_decision() {
         std::thread::spawn(move || turn(&s, M, Some(&sid), "Hello", 4))
     };
     gate.wait_held(1);
+    assert_eq!(s.gauges().sessions, base + 1, "a session mid-turn is still bound");
     let del = call(s.addr, "DELETE", &format!("/v1/sessions/{sid}"), &[], "");
     assert_eq!(del.status, 409, "{}", del.body);
     gate.open();

@@ -25,6 +25,17 @@ pub fn spec_path(name: &str) -> PathBuf {
     root().join("packages").join(name).join("spec.yaml")
 }
 
+/// The names of the shipped packages (`packages/*/spec.yaml`), sorted.
+pub fn shipped() -> Vec<String> {
+    let dir = root().join("packages");
+    let specs = onnx_genai_build::spec_files(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    let mut names: Vec<String> =
+        specs.iter().filter_map(|p| Some(p.parent()?.file_name()?.to_string_lossy().into_owned())).collect();
+    names.sort();
+    assert!(!names.is_empty(), "no package specs under {}", dir.display());
+    names
+}
+
 /// The parsed spec of the shipped package `name`.
 pub fn spec(name: &str) -> Spec {
     let path = spec_path(name);

@@ -163,9 +163,14 @@ fn is_accelerator(t: &Listed) -> bool {
     ACCELERATOR_WORDS.iter().any(|w| name.contains(w))
 }
 
-/// Whether the crate's sources read `ONNX_GENAI_REQUIRE_GPU`.
+/// Whether the crate's sources read `ONNX_GENAI_REQUIRE_GPU` (call
+/// `env::var` on it: a comment or a message naming it is not a read).
 fn honours_require_gpu(dir: &Path) -> bool {
-    walk(dir).iter().any(|f| std::fs::read_to_string(f).is_ok_and(|s| s.contains("ONNX_GENAI_REQUIRE_GPU")))
+    walk(dir).iter().any(|f| std::fs::read_to_string(f).is_ok_and(|s| reads_require_gpu(&s)))
+}
+
+fn reads_require_gpu(source: &str) -> bool {
+    source.contains("env::var(\"ONNX_GENAI_REQUIRE_GPU\")")
 }
 
 fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
@@ -222,6 +227,15 @@ fn declared_features(root: &Path) -> Result<BTreeSet<(String, String)>> {
 mod tests {
     use super::*;
     use crate::lanes::{Lane, Rule};
+
+    /// Issue 21: only a read of the variable honours it; the audit's own
+    /// text naming it (in a message or a comment) does not.
+    #[test]
+    fn naming_require_gpu_is_not_reading_it() {
+        assert!(reads_require_gpu("let r = std::env::var(\"ONNX_GENAI_REQUIRE_GPU\").is_ok();"));
+        assert!(!reads_require_gpu("// fail when ONNX_GENAI_REQUIRE_GPU=1"));
+        assert!(!reads_require_gpu("format!(\"ONNX_GENAI_REQUIRE_GPU is set\")"));
+    }
 
     fn binary(package: &str, target: &str) -> TestBinary {
         TestBinary { package: package.into(), target: target.into(), executable: "x".into(), dir: "d".into() }

@@ -131,6 +131,19 @@ cargo xtask conformance   # the main job
         assert_eq!(keys, ["conformance", "bench", "bench --backend native-cuda", "load --package DIR", "fuzz"]);
     }
 
+    /// Issue 21, on this repository: every `cargo xtask` command the
+    /// README documents is run by a lane of `conformance/lanes.yaml` or
+    /// excused there (the audit checks the same; this runs it in the unit
+    /// lane, without building every test binary first).
+    #[test]
+    fn this_readme_and_these_lanes_agree() {
+        let readme = std::fs::read_to_string(crate::util::root().join("README.md")).unwrap();
+        let file = super::super::load().unwrap();
+        assert!(documented(&readme).len() >= 10, "the README's commands were not found");
+        let found = problems(&readme, &file);
+        assert!(found.is_empty(), "{found:#?}");
+    }
+
     /// Issue 21: a documented command no lane runs is reported; a lane
     /// running only another mode of it (`bench --backend native-cuda`) does
     /// not count for the plain command; a placeholder takes any value; an

@@ -229,11 +229,11 @@ pub fn run_lane(lane: &Lane) -> Result<LaneRun> {
         result,
         ok,
     };
-    if lane.requires == Some(Hardware::Gpu) && !has_gpu() {
-        if std::env::var("ONNX_GENAI_REQUIRE_GPU").is_ok_and(|v| v == "1") {
-            return Ok(done(0, "no GPU on this machine, but ONNX_GENAI_REQUIRE_GPU=1".into(), false));
+    if lane.requires == Some(Hardware::Gpu) {
+        let required = std::env::var("ONNX_GENAI_REQUIRE_GPU").is_ok_and(|v| v == "1");
+        if let Some((why, ok)) = without_gpu(has_gpu(), required) {
+            return Ok(done(0, why, ok));
         }
-        return Ok(done(0, "skipped: no GPU on this machine".into(), true));
     }
     if let Some(why) = undeclared_empty(lane) {
         return Ok(done(0, why, false));
@@ -279,9 +279,8 @@ pub fn run_lane(lane: &Lane) -> Result<LaneRun> {
             if !out.status.success() {
                 return Ok(done(total, format!("{} {} failed", b.package, b.target), false));
             }
-            if ran != expected {
-                let what = format!("{} {}: {ran} tests passed, the lane selects {expected}", b.package, b.target);
-                return Ok(done(total, what, false));
+            if let Some(why) = count_differs(ran, expected) {
+                return Ok(done(total, format!("{} {}: {why}", b.package, b.target), false));
             }
         }
     }
@@ -289,6 +288,24 @@ pub fn run_lane(lane: &Lane) -> Result<LaneRun> {
         return Ok(done(0, "ran no tests and does not say why (`empty: <reason>`)".into(), false));
     }
     Ok(done(total, "passed".into(), true))
+}
+
+/// What a gpu lane reports instead of running, when there is no GPU: a
+/// skip (green, and it says so), or a failure where a GPU was required
+/// (`ONNX_GENAI_REQUIRE_GPU=1`, as the generated workflow's gpu job sets).
+fn without_gpu(has_gpu: bool, required: bool) -> Option<(String, bool)> {
+    match (has_gpu, required) {
+        (true, _) => None,
+        (false, true) => Some(("no GPU on this machine, but ONNX_GENAI_REQUIRE_GPU=1".into(), false)),
+        (false, false) => Some(("skipped: no GPU on this machine".into(), true)),
+    }
+}
+
+/// Why a binary's run does not count: it passed a different number of
+/// tests than the audit selects from it (a drifted filter, a test that
+/// stopped running, or one run twice).
+fn count_differs(ran: usize, expected: usize) -> Option<String> {
+    (ran != expected).then(|| format!("{ran} tests passed, the lane selects {expected}"))
 }
 
 /// Why a lane that selects no tests may not run: it does not say why it
@@ -353,6 +370,27 @@ pub fn ci() -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 21: a gpu lane without a GPU is a declared skip, and a
+    /// failure when the run requires a GPU; with one it runs.
+    #[test]
+    fn a_required_gpu_that_is_missing_fails_the_lane() {
+        assert_eq!(without_gpu(true, true), None);
+        assert_eq!(without_gpu(true, false), None);
+        let (why, ok) = without_gpu(false, true).unwrap();
+        assert!(!ok && why.contains("ONNX_GENAI_REQUIRE_GPU=1"), "{why}");
+        let (why, ok) = without_gpu(false, false).unwrap();
+        assert!(ok && why.starts_with("skipped"), "{why}");
+    }
+
+    /// Issue 21: a lane passes a binary only when it passed exactly the
+    /// tests the audit selects from it.
+    #[test]
+    fn a_count_other_than_the_audits_fails() {
+        assert_eq!(count_differs(12, 12), None);
+        assert!(count_differs(11, 12).is_some_and(|w| w.contains("11 tests passed, the lane selects 12")));
+        assert!(count_differs(13, 12).is_some(), "a test run twice is a difference too");
+    }
 
     #[test]
     fn passed_counts_sum_over_summaries() {

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use super::runner::is_killer;
-use super::{Catalog, MutantResult, Runner, Scope, TestRun, Verdict};
+use super::{Catalog, Mutant, MutantResult, Runner, Scope, TestRun, Verdict};
 
 /// How many killers the clean-tree check runs at once: as many as a
 /// mutant declares at most.
@@ -179,7 +179,30 @@ pub fn check_selection(catalogs: &[Catalog], selection: &Selection) -> Result<()
             return Err(format!("no mutant `{id}` in the selected batteries; their mutants are {}", ids.join(", ")));
         }
     }
+    // Each name exists, yet together they may still select nothing (a
+    // mutant outside the chosen shard): that run would pass on nothing.
+    let in_battery = catalogs.iter().filter(|c| selection.battery.as_ref().is_none_or(|b| *b == c.battery));
+    if in_battery.map(|c| selected(c, selection).len()).sum::<usize>() == 0 {
+        return Err(format!(
+            "the selection (battery {:?}, mutant {:?}, shard {:?}) selects no mutant; \
+             run without --shard to select one mutant by name",
+            selection.battery, selection.mutant, selection.shard
+        ));
+    }
     Ok(())
+}
+
+/// The mutants of `catalog` that `selection` runs: the named one, or every
+/// one, then the k-th of n shards (by catalog order).
+fn selected<'a>(catalog: &'a Catalog, selection: &Selection) -> Vec<&'a Mutant> {
+    catalog
+        .mutants
+        .iter()
+        .filter(|m| selection.mutant.as_ref().is_none_or(|id| *id == m.id))
+        .enumerate()
+        .filter(|(i, _)| selection.shard.is_none_or(|(k, n)| i % n == k - 1))
+        .map(|(_, m)| m)
+        .collect()
 }
 
 pub fn run_all(
@@ -237,14 +260,7 @@ pub fn run_all(
         let limit = selection.min_limit.max(baseline_started.elapsed() * 4);
         let index =
             runner.index(catalog, &listed).map_err(|e| format!("placing the tests of {}: {e}", catalog.battery))?;
-        let selected: Vec<_> = catalog
-            .mutants
-            .iter()
-            .filter(|m| selection.mutant.as_ref().is_none_or(|id| *id == m.id))
-            .enumerate()
-            .filter(|(i, _)| selection.shard.is_none_or(|(k, n)| i % n == k - 1))
-            .map(|(_, m)| m)
-            .collect();
+        let selected = selected(catalog, selection);
         // The killers judge alone, so they must pass alone on the clean
         // tree, run as a mutant's are (a few at once): a killer that failed
         // there for its own reasons would "catch" every mutant it names.

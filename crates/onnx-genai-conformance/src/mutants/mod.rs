@@ -243,6 +243,12 @@ mod tests {
         let other = catalogs.iter().find(|c| c.battery != first.battery).unwrap();
         let err = check_selection(&catalogs, &select(Some(&other.battery), Some(&first.mutants[0].id))).unwrap_err();
         assert!(err.contains("no mutant"), "a mutant of another battery is not in scope: {err}");
+        // Both names exist, but the mutant is not in the shard chosen.
+        let second = &first.mutants[1].id;
+        let sharded = |k| Selection { shard: Some((k, 2)), ..select(Some(&first.battery), Some(second)) };
+        assert!(check_selection(&catalogs, &sharded(1)).is_ok(), "a lone mutant is the first of its shards");
+        let err = check_selection(&catalogs, &sharded(2)).unwrap_err();
+        assert!(err.contains("selects no mutant"), "{err}");
     }
 
     #[test]

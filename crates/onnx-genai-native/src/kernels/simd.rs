@@ -1,6 +1,8 @@
 //! Vector inner loops with run-time CPU dispatch: AVX2+FMA where the CPU has
-//! it (checked once), portable code elsewhere. Both paths are tested
-//! against each other.
+//! it (checked once), portable code elsewhere. Each public function is its
+//! `*_on(vector, ..)` twin with `vector = true`; the tests run both paths
+//! (the vector one where the CPU has it) against plain definitions, so the
+//! portable path is tested on AVX2 machines too.
 
 use std::sync::OnceLock;
 
@@ -21,9 +23,15 @@ fn has_avx2_fma() -> bool {
 /// Dot product of two equal-length slices (the shorter length is used).
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    dot_on(true, a, b)
+}
+
+/// [`dot`], on the vector path only when `vector` and the CPU allow it.
+#[inline]
+fn dot_on(vector: bool, a: &[f32], b: &[f32]) -> f32 {
     let n = a.len().min(b.len());
     #[cfg(target_arch = "x86_64")]
-    if has_avx2_fma() {
+    if vector && has_avx2_fma() {
         // SAFETY: the CPU supports AVX2 and FMA (checked above); the
         // function reads exactly `n` elements of each slice, both of which
         // hold at least `n`.
@@ -35,9 +43,14 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// `y += alpha * x` (the shorter length is used).
 #[inline]
 pub fn axpy(y: &mut [f32], alpha: f32, x: &[f32]) {
+    axpy_on(true, y, alpha, x)
+}
+
+#[inline]
+fn axpy_on(vector: bool, y: &mut [f32], alpha: f32, x: &[f32]) {
     let n = y.len().min(x.len());
     #[cfg(target_arch = "x86_64")]
-    if has_avx2_fma() {
+    if vector && has_avx2_fma() {
         // SAFETY: AVX2/FMA checked; reads `n` of `x`, writes `n` of `y`;
         // `y` is borrowed mutably so it cannot alias `x`.
         unsafe { x86::axpy(y.as_mut_ptr(), alpha, x.as_ptr(), n) };
@@ -50,13 +63,17 @@ pub fn axpy(y: &mut [f32], alpha: f32, x: &[f32]) {
 /// `total` key rows of `hd` (both row-major; `ld >= total` is the row
 /// stride of `out`, so a caller can fill a wide score row in chunks).
 pub fn scores(q: &[f32], rows: usize, keys: &[f32], hd: usize, out: &mut [f32], ld: usize) {
+    scores_on(true, q, rows, keys, hd, out, ld)
+}
+
+fn scores_on(vector: bool, q: &[f32], rows: usize, keys: &[f32], hd: usize, out: &mut [f32], ld: usize) {
     let total = keys.len().checked_div(hd).unwrap_or(0);
     assert!(
         q.len() >= rows * hd && ld >= total && (rows == 0 || out.len() >= (rows - 1) * ld + total),
         "attention score buffers are too small"
     );
     #[cfg(target_arch = "x86_64")]
-    if has_avx2_fma() && hd.is_multiple_of(8) {
+    if vector && has_avx2_fma() && hd.is_multiple_of(8) {
         // SAFETY: AVX2/FMA checked; the assertion above bounds every read of
         // `q` (rows * hd), `keys` (total * hd) and write of `out` (row r
         // at r * ld, total values).
@@ -74,13 +91,17 @@ pub fn scores(q: &[f32], rows: usize, keys: &[f32], hd: usize, out: &mut [f32], 
 /// same operations, in the same order, as one `axpy` per value row, so a
 /// caller may split the values into chunks).
 pub fn weighted_sum(p: &[f32], rows: usize, ld: usize, values: &[f32], hd: usize, out: &mut [f32]) {
+    weighted_sum_on(true, p, rows, ld, values, hd, out)
+}
+
+fn weighted_sum_on(vector: bool, p: &[f32], rows: usize, ld: usize, values: &[f32], hd: usize, out: &mut [f32]) {
     let total = values.len().checked_div(hd).unwrap_or(0);
     assert!(
         ld >= total && (rows == 0 || p.len() >= (rows - 1) * ld + total) && out.len() >= rows * hd,
         "attention output buffers are too small"
     );
     #[cfg(target_arch = "x86_64")]
-    if has_avx2_fma() && hd.is_multiple_of(8) {
+    if vector && has_avx2_fma() && hd.is_multiple_of(8) {
         // SAFETY: AVX2/FMA checked; the assertion above bounds every read of
         // `p` (row r at r * ld, total values), `values` (total * hd) and
         // read/write of `out` (rows * hd).
@@ -101,9 +122,13 @@ fn axpy_portable(y: &mut [f32], alpha: f32, x: &[f32]) {
 
 /// Numerically stable softmax of one row, in place.
 pub fn softmax(row: &mut [f32]) {
+    softmax_on(true, row)
+}
+
+fn softmax_on(vector: bool, row: &mut [f32]) {
     let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     #[cfg(target_arch = "x86_64")]
-    if has_avx2_fma() {
+    if vector && has_avx2_fma() {
         // SAFETY: AVX2/FMA checked; the function stays within `row`.
         let sum = unsafe { x86::exp_shifted(row.as_mut_ptr(), row.len(), max) };
         let inv = 1.0 / sum;
@@ -338,56 +363,76 @@ mod x86 {
 mod tests {
     use super::*;
 
-    /// The dispatched (AVX2 where present) and portable paths agree, over
-    /// lengths that exercise every loop tail.
-    #[test]
-    fn dispatched_paths_match_portable() {
-        for n in [0, 1, 7, 8, 9, 31, 32, 33, 64, 100] {
-            let a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
-            let b: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
-            assert!((dot(&a, &b) - dot_portable(&a, &b)).abs() < 1e-4, "dot n={n}");
-            let mut y1 = b.clone();
-            let mut y2 = b.clone();
-            axpy(&mut y1, 0.5, &a);
-            y2.iter_mut().zip(&a).for_each(|(y, x)| *y += 0.5 * x);
-            assert!(y1.iter().zip(&y2).all(|(p, q)| (p - q).abs() < 1e-6), "axpy n={n}");
+    /// The paths this machine can run: portable always, AVX2+FMA where
+    /// the CPU has it.
+    fn paths() -> Vec<bool> {
+        if has_avx2_fma() {
+            vec![false, true]
+        } else {
+            vec![false]
         }
-        // Attention inner products against their plain definitions.
-        for hd in [8, 16, 40, 64] {
-            let (rows, total) = (3, 11);
-            let q: Vec<f32> = (0..rows * hd).map(|i| (i as f32 * 0.13).cos()).collect();
-            let kv: Vec<f32> = (0..total * hd).map(|i| (i as f32 * 0.07).sin()).collect();
-            // Scores land in rows of a wider buffer (stride 13), in two
-            // chunks of keys; the weighted sum accumulates over both chunks
-            // onto what `o` held.
-            let ld = 13;
-            let mut sc = vec![f32::NAN; rows * ld];
-            let split = 5;
-            scores(&q, rows, &kv[..split * hd], hd, &mut sc, ld);
-            scores(&q, rows, &kv[split * hd..], hd, &mut sc[split..], ld);
-            let mut o = vec![1.0; rows * hd];
-            weighted_sum(&sc, rows, ld, &kv[..split * hd], hd, &mut o);
-            weighted_sum(&sc[split..], rows, ld, &kv[split * hd..], hd, &mut o);
-            for r in 0..rows {
-                for t in 0..total {
-                    let want = dot_portable(&q[r * hd..(r + 1) * hd], &kv[t * hd..(t + 1) * hd]);
-                    assert!((sc[r * ld + t] - want).abs() < 1e-4, "scores hd={hd}");
-                }
-                for c in 0..hd {
-                    let want: f32 = 1.0 + (0..total).map(|t| sc[r * ld + t] * kv[t * hd + c]).sum::<f32>();
-                    assert!((o[r * hd + c] - want).abs() < 1e-3, "weighted_sum hd={hd}");
+    }
+
+    fn plain_dot(a: &[f32], b: &[f32]) -> f32 {
+        a.iter().zip(b).map(|(x, y)| x * y).sum()
+    }
+
+    /// Every path (portable, and AVX2 where present: each forced in turn)
+    /// agrees with the plain definitions, over lengths that exercise every
+    /// loop tail; the public functions take the vector path.
+    #[test]
+    fn every_path_matches_the_plain_definitions() {
+        for vector in paths() {
+            let path = if vector { "avx2" } else { "portable" };
+            for n in [0, 1, 7, 8, 9, 31, 32, 33, 64, 100] {
+                let a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+                let b: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
+                assert!((dot_on(vector, &a, &b) - plain_dot(&a, &b)).abs() < 1e-4, "{path} dot n={n}");
+                let mut y1 = b.clone();
+                let mut y2 = b.clone();
+                axpy_on(vector, &mut y1, 0.5, &a);
+                y2.iter_mut().zip(&a).for_each(|(y, x)| *y += 0.5 * x);
+                assert!(y1.iter().zip(&y2).all(|(p, q)| (p - q).abs() < 1e-6), "{path} axpy n={n}");
+            }
+            // Attention inner products against their plain definitions.
+            for hd in [8, 12, 16, 40, 64] {
+                let (rows, total) = (3, 11);
+                let q: Vec<f32> = (0..rows * hd).map(|i| (i as f32 * 0.13).cos()).collect();
+                let kv: Vec<f32> = (0..total * hd).map(|i| (i as f32 * 0.07).sin()).collect();
+                // Scores land in rows of a wider buffer (stride 13), in two
+                // chunks of keys; the weighted sum accumulates over both
+                // chunks onto what `o` held.
+                let ld = 13;
+                let mut sc = vec![f32::NAN; rows * ld];
+                let split = 5;
+                scores_on(vector, &q, rows, &kv[..split * hd], hd, &mut sc, ld);
+                scores_on(vector, &q, rows, &kv[split * hd..], hd, &mut sc[split..], ld);
+                let mut o = vec![1.0; rows * hd];
+                weighted_sum_on(vector, &sc, rows, ld, &kv[..split * hd], hd, &mut o);
+                weighted_sum_on(vector, &sc[split..], rows, ld, &kv[split * hd..], hd, &mut o);
+                for r in 0..rows {
+                    for t in 0..total {
+                        let want = plain_dot(&q[r * hd..(r + 1) * hd], &kv[t * hd..(t + 1) * hd]);
+                        assert!((sc[r * ld + t] - want).abs() < 1e-4, "{path} scores hd={hd}");
+                    }
+                    for c in 0..hd {
+                        let want: f32 = 1.0 + (0..total).map(|t| sc[r * ld + t] * kv[t * hd + c]).sum::<f32>();
+                        assert!((o[r * hd + c] - want).abs() < 1e-3, "{path} weighted_sum hd={hd}");
+                    }
                 }
             }
-        }
-        for n in [1, 5, 8, 13, 64, 1000] {
-            let row: Vec<f32> =
-                (0..n).map(|i| (i as f32 * 0.731).sin() * 30.0 - if i % 7 == 3 { 1e9 } else { 0.0 }).collect();
-            let (mut fast, mut slow) = (row.clone(), row.clone());
-            softmax(&mut fast);
-            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            softmax_portable(&mut slow, max);
-            for (a, b) in fast.iter().zip(&slow) {
-                assert!((a - b).abs() <= 1e-6 + 1e-5 * b.abs(), "softmax n={n}: {a} vs {b}");
+            for n in [1, 5, 8, 13, 64, 1000] {
+                let row: Vec<f32> =
+                    (0..n).map(|i| (i as f32 * 0.731).sin() * 30.0 - if i % 7 == 3 { 1e9 } else { 0.0 }).collect();
+                let mut got = row.clone();
+                softmax_on(vector, &mut got);
+                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let exps: Vec<f64> = row.iter().map(|v| f64::from(v - max).exp()).collect();
+                let sum: f64 = exps.iter().sum();
+                for (a, e) in got.iter().zip(&exps) {
+                    let want = (e / sum) as f32;
+                    assert!((a - want).abs() <= 1e-6 + 1e-5 * want.abs(), "{path} softmax n={n}: {a} vs {want}");
+                }
             }
         }
     }

@@ -40,6 +40,9 @@ pub enum Fault {
     SequencePanics,
 }
 
+/// The longest a closed gate holds a model step.
+const HELD_AT_MOST: Duration = Duration::from_secs(120);
+
 impl Gate {
     /// While set, every model step fails with a backend error.
     pub fn failing(&self, on: bool) {
@@ -90,8 +93,18 @@ impl Gate {
         if g.0 {
             g.1 += 1;
             self.0 .1.notify_all();
+            // Bounded like every wait of the tests: a test that failed
+            // before opening the gate must not leave the driver held.
+            let deadline = Instant::now() + HELD_AT_MOST;
             while g.0 && g.2 == 0 {
-                g = self.0 .1.wait(g).unwrap();
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    // Unlocked first: a panic holding the lock would poison
+                    // it and hide this message behind the next lock's.
+                    drop(g);
+                    panic!("the gate stayed closed for {HELD_AT_MOST:?}: the test never opened it");
+                }
+                g = self.0 .1.wait_timeout(g, left).unwrap().0;
             }
             if g.0 {
                 // Let through by `release_one` while still closed.
