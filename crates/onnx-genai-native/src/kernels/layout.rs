@@ -94,7 +94,9 @@ pub fn axis(axis: i64, rank: usize) -> Result<usize, String> {
 
 /// ONNX Reshape target: 0 copies the input dim, -1 is inferred.
 pub fn reshape_target(input: &[usize], target: &[i64]) -> Result<Shape, String> {
-    let total: usize = input.iter().product();
+    // Declared dims can be anything a file says: counted with overflow
+    // checks (a fuzzed graph's product overflowed here).
+    let total = checked_elements(input)?;
     let mut out = Shape::new();
     let mut infer = None;
     for (i, t) in target.iter().enumerate() {
@@ -110,13 +112,13 @@ pub fn reshape_target(input: &[usize], target: &[i64]) -> Result<Shape, String> 
         }
     }
     if let Some(i) = infer {
-        let known: usize = out.iter().product();
+        let known = checked_elements(&out)?;
         if known == 0 || !total.is_multiple_of(known) {
             return Err(format!("cannot infer -1 reshaping {input:?} to {target:?}"));
         }
         out[i] = total / known;
     }
-    if out.iter().product::<usize>() != total {
+    if checked_elements(&out)? != total {
         return Err(format!("cannot reshape {input:?} ({total} elements) to {target:?}"));
     }
     Ok(out)
@@ -424,5 +426,21 @@ pub fn range(start: &Value, limit: &Value, delta: &Value, out: &mut Value) -> Re
                 _ => Err("Range needs three i64 or three f32 scalars and a non-zero delta".into()),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 20 (a fuzz finding, `fuzz/regressions/onnx/product-overflow`):
+    /// a Reshape over declared dims whose product overflows is an error,
+    /// not an overflow panic (or, in release, a wrapped count).
+    #[test]
+    fn reshape_of_dims_that_overflow_is_an_error() {
+        let err = reshape_target(&[usize::MAX / 2, 3], &[-1]).unwrap_err();
+        assert!(err.contains("more than"), "{err}");
+        assert!(reshape_target(&[2, 3], &[1 << 40, 1 << 40]).is_err());
+        assert_eq!(reshape_target(&[2, 3, 4], &[0, -1]).unwrap().as_slice(), &[2, 12]);
     }
 }
