@@ -144,16 +144,15 @@ pub fn run(named: &[Peer], threads: usize, rounds: usize, steps: usize) -> Resul
             peers.push(*p);
         }
     }
-    if peers.is_empty() {
-        bail!("name a peer: --peer ort-genai, --peer llama.cpp (or both)");
-    }
     let lib = ort::provision()?;
     std::env::set_var("ORT_DYLIB_PATH", &lib);
+    // Where each peer's Python package was installed (its PYTHONPATH).
+    let mut sites = Vec::with_capacity(peers.len());
     for peer in &peers {
-        match peer {
+        sites.push(match peer {
             Peer::OrtGenai => pyclient::provision_ort_genai()?,
             Peer::LlamaCpp => pyclient::provision_llama_cpp()?,
-        }
+        });
     }
     let titles: Vec<String> = peers.iter().map(|p| p.title()).collect();
     let mut md = format!(
@@ -188,15 +187,13 @@ pub fn run(named: &[Peer], threads: usize, rounds: usize, steps: usize) -> Resul
         let mut b = BackendKind::NativeCpu.decoder(&package, threads)?;
         let run = Run { threads, rounds, steps, vocab: b.vocab_size() };
         let mut theirs = Vec::new();
-        for peer in &peers {
+        for (peer, site) in peers.iter().zip(&sites) {
             let speed = match (peer, &raced.gguf) {
-                (Peer::OrtGenai, _) => {
-                    Some(python_bench("ort_genai.py", &util::target().join("genai"), &raced.dir, run)?)
-                }
+                (Peer::OrtGenai, _) => Some(python_bench("ort_genai.py", site, &raced.dir, run)?),
                 (Peer::LlamaCpp, Some(gguf)) => match by_gguf.iter().find(|(g, _)| g == gguf) {
                     Some((_, s)) => Some(*s),
                     None => {
-                        let s = python_bench("llama_cpp_peer.py", &util::target().join("llama-cpp"), gguf, run)?;
+                        let s = python_bench("llama_cpp_peer.py", site, gguf, run)?;
                         by_gguf.push((gguf.clone(), s));
                         Some(s)
                     }

@@ -5,6 +5,7 @@
 //! runtime of the interop lane and `cargo xtask bench --peer ort-genai`) and
 //! llama-cpp-python (`target/llama-cpp`, `cargo xtask bench --peer llama.cpp`).
 
+use std::path::PathBuf;
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
@@ -25,19 +26,19 @@ pub const LLAMA_CPP_PYTHON_VERSION: &str = "0.3.36";
 
 /// Ensures `target/python` holds `openai==OPENAI_VERSION` and
 /// `jsonschema==JSONSCHEMA_VERSION`; idempotent.
-pub fn provision() -> Result<()> {
+pub fn provision() -> Result<PathBuf> {
     install("python", &[&format!("openai=={OPENAI_VERSION}"), &format!("jsonschema=={JSONSCHEMA_VERSION}")], &[])
 }
 
 /// Ensures `target/schemathesis` holds `schemathesis==SCHEMATHESIS_VERSION`;
 /// idempotent.
-pub fn provision_schemathesis() -> Result<()> {
+pub fn provision_schemathesis() -> Result<PathBuf> {
     install("schemathesis", &[&format!("schemathesis=={SCHEMATHESIS_VERSION}")], &[])
 }
 
 /// Ensures `target/genai` holds `onnxruntime-genai==ORT_GENAI_VERSION` with
 /// the `onnxruntime` wheel the rest of the project uses; idempotent.
-pub fn provision_ort_genai() -> Result<()> {
+pub fn provision_ort_genai() -> Result<PathBuf> {
     install(
         "genai",
         &[&format!("onnxruntime-genai=={ORT_GENAI_VERSION}"), &format!("onnxruntime=={}", crate::ort::VERSION)],
@@ -54,36 +55,31 @@ pub fn provision_ort_genai() -> Result<()> {
 /// build takes ggml's AMX matmul for every multi-token batch of the Q4_1
 /// weights, and that crashed (SIGSEGV in `llama_decode`, 2026-12-02) while
 /// single-token decode ran; AVX-512 VNNI stays, as native-cpu uses it.
-pub fn provision_llama_cpp() -> Result<()> {
+pub fn provision_llama_cpp() -> Result<PathBuf> {
     let no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16";
     let cmake_args = format!(
         "-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
          -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF '-DCMAKE_C_FLAGS={no_amx}' \
          '-DCMAKE_CXX_FLAGS={no_amx}'"
     );
-    let jobs = std::thread::available_parallelism().map_or(1, |n| n.get()).to_string();
-    install(
-        "llama-cpp",
-        &[&format!("llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}")],
-        &[("CMAKE_ARGS", &cmake_args), ("CMAKE_BUILD_PARALLEL_LEVEL", &jobs)],
-    )
+    install("llama-cpp", &[&format!("llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}")], &[("CMAKE_ARGS", &cmake_args)])
 }
 
-/// `pip install --target target/<dir_name>`, with `env` set for the build
-/// of a source-only requirement.
-fn install(dir_name: &str, requirements: &[&str], env: &[(&str, &str)]) -> Result<()> {
+/// `pip install --target target/<dir_name>`, with `settings` in the
+/// environment for the build of a source-only requirement; returns the
+/// folder (the `PYTHONPATH` that imports it).
+fn install(dir_name: &str, requirements: &[&str], settings: &[(&str, &str)]) -> Result<PathBuf> {
     let dir = util::target().join(dir_name);
-    // A build setting is part of what was installed: a folder built with
-    // other settings (an AMX build of llama.cpp) is built again.
-    let settings: String = env.iter().map(|(k, v)| format!("{k}={v};")).collect();
-    let marker = match env.is_empty() {
-        true => dir.join(format!(".installed-{}", requirements.join("-"))),
-        false => dir.join(format!(".installed-{}-{:016x}", requirements.join("-"), fnv1a(&settings))),
-    };
-    if marker.is_file() {
-        return Ok(());
+    // The marker holds the build settings it was made with: a folder built
+    // with others (an AMX build of llama.cpp) is built again. A plain
+    // install's settings are empty, as its marker is.
+    let marker = dir.join(format!(".installed-{}", requirements.join("-")));
+    let recorded: String = settings.iter().map(|(k, v)| format!("{k}={v}\n")).collect();
+    if std::fs::read_to_string(&marker).is_ok_and(|m| m == recorded) {
+        return Ok(dir);
     }
     println!("==> pip install {} into {}", requirements.join(" "), dir.display());
+    let jobs = std::thread::available_parallelism().map_or(1, |n| n.get()).to_string();
     let status = Command::new(crate::ort::python())
         .args([
             "-m",
@@ -99,19 +95,17 @@ fn install(dir_name: &str, requirements: &[&str], env: &[(&str, &str)]) -> Resul
         .arg(&dir)
         // pip's cache of wheels it built from source ignores the build
         // settings (and the CPU a native build was made for).
-        .args(if env.is_empty() { &[][..] } else { &["--no-cache-dir"][..] })
+        .args(if settings.is_empty() { &[][..] } else { &["--no-cache-dir"][..] })
         .args(requirements)
-        .envs(env.iter().copied())
+        .envs(settings.iter().copied())
+        // How many compilers a source build runs at once: not a setting of
+        // what is built, so not recorded.
+        .env("CMAKE_BUILD_PARALLEL_LEVEL", jobs)
         .status()
         .context("cannot run python3 -m pip (is Python with pip installed?)")?;
     if !status.success() {
         bail!("pip could not install {}; check access to the Python package index", requirements.join(" "));
     }
-    std::fs::write(&marker, "")?;
-    Ok(())
-}
-
-/// FNV-1a: a stable digest of the build settings for a marker's name.
-fn fnv1a(text: &str) -> u64 {
-    text.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+    std::fs::write(&marker, recorded)?;
+    Ok(dir)
 }

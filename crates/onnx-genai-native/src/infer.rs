@@ -189,7 +189,10 @@ pub fn infer(op: &Op, inputs: &[Option<&Meta>], outputs: usize) -> Result<Vec<Ou
                 let a = ly::axis(*axis, acc.len())?;
                 for (j, (x, y)) in acc.iter_mut().zip(&cur).enumerate() {
                     if j == a {
-                        *x = x.zip(*y).map(|(x, y)| x + y);
+                        *x = match x.zip(*y) {
+                            Some((p, q)) => Some(p.checked_add(q).ok_or("the concat axis overflows")?),
+                            None => None,
+                        };
                     } else if let (Some(p), Some(q)) = (*x, *y) {
                         if p != q {
                             return Err(format!("inputs differ at axis {j} ({p} vs {q}) off the concat axis {a}"));
@@ -267,7 +270,8 @@ pub fn infer(op: &Op, inputs: &[Option<&Meta>], outputs: usize) -> Result<Vec<Ou
             }
             let dims = match (d(0), d(1)) {
                 (Some(data), Some(mut ids)) if data.len() == 2 => {
-                    ids.push(data[1].map(|b| b * 2));
+                    let values = data[1].map(|b| b.checked_mul(2).ok_or("the row width overflows")).transpose()?;
+                    ids.push(values);
                     Some(ids)
                 }
                 _ => None,
@@ -361,11 +365,15 @@ pub fn infer(op: &Op, inputs: &[Option<&Meta>], outputs: usize) -> Result<Vec<Ou
             let dims = match (spec.packed_qkv, spec.heads, spec.kv_heads, d(0)) {
                 (false, ..) => d(0),
                 (true, Some(h), Some(kv), Some(mut dims)) => {
+                    // Head counts come from attributes (positive once
+                    // lowered); the sum is checked all the same.
+                    let packed = kv.checked_mul(2).and_then(|k| k.checked_add(h)).filter(|n| *n > 0);
+                    let packed = packed.ok_or("the packed head count overflows or is zero")?;
                     if let Some(Some(last)) = dims.last_mut() {
-                        if *last % (h + 2 * kv) != 0 {
-                            return Err(format!("packed QKV width {last} is not {} heads wide", h + 2 * kv));
+                        if *last % packed != 0 {
+                            return Err(format!("packed QKV width {last} is not {packed} heads wide"));
                         }
-                        *last = *last / (h + 2 * kv) * h;
+                        *last = *last / packed * h;
                     }
                     Some(dims)
                 }
@@ -468,8 +476,13 @@ fn norm_check(x: &Dims, from: Option<usize>, scale: &Dims) -> Result<(), String>
                 x.len() - from
             ));
         }
-        let n: Option<usize> = s.iter().copied().product();
-        let width: Option<usize> = x.get(from..).unwrap_or_default().iter().copied().product();
+        // Declared dims: counted with overflow checks, as `reshape_target`
+        // counts them (a file can declare any size).
+        let count = |dims: &[Option<usize>]| -> Result<Option<usize>, String> {
+            dims.iter().copied().collect::<Option<Vec<usize>>>().map(|d| ly::checked_elements(&d)).transpose()
+        };
+        let n = count(s)?;
+        let width = count(x.get(from..).unwrap_or_default())?;
         if let (Some(width), Some(n)) = (width, n) {
             if width != n {
                 return Err(format!("the scale has {n} elements, the normalized axes {width}"));
@@ -494,4 +507,21 @@ fn linear_out(x: &Dims, t: Option<DType>, k: usize, n: usize) -> Result<Vec<Out>
         }
     }
     Ok(vec![(Some(DType::F32), dims)])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 20: a norm's declared dims whose product overflows are an
+    /// error (as in `reshape_target`), not an overflow panic.
+    #[test]
+    fn norm_dims_that_overflow_are_an_error() {
+        let huge: Dims = Some(vec![Some(usize::MAX / 2), Some(3)]);
+        let err = norm_check(&huge, Some(0), &huge).unwrap_err();
+        assert!(err.contains("more than"), "{err}");
+        let x: Dims = Some(vec![Some(2), Some(8)]);
+        assert!(norm_check(&x, Some(1), &Some(vec![Some(8)])).is_ok());
+        assert!(norm_check(&x, Some(1), &Some(vec![Some(4)])).is_err());
+    }
 }

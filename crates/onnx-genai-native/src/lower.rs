@@ -423,6 +423,9 @@ pub fn lower(node: &Node, opset: i64) -> Result<(Op, Vec<usize>), CompileError> 
                 }
                 let heads = a.int("num_heads")?.ok_or_else(|| a.err("missing attribute `num_heads`"))?;
                 let kv_heads = a.int("kv_num_heads")?.ok_or_else(|| a.err("missing attribute `kv_num_heads`"))?;
+                if heads <= 0 || kv_heads <= 0 || heads > u32::MAX as i64 || kv_heads > u32::MAX as i64 {
+                    return Err(a.err(format!("num_heads {heads} and kv_num_heads {kv_heads} must be positive")));
+                }
                 let scale = a.float("scale")?.filter(|s| *s != 0.0);
                 // Inputs 5 and 6 (seqlens_k, total_sequence_length) describe
                 // batch padding and, with rotary inside, positions; a native

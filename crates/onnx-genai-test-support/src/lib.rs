@@ -25,13 +25,13 @@ pub fn spec_path(name: &str) -> PathBuf {
     root().join("packages").join(name).join("spec.yaml")
 }
 
-/// The names of the shipped packages (`packages/*/spec.yaml`), sorted.
+/// The names of the shipped packages (`packages/*/spec.yaml`), sorted
+/// (`spec_files` sorts the paths, whose folder names these are).
 pub fn shipped() -> Vec<String> {
     let dir = root().join("packages");
     let specs = onnx_genai_build::spec_files(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
-    let mut names: Vec<String> =
+    let names: Vec<String> =
         specs.iter().filter_map(|p| Some(p.parent()?.file_name()?.to_string_lossy().into_owned())).collect();
-    names.sort();
     assert!(!names.is_empty(), "no package specs under {}", dir.display());
     names
 }

@@ -56,6 +56,11 @@ struct Keys<'a> {
     value: &'a Value,
 }
 
+/// A JSON number that is a `u32` (a count, a token id).
+fn as_u32(v: &Value) -> Option<u32> {
+    v.as_u64().and_then(|v| u32::try_from(v).ok())
+}
+
 impl Keys<'_> {
     fn invalid(&self, key: &str, want: &str) -> HfError {
         HfError::Invalid { file: self.file.into(), reason: format!("`{key}` must be {want}, got {}", self.value[key]) }
@@ -67,11 +72,7 @@ impl Keys<'_> {
 
     /// A positive integer that must be there.
     fn int(&self, key: &str) -> Result<u32, HfError> {
-        self.value[key]
-            .as_u64()
-            .and_then(|v| u32::try_from(v).ok())
-            .filter(|v| *v > 0)
-            .ok_or_else(|| self.invalid(key, "a positive integer"))
+        as_u32(&self.value[key]).filter(|v| *v > 0).ok_or_else(|| self.invalid(key, "a positive integer"))
     }
 
     fn int_or(&self, key: &str, default: u32) -> Result<u32, HfError> {
@@ -86,7 +87,7 @@ impl Keys<'_> {
     fn count(&self, key: &str) -> Result<Option<u32>, HfError> {
         match &self.value[key] {
             Value::Null => Ok(None),
-            v => v.as_u64().and_then(|k| u32::try_from(k).ok()).map(Some).ok_or_else(|| self.invalid(key, "a count")),
+            v => as_u32(v).map(Some).ok_or_else(|| self.invalid(key, "a count")),
         }
     }
 
@@ -173,11 +174,10 @@ fn text_files(dir: &Path, config: &Keys) -> Result<Pretrained, HfError> {
     let generation_value =
         if dir.join(GENERATION_CONFIG).is_file() { json(dir, GENERATION_CONFIG)? } else { Value::Null };
     let generation = Keys { file: GENERATION_CONFIG, value: &generation_value };
-    let id_of = |v: &Value| v.as_u64().and_then(|v| u32::try_from(v).ok());
     let special = |key: &str| if generation.present(key) { &generation.value[key] } else { &config.value[key] };
     let eos_token_ids: Vec<u32> = match special("eos_token_id") {
-        Value::Array(ids) => ids.iter().filter_map(id_of).collect(),
-        v => id_of(v).into_iter().collect(),
+        Value::Array(ids) => ids.iter().filter_map(as_u32).collect(),
+        v => as_u32(v).into_iter().collect(),
     };
     if eos_token_ids.is_empty() {
         let file = if generation.present("eos_token_id") { GENERATION_CONFIG } else { "config.json" };
@@ -210,7 +210,7 @@ fn text_files(dir: &Path, config: &Keys) -> Result<Pretrained, HfError> {
         weights: Default::default(),
         tokenizer_json,
         chat_template,
-        bos_token_id: id_of(special("bos_token_id")),
+        bos_token_id: as_u32(special("bos_token_id")),
         eos_token_ids,
         sampling,
         max_new_tokens,

@@ -39,6 +39,13 @@ impl Default for Selection {
     }
 }
 
+impl Selection {
+    /// Whether `catalog`'s battery is in the selection.
+    fn takes(&self, catalog: &Catalog) -> bool {
+        self.battery.as_ref().is_none_or(|b| *b == catalog.battery)
+    }
+}
+
 /// Something that makes the whole run untrustworthy, beyond one mutant.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(tag = "problem", rename_all = "kebab-case")]
@@ -172,17 +179,16 @@ pub fn check_selection(catalogs: &[Catalog], selection: &Selection) -> Result<()
             return Err(format!("no battery `{b}`; the batteries are {}", batteries.join(", ")));
         }
     }
+    let in_scope: Vec<&Catalog> = catalogs.iter().filter(|c| selection.takes(c)).collect();
     if let Some(id) = &selection.mutant {
-        let in_scope = catalogs.iter().filter(|c| selection.battery.as_ref().is_none_or(|b| *b == c.battery));
-        let ids: Vec<&str> = in_scope.flat_map(|c| c.mutants.iter().map(|m| m.id.as_str())).collect();
+        let ids: Vec<&str> = in_scope.iter().flat_map(|c| c.mutants.iter().map(|m| m.id.as_str())).collect();
         if !ids.contains(&id.as_str()) {
             return Err(format!("no mutant `{id}` in the selected batteries; their mutants are {}", ids.join(", ")));
         }
     }
     // Each name exists, yet together they may still select nothing (a
     // mutant outside the chosen shard): that run would pass on nothing.
-    let in_battery = catalogs.iter().filter(|c| selection.battery.as_ref().is_none_or(|b| *b == c.battery));
-    if in_battery.map(|c| selected(c, selection).len()).sum::<usize>() == 0 {
+    if in_scope.iter().map(|c| selected(c, selection).len()).sum::<usize>() == 0 {
         return Err(format!(
             "the selection (battery {:?}, mutant {:?}, shard {:?}) selects no mutant; \
              run without --shard to select one mutant by name",
@@ -215,7 +221,7 @@ pub fn run_all(
     let started = Instant::now();
     let mut report = Report::default();
     for catalog in catalogs {
-        if selection.battery.as_ref().is_some_and(|b| *b != catalog.battery) {
+        if !selection.takes(catalog) {
             continue;
         }
         let listed = runner.list(catalog).map_err(|e| format!("listing the tests of {}: {e}", catalog.battery))?;

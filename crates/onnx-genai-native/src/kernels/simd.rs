@@ -138,7 +138,7 @@ fn softmax_on(vector: bool, row: &mut [f32]) {
     softmax_portable(row, max);
 }
 
-pub fn softmax_portable(row: &mut [f32], max: f32) {
+fn softmax_portable(row: &mut [f32], max: f32) {
     let mut sum = 0.0;
     for v in row.iter_mut() {
         *v = (*v - max).exp();
@@ -148,7 +148,7 @@ pub fn softmax_portable(row: &mut [f32], max: f32) {
     row.iter_mut().for_each(|v| *v *= inv);
 }
 
-pub fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
+fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
     let (ra, rb) = (ca.remainder(), cb.remainder());

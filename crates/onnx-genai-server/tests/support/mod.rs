@@ -76,13 +76,10 @@ impl Gate {
     }
     /// Waits (bounded) until `n` calls have been held at the gate in total.
     pub fn wait_held(&self, n: usize) {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        let mut g = self.0 .0.lock().unwrap();
-        while g.1 < n {
-            let left = deadline.saturating_duration_since(Instant::now());
-            assert!(!left.is_zero(), "no turn reached the gate");
-            g = self.0 .1.wait_timeout(g, left).unwrap().0;
-        }
+        let g = self.0 .0.lock().unwrap();
+        let (g, waited) = self.0 .1.wait_timeout_while(g, Duration::from_secs(20), |g| g.1 < n).unwrap();
+        drop(g);
+        assert!(!waited.timed_out(), "no turn reached the gate");
     }
     fn pass(&self) {
         let mut g = self.0 .0.lock().unwrap();
@@ -95,16 +92,13 @@ impl Gate {
             self.0 .1.notify_all();
             // Bounded like every wait of the tests: a test that failed
             // before opening the gate must not leave the driver held.
-            let deadline = Instant::now() + HELD_AT_MOST;
-            while g.0 && g.2 == 0 {
-                let left = deadline.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    // Unlocked first: a panic holding the lock would poison
-                    // it and hide this message behind the next lock's.
-                    drop(g);
-                    panic!("the gate stayed closed for {HELD_AT_MOST:?}: the test never opened it");
-                }
-                g = self.0 .1.wait_timeout(g, left).unwrap().0;
+            let (held, waited) = self.0 .1.wait_timeout_while(g, HELD_AT_MOST, |g| g.0 && g.2 == 0).unwrap();
+            g = held;
+            if waited.timed_out() {
+                // Unlocked first: a panic holding the lock would poison it
+                // and hide this message behind the next lock's.
+                drop(g);
+                panic!("the gate stayed closed for {HELD_AT_MOST:?}: the test never opened it");
             }
             if g.0 {
                 // Let through by `release_one` while still closed.
