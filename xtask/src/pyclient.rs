@@ -27,13 +27,13 @@ pub const LLAMA_CPP_PYTHON_VERSION: &str = "0.3.36";
 /// Ensures `target/python` holds `openai==OPENAI_VERSION` and
 /// `jsonschema==JSONSCHEMA_VERSION`; idempotent.
 pub fn provision() -> Result<PathBuf> {
-    install("python", &[&format!("openai=={OPENAI_VERSION}"), &format!("jsonschema=={JSONSCHEMA_VERSION}")], &[])
+    install("python", &[&format!("openai=={OPENAI_VERSION}"), &format!("jsonschema=={JSONSCHEMA_VERSION}")], &[], None)
 }
 
 /// Ensures `target/schemathesis` holds `schemathesis==SCHEMATHESIS_VERSION`;
 /// idempotent.
 pub fn provision_schemathesis() -> Result<PathBuf> {
-    install("schemathesis", &[&format!("schemathesis=={SCHEMATHESIS_VERSION}")], &[])
+    install("schemathesis", &[&format!("schemathesis=={SCHEMATHESIS_VERSION}")], &[], None)
 }
 
 /// Ensures `target/genai` holds `onnxruntime-genai==ORT_GENAI_VERSION` with
@@ -43,6 +43,7 @@ pub fn provision_ort_genai() -> Result<PathBuf> {
         "genai",
         &[&format!("onnxruntime-genai=={ORT_GENAI_VERSION}"), &format!("onnxruntime=={}", crate::ort::VERSION)],
         &[],
+        None,
     )
 }
 
@@ -62,19 +63,56 @@ pub fn provision_llama_cpp() -> Result<PathBuf> {
          -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF '-DCMAKE_C_FLAGS={no_amx}' \
          '-DCMAKE_CXX_FLAGS={no_amx}'"
     );
-    install("llama-cpp", &[&format!("llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}")], &[("CMAKE_ARGS", &cmake_args)])
+    install(
+        "llama-cpp",
+        &[&format!("llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}")],
+        &[("CMAKE_ARGS", &cmake_args)],
+        Some(&this_cpu()),
+    )
+}
+
+/// This CPU as a native build depends on it: `/proc/cpuinfo`'s model name
+/// and feature flags (empty where that file is missing).
+fn this_cpu() -> String {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let field = |name: &str| {
+        info.lines()
+            .find(|l| l.split(':').next().is_some_and(|k| k.trim() == name))
+            .and_then(|l| l.split_once(':'))
+            .map_or("", |(_, v)| v.trim())
+            .to_string()
+    };
+    format!("{} [{}]", field("model name"), field("flags"))
+}
+
+/// What a folder's marker records: the build settings, and for a build
+/// made for this CPU (`GGML_NATIVE`) the CPU, so that a `target/` carried
+/// to another machine builds again instead of running instructions that
+/// machine may lack.
+fn recorded(settings: &[(&str, &str)], built_for: Option<&str>) -> String {
+    let mut out: String = settings.iter().map(|(k, v)| format!("{k}={v}\n")).collect();
+    if let Some(cpu) = built_for {
+        out.push_str(&format!("built for: {cpu}\n"));
+    }
+    out
 }
 
 /// `pip install --target target/<dir_name>`, with `settings` in the
 /// environment for the build of a source-only requirement; returns the
 /// folder (the `PYTHONPATH` that imports it).
-fn install(dir_name: &str, requirements: &[&str], settings: &[(&str, &str)]) -> Result<PathBuf> {
+fn install(
+    dir_name: &str,
+    requirements: &[&str],
+    settings: &[(&str, &str)],
+    built_for: Option<&str>,
+) -> Result<PathBuf> {
     let dir = util::target().join(dir_name);
-    // The marker holds the build settings it was made with: a folder built
-    // with others (an AMX build of llama.cpp) is built again. A plain
+    // The marker holds the build settings it was made with ([`recorded`]):
+    // a folder built with others (an AMX build of llama.cpp, or one for
+    // another CPU) is built again. A plain
     // install's settings are empty, as its marker is.
     let marker = dir.join(format!(".installed-{}", requirements.join("-")));
-    let recorded: String = settings.iter().map(|(k, v)| format!("{k}={v}\n")).collect();
+    let recorded = recorded(settings, built_for);
     if std::fs::read_to_string(&marker).is_ok_and(|m| m == recorded) {
         return Ok(dir);
     }
@@ -108,4 +146,24 @@ fn install(dir_name: &str, requirements: &[&str], settings: &[(&str, &str)]) -> 
     }
     std::fs::write(&marker, recorded)?;
     Ok(dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A plain install's marker is empty (markers written before the CPU
+    /// was recorded stay valid), and a native build's marker differs
+    /// between two CPUs: a `target/` carried to another machine rebuilds
+    /// llama.cpp rather than running instructions built for this one.
+    #[test]
+    fn native_builds_record_their_cpu() {
+        assert_eq!(recorded(&[], None), "");
+        let settings = [("CMAKE_ARGS", "-DGGML_NATIVE=ON")];
+        let here = recorded(&settings, Some("Xeon [avx512f avx512_vnni]"));
+        let there = recorded(&settings, Some("EPYC [avx2]"));
+        assert_ne!(here, there);
+        assert!(here.starts_with("CMAKE_ARGS=-DGGML_NATIVE=ON\n"), "{here}");
+        assert!(this_cpu().contains('['), "the CPU line names its flags");
+    }
 }

@@ -238,8 +238,15 @@ unsafe fn q4_int8<const R: usize, const VNNI: bool>(
     let ones = _mm256_set1_epi16(1);
     let per_row = kp / QBLOCK;
     for g in 0..blocks / sub {
-        // Per row and half: low and high nibble quads apart.
-        let mut sums = [[[_mm256_setzero_si256(); 2]; 2]; R];
+        let totals: [i32; R] =
+            std::array::from_fn(|r| (g * sub..(g + 1) * sub).map(|b| *qsum.add(r * per_row + b)).sum());
+        // Per row and half: low and high nibble quads apart. A symmetric
+        // weight's zero share `8 · Σ xq` starts the integer sums (exact,
+        // as in the AVX-512 kernel).
+        let mut sums: [[[__m256i; 2]; 2]; R] = std::array::from_fn(|r| {
+            let start = if symmetric { _mm256_set1_epi32(-8 * totals[r]) } else { _mm256_setzero_si256() };
+            [[start, _mm256_setzero_si256()]; 2]
+        });
         for b in g * sub..(g + 1) * sub {
             let rec = w.add(b * stride);
             for i in 0..4 {
@@ -266,22 +273,17 @@ unsafe fn q4_int8<const R: usize, const VNNI: bool>(
         }
         let rec = w.add(g * sub * stride);
         let scale = [_mm256_loadu_ps(rec.add(256).cast()), _mm256_loadu_ps(rec.add(288).cast())];
-        let zero = if symmetric {
-            [_mm256_set1_ps(8.0); 2]
-        } else {
-            [_mm256_loadu_ps(rec.add(320).cast()), _mm256_loadu_ps(rec.add(352).cast())]
-        };
         for (r, row) in acc.iter_mut().enumerate() {
             let sx = _mm256_set1_ps(*qscale.add(r * per_row + g * sub));
-            let mut qs = 0i32;
-            for b in g * sub..(g + 1) * sub {
-                qs += *qsum.add(r * per_row + b);
-            }
-            let total = _mm256_set1_ps(qs as f32);
+            let total = _mm256_set1_ps(totals[r] as f32);
             for h in 0..2 {
                 let int = _mm256_cvtepi32_ps(_mm256_add_epi32(sums[r][h][0], sums[r][h][1]));
                 // Exact: integers below 2^24.
-                let exact = _mm256_fnmadd_ps(zero[h], total, int);
+                let exact = if symmetric {
+                    int
+                } else {
+                    _mm256_fnmadd_ps(_mm256_loadu_ps(rec.add(320 + 32 * h).cast()), total, int)
+                };
                 let product = _mm256_mul_ps(scale[h], sx);
                 row[h] = _mm256_add_ps(row[h], _mm256_mul_ps(exact, product));
             }
