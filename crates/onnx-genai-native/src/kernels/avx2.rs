@@ -55,10 +55,10 @@ unsafe fn dispatch<const R: usize>(
         TileData::F32 => f32_cols::<R>(w, stride, t.k, x, rows.kp, &mut acc),
         TileData::F16 => f16_cols::<R>(w, stride, t.k, x, rows.kp, &mut acc),
         TileData::Q8 { blocks } => q8_cols::<R>(w, stride, blocks, x, rows.kp, &mut acc),
-        TileData::Q4 { blocks, int8: false, symmetric, .. } => {
-            q4_cols::<R>(w, stride, blocks, symmetric, x, rows.kp, &mut acc)
+        TileData::Q4 { blocks, int8: false, symmetric, half, .. } => {
+            q4_cols::<R>(w, stride, (blocks, symmetric, half), x, rows.kp, &mut acc)
         }
-        TileData::Q4 { blocks, int8: true, x_block, symmetric } => {
+        TileData::Q4 { blocks, int8: true, x_block, symmetric, .. } => {
             let q = rows.q.as_ptr().add(r * rows.kp);
             let s = rows.qscale.as_ptr().add(r * blocks);
             let sums = rows.qsum.as_ptr().add(r * blocks);
@@ -159,8 +159,7 @@ unsafe fn q8_cols<const R: usize>(
 unsafe fn q4_cols<const R: usize>(
     w: *const u8,
     stride: usize,
-    blocks: usize,
-    symmetric: bool,
+    (blocks, symmetric, half): (usize, bool, bool),
     x: *const f32,
     kp: usize,
     acc: &mut [[__m256; 2]; R],
@@ -168,8 +167,16 @@ unsafe fn q4_cols<const R: usize>(
     let nibble = _mm256_set1_epi32(0x0f);
     for b in 0..blocks {
         let rec = w.add(b * stride);
-        let scale = [_mm256_loadu_ps(rec.add(256).cast()), _mm256_loadu_ps(rec.add(288).cast())];
-        let aux = if symmetric {
+        // A `half` record: 16 f16 scales, then 16 f16 `aux`, widened exactly.
+        let widen = |at: usize| _mm256_cvtph_ps(_mm_loadu_si128(rec.add(at).cast::<__m128i>()));
+        let scale = if half {
+            [widen(256), widen(272)]
+        } else {
+            [_mm256_loadu_ps(rec.add(256).cast()), _mm256_loadu_ps(rec.add(288).cast())]
+        };
+        let aux = if half {
+            [widen(288), widen(304)]
+        } else if symmetric {
             let m8 = _mm256_set1_ps(-8.0);
             [_mm256_mul_ps(scale[0], m8), _mm256_mul_ps(scale[1], m8)]
         } else {

@@ -104,14 +104,14 @@ unsafe fn dispatch<const T: usize, const R: usize, const VNNI: bool>(
         TileData::F32 => f32_cols::<T, R>(&w, stride, t.k, x, rows.kp, &mut acc),
         TileData::F16 => f16_cols::<T, R>(&w, stride, t.k, x, rows.kp, &mut acc),
         TileData::Q8 { blocks } => q8_cols::<T, R>(&w, stride, blocks, x, rows.kp, &mut acc),
-        TileData::Q4 { blocks, int8: false, symmetric, .. } if R <= 4 => {
+        TileData::Q4 { blocks, int8: false, symmetric, half, .. } if R <= 4 => {
             let xsum = rows.xsum.as_ptr().add(r * blocks);
-            q4_blocks::<T, R>(&w, stride, (blocks, symmetric), x, xsum, rows.kp, &mut acc)
+            q4_blocks::<T, R>(&w, stride, (blocks, symmetric, half), x, xsum, rows.kp, &mut acc)
         }
-        TileData::Q4 { blocks, int8: false, symmetric, .. } => {
-            q4_cols::<T, R>(&w, stride, (blocks, symmetric), x, rows.kp, &mut acc)
+        TileData::Q4 { blocks, int8: false, symmetric, half, .. } => {
+            q4_cols::<T, R>(&w, stride, (blocks, symmetric, half), x, rows.kp, &mut acc)
         }
-        TileData::Q4 { blocks, int8: true, x_block, symmetric } => {
+        TileData::Q4 { blocks, int8: true, x_block, symmetric, .. } => {
             let q = rows.q.as_ptr().add(r * rows.kp);
             let s = rows.qscale.as_ptr().add(r * blocks);
             let sums = rows.qsum.as_ptr().add(r * blocks);
@@ -218,7 +218,7 @@ unsafe fn q8_cols<const T: usize, const R: usize>(
 unsafe fn q4_blocks<const T: usize, const R: usize>(
     w: &[*const u8; T],
     stride: usize,
-    (blocks, symmetric): (usize, bool),
+    (blocks, symmetric, half): (usize, bool, bool),
     x: *const f32,
     xsum: *const f32,
     kp: usize,
@@ -256,8 +256,9 @@ unsafe fn q4_blocks<const T: usize, const R: usize>(
             column!(20, 6);
             column!(28, 7);
         }
-        let scale: [__m512; T] = std::array::from_fn(|j| _mm512_loadu_ps(rec[j].add(256).cast()));
-        let aux: [__m512; T] = std::array::from_fn(|j| aux_line(rec[j], scale[j], symmetric));
+        let sides: [(__m512, __m512); T] = std::array::from_fn(|j| scale_aux(rec[j], symmetric, half));
+        let (scale, aux): ([__m512; T], [__m512; T]) =
+            (std::array::from_fn(|j| sides[j].0), std::array::from_fn(|j| sides[j].1));
         for (r, row) in acc.iter_mut().enumerate() {
             let xs = _mm512_set1_ps(*xsum.add(r * per_row + b));
             for j in 0..T {
@@ -277,7 +278,7 @@ unsafe fn q4_blocks<const T: usize, const R: usize>(
 unsafe fn q4_cols<const T: usize, const R: usize>(
     w: &[*const u8; T],
     stride: usize,
-    (blocks, symmetric): (usize, bool),
+    (blocks, symmetric, half): (usize, bool, bool),
     x: *const f32,
     kp: usize,
     acc: &mut [[__m512; T]; R],
@@ -288,8 +289,9 @@ unsafe fn q4_cols<const T: usize, const R: usize>(
     let lut = _mm512_setr_ps(0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.);
     for b in 0..blocks {
         let rec: [*const u8; T] = std::array::from_fn(|j| w[j].add(b * stride));
-        let scale: [__m512; T] = std::array::from_fn(|j| _mm512_loadu_ps(rec[j].add(256).cast()));
-        let aux: [__m512; T] = std::array::from_fn(|j| aux_line(rec[j], scale[j], symmetric));
+        let sides: [(__m512, __m512); T] = std::array::from_fn(|j| scale_aux(rec[j], symmetric, half));
+        let (scale, aux): ([__m512; T], [__m512; T]) =
+            (std::array::from_fn(|j| sides[j].0), std::array::from_fn(|j| sides[j].1));
         for i in 0..4 {
             let v: [__m512i; T] = std::array::from_fn(|j| _mm512_loadu_si512(rec[j].add(i * 64).cast()));
             macro_rules! column {
@@ -405,16 +407,19 @@ unsafe fn q4_int8<const T: usize, const R: usize, const VNNI: bool>(
     }
 }
 
-/// The `aux` line of an f32-input 4-bit record at `rec` (its offsets),
-/// or `-8 * scale` for a symmetric weight, which stores none.
+/// The scales and `aux` line of an f32-input 4-bit record at `rec`: f32
+/// lines, or (`half`) one line of f16 scales and f16 `aux` values widened
+/// exactly; a symmetric weight's `aux` is `-8 * scale` (it stores none).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn aux_line(rec: *const u8, scale: __m512, symmetric: bool) -> __m512 {
-    if symmetric {
-        _mm512_mul_ps(scale, _mm512_set1_ps(-8.0))
-    } else {
-        _mm512_loadu_ps(rec.add(320).cast())
+unsafe fn scale_aux(rec: *const u8, symmetric: bool, half: bool) -> (__m512, __m512) {
+    if half {
+        let widen = |at: usize| _mm512_cvtph_ps(_mm256_loadu_si256(rec.add(at).cast::<__m256i>()));
+        return (widen(256), widen(288));
     }
+    let scale = _mm512_loadu_ps(rec.add(256).cast());
+    let aux = if symmetric { _mm512_mul_ps(scale, _mm512_set1_ps(-8.0)) } else { _mm512_loadu_ps(rec.add(320).cast()) };
+    (scale, aux)
 }
 
 /// Rows of A a GEMM microkernel call covers (24 of the 32 registers hold
@@ -467,11 +472,10 @@ pub unsafe fn decode_pair(t: &Tiled, tile: usize, panel: &mut [f32]) {
                     }
                 }
             }
-            TileData::Q4 { blocks, .. } => {
+            TileData::Q4 { blocks, symmetric, half, .. } => {
                 for b in 0..blocks {
                     let rec = w.add(b * stride);
-                    let scale = _mm512_loadu_ps(rec.add(256).cast());
-                    let aux = aux_line(rec, scale, matches!(t.data, TileData::Q4 { symmetric: true, .. }));
+                    let (scale, aux) = scale_aux(rec, symmetric, half);
                     for i in 0..4 {
                         let v = _mm512_loadu_si512(rec.add(i * 64).cast());
                         for col in 0..8 {

@@ -98,6 +98,7 @@ mod tests {
     use half::f16;
 
     use super::super::isa::Isa;
+    use super::super::weights::TileData;
     use super::super::Runtime;
     use super::*;
 
@@ -166,11 +167,17 @@ mod tests {
             q4(n, k, 32, false, true),
             q4(n, 80, 32, true, true),
             q4(n, 128, 64, true, true),
+            // GGUF Q4_1-like blocks: f16 scales and `aux` (one f16 line).
+            crate::kernels::weights::affine_q4(n, k, false, true),
+            crate::kernels::weights::affine_q4(n, 80, true, true),
         ];
         let runtimes = [Runtime::serial(), Runtime::new(2).unwrap()];
         for w in &weights {
             let tiled = w.clone().into_tiled();
             assert!(matches!(tiled.packed, Packed::Tiled(_)), "{} tiles", w.kind());
+            if let (Packed::Q4 { offsets: Some(_), .. }, Packed::Tiled(t)) = (&w.packed, &tiled.packed) {
+                assert!(matches!(t.data, TileData::Q4 { half: true, .. }), "the f16-record path is the one tested");
+            }
             for m in [1, 2, 3, 4, 5, 8, 13, 21, 40, 70] {
                 let x: Vec<f32> = (0..m * w.k).map(|i| ((i * 7 % 19) as f32 - 9.0) * 0.11).collect();
                 let mut want = vec![0.0; m * n];

@@ -4,7 +4,7 @@
 use std::ops::Range;
 
 use super::tiled::{lane_f32, Rows};
-use super::weights::{q4_aux, TileData, Tiled, Q8_RECORD_LINES, QBLOCK, TILE};
+use super::weights::{q4_scale_aux, TileData, Tiled, Q8_RECORD_LINES, QBLOCK, TILE};
 use crate::pool::Disjoint;
 
 /// `y[r * t.n + c]` for every input row `r` and every output `c` of the
@@ -47,13 +47,13 @@ pub fn tiles(t: &Tiled, rows: &Rows<'_>, tiles: Range<usize>, y: &Disjoint<'_, f
                         }
                     }
                 }
-                TileData::Q4 { blocks, int8: false, symmetric, .. } => {
+                TileData::Q4 { blocks, int8: false, symmetric, half, .. } => {
                     let x = &rows.x[r * rows.kp..(r + 1) * rows.kp];
                     for b in 0..blocks {
                         let rec = &base[b * stride..];
                         let xb = &x[b * QBLOCK..(b + 1) * QBLOCK];
                         for (lane, a) in acc.iter_mut().enumerate() {
-                            let (scale, aux) = (lane_f32(rec, 256 + lane * 4), q4_aux(rec, lane, false, symmetric));
+                            let (scale, aux) = q4_scale_aux(rec, lane, false, symmetric, half);
                             for (j, xv) in xb.iter().enumerate() {
                                 let byte = rec[(j / 8) * 64 + lane * 4 + (j % 8) % 4];
                                 let q = if j % 8 < 4 { byte & 0x0f } else { byte >> 4 };
@@ -62,7 +62,7 @@ pub fn tiles(t: &Tiled, rows: &Rows<'_>, tiles: Range<usize>, y: &Disjoint<'_, f
                         }
                     }
                 }
-                TileData::Q4 { blocks, int8: true, x_block, symmetric } => {
+                TileData::Q4 { blocks, int8: true, x_block, symmetric, .. } => {
                     // One integer sum per quantization block (a block larger
                     // than 32 spans several records), scaled once.
                     let sub = (x_block / QBLOCK).max(1);
@@ -72,7 +72,7 @@ pub fn tiles(t: &Tiled, rows: &Rows<'_>, tiles: Range<usize>, y: &Disjoint<'_, f
                         let sx = rows.qscale[r * blocks + g * sub];
                         let qsum: i32 = rows.qsum[r * blocks + g * sub..r * blocks + (g + 1) * sub].iter().sum();
                         for (lane, a) in acc.iter_mut().enumerate() {
-                            let (scale, zero) = (lane_f32(first, 256 + lane * 4), q4_aux(first, lane, true, symmetric));
+                            let (scale, zero) = q4_scale_aux(first, lane, true, symmetric, false);
                             let mut sum = 0i32;
                             for s in 0..sub {
                                 let b = g * sub + s;

@@ -294,11 +294,16 @@ pub enum TileData {
     /// points, no offsets: every zero point is 8) has no `aux` line — it
     /// is `-8 * scale` (f32 inputs) or 8 (int8 inputs), computed by the
     /// kernels — so its records are 5 lines: a sixth fewer bytes for every
-    /// decode step to read.
+    /// decode step to read. A `half` weight (f32 inputs, not symmetric)
+    /// stores its scales and `aux` values as f16 in one line (16 scales,
+    /// then 16 `aux`), also 5 lines: chosen only when every one of them
+    /// round-trips through f16 exactly (GGUF's Q4_1 blocks, whose scale
+    /// and minimum are f16), so the kernels compute with the same f32s.
     Q4 {
         blocks: usize,
         int8: bool,
         symmetric: bool,
+        half: bool,
         /// The block the int8 inputs are quantized over (the weight's own
         /// `block`, a multiple of 32).
         x_block: usize,
@@ -325,18 +330,25 @@ pub struct Tiled {
 /// Lines one Q4 `(tile, block)` record takes (with its `aux` line).
 pub const Q4_RECORD_LINES: usize = 6;
 
-/// Lines one symmetric Q4 record takes (no `aux` line).
-pub const Q4_SYMMETRIC_RECORD_LINES: usize = 5;
+/// Lines one symmetric or `half` Q4 record takes (no `aux` line of its own).
+pub const Q4_SHORT_RECORD_LINES: usize = 5;
 
-/// The `aux` value of lane `lane` of a Q4 record (see [`TileData::Q4`]):
-/// stored, or implied by the scale for a symmetric weight.
-pub fn q4_aux(rec: &[u8], lane: usize, int8: bool, symmetric: bool) -> f32 {
+/// The scale and `aux` value of lane `lane` of a Q4 record (see
+/// [`TileData::Q4`]): stored as f32 or (`half`) f16, or for a symmetric
+/// weight `aux` implied by the scale.
+pub fn q4_scale_aux(rec: &[u8], lane: usize, int8: bool, symmetric: bool, half: bool) -> (f32, f32) {
     let at = |o: usize| f32::from_le_bytes([rec[o], rec[o + 1], rec[o + 2], rec[o + 3]]);
-    match (symmetric, int8) {
+    let at16 = |o: usize| half::f16::from_le_bytes([rec[o], rec[o + 1]]).to_f32();
+    if half {
+        return (at16(256 + lane * 2), at16(288 + lane * 2));
+    }
+    let scale = at(256 + lane * 4);
+    let aux = match (symmetric, int8) {
         (false, _) => at(320 + lane * 4),
         (true, true) => 8.0,
-        (true, false) => -8.0 * at(256 + lane * 4),
-    }
+        (true, false) => -8.0 * scale,
+    };
+    (scale, aux)
 }
 
 /// Lines one Q8 `(tile, block)` record takes.
@@ -347,8 +359,9 @@ fn record_and_steps(data: &TileData, k: usize) -> (usize, usize) {
     match data {
         TileData::F32 => (64, k),
         TileData::F16 => (64, k.div_ceil(2)),
-        TileData::Q4 { blocks, symmetric: false, .. } => (Q4_RECORD_LINES * 64, *blocks),
-        TileData::Q4 { blocks, symmetric: true, .. } => (Q4_SYMMETRIC_RECORD_LINES * 64, *blocks),
+        TileData::Q4 { blocks, symmetric, half, .. } => {
+            (if *symmetric || *half { Q4_SHORT_RECORD_LINES } else { Q4_RECORD_LINES } * 64, *blocks)
+        }
         TileData::Q8 { blocks } => (Q8_RECORD_LINES * 64, *blocks),
     }
 }
@@ -406,7 +419,21 @@ impl Tiled {
                 let sub = block / QBLOCK;
                 let qblocks = blocks * sub;
                 let symmetric = zeros.is_none() && offsets.is_none();
-                let record = if symmetric { Q4_SYMMETRIC_RECORD_LINES } else { Q4_RECORD_LINES };
+                let aux_of = |r: usize, b: usize| {
+                    let (scale, zero) =
+                        (scales[r * blocks + b], f32::from(zero_point(zeros.as_deref(), r, *blocks, b)));
+                    let offset = offsets.as_ref().map_or(0.0, |o| o[r * blocks + b]);
+                    if *int8 {
+                        zero
+                    } else {
+                        -zero * scale + offset
+                    }
+                };
+                let exact = |v: f32| half::f16::from_f32(v).to_f32().to_bits() == v.to_bits();
+                let half = !*int8
+                    && !symmetric
+                    && (0..n).all(|r| (0..*blocks).all(|b| exact(scales[r * blocks + b]) && exact(aux_of(r, b))));
+                let record = if symmetric || half { Q4_SHORT_RECORD_LINES } else { Q4_RECORD_LINES };
                 let mut lines = vec![Line([0; 64]); tiles * qblocks * record];
                 let bytes_per_block = block / 2;
                 for r in 0..n {
@@ -431,17 +458,21 @@ impl Tiled {
                                 lines[rec + i].0[lane * 4 + tb] = v;
                             }
                         }
-                        let scale = scales[r * blocks + b];
-                        let zero = f32::from(zero_point(zeros.as_deref(), r, *blocks, b));
-                        let offset = offsets.as_ref().map_or(0.0, |o| o[r * blocks + b]);
-                        let aux = if *int8 { zero } else { -zero * scale + offset };
+                        let (scale, aux) = (scales[r * blocks + b], aux_of(r, b));
+                        if half {
+                            let line = &mut lines[rec + 4].0;
+                            line[lane * 2..lane * 2 + 2].copy_from_slice(&half::f16::from_f32(scale).to_le_bytes());
+                            line[32 + lane * 2..32 + lane * 2 + 2]
+                                .copy_from_slice(&half::f16::from_f32(aux).to_le_bytes());
+                            continue;
+                        }
                         lines[rec + 4].0[lane * 4..lane * 4 + 4].copy_from_slice(&scale.to_le_bytes());
                         if !symmetric {
                             lines[rec + 5].0[lane * 4..lane * 4 + 4].copy_from_slice(&aux.to_le_bytes());
                         }
                     }
                 }
-                let data = TileData::Q4 { blocks: qblocks, int8: *int8, symmetric, x_block: *block };
+                let data = TileData::Q4 { blocks: qblocks, int8: *int8, symmetric, half, x_block: *block };
                 Some(Self { n, k, kp: qblocks * QBLOCK, tiles, data, lines })
             }
             Packed::Q8 { values, scales, blocks } => {
@@ -507,10 +538,10 @@ impl Tiled {
                     }
                 }
             }
-            TileData::Q4 { blocks, int8, symmetric, .. } => {
+            TileData::Q4 { blocks, int8, symmetric, half, .. } => {
                 for b in 0..blocks {
                     let rec = &base[b * stride..];
-                    let (scale, aux) = (f32_at(rec, 256 + lane * 4), q4_aux(rec, lane, int8, symmetric));
+                    let (scale, aux) = q4_scale_aux(rec, lane, int8, symmetric, half);
                     for j in 0..QBLOCK {
                         let c = b * QBLOCK + j;
                         if c >= self.k {
@@ -525,6 +556,22 @@ impl Tiled {
             }
         }
     }
+}
+
+/// A 4-bit weight with offsets as GGUF's Q4_1 blocks give (tests):
+/// scales and offsets on a grid of 1/64 (f16-exact, and so is every `aux`
+/// with or without zero points) when `f16_exact`, else offsets nudged off
+/// every f16.
+#[cfg(test)]
+pub(crate) fn affine_q4(n: usize, k: usize, zeros: bool, f16_exact: bool) -> Weight {
+    let blocks = k.div_ceil(QBLOCK);
+    let data: Vec<u8> = (0..n * blocks * QBLOCK / 2).map(|i| (i * 53 % 256) as u8).collect();
+    let scales: Vec<f32> = (0..n * blocks).map(|i| (i % 5 + 1) as f32 / 64.0).collect();
+    let nudge = if f16_exact { 0.0 } else { 1e-6 };
+    let offsets: Vec<f32> = (0..n * blocks).map(|i| -((i % 9) as f32) / 64.0 + nudge).collect();
+    let zeros = zeros.then(|| (0..n * blocks.div_ceil(2)).map(|i| (i * 29 % 256) as u8).collect());
+    let packed = Packed::Q4 { data, scales, zeros, offsets: Some(offsets), block: QBLOCK, blocks, int8: false };
+    Weight { n, k, packed }
 }
 
 #[cfg(test)]
@@ -563,6 +610,9 @@ mod tests {
             q4(n, 72, 32, true, true),
             q4(n, 72, 32, false, true),
             q4(n, 128, 64, true, false),
+            affine_q4(n, 72, false, true),
+            affine_q4(n, 72, true, true),
+            affine_q4(n, 72, true, false),
         ];
         for w in cases.drain(..) {
             let t = Tiled::from_rows(&w).expect("tileable");
@@ -584,7 +634,17 @@ mod tests {
             let (with, without) = (q4(n, 64, 32, true, int8), q4(n, 64, 32, false, int8));
             let bytes = |w: &Weight| Tiled::from_rows(w).expect("tileable").bytes();
             assert_eq!(bytes(&with), n.div_ceil(TILE) * 2 * Q4_RECORD_LINES * 64);
-            assert_eq!(bytes(&without), n.div_ceil(TILE) * 2 * Q4_SYMMETRIC_RECORD_LINES * 64);
+            assert_eq!(bytes(&without), n.div_ceil(TILE) * 2 * Q4_SHORT_RECORD_LINES * 64);
+        }
+        // Scales and `aux` that are all f16 go in one f16 line (5 lines, as
+        // symmetric records); a single one off the f16 grid keeps f32 lines.
+        for zeros in [false, true] {
+            let half = Tiled::from_rows(&affine_q4(n, 64, zeros, true)).expect("tileable");
+            assert!(matches!(half.data, TileData::Q4 { half: true, .. }), "f16-exact sides are stored as f16");
+            assert_eq!(half.bytes(), n.div_ceil(TILE) * 2 * Q4_SHORT_RECORD_LINES * 64);
+            let full = Tiled::from_rows(&affine_q4(n, 64, zeros, false)).expect("tileable");
+            assert!(matches!(full.data, TileData::Q4 { half: false, .. }), "inexact sides stay f32");
+            assert_eq!(full.bytes(), n.div_ceil(TILE) * 2 * Q4_RECORD_LINES * 64);
         }
         // One value off the grid keeps the whole weight f32.
         let mut off: Vec<f32> = (0..64).map(|i| i as f32 - 32.0).collect();
