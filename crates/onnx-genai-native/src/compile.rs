@@ -105,9 +105,12 @@ pub fn compile_with(model: &Model, binding: &Binding, form: WeightForm) -> Resul
     let logits = g.find(&binding.logits).ok_or_else(|| CompileError::tensor(&binding.logits, "not in the graph"))?;
     eliminate_dead(&mut g, &[logits]);
     check_kv_is_owned(&g, binding)?;
-    let narrowed = if form == WeightForm::Tiled { repack(&mut g) } else { 0 };
-    if narrowed > 0 {
-        stats.fusions.push(("narrow_q8".into(), narrowed));
+    if form == WeightForm::Tiled {
+        for (kind, count) in repack(&mut g) {
+            if count > 0 {
+                stats.fusions.push((format!("narrow_{kind}"), count));
+            }
+        }
     }
     let inputs: Vec<String> = std::iter::once(&binding.token_ids)
         .chain(binding.position_ids.as_ref())
@@ -447,14 +450,17 @@ fn causal_attention(g: &mut Graph) {
 
 /// Every projection weight in the kernels' tiled layout (the last pass:
 /// fusion stacks row-form weights), f32 weights first narrowed to 8-bit
-/// blocks where that is exact. Returns how many were narrowed.
-fn repack(g: &mut Graph) -> usize {
-    let mut narrowed = 0;
+/// blocks or f16 where that is exact. Returns how many were narrowed to
+/// each (`q8`, `f16`).
+fn repack(g: &mut Graph) -> [(&'static str, usize); 2] {
+    let mut narrowed = [("q8", 0), ("f16", 0)];
     for node in g.nodes.iter_mut().flatten() {
         match &mut node.op {
             Op::Linear { weight, .. } | Op::GatedMlp { weight } => {
                 let w = (**weight).clone().narrowed();
-                narrowed += usize::from(w.kind() == "q8" && weight.kind() == "f32");
+                for (kind, count) in &mut narrowed {
+                    *count += usize::from(w.kind() == *kind && weight.kind() == "f32");
+                }
                 *weight = Arc::new(w.into_tiled());
             }
             _ => {}

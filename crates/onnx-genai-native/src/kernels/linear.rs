@@ -141,6 +141,40 @@ mod tests {
         }
     }
 
+    /// Lossless narrowing (issue 15's item 5): an f32 weight whose values
+    /// are all f16 (an f16 table widened by constant folding) is stored as
+    /// f16, one whose values sit on an 8-bit grid as 8-bit blocks, and
+    /// either computes bit for bit what the f32 weight computes, on every
+    /// instruction-set path, for decode, batch and prefill row counts.
+    #[test]
+    fn narrowed_weights_compute_what_f32_computes() {
+        let (n, k) = (40, 96);
+        let halves: Vec<f32> =
+            (0..n * k).map(|i| f16::from_f32(((i * 37 % 101) as f32 - 50.0) * 0.0123).to_f32()).collect();
+        let grid: Vec<f32> =
+            (0..n * k).map(|i| if i % 32 == 0 { 127.0 } else { (i * 7 % 255) as f32 - 127.0 } * 0.01).collect();
+        for (values, kind) in [(halves, "f16"), (grid, "q8")] {
+            let wide = Weight { n, k, packed: Packed::F32(values) };
+            let narrow = wide.clone().narrowed();
+            assert_eq!(narrow.kind(), kind, "exact values narrow");
+            assert!(narrow.bytes() < wide.bytes());
+            let (wide, narrow) = (wide.into_tiled(), narrow.into_tiled());
+            for m in [1, 4, 70] {
+                let x: Vec<f32> = (0..m * k).map(|i| ((i * 7 % 19) as f32 - 9.0) * 0.11).collect();
+                for isa in Isa::all_available() {
+                    let rt = Runtime::new(2).unwrap();
+                    let mut ctx = rt.ctx();
+                    ctx.isa = isa;
+                    let (mut a, mut b) = (Vec::new(), Vec::new());
+                    linear(&x, m, &wide, None, &mut a, &ctx);
+                    linear(&x, m, &narrow, None, &mut b, &ctx);
+                    let same = a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits());
+                    assert!(same, "{kind} {isa} m={m}: the narrowed weight computes other values");
+                }
+            }
+        }
+    }
+
     /// Every instruction-set path this CPU has computes, on tiled weights
     /// of every storage, what the reference path computes on the row form:
     /// decode (1 row), small batches and prefill-sized row counts (every

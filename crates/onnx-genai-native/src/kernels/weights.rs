@@ -207,12 +207,33 @@ impl Weight {
         }
     }
 
-    /// An f32 weight stored as 8-bit blocks of 32 with an f32 scale, when
-    /// that form is exact: every block's values are integer multiples of
-    /// `max|w| / 127` (what an 8-bit export such as GGUF's Q8_0 dequantizes
-    /// to) and reproduce bit for bit. Anything else stays as it is.
+    /// An f32 weight stored narrower when a round trip proves it exact:
+    /// as 8-bit blocks of 32 with an f32 scale when every block's values
+    /// are integer multiples of `max|w| / 127` (what an 8-bit export such
+    /// as GGUF's Q8_0 dequantizes to) and reproduce bit for bit; else as
+    /// f16 when every value is an f16 (an f16 table that constant folding
+    /// widened: the f16 export's tied output projection). The kernels
+    /// widen either to the same f32s. Anything else stays as it is.
     pub fn narrowed(self) -> Self {
         let Packed::F32(rows) = &self.packed else { return self };
+        match self.narrowed_q8() {
+            Some(q8) => Self { packed: q8, ..self },
+            None => {
+                let halves: Option<Vec<f16>> = rows
+                    .iter()
+                    .map(|v| Some(f16::from_f32(*v)).filter(|h| v.is_finite() && h.to_f32().to_bits() == v.to_bits()))
+                    .collect();
+                match halves {
+                    Some(h) => Self { packed: Packed::F16(h), ..self },
+                    None => self,
+                }
+            }
+        }
+    }
+
+    /// The 8-bit form of [`Weight::narrowed`], if exact.
+    fn narrowed_q8(&self) -> Option<Packed> {
+        let Packed::F32(rows) = &self.packed else { return None };
         let (n, k) = (self.n, self.k);
         let blocks = k.div_ceil(QBLOCK);
         let mut values = vec![0i8; n * k];
@@ -226,14 +247,14 @@ impl Weight {
                 for (j, w) in block.iter().enumerate() {
                     let q = if scale > 0.0 { (w / scale).round() } else { 0.0 };
                     if q.abs() > 127.0 || q * scale != *w || !w.is_finite() {
-                        return self;
+                        return None;
                     }
                     values[r * k + span.start + j] = q as i8;
                 }
                 scales[r * blocks + b] = scale;
             }
         }
-        Self { packed: Packed::Q8 { values, scales, blocks }, ..self }
+        Some(Packed::Q8 { values, scales, blocks })
     }
 
     /// Bytes the packed weight occupies.
