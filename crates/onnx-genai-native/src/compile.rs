@@ -450,10 +450,10 @@ fn causal_attention(g: &mut Graph) {
 
 /// Every projection weight in the kernels' tiled layout (the last pass:
 /// fusion stacks row-form weights), f32 weights first narrowed to 8-bit
-/// blocks or f16 where that is exact. Returns how many were narrowed to
-/// each (`q8`, `f16`).
-fn repack(g: &mut Graph) -> [(&'static str, usize); 2] {
-    let mut narrowed = [("q8", 0), ("f16", 0)];
+/// blocks, affine 4-bit blocks or f16 where that is exact. Returns how
+/// many were narrowed to each (`q8`, `q4`, `f16`).
+fn repack(g: &mut Graph) -> [(&'static str, usize); 3] {
+    let mut narrowed = [("q8", 0), ("q4", 0), ("f16", 0)];
     for node in g.nodes.iter_mut().flatten() {
         match &mut node.op {
             Op::Linear { weight, .. } | Op::GatedMlp { weight } => {

@@ -104,7 +104,9 @@ unsafe fn dispatch<const T: usize, const R: usize, const VNNI: bool>(
         TileData::F32 => f32_cols::<T, R>(&w, stride, t.k, x, rows.kp, &mut acc),
         TileData::F16 => f16_cols::<T, R>(&w, stride, t.k, x, rows.kp, &mut acc),
         TileData::Q8 { blocks } => q8_cols::<T, R>(&w, stride, blocks, x, rows.kp, &mut acc),
-        TileData::Q4 { blocks, int8: false, symmetric, half, .. } if R <= 4 => {
+        // (Per block, `scale · Σ q x + aux · Σ x`: fewer operations, but
+        // not the f32 kernels' rounding, which a narrowed f32 weight keeps.)
+        TileData::Q4 { blocks, int8: false, symmetric, half, per_weight: false, .. } if R <= 4 => {
             let xsum = rows.xsum.as_ptr().add(r * blocks);
             q4_blocks::<T, R>(&w, stride, (blocks, symmetric, half), x, xsum, rows.kp, &mut acc)
         }

@@ -143,9 +143,11 @@ mod tests {
 
     /// Lossless narrowing (issue 15's item 5): an f32 weight whose values
     /// are all f16 (an f16 table widened by constant folding) is stored as
-    /// f16, one whose values sit on an 8-bit grid as 8-bit blocks, and
-    /// either computes bit for bit what the f32 weight computes, on every
-    /// instruction-set path, for decode, batch and prefill row counts.
+    /// f16, one whose values sit on an 8-bit grid as 8-bit blocks, one of
+    /// Q4_1's dequantized values as affine 4-bit blocks, and each computes
+    /// bit for bit what the f32 weight computes, on every instruction-set
+    /// path, for decode, batch and prefill row counts; one value off the
+    /// grid keeps the weight f32.
     #[test]
     fn narrowed_weights_compute_what_f32_computes() {
         let (n, k) = (40, 96);
@@ -153,7 +155,27 @@ mod tests {
             (0..n * k).map(|i| f16::from_f32(((i * 37 % 101) as f32 - 50.0) * 0.0123).to_f32()).collect();
         let grid: Vec<f32> =
             (0..n * k).map(|i| if i % 32 == 0 { 127.0 } else { (i * 7 % 255) as f32 - 127.0 } * 0.01).collect();
-        for (values, kind) in [(halves, "f16"), (grid, "q8")] {
+        // GGUF Q4_1 dequantized: per block of 32, f16 `d` and `m`, levels
+        // 0..=15 (both ends present), `d * q + m` in f32.
+        let affine: Vec<f32> = (0..n * k)
+            .map(|i| {
+                let (block, j) = (i / 32, i % 32);
+                let d = f16::from_f32(0.003 + (block % 7) as f32 * 0.0011).to_f32();
+                let m = f16::from_f32(-0.02 - (block % 5) as f32 * 0.004).to_f32();
+                let q = if j == 0 {
+                    0
+                } else if j == 1 {
+                    15
+                } else {
+                    (i * 7 % 16) as u8
+                };
+                d * f32::from(q) + m
+            })
+            .collect();
+        let mut off_grid = affine.clone();
+        off_grid[77] = f32::from_bits(off_grid[77].to_bits() + 1);
+        assert_eq!(Weight { n, k, packed: Packed::F32(off_grid) }.narrowed().kind(), "f32", "one value off stays f32");
+        for (values, kind) in [(halves, "f16"), (grid, "q8"), (affine, "q4")] {
             let wide = Weight { n, k, packed: Packed::F32(values) };
             let narrow = wide.clone().narrowed();
             assert_eq!(narrow.kind(), kind, "exact values narrow");

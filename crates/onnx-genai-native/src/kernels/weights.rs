@@ -211,24 +211,61 @@ impl Weight {
     /// as 8-bit blocks of 32 with an f32 scale when every block's values
     /// are integer multiples of `max|w| / 127` (what an 8-bit export such
     /// as GGUF's Q8_0 dequantizes to) and reproduce bit for bit; else as
-    /// f16 when every value is an f16 (an f16 table that constant folding
-    /// widened: the f16 export's tied output projection). The kernels
-    /// widen either to the same f32s. Anything else stays as it is.
+    /// affine 4-bit blocks of 32 when every block's values are `d * q + m`
+    /// for f16 `d` and `m` and `q` in 0..=15, computed in f32 (GGUF's Q4_1
+    /// dequantized: the f32 export's projections), tiled and computed
+    /// weight by weight; else as f16 when every value is an f16 (an f16
+    /// table that constant folding widened: the f16 export's tied output
+    /// projection). The kernels compute with the same f32s, in the f32
+    /// kernels' order. Anything else stays as it is.
     pub fn narrowed(self) -> Self {
         let Packed::F32(rows) = &self.packed else { return self };
-        match self.narrowed_q8() {
-            Some(q8) => Self { packed: q8, ..self },
-            None => {
-                let halves: Option<Vec<f16>> = rows
-                    .iter()
-                    .map(|v| Some(f16::from_f32(*v)).filter(|h| v.is_finite() && h.to_f32().to_bits() == v.to_bits()))
-                    .collect();
-                match halves {
-                    Some(h) => Self { packed: Packed::F16(h), ..self },
-                    None => self,
+        if let Some(q8) = self.narrowed_q8() {
+            return Self { packed: q8, ..self };
+        }
+        if let Some(q4) = self.narrowed_affine_q4() {
+            return Self { packed: q4, ..self };
+        }
+        let halves: Option<Vec<f16>> = rows
+            .iter()
+            .map(|v| Some(f16::from_f32(*v)).filter(|h| v.is_finite() && h.to_f32().to_bits() == v.to_bits()))
+            .collect();
+        match halves {
+            Some(h) => Self { packed: Packed::F16(h), ..self },
+            None => self,
+        }
+    }
+
+    /// The affine 4-bit form of [`Weight::narrowed`] (already tiled), if
+    /// exact.
+    fn narrowed_affine_q4(&self) -> Option<Packed> {
+        let Packed::F32(rows) = &self.packed else { return None };
+        let (n, k) = (self.n, self.k);
+        let blocks = k.div_ceil(QBLOCK);
+        let mut data = vec![0u8; n * blocks * QBLOCK / 2];
+        let (mut scales, mut offsets) = (vec![0f32; n * blocks], vec![0f32; n * blocks]);
+        let mut q = [0u8; QBLOCK];
+        for r in 0..n {
+            for b in 0..blocks {
+                let span = b * QBLOCK..((b + 1) * QBLOCK).min(k);
+                let block = &rows[r * k + span.start..r * k + span.end];
+                let (d, m) = affine_block(block, &mut q[..block.len()])?;
+                scales[r * blocks + b] = d;
+                offsets[r * blocks + b] = m;
+                for (j, v) in q[..block.len()].iter().enumerate() {
+                    let at = (r * blocks + b) * QBLOCK + j;
+                    data[at / 2] |= if at.is_multiple_of(2) { *v } else { *v << 4 };
                 }
             }
         }
+        // Zero points of 0: `aux = -0 * d + m = m`, each weight `d * q + m`.
+        let zeros = Some(vec![0u8; n * blocks.div_ceil(2)]);
+        let q4 = Packed::Q4 { data, scales, zeros, offsets: Some(offsets), block: QBLOCK, blocks, int8: false };
+        let mut tiled = Tiled::from_rows(&Weight { n, k, packed: q4 })?;
+        if let TileData::Q4 { per_weight, .. } = &mut tiled.data {
+            *per_weight = true;
+        }
+        Some(Packed::Tiled(tiled))
     }
 
     /// The 8-bit form of [`Weight::narrowed`], if exact.
@@ -325,6 +362,11 @@ pub enum TileData {
         int8: bool,
         symmetric: bool,
         half: bool,
+        /// Computed weight by weight (`q * scale + aux`, then times the
+        /// input), as the f32 kernels do, never factored per block: an f32
+        /// weight narrowed to this form ([`Weight::narrowed`]) then gives
+        /// the f32 weight's results bit for bit.
+        per_weight: bool,
         /// The block the int8 inputs are quantized over (the weight's own
         /// `block`, a multiple of 32).
         x_block: usize,
@@ -493,7 +535,8 @@ impl Tiled {
                         }
                     }
                 }
-                let data = TileData::Q4 { blocks: qblocks, int8: *int8, symmetric, half, x_block: *block };
+                let data =
+                    TileData::Q4 { blocks: qblocks, int8: *int8, symmetric, half, per_weight: false, x_block: *block };
                 Some(Self { n, k, kp: qblocks * QBLOCK, tiles, data, lines })
             }
             Packed::Q8 { values, scales, blocks } => {
@@ -577,6 +620,41 @@ impl Tiled {
             }
         }
     }
+}
+
+/// `(d, m)` with `block[j] == d * q[j] + m` bit for bit in f32 for every
+/// `j`, `d` and `m` f16 values, `q[j]` in 0..=15 (written to `q`), if the
+/// block has that form. A Q4_1 block's smallest value is its `m` (q = 0)
+/// and its largest `15 d + m`, so `d` is the f16 nearest `(max - m) / 15`
+/// or a neighbour; `d * q` is exact in f32 (11 + 4 significant bits), so
+/// one rounding makes each value, as in a fused multiply-add.
+fn affine_block(block: &[f32], q: &mut [u8]) -> Option<(f32, f32)> {
+    if block.iter().any(|v| !v.is_finite()) {
+        return None;
+    }
+    let m = block.iter().copied().fold(f32::INFINITY, f32::min);
+    let max = block.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let exact16 = |v: f32| f16::from_f32(v).to_f32().to_bits() == v.to_bits();
+    if !exact16(m) {
+        return None;
+    }
+    let near = f16::from_f32((max - m) / 15.0).to_bits();
+    let candidates = [near, near.wrapping_add(1), near.wrapping_sub(1)];
+    'next: for bits in candidates {
+        let d = f16::from_bits(bits).to_f32();
+        if !(d.is_finite() && d >= 0.0) {
+            continue;
+        }
+        for (v, qj) in block.iter().zip(q.iter_mut()) {
+            let level = if d > 0.0 { ((v - m) / d).round() } else { 0.0 };
+            if !(0.0..=15.0).contains(&level) || (d * level + m).to_bits() != v.to_bits() {
+                continue 'next;
+            }
+            *qj = level as u8;
+        }
+        return Some((d, m));
+    }
+    None
 }
 
 /// A 4-bit weight with offsets as GGUF's Q4_1 blocks give (tests):
