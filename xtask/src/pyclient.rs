@@ -71,18 +71,26 @@ pub fn provision_llama_cpp() -> Result<PathBuf> {
     )
 }
 
-/// This CPU as a native build depends on it: `/proc/cpuinfo`'s model name
-/// and feature flags (empty where that file is missing).
+/// This CPU as a native build depends on it ([`cpu_of`] `/proc/cpuinfo`;
+/// empty where that file is missing).
 fn this_cpu() -> String {
-    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    cpu_of(&std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default())
+}
+
+/// The model name and instruction-set flags of a `/proc/cpuinfo` text:
+/// only the flags a compiler's `-march=native` turns into instructions
+/// (`avx*`, `amx*`, `fma`, `f16c`, `bmi*`, `sse*`, `ssse3`), so guests of
+/// one CPU that differ in hypervisor or mitigation flags share a build.
+fn cpu_of(info: &str) -> String {
     let field = |name: &str| {
         info.lines()
             .find(|l| l.split(':').next().is_some_and(|k| k.trim() == name))
             .and_then(|l| l.split_once(':'))
             .map_or("", |(_, v)| v.trim())
-            .to_string()
     };
-    format!("{} [{}]", field("model name"), field("flags"))
+    let isa = ["avx", "amx", "fma", "f16c", "bmi", "sse", "ssse3"];
+    let flags: Vec<&str> = field("flags").split_whitespace().filter(|f| isa.iter().any(|p| f.starts_with(p))).collect();
+    format!("{} [{}]", field("model name"), flags.join(" "))
 }
 
 /// What a folder's marker records: the build settings, and for a build
@@ -164,6 +172,9 @@ mod tests {
         let there = recorded(&settings, Some("EPYC [avx2]"));
         assert_ne!(here, there);
         assert!(here.starts_with("CMAKE_ARGS=-DGGML_NATIVE=ON\n"), "{here}");
-        assert!(this_cpu().contains('['), "the CPU line names its flags");
+        let info =
+            "processor\t: 0\nmodel name\t: Some Xeon\nflags\t\t: fpu sse2 avx2 hypervisor avx512_vnni md_clear fma\n";
+        assert_eq!(cpu_of(info), "Some Xeon [sse2 avx2 avx512_vnni fma]", "ISA flags only");
+        assert_eq!(cpu_of(""), " []");
     }
 }

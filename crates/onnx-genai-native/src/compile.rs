@@ -80,7 +80,8 @@ impl CompileStats {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WeightForm {
     /// Repacked into the CPU kernels' tiles (f32 weights narrowed to 8-bit
-    /// blocks where exact): what native-cpu runs.
+    /// blocks, Q4_1's affine 4-bit blocks or f16 where exact:
+    /// [`crate::kernels::weights::Weight::narrowed`]): what native-cpu runs.
     Tiled,
     /// Left as output rows (`[N, K]` f32, f16 or 4-bit blocks): for a
     /// backend with kernels of its own (native-cuda uploads these).

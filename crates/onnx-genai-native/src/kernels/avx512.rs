@@ -344,16 +344,15 @@ unsafe fn q4_int8<const T: usize, const R: usize, const VNNI: bool>(
     let ones = _mm512_set1_epi16(1);
     let per_row = kp / QBLOCK;
     for g in 0..blocks / sub {
-        // Few rows: low and high nibbles accumulate apart, two chains per
-        // row and tile, so enough independent chains hide the latency.
-        // Many rows: one chain each, since 8 rows x 2 tiles x 2 chains would
-        // need all 32 registers and spill (measured: 70 instead of 92
-        // GMAC/s at 8 rows on a Zen 4), while 16 chains hide it anyway.
-        // Four rows of a pair (8 chains) run unsplit: criterion
-        // `batch_576x3072_1t/q4_int8_inputs/avx512-vnni` at 4, 8 and 16
-        // rows went from 181 to 194-196 G/s on an Intel Xeon with AVX-512
-        // VNNI (the split's extra accumulators and adds cost more than its
-        // latency hiding gains there).
+        // Fewer than 8 (row, tile) chains: low and high nibbles accumulate
+        // apart, two chains each, so enough independent chains hide the
+        // latency. Four rows of a pair (8 chains, the most a call takes)
+        // run unsplit: criterion `batch_576x3072_1t/q4_int8_inputs/
+        // avx512-vnni` at 4, 8 and 16 rows went from 181 to 194-196 G/s on
+        // an Intel Xeon with AVX-512 VNNI (the split's extra accumulators
+        // and adds cost more than its latency hiding gains there; measured
+        // on that CPU only — the split at 8 chains was never measured
+        // against unsplit on a Zen 4).
         let split = R * T < 8;
         // The group's quantized-input sum per row: the zero point's share
         // `zero · Σ xq`.

@@ -144,30 +144,37 @@ mod tests {
     /// Lossless narrowing (issue 15's item 5): an f32 weight whose values
     /// are all f16 (an f16 table widened by constant folding) is stored as
     /// f16, one whose values sit on an 8-bit grid as 8-bit blocks, one of
-    /// Q4_1's dequantized values as affine 4-bit blocks, and each computes
-    /// bit for bit what the f32 weight computes, on every instruction-set
-    /// path, for decode, batch and prefill row counts; one value off the
-    /// grid keeps the weight f32.
+    /// Q4_1's dequantized values as affine 4-bit blocks (with a partial
+    /// last block, blocks of equal values (`d = 0`) and a subnormal `d`),
+    /// and each gives back the f32 rows bit for bit and computes bit for
+    /// bit what the f32 weight computes, on every instruction-set path, at
+    /// every row count the kernels split differently (decode, batches,
+    /// prefill); one value off the grid keeps the weight f32.
     #[test]
     fn narrowed_weights_compute_what_f32_computes() {
-        let (n, k) = (40, 96);
+        // K = 80: two whole blocks of 32 and a partial one of 16.
+        let (n, k): (usize, usize) = (40, 80);
+        let blocks = k.div_ceil(32);
         let halves: Vec<f32> =
             (0..n * k).map(|i| f16::from_f32(((i * 37 % 101) as f32 - 50.0) * 0.0123).to_f32()).collect();
         let grid: Vec<f32> =
-            (0..n * k).map(|i| if i % 32 == 0 { 127.0 } else { (i * 7 % 255) as f32 - 127.0 } * 0.01).collect();
-        // GGUF Q4_1 dequantized: per block of 32, f16 `d` and `m`, levels
-        // 0..=15 (both ends present), `d * q + m` in f32.
+            (0..n * k).map(|i| if i % k % 32 == 0 { 127.0 } else { (i * 7 % 255) as f32 - 127.0 } * 0.01).collect();
+        // GGUF Q4_1 dequantized: per block of 32 of a row, f16 `d` and `m`,
+        // levels 0..=15 (both ends present), `d * q + m` in f32.
         let affine: Vec<f32> = (0..n * k)
             .map(|i| {
-                let (block, j) = (i / 32, i % 32);
-                let d = f16::from_f32(0.003 + (block % 7) as f32 * 0.0011).to_f32();
+                let (r, c) = (i / k, i % k);
+                let (block, j) = (r * blocks + c / 32, c % 32);
+                let d = match block % 13 {
+                    3 => 0.0,
+                    5 => f16::from_bits(0x0011).to_f32(), // subnormal
+                    _ => f16::from_f32(0.003 + (block % 7) as f32 * 0.0011).to_f32(),
+                };
                 let m = f16::from_f32(-0.02 - (block % 5) as f32 * 0.004).to_f32();
-                let q = if j == 0 {
-                    0
-                } else if j == 1 {
-                    15
-                } else {
-                    (i * 7 % 16) as u8
+                let q = match j {
+                    0 => 0,
+                    1 => 15,
+                    _ => (i * 7 % 16) as u8,
                 };
                 d * f32::from(q) + m
             })
@@ -176,12 +183,18 @@ mod tests {
         off_grid[77] = f32::from_bits(off_grid[77].to_bits() + 1);
         assert_eq!(Weight { n, k, packed: Packed::F32(off_grid) }.narrowed().kind(), "f32", "one value off stays f32");
         for (values, kind) in [(halves, "f16"), (grid, "q8"), (affine, "q4")] {
-            let wide = Weight { n, k, packed: Packed::F32(values) };
+            let wide = Weight { n, k, packed: Packed::F32(values.clone()) };
             let narrow = wide.clone().narrowed();
             assert_eq!(narrow.kind(), kind, "exact values narrow");
             assert!(narrow.bytes() < wide.bytes());
             let (wide, narrow) = (wide.into_tiled(), narrow.into_tiled());
-            for m in [1, 4, 70] {
+            let mut row = Vec::new();
+            for r in 0..n {
+                let back = narrow.row(r, &mut row);
+                let same = back.iter().zip(&values[r * k..(r + 1) * k]).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{kind} row {r}: the narrowed weight holds other values");
+            }
+            for m in [1, 2, 3, 4, 5, 8, 13, 21, 40, 70] {
                 let x: Vec<f32> = (0..m * k).map(|i| ((i * 7 % 19) as f32 - 9.0) * 0.11).collect();
                 for isa in Isa::all_available() {
                     let rt = Runtime::new(2).unwrap();
@@ -223,6 +236,9 @@ mod tests {
             q4(n, k, 32, false, true),
             q4(n, 80, 32, true, true),
             q4(n, 128, 64, true, true),
+            // Symmetric int8-input blocks of 64: the zero share that
+            // starts the integer sums spans two records.
+            q4(n, 128, 64, false, true),
             // GGUF Q4_1-like blocks: f16 scales and `aux` (one f16 line).
             crate::kernels::weights::affine_q4(n, k, false, true),
             crate::kernels::weights::affine_q4(n, 80, true, true),

@@ -217,7 +217,10 @@ impl Weight {
     /// weight by weight; else as f16 when every value is an f16 (an f16
     /// table that constant folding widened: the f16 export's tied output
     /// projection). The kernels compute with the same f32s, in the f32
-    /// kernels' order. Anything else stays as it is.
+    /// kernels' order. (One corner no real weight meets: a partial last
+    /// 4-bit block's padding adds `m · 0`, which turns an accumulated -0.0
+    /// into +0.0 — only when every product of the row underflowed.)
+    /// Anything else stays as it is.
     pub fn narrowed(self) -> Self {
         let Packed::F32(rows) = &self.packed else { return self };
         if let Some(q8) = self.narrowed_q8() {
@@ -226,14 +229,11 @@ impl Weight {
         if let Some(q4) = self.narrowed_affine_q4() {
             return Self { packed: q4, ..self };
         }
-        let halves: Option<Vec<f16>> = rows
-            .iter()
-            .map(|v| Some(f16::from_f32(*v)).filter(|h| v.is_finite() && h.to_f32().to_bits() == v.to_bits()))
-            .collect();
-        match halves {
-            Some(h) => Self { packed: Packed::F16(h), ..self },
-            None => self,
+        if rows.iter().all(|v| f16_exact(*v)) {
+            let halves = rows.iter().map(|v| f16::from_f32(*v)).collect();
+            return Self { packed: Packed::F16(halves), ..self };
         }
+        self
     }
 
     /// The affine 4-bit form of [`Weight::narrowed`] (already tiled), if
@@ -313,6 +313,9 @@ impl Weight {
     /// This weight in the kernels' tiled layout, or itself when it has no
     /// tiled form (4-bit blocks that are not whole multiples of 32).
     pub fn into_tiled(self) -> Self {
+        if matches!(self.packed, Packed::Tiled(_)) {
+            return self;
+        }
         match Tiled::from_rows(&self) {
             Some(t) => Self { packed: Packed::Tiled(t), ..self },
             None => self,
@@ -492,10 +495,10 @@ impl Tiled {
                         -zero * scale + offset
                     }
                 };
-                let exact = |v: f32| half::f16::from_f32(v).to_f32().to_bits() == v.to_bits();
                 let half = !*int8
                     && !symmetric
-                    && (0..n).all(|r| (0..*blocks).all(|b| exact(scales[r * blocks + b]) && exact(aux_of(r, b))));
+                    && (0..n)
+                        .all(|r| (0..*blocks).all(|b| f16_exact(scales[r * blocks + b]) && f16_exact(aux_of(r, b))));
                 let record = if symmetric || half { Q4_SHORT_RECORD_LINES } else { Q4_RECORD_LINES };
                 let mut lines = vec![Line([0; 64]); tiles * qblocks * record];
                 let bytes_per_block = block / 2;
@@ -622,6 +625,12 @@ impl Tiled {
     }
 }
 
+/// Whether `v` is an f16 value: its round trip through f16 gives the same
+/// bits (so NaN and infinities never count, nor a value f16 rounds).
+fn f16_exact(v: f32) -> bool {
+    v.is_finite() && f16::from_f32(v).to_f32().to_bits() == v.to_bits()
+}
+
 /// `(d, m)` with `block[j] == d * q[j] + m` bit for bit in f32 for every
 /// `j`, `d` and `m` f16 values, `q[j]` in 0..=15 (written to `q`), if the
 /// block has that form. A Q4_1 block's smallest value is its `m` (q = 0)
@@ -634,8 +643,7 @@ fn affine_block(block: &[f32], q: &mut [u8]) -> Option<(f32, f32)> {
     }
     let m = block.iter().copied().fold(f32::INFINITY, f32::min);
     let max = block.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let exact16 = |v: f32| f16::from_f32(v).to_f32().to_bits() == v.to_bits();
-    if !exact16(m) {
+    if !f16_exact(m) {
         return None;
     }
     let near = f16::from_f32((max - m) / 15.0).to_bits();
