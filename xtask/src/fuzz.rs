@@ -22,8 +22,10 @@ use crate::util;
 
 pub struct Options {
     pub target: Option<String>,
-    /// Seconds each target runs.
+    /// Seconds each target runs at most.
     pub time: u64,
+    /// Executions after which a target stops, if reached before `time`.
+    pub runs: Option<u64>,
     /// Memory limit (MiB) of the fuzzing process and of one allocation.
     pub rss_limit_mb: u64,
     /// Seconds one input may take before it counts as a hang.
@@ -133,8 +135,11 @@ fn fuzz_one(root: &Path, bins: &Path, target: Target, options: &Options) -> Resu
         }
     }
     let limit = options.rss_limit_mb;
-    cmd.arg(format!("-max_total_time={}", options.time))
-        .arg(format!("-rss_limit_mb={limit}"))
+    cmd.arg(format!("-max_total_time={}", options.time));
+    if let Some(runs) = options.runs {
+        cmd.arg(format!("-runs={runs}"));
+    }
+    cmd.arg(format!("-rss_limit_mb={limit}"))
         .arg(format!("-malloc_limit_mb={limit}"))
         .arg(format!("-timeout={}", options.input_timeout))
         .arg(format!("-artifact_prefix={}/", artifacts.display()))
@@ -142,13 +147,23 @@ fn fuzz_one(root: &Path, bins: &Path, target: Target, options: &Options) -> Resu
         // purpose; growth is caught by the memory limit instead.
         .arg("-detect_leaks=0")
         .arg("-print_final_stats=1");
-    println!("fuzzing `{name}` for {} s", options.time);
-    let started = Instant::now();
-    let out = cmd.output().with_context(|| format!("running {}", bins.join(name).display()))?;
-    let seconds = started.elapsed().as_secs_f64();
-    let log = String::from_utf8_lossy(&out.stderr).to_string();
+    match options.runs {
+        Some(runs) => println!("fuzzing `{name}` for {runs} executions or {} s, whichever comes first", options.time),
+        None => println!("fuzzing `{name}` for {} s", options.time),
+    }
+    // The fuzzer writes its log straight to the file, so a long run can be
+    // watched (`tail -f`) while it goes.
     let log_path = util::target().join("fuzz").join(format!("{name}.log"));
-    std::fs::write(&log_path, &log)?;
+    let log_file = std::fs::File::create(&log_path).with_context(|| format!("creating {}", log_path.display()))?;
+    println!("log: {}", log_path.display());
+    let started = Instant::now();
+    let status = cmd
+        .stdout(log_file.try_clone()?)
+        .stderr(log_file)
+        .status()
+        .with_context(|| format!("running {}", bins.join(name).display()))?;
+    let seconds = started.elapsed().as_secs_f64();
+    let log = String::from_utf8_lossy(&std::fs::read(&log_path)?).to_string();
     let stat = |key: &str| {
         log.lines()
             .rev()
@@ -164,7 +179,7 @@ fn fuzz_one(root: &Path, bins: &Path, target: Target, options: &Options) -> Resu
             words.next()?.split('/').next()?.parse().ok()
         })
     };
-    let finding = if out.status.success() {
+    let finding = if status.success() {
         None
     } else {
         let artifact = log.lines().find_map(|l| l.split("Test unit written to ").nth(1)).map(str::trim);
@@ -179,9 +194,12 @@ fn fuzz_one(root: &Path, bins: &Path, target: Target, options: &Options) -> Resu
 
 fn report(outcomes: &[Outcome], options: &Options) -> String {
     let mut s = format!(
-        "# Fuzzing, {} s per target (commit {}; memory limit {} MiB, {} s per input)\n\n\
-         | target | executions | exec/s | coverage | corpus | result |\n|---|---:|---:|---:|---:|---|\n",
-        options.time,
+        "# Fuzzing, {} per target (commit {}; memory limit {} MiB, {} s per input)\n\n\
+         | target | executions | seconds | exec/s | coverage | corpus | result |\n|---|---:|---:|---:|---:|---:|---|\n",
+        match options.runs {
+            Some(runs) => format!("{runs} executions or {} s", options.time),
+            None => format!("{} s", options.time),
+        },
         util::commit(),
         options.rss_limit_mb,
         options.input_timeout
@@ -190,13 +208,43 @@ fn report(outcomes: &[Outcome], options: &Options) -> String {
         let rate = o.executions as f64 / o.seconds.max(1e-9);
         let opt = |v: Option<u64>| v.map_or("-".to_string(), |v| v.to_string());
         s.push_str(&format!(
-            "| {} | {} | {rate:.0} | {} | {} | {} |\n",
+            "| {} | {} | {:.0} | {rate:.0} | {} | {} | {} |\n",
             o.target.name(),
             o.executions,
+            o.seconds,
             opt(o.coverage),
             opt(o.corpus),
             o.finding.as_deref().unwrap_or("no crash, hang or out-of-memory")
         ));
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn options(runs: Option<u64>) -> Options {
+        Options { target: None, time: 600, runs, rss_limit_mb: 2048, input_timeout: 10, seeds: false }
+    }
+
+    /// The report states the stopping rule it ran under (a goal in
+    /// executions, or seconds) and each target's own seconds, so an
+    /// executions figure can be read against the time it took.
+    #[test]
+    fn the_report_states_its_stopping_rule_and_each_targets_seconds() {
+        let outcome = Outcome {
+            target: Target::Chat,
+            executions: 1_000_000,
+            seconds: 2769.4,
+            coverage: Some(9854),
+            corpus: Some(3174),
+            finding: None,
+        };
+        let by_runs = report(std::slice::from_ref(&outcome), &options(Some(1_000_000)));
+        assert!(by_runs.starts_with("# Fuzzing, 1000000 executions or 600 s per target"), "{by_runs}");
+        assert!(by_runs.contains("| chat | 1000000 | 2769 | 361 | 9854 | 3174 | no crash"), "{by_runs}");
+        let by_time = report(&[outcome], &options(None));
+        assert!(by_time.starts_with("# Fuzzing, 600 s per target"), "{by_time}");
+    }
 }

@@ -189,9 +189,13 @@ enum Command {
         /// Only this target (package, onnx, gguf, chat, http).
         #[arg(long)]
         target: Option<String>,
-        /// Seconds each target runs.
+        /// Seconds each target runs (at most; see --runs).
         #[arg(long, default_value_t = 60)]
         time: u64,
+        /// Stop a target after this many executions, if that comes before --time
+        /// (a goal in executions holds however many fuzzers share the CPU).
+        #[arg(long)]
+        runs: Option<u64>,
         /// Memory limit (MiB) of the fuzzer and of any one allocation.
         #[arg(long, default_value_t = 2048)]
         rss_limit_mb: u64,
@@ -279,8 +283,8 @@ fn main() -> ExitCode {
             })
         }
         Command::Mutants { battery, mutant, shard, .. } => mutants::run(mutants::Options { battery, mutant, shard }),
-        Command::Fuzz { target, time, rss_limit_mb, input_timeout, seeds } => {
-            fuzz::run(fuzz::Options { target, time, rss_limit_mb, input_timeout, seeds })
+        Command::Fuzz { target, time, runs, rss_limit_mb, input_timeout, seeds } => {
+            fuzz::run(fuzz::Options { target, time, runs, rss_limit_mb, input_timeout, seeds })
         }
         Command::Test | Command::Ci => lanes::ci(),
         Command::Lane { name } => lane(&name),
