@@ -1,5 +1,7 @@
 //! Kernel benchmarks (criterion), at SmolLM2-135M's shapes: every weight
-//! storage on every instruction-set path this CPU has, as a decode
+//! storage (f32, f16, 8-bit, 4-bit with f32 sides, with f16 sides as GGUF
+//! Q4_1 gives, narrowed from f32 values and computed weight by weight, and
+//! with int8 inputs) on every instruction-set path this CPU has, as a decode
 //! projection (one row: the weight streamed once, reported in GB/s of
 //! weight bytes read) and as a prefill (128 rows: reported in GFLOP/s);
 //! the GEMM microkernel alone; and the attention step at context 64 vs
@@ -9,7 +11,7 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use onnx_genai_native::kernels::attention::{attention, AttentionSpec, Bias, Heads, Layout, Segment, Step};
 use onnx_genai_native::kernels::isa::Isa;
 use onnx_genai_native::kernels::linear::linear;
-use onnx_genai_native::kernels::weights::{Packed, Weight};
+use onnx_genai_native::kernels::weights::{Packed, TileData, Tiled, Weight};
 use onnx_genai_native::kernels::Runtime;
 use onnx_genai_native::kv::{KvLayout, KvPool, SeqKv};
 
@@ -31,6 +33,28 @@ fn storages() -> Vec<(&'static str, Weight)> {
         blocks,
         int8,
     };
+    // GGUF Q4_1 blocks (the `int4` export): scales and offsets on a grid
+    // of 1/64, so both sides are stored as f16.
+    let q4_1_sides = Packed::Q4 {
+        data: (0..N * blocks * 16).map(|i| (i * 31 % 256) as u8).collect(),
+        scales: (0..N * blocks).map(|i| (i % 5 + 1) as f32 / 64.0).collect(),
+        zeros: None,
+        offsets: Some((0..N * blocks).map(|i| -((i % 9) as f32) / 64.0).collect()),
+        block: 32,
+        blocks,
+        int8: false,
+    };
+    // The same blocks dequantized to f32 (the `f32` export): `d * q + m`
+    // per block, narrowed back to 4 bits and computed weight by weight.
+    let q4_1_values: Vec<f32> = (0..K * N)
+        .map(|i| {
+            let block = i / 32;
+            let d = half::f16::from_f32(0.003 + (block % 7) as f32 * 0.0011).to_f32();
+            let m = half::f16::from_f32(-0.02 - (block % 5) as f32 * 0.004).to_f32();
+            let q = if i % 32 == 0 { 15 } else { (i * 7 % 16) as u8 };
+            d * f32::from(q) + m
+        })
+        .collect();
     let grid: Vec<f32> =
         (0..K * N).map(|i| if i % 32 == 0 { 127.0 } else { (i * 7 % 255) as f32 - 127.0 } * 0.01).collect();
     vec![
@@ -38,10 +62,31 @@ fn storages() -> Vec<(&'static str, Weight)> {
         ("f16", Weight::from_kn_f16(&halves, K, N)),
         ("q8", Weight { n: N, k: K, packed: Packed::F32(grid) }.narrowed()),
         ("q4", Weight { n: N, k: K, packed: q4(false) }),
+        ("q4_f16_sides", Weight { n: N, k: K, packed: q4_1_sides }),
+        ("q4_narrowed_f32", Weight { n: N, k: K, packed: Packed::F32(q4_1_values) }.narrowed()),
         ("q4_int8_inputs", Weight { n: N, k: K, packed: q4(true) }),
     ]
     .into_iter()
-    .map(|(name, w)| (name, w.into_tiled()))
+    .map(|(name, w)| {
+        // A storage that does not become what it is named for measures
+        // something else.
+        let expected = match name {
+            "q4_int8_inputs" => "q4i8",
+            q4 if q4.starts_with("q4") => "q4",
+            other => other,
+        };
+        assert_eq!(w.kind(), expected, "bench storage {name}");
+        let w = w.into_tiled();
+        if let Packed::Tiled(Tiled { data: TileData::Q4 { half, per_weight, .. }, .. }) = &w.packed {
+            assert_eq!(
+                *half,
+                name.contains("f16_sides") || name.contains("narrowed"),
+                "bench storage {name}: f16 sides"
+            );
+            assert_eq!(*per_weight, name == "q4_narrowed_f32", "bench storage {name}: weight by weight");
+        }
+        (name, w)
+    })
     .collect()
 }
 

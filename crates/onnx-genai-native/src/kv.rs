@@ -136,6 +136,14 @@ pub enum Span<'a> {
 }
 
 impl<'a> Span<'a> {
+    /// Starts fetching the elements into the cache (a hint).
+    pub fn prefetch(&self) {
+        match self {
+            Span::F32(v) => crate::kernels::simd::prefetch(v),
+            Span::F16(v) => crate::kernels::simd::prefetch(v),
+        }
+    }
+
     /// The elements as f32: borrowed, or widened into `wide`.
     pub fn widened(self, wide: &'a mut Vec<f32>) -> &'a [f32] {
         match self {

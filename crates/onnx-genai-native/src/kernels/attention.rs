@@ -320,8 +320,17 @@ fn attend_group(
         // Causal: keys 0..=pos, unless an explicit bias decides. Head j's
         // scores are row j (stride `visible`).
         let visible = if step.bias.is_some() { total } else { pos + 1 };
-        for b in 0..visible.div_ceil(block) {
+        let blocks = visible.div_ceil(block);
+        let span_rows = |b: usize| block.min(visible - b * block);
+        for b in 0..blocks {
             let first = b * block;
+            // A sequence's blocks lie anywhere in memory: fetch the next
+            // block's keys, and this block's values (read after the
+            // softmax), while these keys are scored.
+            if b + 1 < blocks {
+                kv.span(step.layer, false, g, b + 1, span_rows(b + 1)).prefetch();
+            }
+            kv.span(step.layer, true, g, b, span_rows(b)).prefetch();
             let keys = kv.span(step.layer, false, g, b, block.min(visible - first)).widened(wide);
             scores_of(qbuf, n_rep, keys, hd, &mut srow[first..], visible);
         }

@@ -59,6 +59,10 @@ unsafe fn tiles_body<const VNNI: bool>(t: &Tiled, rows: &Rows<'_>, tiles: Range<
     // `batch_576x3072_1t/q4_int8_inputs/avx512-vnni`, one thread: 90 G/s
     // at 8 rows against 106 at 4 on a Zen 4; run as two calls of 4, 8 rows
     // went from 97 to 124 G/s and 16 from 101 to 134 in adjacent runs).
+    // Nor does one tile of 8 rows pay (half the nibble unpacking per
+    // multiply-add, but a broadcast load per `vpdpbusd`): 8 and 16 rows ran
+    // 22-25% slower than pairs of 4 rows on an Intel Xeon (criterion, same
+    // hour, with the low/high nibble sums split or not).
     let eight = !matches!(t.data, TileData::Q4 { int8: true, .. });
     let mut tile = tiles.start;
     while tile < tiles.end {
@@ -85,6 +89,24 @@ unsafe fn tiles_body<const VNNI: bool>(t: &Tiled, rows: &Rows<'_>, tiles: Range<
     }
 }
 
+/// Where the next tile pair's records start: a kernel fetches the bytes of
+/// its step `s` there (`stride` of them) while it computes its own step
+/// `s`. The address may lie past the weight's end (a last pair, or the
+/// weight's end): a prefetch never faults, it only fetches for nothing.
+#[derive(Clone, Copy)]
+struct Ahead(*const u8);
+
+impl Ahead {
+    #[inline(always)]
+    fn fetch(self, offset: usize, bytes: usize) {
+        for line in (0..bytes).step_by(64) {
+            // SAFETY: SSE is part of the x86-64 baseline, and a prefetch
+            // reads nothing the program sees: any address is allowed.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(self.0.wrapping_add(offset + line).cast()) };
+        }
+    }
+}
+
 /// `T` tiles from `tile`, `R` rows from `r`; returns `R`.
 #[inline(always)]
 unsafe fn dispatch<const T: usize, const R: usize, const VNNI: bool>(
@@ -100,25 +122,33 @@ unsafe fn dispatch<const T: usize, const R: usize, const VNNI: bool>(
     let w: [*const u8; T] = std::array::from_fn(|i| base.add(t.place(tile + i).0));
     let x = rows.x.as_ptr().add(r * rows.kp);
     let mut acc = [[_mm512_setzero_ps(); T]; R];
+    // The first rows of a pair fetch the next pair's records into the cache
+    // step by step (pairs are stored one after another, so the next starts
+    // where this one ends); the pass of this pair's other rows, or the next
+    // call, finds them there. genai-int8 export, `examples/batch_profile`,
+    // medians of five alternating runs: a decode step went from 2.72 to
+    // 2.34 ms at B = 1, 8.04 to 7.04 at B = 8, 14.99 to 13.75 at B = 16.
+    let ahead = (T == 2 && r == 0).then(|| Ahead(w[0].wrapping_add(t.steps() * stride)));
     match t.data {
-        TileData::F32 => f32_cols::<T, R>(&w, stride, t.k, x, rows.kp, &mut acc),
-        TileData::F16 => f16_cols::<T, R>(&w, stride, t.k, x, rows.kp, &mut acc),
-        TileData::Q8 { blocks } => q8_cols::<T, R>(&w, stride, blocks, x, rows.kp, &mut acc),
+        TileData::F32 => f32_cols::<T, R>(&w, stride, t.k, x, rows.kp, ahead, &mut acc),
+        TileData::F16 => f16_cols::<T, R>(&w, stride, t.k, x, rows.kp, ahead, &mut acc),
+        TileData::Q8 { blocks } => q8_cols::<T, R>(&w, stride, blocks, x, rows.kp, ahead, &mut acc),
         // (Per block, `scale · Σ q x + aux · Σ x`: fewer operations, but
         // not the f32 kernels' rounding, which a narrowed f32 weight keeps.)
         TileData::Q4 { blocks, int8: false, symmetric, half, per_weight: false, .. } if R <= 4 => {
+            debug_assert!(rows.xsum.len() >= (r + R) * blocks, "block sums of rows {r}..{} were not computed", r + R);
             let xsum = rows.xsum.as_ptr().add(r * blocks);
-            q4_blocks::<T, R>(&w, stride, (blocks, symmetric, half), x, xsum, rows.kp, &mut acc)
+            q4_blocks::<T, R>(&w, stride, (blocks, symmetric, half), x, xsum, rows.kp, ahead, &mut acc)
         }
         TileData::Q4 { blocks, int8: false, symmetric, half, .. } => {
-            q4_cols::<T, R>(&w, stride, (blocks, symmetric, half), x, rows.kp, &mut acc)
+            q4_cols::<T, R>(&w, stride, (blocks, symmetric, half), x, rows.kp, ahead, &mut acc)
         }
         TileData::Q4 { blocks, int8: true, x_block, symmetric, .. } => {
             let q = rows.q.as_ptr().add(r * rows.kp);
             let s = rows.qscale.as_ptr().add(r * blocks);
             let sums = rows.qsum.as_ptr().add(r * blocks);
             let sub = (x_block / QBLOCK).max(1);
-            q4_int8::<T, R, VNNI>(&w, stride, (blocks, sub, symmetric), q, s, sums, rows.kp, &mut acc)
+            q4_int8::<T, R, VNNI>(&w, stride, (blocks, sub, symmetric), q, s, sums, rows.kp, ahead, &mut acc)
         }
     }
     for (i, row) in acc.iter().enumerate() {
@@ -142,9 +172,13 @@ unsafe fn f32_cols<const T: usize, const R: usize>(
     k: usize,
     x: *const f32,
     kp: usize,
+    ahead: Option<Ahead>,
     acc: &mut [[__m512; T]; R],
 ) {
     for c in 0..k {
+        if let Some(next) = ahead {
+            next.fetch(c * stride, stride);
+        }
         let wv: [__m512; T] = std::array::from_fn(|j| _mm512_loadu_ps(w[j].add(c * stride).cast()));
         for (r, row) in acc.iter_mut().enumerate() {
             let xv = _mm512_set1_ps(*x.add(r * kp + c));
@@ -163,10 +197,14 @@ unsafe fn f16_cols<const T: usize, const R: usize>(
     k: usize,
     x: *const f32,
     kp: usize,
+    ahead: Option<Ahead>,
     acc: &mut [[__m512; T]; R],
 ) {
     for c in 0..k {
         let at = (c / 2) * stride + (c % 2) * 32;
+        if let (Some(next), 0) = (ahead, c % 2) {
+            next.fetch(at, stride);
+        }
         let wv: [__m512; T] =
             std::array::from_fn(|j| _mm512_cvtph_ps(_mm256_loadu_si256(w[j].add(at).cast::<__m256i>())));
         for (r, row) in acc.iter_mut().enumerate() {
@@ -189,9 +227,13 @@ unsafe fn q8_cols<const T: usize, const R: usize>(
     blocks: usize,
     x: *const f32,
     kp: usize,
+    ahead: Option<Ahead>,
     acc: &mut [[__m512; T]; R],
 ) {
     for b in 0..blocks {
+        if let Some(next) = ahead {
+            next.fetch(b * stride, stride);
+        }
         let rec: [*const u8; T] = std::array::from_fn(|j| w[j].add(b * stride));
         let scale: [__m512; T] = std::array::from_fn(|j| _mm512_loadu_ps(rec[j].add(512).cast()));
         for col in 0..QBLOCK {
@@ -216,6 +258,7 @@ unsafe fn q8_cols<const T: usize, const R: usize>(
 /// One row keeps two accumulator sets (even and odd inputs) so the FMA
 /// chains overlap.
 #[inline]
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
 unsafe fn q4_blocks<const T: usize, const R: usize>(
     w: &[*const u8; T],
@@ -224,11 +267,15 @@ unsafe fn q4_blocks<const T: usize, const R: usize>(
     x: *const f32,
     xsum: *const f32,
     kp: usize,
+    ahead: Option<Ahead>,
     acc: &mut [[__m512; T]; R],
 ) {
     let lut = _mm512_setr_ps(0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.);
     let per_row = kp / QBLOCK;
     for b in 0..blocks {
+        if let Some(next) = ahead {
+            next.fetch(b * stride, stride);
+        }
         let rec: [*const u8; T] = std::array::from_fn(|j| w[j].add(b * stride));
         let mut blk = [[[_mm512_setzero_ps(); T]; R]; 2];
         for i in 0..4 {
@@ -283,6 +330,7 @@ unsafe fn q4_cols<const T: usize, const R: usize>(
     (blocks, symmetric, half): (usize, bool, bool),
     x: *const f32,
     kp: usize,
+    ahead: Option<Ahead>,
     acc: &mut [[__m512; T]; R],
 ) {
     // The nibble's float through a 16-entry table lookup on its low four
@@ -290,6 +338,9 @@ unsafe fn q4_cols<const T: usize, const R: usize>(
     // same value `cvt(q & 15)` gives).
     let lut = _mm512_setr_ps(0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.);
     for b in 0..blocks {
+        if let Some(next) = ahead {
+            next.fetch(b * stride, stride);
+        }
         let rec: [*const u8; T] = std::array::from_fn(|j| w[j].add(b * stride));
         let sides: [(__m512, __m512); T] = std::array::from_fn(|j| scale_aux(rec[j], symmetric, half));
         let (scale, aux): ([__m512; T], [__m512; T]) =
@@ -338,6 +389,7 @@ unsafe fn q4_int8<const T: usize, const R: usize, const VNNI: bool>(
     qscale: *const f32,
     qsum: *const i32,
     kp: usize,
+    ahead: Option<Ahead>,
     acc: &mut [[__m512; T]; R],
 ) {
     let nibble = _mm512_set1_epi8(0x0f);
@@ -368,6 +420,9 @@ unsafe fn q4_int8<const T: usize, const R: usize, const VNNI: bool>(
         });
         for b in g * sub..(g + 1) * sub {
             let rec: [*const u8; T] = std::array::from_fn(|j| w[j].add(b * stride));
+            if let Some(next) = ahead {
+                next.fetch(b * stride, stride);
+            }
             for i in 0..4 {
                 let v: [__m512i; T] = std::array::from_fn(|j| _mm512_loadu_si512(rec[j].add(i * 64).cast()));
                 let lo: [__m512i; T] = std::array::from_fn(|j| _mm512_and_si512(v[j], nibble));

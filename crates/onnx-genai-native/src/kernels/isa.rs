@@ -75,9 +75,36 @@ impl Isa {
     }
 }
 
-/// Multiply-adds per second `threads` threads sustain with this path's
-/// widest FMAs (best of three short runs on one thread, times `threads`):
-/// the compute roofline reports compare against.
+/// The summed rate of `threads` threads each running `probe` at the same
+/// time (started together on a barrier), best of three. Measured at once
+/// rather than one thread times `threads`: virtual CPUs may be hyperthreads
+/// of one core, which share its vector units, and then two threads reach
+/// what one does.
+fn concurrent_rate(threads: usize, probe: &(dyn Fn() -> f64 + Sync)) -> f64 {
+    let threads = threads.max(1);
+    let round = || -> f64 {
+        let start = std::sync::Barrier::new(threads);
+        std::thread::scope(|scope| {
+            let others: Vec<_> = (1..threads)
+                .map(|_| {
+                    scope.spawn(|| {
+                        start.wait();
+                        probe()
+                    })
+                })
+                .collect();
+            start.wait();
+            // A probe thread cannot panic (it only runs arithmetic); a rate
+            // it fails to return counts as nothing.
+            probe() + others.into_iter().map(|h| h.join().unwrap_or(0.0)).sum::<f64>()
+        })
+    };
+    (0..3).map(|_| round()).fold(0.0, f64::max)
+}
+
+/// Multiply-adds per second `threads` threads sustain together with this
+/// path's widest FMAs ([`concurrent_rate`]): the compute roofline reports
+/// compare against.
 pub fn peak_macs(isa: Isa, threads: usize) -> f64 {
     let reps = 4_000_000;
     let once = || -> f64 {
@@ -102,18 +129,18 @@ pub fn peak_macs(isa: Isa, threads: usize) -> f64 {
         std::hint::black_box(acc);
         (reps / 16 * 16) as f64 / started.elapsed().as_secs_f64()
     };
-    (0..3).map(|_| once()).fold(0.0, f64::max) * threads.max(1) as f64
+    concurrent_rate(threads, &once)
 }
 
-/// Int8 multiply-adds per second `threads` threads sustain with AVX-512
-/// VNNI's `vpdpbusd` (best of three, times `threads`), the ceiling of the
+/// Int8 multiply-adds per second `threads` threads sustain together with
+/// AVX-512 VNNI's `vpdpbusd` ([`concurrent_rate`]), the ceiling of the
 /// `accuracy_level` 4 kernels; `None` on a path without it.
 pub fn peak_int8_macs(isa: Isa, threads: usize) -> Option<f64> {
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512Vnni && isa.available() {
         // SAFETY: AVX-512 F and VNNI are available (checked).
         let once = || unsafe { super::avx512::int8_rate(4_000_000) };
-        return Some((0..3).map(|_| once()).fold(0.0, f64::max) * threads.max(1) as f64);
+        return Some(concurrent_rate(threads, &once));
     }
     let _ = (isa, threads);
     None
@@ -167,6 +194,31 @@ mod tests {
             }
         }
         assert!(Isa::all_available().contains(&Isa::Portable));
+    }
+
+    /// A peak for `threads` threads is every thread's rate summed while
+    /// they all run at once (a probe here returns 1 only when it sees all
+    /// of them inside together), not one thread's rate times `threads`.
+    #[test]
+    fn peaks_are_probed_on_every_thread_at_once() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        for threads in [1, 2, 3] {
+            let inside = AtomicUsize::new(0);
+            let probe = || -> f64 {
+                // This round's probes have all arrived when the count
+                // reaches the end of the round this one counted in.
+                let round_end = (inside.fetch_add(1, Ordering::SeqCst) / threads + 1) * threads;
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+                while std::time::Instant::now() < deadline {
+                    if inside.load(Ordering::SeqCst) >= round_end {
+                        return 1.0;
+                    }
+                    std::hint::spin_loop();
+                }
+                0.0
+            };
+            assert_eq!(concurrent_rate(threads, &probe), threads as f64, "{threads} threads");
+        }
     }
 
     /// The int8 ceiling is probed exactly where the VNNI kernel runs (and

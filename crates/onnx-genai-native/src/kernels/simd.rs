@@ -120,6 +120,23 @@ fn axpy_portable(y: &mut [f32], alpha: f32, x: &[f32]) {
     y.iter_mut().zip(x).for_each(|(y, x)| *y += alpha * x);
 }
 
+/// Asks the CPU to bring `data` into its cache ahead of use: a hint, with
+/// no effect on any result (nothing at all off x86-64).
+pub fn prefetch<T>(data: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let start = data.as_ptr().cast::<i8>();
+        for offset in (0..std::mem::size_of_val(data)).step_by(64) {
+            // SAFETY: SSE is part of the x86-64 baseline; the address lies
+            // inside `data` (and a prefetch reads nothing the program sees).
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(start.add(offset)) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = data;
+}
+
 /// Numerically stable softmax of one row, in place.
 pub fn softmax(row: &mut [f32]) {
     softmax_on(true, row)
@@ -210,26 +227,23 @@ mod x86 {
     /// from each `r * ld`.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn scores(q: *const f32, rows: usize, k: *const f32, total: usize, hd: usize, out: *mut f32, ld: usize) {
-        // Four keys at a time share every query load; each key keeps its
-        // own single accumulator, so every score is computed exactly as a
-        // key alone would be (same lanes, same order, same reduction).
+        // Four keys at a time, for up to three query rows at once: every
+        // key load serves each row and every query load each key, and the
+        // 12 (row, key) chains overlap (one row at a time, 4 chains, waited
+        // on the multiply-add latency). Each (row, key) keeps its own single
+        // accumulator, so every score is computed exactly as a key alone
+        // would be (same lanes, same order, same reduction).
         let mut t = 0;
         while t + 4 <= total {
             let kt: [*const f32; 4] = std::array::from_fn(|i| k.add((t + i) * hd));
-            for r in 0..rows {
-                let qr = q.add(r * hd);
-                let mut acc = [_mm256_setzero_ps(); 4];
-                let mut c = 0;
-                while c < hd {
-                    let x = _mm256_loadu_ps(qr.add(c));
-                    for (a, key) in acc.iter_mut().zip(&kt) {
-                        *a = _mm256_fmadd_ps(x, _mm256_loadu_ps(key.add(c)), *a);
-                    }
-                    c += 8;
-                }
-                for (i, a) in acc.iter().enumerate() {
-                    *out.add(r * ld + t + i) = hsum(*a);
-                }
+            let mut r = 0;
+            while r < rows {
+                let (qr, o) = (q.add(r * hd), out.add(r * ld + t));
+                r += match rows - r {
+                    1 => scores4::<1>(qr, &kt, hd, o, ld),
+                    2 => scores4::<2>(qr, &kt, hd, o, ld),
+                    _ => scores4::<3>(qr, &kt, hd, o, ld),
+                };
             }
             t += 4;
         }
@@ -247,6 +261,36 @@ mod x86 {
             }
             t += 1;
         }
+    }
+
+    /// Scores of `R` query rows (`hd` apart from `q`) against the four keys
+    /// `k`, written at `out + r * ld + i`; returns `R`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn scores4<const R: usize>(
+        q: *const f32,
+        k: &[*const f32; 4],
+        hd: usize,
+        out: *mut f32,
+        ld: usize,
+    ) -> usize {
+        let mut acc = [[_mm256_setzero_ps(); 4]; R];
+        let mut c = 0;
+        while c < hd {
+            for (r, row) in acc.iter_mut().enumerate() {
+                let x = _mm256_loadu_ps(q.add(r * hd + c));
+                for (a, key) in row.iter_mut().zip(k) {
+                    *a = _mm256_fmadd_ps(x, _mm256_loadu_ps(key.add(c)), *a);
+                }
+            }
+            c += 8;
+        }
+        for (r, row) in acc.iter().enumerate() {
+            for (i, a) in row.iter().enumerate() {
+                *out.add(r * ld + i) = hsum(*a);
+            }
+        }
+        R
     }
 
     /// # Safety
@@ -267,9 +311,25 @@ mod x86 {
             let pr = p.add(r * ld);
             let o = out.add(r * hd);
             let mut c = 0;
-            // 32 columns at a time stay in registers across t: a fixed
-            // count (a run-time one kept them in memory behind a branch
-            // per multiply-add).
+            // 64 columns at a time (8 independent chains: enough to cover
+            // the multiply-add latency, which 4 did not), then 32; a fixed
+            // count stays in registers across t (a run-time one kept them
+            // in memory behind a branch per multiply-add). Each column adds
+            // its values in t order either way.
+            while c + 64 <= hd {
+                let mut acc: [__m256; 8] = std::array::from_fn(|j| _mm256_loadu_ps(o.add(c + 8 * j)));
+                for t in 0..total {
+                    let w = _mm256_set1_ps(*pr.add(t));
+                    let row = v.add(t * hd + c);
+                    for (j, a) in acc.iter_mut().enumerate() {
+                        *a = _mm256_fmadd_ps(w, _mm256_loadu_ps(row.add(8 * j)), *a);
+                    }
+                }
+                for (j, a) in acc.iter().enumerate() {
+                    _mm256_storeu_ps(o.add(c + 8 * j), *a);
+                }
+                c += 64;
+            }
             while c + 32 <= hd {
                 let mut acc: [__m256; 4] = std::array::from_fn(|j| _mm256_loadu_ps(o.add(c + 8 * j)));
                 for t in 0..total {
@@ -418,6 +478,45 @@ mod tests {
                     for c in 0..hd {
                         let want: f32 = 1.0 + (0..total).map(|t| sc[r * ld + t] * kv[t * hd + c]).sum::<f32>();
                         assert!((o[r * hd + c] - want).abs() < 1e-3, "{path} weighted_sum hd={hd}");
+                    }
+                }
+            }
+            // Batch invariance (B1's arithmetic): a score is the same bits
+            // however many rows and keys share the call, and a weighted sum
+            // the same bits as one `axpy` per value row in order.
+            for hd in [8, 24, 40, 64, 72, 136] {
+                for rows in 1..=5 {
+                    let total = 9;
+                    let q: Vec<f32> = (0..rows * hd).map(|i| (i as f32 * 0.29).sin()).collect();
+                    let kv: Vec<f32> = (0..total * hd).map(|i| (i as f32 * 0.17).cos()).collect();
+                    let mut together = vec![0.0; rows * total];
+                    scores_on(vector, &q, rows, &kv, hd, &mut together, total);
+                    for r in 0..rows {
+                        for t in 0..total {
+                            let mut alone = [0.0];
+                            let (qr, kt) = (&q[r * hd..(r + 1) * hd], &kv[t * hd..(t + 1) * hd]);
+                            scores_on(vector, qr, 1, kt, hd, &mut alone, 1);
+                            let got = together[r * total + t];
+                            assert_eq!(
+                                got.to_bits(),
+                                alone[0].to_bits(),
+                                "{path} hd={hd} rows={rows} score ({r}, {t})"
+                            );
+                        }
+                    }
+                    let mut summed = vec![0.5; rows * hd];
+                    weighted_sum_on(vector, &together, rows, total, &kv, hd, &mut summed);
+                    for r in 0..rows {
+                        let mut each = vec![0.5; hd];
+                        for t in 0..total {
+                            axpy_on(vector, &mut each, together[r * total + t], &kv[t * hd..(t + 1) * hd]);
+                        }
+                        let same =
+                            summed[r * hd..(r + 1) * hd].iter().zip(&each).all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(
+                            same,
+                            "{path} hd={hd} rows={rows}: weighted sum of row {r} differs from one axpy per value"
+                        );
                     }
                 }
             }

@@ -211,7 +211,11 @@ pub fn linear(t: &Tiled, x: &[f32], m: usize, y: &mut [f32], ctx: &Ctx, isa: Isa
                 work(0..m, 0);
             }
         }
-        TileData::Q4 { int8: false, .. } => s.c.extend(s.a.chunks_exact(QBLOCK).map(|b| b.iter().sum::<f32>())),
+        // Only the AVX-512 per-block kernel reads the block sums (any row
+        // of a call left with at most 4 rows to go may reach it).
+        TileData::Q4 { int8: false, per_weight: false, .. } if isa.wide() => {
+            s.c.extend(s.a.chunks_exact(QBLOCK).map(|b| b.iter().sum::<f32>()))
+        }
         _ => {}
     }
     let rows = Rows { m, kp, x: &s.a, xsum: &s.c, q: &s.bytes, qscale: &s.b, qsum: &s.ints };

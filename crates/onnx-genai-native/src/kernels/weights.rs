@@ -442,6 +442,12 @@ fn place(tile: usize, tiles: usize, steps: usize, record: usize) -> (usize, usiz
 }
 
 impl Tiled {
+    /// Records (steps) per tile: a tile pair's bytes are `steps()` times
+    /// its stride.
+    pub fn steps(&self) -> usize {
+        record_and_steps(&self.data, self.k).1
+    }
+
     /// Where tile `tile`'s records start and the stride between them.
     pub fn place(&self, tile: usize) -> (usize, usize) {
         let (record, steps) = record_and_steps(&self.data, self.k);
