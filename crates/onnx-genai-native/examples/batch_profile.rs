@@ -1,7 +1,8 @@
 //! Where a batched decode step spends its time: loads a package, prefills
 //! B sequences, then times decode steps of all B together, per op kind.
 //!
-//! `cargo run --release -p onnx-genai-native --example batch_profile -- DIR [THREADS] [B...]`
+//! `cargo run --release -p onnx-genai-native --example batch_profile -- DIR [THREADS] [B...] [isa=NAME]`
+//! (`isa=avx2` and so on: a lower kernel path than the best this CPU has).
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -14,12 +15,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
     let dir = args.next().ok_or("usage: batch_profile DIR [THREADS] [B...]")?;
     let threads: usize = args.next().map_or(Ok(2), |t| t.parse())?;
-    let mut batches: Vec<usize> = args.map(|b| b.parse()).collect::<Result<_, _>>()?;
+    let (isa, batches): (Vec<String>, Vec<String>) = args.partition(|a| a.starts_with("isa="));
+    let mut batches: Vec<usize> = batches.iter().map(|b| b.parse()).collect::<Result<_, _>>()?;
     if batches.is_empty() {
         batches = vec![1, 8, 16];
     }
     let package = Package::open(std::path::Path::new(&dir))?;
     let model = NativeModel::load(&package, threads)?;
+    if let Some(name) = isa.last().and_then(|a| a.strip_prefix("isa=")) {
+        let isa = onnx_genai_native::kernels::isa::Isa::parse(name).ok_or_else(|| format!("unknown isa {name}"))?;
+        model.set_isa(isa)?;
+    }
     let ops = model.plan().step_ops();
     let steps = 32;
     for b in batches {

@@ -99,6 +99,20 @@ impl NativeModel {
         self.runner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Runs the kernels of `isa` from now on (below the best this CPU has:
+    /// to compare instruction-set paths on a whole model); `Unavailable`
+    /// when this CPU lacks it.
+    pub fn set_isa(&self, isa: crate::kernels::isa::Isa) -> Result<(), BackendError> {
+        if !isa.available() {
+            return Err(BackendError::Unavailable {
+                backend: NAME,
+                reason: format!("this CPU has no {isa} kernels (best: {})", crate::kernels::isa::Isa::best()),
+            });
+        }
+        self.runner().runtime.isa = isa;
+        Ok(())
+    }
+
     /// Starts (or stops) adding each step's wall time to a per-step profile.
     pub fn set_profiling(&self, on: bool) {
         self.runner().workspace.profile = on.then(Vec::new);

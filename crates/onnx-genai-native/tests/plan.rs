@@ -207,3 +207,36 @@ fn threaded_kernels_compute_the_same_logits() {
     };
     assert_eq!(run(1), run(2));
 }
+
+/// A model forced onto a lower instruction-set path runs it (each path
+/// computes its own bits: the logits move, within the kernels' f32
+/// rounding of one another) and refuses a path this CPU lacks with a typed
+/// error, keeping the one it had.
+#[test]
+fn a_model_runs_the_instruction_set_it_is_set_to() {
+    use onnx_genai_native::kernels::isa::Isa;
+    let (_d, package) = package("tiny-llama-gqa", Variant::Contrib);
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 380).collect();
+    let model = Arc::new(NativeModel::load(&package, 2).unwrap());
+    let mut best = Decoder::new(model.clone());
+    let want = best.forward(&prompt).unwrap();
+    for isa in Isa::ALL {
+        let set = model.set_isa(isa);
+        if !isa.available() {
+            assert!(matches!(set, Err(onnx_genai_backend::BackendError::Unavailable { .. })), "{isa}: {set:?}");
+            continue;
+        }
+        set.unwrap();
+        let mut b = Decoder::new(model.clone());
+        let got = b.forward(&prompt).unwrap();
+        let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(worst < 1e-3, "{isa}: logits {worst} away from the best path's");
+        // Another family of kernels (portable, AVX2, AVX-512) adds in
+        // another order; within a family the VNNI variant differs only
+        // for int8 inputs, which this export does not take.
+        let family = |i: Isa| (i.x86(), i.wide());
+        if family(isa) != family(Isa::best()) {
+            assert!(got != want, "{isa}: exactly the best path's logits, so it did not run");
+        }
+    }
+}

@@ -7,7 +7,7 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::tiled::Rows;
+use super::tiled::{Ahead, Rows};
 use super::weights::{TileData, Tiled, QBLOCK, TILE};
 use crate::pool::Disjoint;
 
@@ -51,12 +51,17 @@ unsafe fn dispatch<const R: usize>(
     let w = t.as_bytes().as_ptr().add(start);
     let x = rows.x.as_ptr().add(r * rows.kp);
     let mut acc = [[_mm256_setzero_ps(); 2]; R];
+    // The first rows of a pair's first tile fetch the next pair's records
+    // step by step, as the AVX-512 kernels do (pairs are stored one after
+    // another; the pair's second tile then finds nothing left to fetch).
+    let first_of_pair = tile.is_multiple_of(2) && tile + 1 < t.tiles;
+    let ahead = (first_of_pair && r == 0).then(|| Ahead(w.wrapping_add(t.steps() * stride)));
     match t.data {
-        TileData::F32 => f32_cols::<R>(w, stride, t.k, x, rows.kp, &mut acc),
-        TileData::F16 => f16_cols::<R>(w, stride, t.k, x, rows.kp, &mut acc),
-        TileData::Q8 { blocks } => q8_cols::<R>(w, stride, blocks, x, rows.kp, &mut acc),
+        TileData::F32 => f32_cols::<R>(w, stride, t.k, x, rows.kp, ahead, &mut acc),
+        TileData::F16 => f16_cols::<R>(w, stride, t.k, x, rows.kp, ahead, &mut acc),
+        TileData::Q8 { blocks } => q8_cols::<R>(w, stride, blocks, x, rows.kp, ahead, &mut acc),
         TileData::Q4 { blocks, int8: false, symmetric, half, .. } => {
-            q4_cols::<R>(w, stride, (blocks, symmetric, half), x, rows.kp, &mut acc)
+            q4_cols::<R>(w, stride, (blocks, symmetric, half), x, rows.kp, ahead, &mut acc)
         }
         TileData::Q4 { blocks, int8: true, x_block, symmetric, .. } => {
             let q = rows.q.as_ptr().add(r * rows.kp);
@@ -64,9 +69,9 @@ unsafe fn dispatch<const R: usize>(
             let sums = rows.qsum.as_ptr().add(r * blocks);
             let sub = (x_block / QBLOCK).max(1);
             if vnni {
-                q4_int8_vnni::<R>(w, stride, (blocks, sub, symmetric), q, s, sums, rows.kp, &mut acc)
+                q4_int8_vnni::<R>(w, stride, (blocks, sub, symmetric), q, s, sums, rows.kp, ahead, &mut acc)
             } else {
-                q4_int8::<R, false>(w, stride, (blocks, sub, symmetric), q, s, sums, rows.kp, &mut acc)
+                q4_int8::<R, false>(w, stride, (blocks, sub, symmetric), q, s, sums, rows.kp, ahead, &mut acc)
             }
         }
     }
@@ -91,9 +96,13 @@ unsafe fn f32_cols<const R: usize>(
     k: usize,
     x: *const f32,
     kp: usize,
+    ahead: Option<Ahead>,
     acc: &mut [[__m256; 2]; R],
 ) {
     for c in 0..k {
+        if let Some(next) = ahead {
+            next.fetch(c * stride, stride);
+        }
         let lo = _mm256_loadu_ps(w.add(c * stride).cast());
         let hi = _mm256_loadu_ps(w.add(c * stride + 32).cast());
         for (r, row) in acc.iter_mut().enumerate() {
@@ -112,9 +121,13 @@ unsafe fn f16_cols<const R: usize>(
     k: usize,
     x: *const f32,
     kp: usize,
+    ahead: Option<Ahead>,
     acc: &mut [[__m256; 2]; R],
 ) {
     for c in 0..k {
+        if let (Some(next), 0) = (ahead, c % 2) {
+            next.fetch((c / 2) * stride, stride);
+        }
         let at = w.add((c / 2) * stride + (c % 2) * 32);
         let lo = _mm256_cvtph_ps(_mm_loadu_si128(at.cast()));
         let hi = _mm256_cvtph_ps(_mm_loadu_si128(at.add(16).cast()));
@@ -134,9 +147,13 @@ unsafe fn q8_cols<const R: usize>(
     blocks: usize,
     x: *const f32,
     kp: usize,
+    ahead: Option<Ahead>,
     acc: &mut [[__m256; 2]; R],
 ) {
     for b in 0..blocks {
+        if let Some(next) = ahead {
+            next.fetch(b * stride, stride);
+        }
         let rec = w.add(b * stride);
         let scale = [_mm256_loadu_ps(rec.add(512).cast()), _mm256_loadu_ps(rec.add(544).cast())];
         for col in 0..QBLOCK {
@@ -162,10 +179,14 @@ unsafe fn q4_cols<const R: usize>(
     (blocks, symmetric, half): (usize, bool, bool),
     x: *const f32,
     kp: usize,
+    ahead: Option<Ahead>,
     acc: &mut [[__m256; 2]; R],
 ) {
     let nibble = _mm256_set1_epi32(0x0f);
     for b in 0..blocks {
+        if let Some(next) = ahead {
+            next.fetch(b * stride, stride);
+        }
         let rec = w.add(b * stride);
         // A `half` record: 16 f16 scales, then 16 f16 `aux`, widened exactly.
         let widen = |at: usize| _mm256_cvtph_ps(_mm_loadu_si128(rec.add(at).cast::<__m128i>()));
@@ -222,9 +243,10 @@ unsafe fn q4_int8_vnni<const R: usize>(
     qscale: *const f32,
     qsum: *const i32,
     kp: usize,
+    ahead: Option<Ahead>,
     acc: &mut [[__m256; 2]; R],
 ) {
-    q4_int8::<R, true>(w, stride, shape, q, qscale, qsum, kp, acc)
+    q4_int8::<R, true>(w, stride, shape, q, qscale, qsum, kp, ahead, acc)
 }
 
 /// Per quantization block (`sub` records of 32) the exact integer sum,
@@ -239,6 +261,7 @@ unsafe fn q4_int8<const R: usize, const VNNI: bool>(
     qscale: *const f32,
     qsum: *const i32,
     kp: usize,
+    ahead: Option<Ahead>,
     acc: &mut [[__m256; 2]; R],
 ) {
     let nibble = _mm256_set1_epi8(0x0f);
@@ -255,6 +278,9 @@ unsafe fn q4_int8<const R: usize, const VNNI: bool>(
             [[start, _mm256_setzero_si256()]; 2]
         });
         for b in g * sub..(g + 1) * sub {
+            if let Some(next) = ahead {
+                next.fetch(b * stride, stride);
+            }
             let rec = w.add(b * stride);
             for i in 0..4 {
                 let v = [_mm256_loadu_si256(rec.add(i * 64).cast()), _mm256_loadu_si256(rec.add(i * 64 + 32).cast())];

@@ -9,7 +9,7 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::tiled::Rows;
+use super::tiled::{Ahead, Rows};
 use super::weights::{TileData, Tiled, QBLOCK, TILE};
 use crate::pool::Disjoint;
 
@@ -86,24 +86,6 @@ unsafe fn tiles_body<const VNNI: bool>(t: &Tiled, rows: &Rows<'_>, tiles: Range<
             }
         }
         tile += if pair { 2 } else { 1 };
-    }
-}
-
-/// Where the next tile pair's records start: a kernel fetches the bytes of
-/// its step `s` there (`stride` of them) while it computes its own step
-/// `s`. The address may lie past the weight's end (a last pair, or the
-/// weight's end): a prefetch never faults, it only fetches for nothing.
-#[derive(Clone, Copy)]
-struct Ahead(*const u8);
-
-impl Ahead {
-    #[inline(always)]
-    fn fetch(self, offset: usize, bytes: usize) {
-        for line in (0..bytes).step_by(64) {
-            // SAFETY: SSE is part of the x86-64 baseline, and a prefetch
-            // reads nothing the program sees: any address is allowed.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(self.0.wrapping_add(offset + line).cast()) };
-        }
     }
 }
 

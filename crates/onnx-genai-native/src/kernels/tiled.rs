@@ -153,6 +153,30 @@ unsafe fn quantize_avx2(x: &[f32], x_block: usize, q: &mut [i8], scales: &mut [f
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+/// Where the next tile pair's records start: a kernel fetches the bytes of
+/// its step `s` there (`stride` of them) while it computes its own step
+/// `s`. The address may lie past the weight's end (a last pair, or the
+/// weight's end): a prefetch never faults, it only fetches for nothing.
+#[derive(Clone, Copy)]
+pub(crate) struct Ahead(pub(crate) *const u8);
+
+#[cfg(target_arch = "x86_64")]
+impl Ahead {
+    #[inline(always)]
+    pub(crate) fn fetch(self, offset: usize, bytes: usize) {
+        for line in (0..bytes).step_by(64) {
+            // SAFETY: SSE is part of the x86-64 baseline, and a prefetch
+            // reads nothing the program sees: any address is allowed.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                    self.0.wrapping_add(offset + line).cast(),
+                )
+            };
+        }
+    }
+}
+
 /// `v` rounded to nearest, ties to even, for `|v| < 2^22` (quantized
 /// activations are within ±127): adding and subtracting 1.5 · 2^23 leaves
 /// the rounded value in the default rounding mode. `f32::round_ties_even`
