@@ -575,20 +575,11 @@ impl Plan {
     }
 }
 
-/// The step index of the projection that computes the logits, looking
-/// through the Identity nodes exporters put before a graph output, when
-/// nothing else reads its rows: it may then run on each sequence's last row
-/// alone.
+/// The step index of the projection that computes the logits (the
+/// compiler has removed the Identity exporters put before a graph output):
+/// it may run on each sequence's last row alone, as nothing else reads its
+/// rows.
 fn head_projection(order: &[Node], logits: Vid) -> Option<usize> {
-    let producer = |v: Vid| order.iter().position(|n| n.outputs.first() == Some(&v));
-    let readers = |v: Vid| order.iter().flat_map(|n| n.inputs.iter().flatten()).filter(|i| **i == v).count();
-    let mut at = producer(logits)?;
-    while matches!(order[at].op, Op::Identity) {
-        let input = (*order[at].inputs.first()?)?;
-        if readers(input) != 1 {
-            return None;
-        }
-        at = producer(input)?;
-    }
+    let at = order.iter().position(|n| n.outputs.first() == Some(&logits))?;
     matches!(order[at].op, Op::Linear { .. }).then_some(at)
 }

@@ -18,8 +18,9 @@ use onnx_genai_test_support::build_variant as package;
 /// Fusion coverage per export: a matcher that silently stops firing fails
 /// here even though the generic kernels would still compute the right
 /// logits (decomposed attention cannot fall back: it must fuse). The
-/// logits projection must be found behind the exporters' output Identity,
-/// so a prefill computes only the last row's logits.
+/// logits projection writes the logits output itself (the exporters'
+/// Identity before it is removed, no copy runs), so a prefill computes only
+/// the last row's logits.
 #[test]
 fn fusions_fire_on_every_export() {
     let layers = 2;
@@ -73,8 +74,9 @@ fn fusions_fire_on_every_export() {
         for (kind, n) in fusions {
             assert_eq!(plan.stats.fused(kind), n, "{name} {variant:?} {kind}: {:?}", plan.stats.fusions);
         }
+        assert_eq!(plan.stats.fused("identity_forwarded"), 1, "{name} {variant:?}: {:?}", plan.stats.fusions);
         let ops = plan.step_ops();
-        for generic in ["MatMul", "Concat", "Softmax", "MatMulNBits", "Tile", "Tanh"] {
+        for generic in ["MatMul", "Concat", "Softmax", "MatMulNBits", "Tile", "Tanh", "Identity"] {
             assert!(!ops.iter().any(|o| o == generic), "{name} {variant:?} still runs a generic {generic}: {ops:?}");
         }
         assert_eq!(ops.iter().filter(|o| *o == "Attention").count(), layers, "{name} {variant:?}");

@@ -123,18 +123,25 @@ fn axpy_portable(y: &mut [f32], alpha: f32, x: &[f32]) {
 /// Asks the CPU to bring `data` into its cache ahead of use: a hint, with
 /// no effect on any result (nothing at all off x86-64).
 pub fn prefetch<T>(data: &[T]) {
+    prefetch_bytes(data.as_ptr().cast(), std::mem::size_of_val(data));
+}
+
+/// Asks the CPU to bring the `bytes` bytes at `start` into its cache, one
+/// 64-byte line at a time. Any address is allowed, even past an
+/// allocation's end: a prefetch never faults and reads nothing the
+/// program sees, so at worst it fetches for nothing.
+#[inline(always)]
+pub(crate) fn prefetch_bytes(start: *const u8, bytes: usize) {
     #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        let start = data.as_ptr().cast::<i8>();
-        for offset in (0..std::mem::size_of_val(data)).step_by(64) {
-            // SAFETY: SSE is part of the x86-64 baseline; the address lies
-            // inside `data` (and a prefetch reads nothing the program sees).
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(start.add(offset)) };
-        }
+    for line in (0..bytes).step_by(64) {
+        // SAFETY: SSE is part of the x86-64 baseline, and a prefetch of
+        // any address is defined (it is a hint: no fault, no read).
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(start.wrapping_add(line).cast())
+        };
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = data;
+    let _ = (start, bytes);
 }
 
 /// Numerically stable softmax of one row, in place.
@@ -312,46 +319,43 @@ mod x86 {
             let o = out.add(r * hd);
             let mut c = 0;
             // 64 columns at a time (8 independent chains: enough to cover
-            // the multiply-add latency, which 4 did not), then 32; a fixed
-            // count stays in registers across t (a run-time one kept them
-            // in memory behind a branch per multiply-add). Each column adds
-            // its values in t order either way.
+            // the multiply-add latency, which 4 did not), then 32, then 8.
             while c + 64 <= hd {
-                let mut acc: [__m256; 8] = std::array::from_fn(|j| _mm256_loadu_ps(o.add(c + 8 * j)));
-                for t in 0..total {
-                    let w = _mm256_set1_ps(*pr.add(t));
-                    let row = v.add(t * hd + c);
-                    for (j, a) in acc.iter_mut().enumerate() {
-                        *a = _mm256_fmadd_ps(w, _mm256_loadu_ps(row.add(8 * j)), *a);
-                    }
-                }
-                for (j, a) in acc.iter().enumerate() {
-                    _mm256_storeu_ps(o.add(c + 8 * j), *a);
-                }
+                columns::<8>(pr, v.add(c), total, hd, o.add(c));
                 c += 64;
             }
             while c + 32 <= hd {
-                let mut acc: [__m256; 4] = std::array::from_fn(|j| _mm256_loadu_ps(o.add(c + 8 * j)));
-                for t in 0..total {
-                    let w = _mm256_set1_ps(*pr.add(t));
-                    let row = v.add(t * hd + c);
-                    for (j, a) in acc.iter_mut().enumerate() {
-                        *a = _mm256_fmadd_ps(w, _mm256_loadu_ps(row.add(8 * j)), *a);
-                    }
-                }
-                for (j, a) in acc.iter().enumerate() {
-                    _mm256_storeu_ps(o.add(c + 8 * j), *a);
-                }
+                columns::<4>(pr, v.add(c), total, hd, o.add(c));
                 c += 32;
             }
             while c < hd {
-                let mut a = _mm256_loadu_ps(o.add(c));
-                for t in 0..total {
-                    a = _mm256_fmadd_ps(_mm256_set1_ps(*pr.add(t)), _mm256_loadu_ps(v.add(t * hd + c)), a);
-                }
-                _mm256_storeu_ps(o.add(c), a);
+                columns::<1>(pr, v.add(c), total, hd, o.add(c));
                 c += 8;
             }
+        }
+    }
+
+    /// `o[..8N] += Σ_t p[t] · v[t·hd ..][..8N]`, in `N` chains of 8
+    /// columns. `N` is a constant so the chains stay in registers across
+    /// `t` (a run-time count kept them in memory behind a branch per
+    /// multiply-add); each column adds its values in `t` order whatever `N`.
+    ///
+    /// # Safety
+    /// AVX2 and FMA must be available; `p` valid for `total` reads, `v` for
+    /// `8N` reads at each `t * hd`, `o` for `8N` reads and writes.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn columns<const N: usize>(p: *const f32, v: *const f32, total: usize, hd: usize, o: *mut f32) {
+        let mut acc: [__m256; N] = std::array::from_fn(|j| _mm256_loadu_ps(o.add(8 * j)));
+        for t in 0..total {
+            let w = _mm256_set1_ps(*p.add(t));
+            let row = v.add(t * hd);
+            for (j, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(w, _mm256_loadu_ps(row.add(8 * j)), *a);
+            }
+        }
+        for (j, a) in acc.iter().enumerate() {
+            _mm256_storeu_ps(o.add(8 * j), *a);
         }
     }
 

@@ -165,15 +165,7 @@ pub(crate) struct Ahead(pub(crate) *const u8);
 impl Ahead {
     #[inline(always)]
     pub(crate) fn fetch(self, offset: usize, bytes: usize) {
-        for line in (0..bytes).step_by(64) {
-            // SAFETY: SSE is part of the x86-64 baseline, and a prefetch
-            // reads nothing the program sees: any address is allowed.
-            unsafe {
-                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                    self.0.wrapping_add(offset + line).cast(),
-                )
-            };
-        }
+        super::simd::prefetch_bytes(self.0.wrapping_add(offset), bytes);
     }
 }
 
