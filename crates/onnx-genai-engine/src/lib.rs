@@ -15,6 +15,7 @@
 mod backends;
 mod chat;
 mod constraint;
+mod detok;
 mod request;
 pub mod sampling;
 mod template;

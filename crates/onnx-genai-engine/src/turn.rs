@@ -8,6 +8,7 @@ use onnx_genai_backend::{Entry, Input, Sequence};
 use onnx_genai_scheduler::{Admission, AdmissionRequest};
 
 use crate::constraint::Constraint;
+use crate::detok::TextStream;
 use crate::sampling::{log_softmax_top, Sampler, TokenLogprob};
 use crate::{
     Admitted, ConversationId, Engine, EngineError, FinishReason, Flow, GenerateRequest, GenerateResult, SessionId,
@@ -42,7 +43,8 @@ pub struct Turn {
     kept: usize,
     request: GenerateRequest,
     generated: Vec<u32>,
-    emitted: String,
+    /// How far the streamed text has got.
+    text: TextStream,
     sampler: Sampler,
     /// The response format's grammar, masking every choice.
     constraint: Option<Constraint>,
@@ -87,7 +89,7 @@ impl Turn {
             kept: 0,
             request,
             generated: Vec::new(),
-            emitted: String::new(),
+            text: TextStream::default(),
             sampler,
             constraint: None,
             logprobs: Vec::new(),
@@ -543,14 +545,7 @@ impl Engine {
             complete = constraint.is_done();
         }
         turn.generated.push(token);
-        let text = self.decode(&turn.generated)?;
-        // Hold back a trailing incomplete UTF-8 sequence until it completes.
-        let delta = if text.ends_with('\u{FFFD}') || !text.starts_with(&turn.emitted) {
-            String::new()
-        } else {
-            text[turn.emitted.len()..].to_string()
-        };
-        turn.emitted.push_str(&delta);
+        let delta = turn.text.next(&turn.generated, |ids| self.decode(ids))?;
         // (The chosen token is allowed, so the mask left its logit as it was.)
         let logprob = spread.map(|(lse, top)| TokenLogprob { token, logprob: turn.logits[token as usize] - lse, top });
         let flow = on_token(TokenEvent { token_id: token, text_delta: &delta, logprob: logprob.as_ref() });
