@@ -491,7 +491,7 @@ pub(crate) fn eliminate_dead(g: &mut Graph, roots: &[Vid]) {
 /// logits there (0.2-0.5 ms a step on SmolLM2). An input that is a graph
 /// input, a constant, another reader's or a root itself keeps its copy.
 fn forward_identities(g: &mut Graph, roots: &[Vid], stats: &mut CompileStats) {
-    let uses = Uses::of(g);
+    let mut uses = Uses::of(g);
     let mut forwarded = 0;
     for i in 0..g.nodes.len() {
         let Some(node) = &g.nodes[i] else { continue };
@@ -507,6 +507,9 @@ fn forward_identities(g: &mut Graph, roots: &[Vid], stats: &mut CompileStats) {
         if let Some(p) = g.nodes[producer].as_mut() {
             p.outputs.iter_mut().filter(|o| **o == input).for_each(|o| *o = output);
             g.nodes[i] = None;
+            // The producer now writes `output`: an Identity after this one
+            // (nodes are in order) forwards to it in turn.
+            uses.producer[output] = Some(producer);
             forwarded += 1;
         }
     }
@@ -558,13 +561,15 @@ mod tests {
 
     /// The logits copy is removed only where no one else can see it: an
     /// Identity over a value its producer computes for it alone goes (the
-    /// producer writes the output), one over a graph input, a value another
-    /// node reads too, or a root keeps its copy.
+    /// producer writes the output; a chain of them goes whole), one over a
+    /// graph input, a value another node reads too, or a root keeps its
+    /// copy.
     #[test]
     fn an_identity_is_forwarded_only_when_its_input_is_its_alone() {
         let mut g = Graph::default();
         let neg = node(&mut g, Op::Unary(UnOp::Neg), "x", "a");
-        let logits = node(&mut g, Op::Identity, "a", "logits");
+        let between = node(&mut g, Op::Identity, "a", "between");
+        let logits = node(&mut g, Op::Identity, "between", "logits");
         let _ = node(&mut g, Op::Identity, "x", "from_input");
         let shared = node(&mut g, Op::Unary(UnOp::Neg), "x", "b");
         let _ = node(&mut g, Op::Identity, "b", "copy_of_shared");
@@ -573,11 +578,11 @@ mod tests {
         let _ = node(&mut g, Op::Identity, "c", "copy_of_root");
         let mut stats = CompileStats::default();
         forward_identities(&mut g, &[logits, root], &mut stats);
-        assert_eq!(stats.fused("identity_forwarded"), 1);
+        assert_eq!(stats.fused("identity_forwarded"), 2);
         let live: Vec<&Node> = g.nodes.iter().flatten().collect();
         assert_eq!(live.len(), 7, "{live:?}");
         assert!(live.iter().any(|n| matches!(n.op, Op::Unary(UnOp::Neg)) && n.outputs == [logits]));
-        assert!(!live.iter().any(|n| n.outputs == [neg] || n.outputs == [logits] && matches!(n.op, Op::Identity)));
+        assert!(!live.iter().any(|n| n.outputs == [neg] || n.outputs == [between] || n.inputs == [Some(between)]));
         assert!(live.iter().any(|n| matches!(n.op, Op::Identity) && n.inputs == [Some(shared)]));
         assert!(live.iter().any(|n| matches!(n.op, Op::Identity) && n.inputs == [Some(root)]));
     }
