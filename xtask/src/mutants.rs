@@ -50,6 +50,9 @@ pub fn run(opts: Options) -> Result<()> {
     })
     .map_err(anyhow::Error::msg)?;
     report.write(&out, &util::commit())?;
+    for p in &report.preparations {
+        println!("before the mutants of {p}");
+    }
     println!(
         "\nmutants: {} run, {} failed, {} problems ({:.0} s); report: {}",
         report.results.len(),

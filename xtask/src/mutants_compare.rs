@@ -1,8 +1,8 @@
 //! `cargo xtask mutants --compare`: runs cargo-mutants (installed with
 //! `cargo install`, the version pinned in
 //! `conformance/cargo-mutants.yaml`) time-boxed on that file's targets
-//! (the scheduler crate, the server's lease module, its routes and its
-//! model driver), optionally one shard of each, and reports its caught /
+//! (the scheduler crate, the server's lease module, and its routes and
+//! model driver together), optionally one shard of each, and reports its caught /
 //! missed / unviable / timeout counts beside the batteries' last report.
 //! Each miss is either listed as equivalent (with the reason) in that file
 //! or reported as a GAP, which fails the command.
@@ -85,10 +85,13 @@ fn install(version: &str) -> Result<std::path::PathBuf> {
     if installed.is_some_and(|o| String::from_utf8_lossy(&o.stdout).trim() == format!("cargo-mutants {version}")) {
         return Ok(bin);
     }
-    println!("==> cargo install cargo-mutants {version} (--locked) into {}", root.display());
+    println!("==> cargo install cargo-mutants {version} (--locked --debug) into {}", root.display());
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    // `--debug`: the optimised build took most of this lane's set-up on a
+    // CI machine, and what the tool does itself (copy a tree, parse a few
+    // files, start cargo) does not need it.
     let status = Command::new(cargo)
-        .args(["install", "cargo-mutants", "--locked", "--force", "--version", version, "--root"])
+        .args(["install", "cargo-mutants", "--locked", "--debug", "--force", "--version", version, "--root"])
         .arg(&root)
         .status()
         .context("cannot run cargo install")?;

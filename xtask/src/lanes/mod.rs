@@ -243,12 +243,15 @@ pub fn run_lane(lane: &Lane) -> Result<LaneRun> {
     for argv in &lane.commands {
         let (program, args) = argv.split_first().context("an empty command")?;
         println!("==> {}", argv.join(" "));
+        let command_started = Instant::now();
         let status = Command::new(program)
             .args(args)
             .current_dir(util::root())
             .env("ORT_DYLIB_PATH", &lib)
             .status()
             .with_context(|| format!("cannot start {program}"))?;
+        // Each command's time, so a slow lane says where its time went.
+        println!("<== {} s: {}", command_started.elapsed().as_secs(), argv.join(" "));
         if !status.success() {
             return Ok(done(0, format!("`{}` failed ({status})", argv.join(" ")), false));
         }

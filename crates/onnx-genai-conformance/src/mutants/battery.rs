@@ -96,7 +96,33 @@ impl fmt::Display for Problem {
 pub struct Report {
     pub results: Vec<MutantResult>,
     pub problems: Vec<Problem>,
+    /// What each battery spent before its first mutant.
+    pub preparations: Vec<Preparation>,
     pub seconds: f64,
+}
+
+/// Seconds a battery spent before its first mutant: listing its tests (the
+/// first cargo run in a fresh scratch tree builds them), the clean
+/// baseline, placing the tests in their binaries, and the declared killers
+/// run alone on the clean tree. The mutants' own seconds are in their
+/// results; the rest of a run is these.
+#[derive(Debug, Default, Clone, Serialize)]
+pub struct Preparation {
+    pub battery: String,
+    pub list: f64,
+    pub baseline: f64,
+    pub index: f64,
+    pub killers: f64,
+}
+
+impl std::fmt::Display for Preparation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}: list {:.0} s, baseline {:.0} s, index {:.0} s, clean killers {:.0} s",
+            self.battery, self.list, self.baseline, self.index, self.killers
+        )
+    }
 }
 
 impl Report {
@@ -129,6 +155,10 @@ impl Report {
                 r.seconds
             ));
         }
+        md.push_str("\nBefore the first mutant of each battery:\n\n");
+        for p in &self.preparations {
+            md.push_str(&format!("- {p}\n"));
+        }
         for p in &self.problems {
             md.push_str(&format!("\n**{p}**\n"));
         }
@@ -137,6 +167,7 @@ impl Report {
             "commit": commit,
             "seconds": self.seconds,
             "results": self.results,
+            "preparations": self.preparations,
             "problems": self.problems,
         });
         let text = serde_json::to_string_pretty(&json).map_err(std::io::Error::other)?;
@@ -220,11 +251,22 @@ pub fn run_all(
     check_selection(catalogs, selection)?;
     let started = Instant::now();
     let mut report = Report::default();
+    // Every build of the run selects the same packages (`build.rs`).
+    let mut packages: Vec<String> = Vec::new();
+    for p in catalogs.iter().flat_map(|c| &c.packages) {
+        if !packages.contains(p) {
+            packages.push(p.clone());
+        }
+    }
     for catalog in catalogs {
         if !selection.takes(catalog) {
             continue;
         }
-        let listed = runner.list(catalog).map_err(|e| format!("listing the tests of {}: {e}", catalog.battery))?;
+        let mut preparation = Preparation { battery: catalog.battery.clone(), ..Preparation::default() };
+        let phase = Instant::now();
+        let listed =
+            runner.list(catalog, &packages).map_err(|e| format!("listing the tests of {}: {e}", catalog.battery))?;
+        preparation.list = phase.elapsed().as_secs_f64();
         if listed.len() != catalog.tests {
             report.problems.push(Problem::FilterDrift {
                 battery: catalog.battery.clone(),
@@ -246,7 +288,7 @@ pub fn run_all(
             continue;
         }
         let baseline_started = Instant::now();
-        match runner.run(catalog, selection.baseline_limit)? {
+        match runner.run(catalog, &packages, selection.baseline_limit)? {
             TestRun::Passed { count } if count == listed.len() => {}
             TestRun::Passed { count } => {
                 report.problems.push(Problem::BaselineShort {
@@ -263,9 +305,14 @@ pub fn run_all(
                 continue;
             }
         }
+        preparation.baseline = baseline_started.elapsed().as_secs_f64();
         let limit = selection.min_limit.max(baseline_started.elapsed() * 4);
-        let index =
-            runner.index(catalog, &listed).map_err(|e| format!("placing the tests of {}: {e}", catalog.battery))?;
+        let phase = Instant::now();
+        let index = runner
+            .index(catalog, &packages, &listed)
+            .map_err(|e| format!("placing the tests of {}: {e}", catalog.battery))?;
+        preparation.index = phase.elapsed().as_secs_f64();
+        let phase = Instant::now();
         let selected = selected(catalog, selection);
         // The killers judge alone, so they must pass alone on the clean
         // tree, run as a mutant's are (a few at once): a killer that failed
@@ -278,17 +325,19 @@ pub fn run_all(
         }
         let mut red = None;
         for group in killers.chunks(KILLERS_AT_ONCE) {
-            match runner.run_killers(group, selection.baseline_limit)? {
+            match runner.run_killers(group, &packages, selection.baseline_limit)? {
                 TestRun::Passed { count } if count == group.len() => {}
                 other => red = Some(format!("declared killers run alone on the clean tree: {other:?}")),
             }
         }
+        preparation.killers = phase.elapsed().as_secs_f64();
+        report.preparations.push(preparation);
         if let Some(detail) = red {
             report.problems.push(Problem::BaselineRed { battery: catalog.battery.clone(), detail });
             continue;
         }
         for m in selected {
-            let result = runner.mutant(catalog, &index, m, limit)?;
+            let result = runner.mutant(catalog, &packages, &index, m, limit)?;
             on_result(&result);
             report.results.push(result);
         }

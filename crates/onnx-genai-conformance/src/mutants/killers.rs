@@ -14,12 +14,10 @@
 //! battery, whose run decides: a survivor is still MISSED and a kill by
 //! another test still names that test.
 
-use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
-use super::runner::{failed_tests, full_name, is_killer, passed_tests, tail, Runner, Watched};
+use super::runner::{failed_tests, full_name, is_killer, passed_tests, Runner, Watched};
 use super::{Catalog, TestRun};
 
 /// One test of a battery and the cargo arguments that build and run only
@@ -68,33 +66,27 @@ impl Runner {
     /// Places every test of `listed` (the battery's selection) in its
     /// package's test target: cargo names each test binary it builds
     /// (`--message-format=json`), and each binary lists its tests.
-    pub fn index(&self, catalog: &Catalog, listed: &[String]) -> Result<TestIndex, String> {
+    pub fn index(&self, catalog: &Catalog, packages: &[String], listed: &[String]) -> Result<TestIndex, String> {
+        let targets: Vec<Vec<String>> =
+            catalog.test_target.iter().map(|t| vec!["--test".to_string(), t.clone()]).collect();
+        let far = Instant::now() + Duration::from_secs(24 * 3600);
+        let binaries = self
+            .build(packages, &targets, far)?
+            .map_err(|run| format!("building the tests of {}: {run:?}", catalog.battery))?;
         let mut located = Vec::new();
-        for package in &catalog.packages {
-            let mut c = self.cargo_command();
-            c.args(["test", "--no-run", "--message-format=json", "-p", package]);
-            if let Some(target) = &catalog.test_target {
-                c.args(["--test", target]);
-            }
-            let out = c.output().map_err(|e| e.to_string())?;
-            if !out.status.success() {
-                return Err(format!("building the tests of {package}: {}", String::from_utf8_lossy(&out.stderr)));
-            }
-            for binary in test_binaries(&String::from_utf8_lossy(&out.stdout)) {
-                let mut list = Command::new(&binary.executable);
-                list.arg("--list").current_dir(&binary.dir).envs(self.envs.iter().map(|(k, v)| (k, v)));
-                let out = list.output().map_err(|e| format!("{}: {e}", binary.executable.display()))?;
-                let names = String::from_utf8_lossy(&out.stdout);
-                for name in names.lines().filter_map(|l| l.strip_suffix(": test")).map(full_name) {
-                    if listed.contains(&name) {
-                        located.push(Located {
-                            name,
-                            package: package.clone(),
-                            target: binary.target.clone(),
-                            executable: binary.executable.clone(),
-                            dir: binary.dir.clone(),
-                        });
-                    }
+        for binary in binaries.iter().filter(|b| b.belongs_to(catalog)) {
+            let out = binary.command(self).arg("--list").output();
+            let out = out.map_err(|e| format!("{}: {e}", binary.executable.display()))?;
+            let names = String::from_utf8_lossy(&out.stdout);
+            for name in names.lines().filter_map(|l| l.strip_suffix(": test")).map(full_name) {
+                if listed.contains(&name) {
+                    located.push(Located {
+                        name,
+                        package: binary.package.clone(),
+                        target: binary.target.clone(),
+                        executable: binary.executable.clone(),
+                        dir: binary.dir.clone(),
+                    });
                 }
             }
         }
@@ -102,37 +94,28 @@ impl Runner {
     }
 
     /// Builds the targets holding `killers` (under the applied mutant, or
-    /// on the clean tree) and runs each killer in its own process, all
-    /// within `limit`. `Failed` lists the killers whose runs reported them
-    /// failed; `Passed` (none failed) counts those reported passed. A run
-    /// that reports neither (it died first, or ran nothing) is in neither.
-    pub fn run_killers(&self, killers: &[&Located], limit: Duration) -> Result<TestRun, String> {
+    /// on the clean tree; the run's `packages`, see `build.rs`) and runs
+    /// each killer in its own process, all within `limit`. `Failed` lists
+    /// the killers whose runs reported them failed; `Passed` (none failed)
+    /// counts those reported passed. A run that reports neither (it died
+    /// first, or ran nothing) is in neither.
+    pub fn run_killers(&self, killers: &[&Located], packages: &[String], limit: Duration) -> Result<TestRun, String> {
         let deadline = Instant::now() + limit;
-        let mut targets: BTreeMap<&str, BTreeSet<&[String]>> = BTreeMap::new();
+        let mut targets: Vec<Vec<String>> = Vec::new();
         for k in killers {
-            targets.entry(k.package.as_str()).or_default().insert(k.target.as_slice());
+            if !targets.contains(&k.target) {
+                targets.push(k.target.clone());
+            }
         }
-        for (package, targets) in targets {
-            let mut build = self.cargo_command();
-            build.args(["test", "--no-run", "-p", package]);
-            for target in targets {
-                build.args(target);
-            }
-            match Watched::spawn(build)?.wait(deadline)? {
-                None => return Ok(TestRun::TimedOut),
-                Some((status, _, stderr)) if !status.success() => {
-                    return Ok(TestRun::BuildFailed { tail: tail(&stderr) })
-                }
-                Some(_) => {}
-            }
+        if let Err(decided) = self.build(packages, &targets, deadline)? {
+            return Ok(decided);
         }
         // On an early return the runs still going are dropped, and a
         // dropped `Watched` kills its process group.
         let mut running = Vec::new();
         for k in killers {
-            let mut c = Command::new(&k.executable);
-            c.args(["--exact", "--test-threads=1", &k.name]).current_dir(&k.dir);
-            c.envs(self.envs.iter().map(|(k, v)| (k, v)));
+            let mut c = self.test_command(&k.executable, &k.dir, &k.package);
+            c.args(["--exact", "--test-threads=1", &k.name]);
             running.push((k.name.as_str(), Watched::spawn(c)?));
         }
         let (mut failed, mut passed) = (Vec::new(), 0);
@@ -153,64 +136,9 @@ impl Runner {
     }
 }
 
-/// A test binary cargo built: its executable, the package directory cargo
-/// runs it in, and the arguments that select its target.
-struct TestBinary {
-    executable: PathBuf,
-    dir: PathBuf,
-    target: Vec<String>,
-}
-
-/// The test binaries in the JSON messages of `cargo test --no-run
-/// --message-format=json` (dependencies' artifacts are not test builds).
-fn test_binaries(messages: &str) -> Vec<TestBinary> {
-    let mut out = Vec::new();
-    for line in messages.lines() {
-        let Ok(msg) = serde_json::from_str::<serde_json::Value>(line) else { continue };
-        let (Some(executable), Some(manifest)) = (msg["executable"].as_str(), msg["manifest_path"].as_str()) else {
-            continue;
-        };
-        if msg["reason"] != "compiler-artifact" || msg["profile"]["test"] != true {
-            continue;
-        }
-        let name = msg["target"]["name"].as_str().unwrap_or_default().to_string();
-        let target = match msg["target"]["kind"][0].as_str() {
-            Some("lib") => vec!["--lib".to_string()],
-            Some("test") => vec!["--test".to_string(), name],
-            Some("bin") => vec!["--bin".to_string(), name],
-            // Benches and examples hold no battery test.
-            _ => continue,
-        };
-        let dir = PathBuf::from(manifest).parent().map(PathBuf::from).unwrap_or_default();
-        out.push(TestBinary { executable: executable.into(), dir, target });
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Only test builds of the workspace's targets are test binaries, each
-    /// with the arguments that select it: a dependency's library or a
-    /// build script must never be run as a battery's test.
-    #[test]
-    fn test_binaries_come_from_test_artifacts() {
-        let messages = [
-            r#"{"reason":"compiler-artifact","manifest_path":"/w/crates/a/Cargo.toml","target":{"kind":["lib"],"name":"a"},"profile":{"test":true},"executable":"/t/a-1"}"#,
-            r#"{"reason":"compiler-artifact","manifest_path":"/w/crates/a/Cargo.toml","target":{"kind":["test"],"name":"server"},"profile":{"test":true},"executable":"/t/server-2"}"#,
-            r#"{"reason":"compiler-artifact","manifest_path":"/r/dep/Cargo.toml","target":{"kind":["lib"],"name":"dep"},"profile":{"test":false},"executable":null}"#,
-            r#"{"reason":"compiler-artifact","manifest_path":"/w/crates/a/Cargo.toml","target":{"kind":["bin"],"name":"tool"},"profile":{"test":false},"executable":"/t/tool"}"#,
-            r#"{"reason":"build-finished","success":true}"#,
-            "not json",
-        ]
-        .join("\n");
-        let found = test_binaries(&messages);
-        let targets: Vec<&[String]> = found.iter().map(|b| b.target.as_slice()).collect();
-        assert_eq!(targets, [&["--lib".to_string()][..], &["--test".to_string(), "server".to_string()][..]]);
-        assert_eq!(found[1].executable, PathBuf::from("/t/server-2"));
-        assert_eq!(found[1].dir, PathBuf::from("/w/crates/a"));
-    }
 
     /// Every killer must be placed, by its full name or trailing segments;
     /// one the index lacks sends the mutant to the whole battery.

@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 use crate::HarnessError;
 
 mod battery;
+mod build;
 mod killers;
 mod runner;
 mod seed;

@@ -4,6 +4,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use super::build::selection_args;
 use super::killers::TestIndex;
 use super::{occurrences, Catalog, Mutant, MutantResult, Scope, Verdict};
 
@@ -164,58 +165,52 @@ impl Runner {
         c
     }
 
-    fn cargo(&self, catalog: &Catalog, extra: &[&str]) -> Command {
-        let mut c = self.cargo_command();
-        // Every test binary runs even after one fails, so the killers are
-        // complete.
-        c.args(["test", "--no-fail-fast"]);
-        for p in &catalog.packages {
-            c.args(["-p", p]);
+    /// Full names of the tests the battery's filter selects (building the
+    /// run's `packages` first).
+    pub fn list(&self, catalog: &Catalog, packages: &[String]) -> Result<Vec<String>, String> {
+        let far = Instant::now() + Duration::from_secs(24 * 3600);
+        let binaries = self.build(packages, &catalog_targets(catalog), far)?.map_err(|run| format!("{run:?}"))?;
+        let mut names = Vec::new();
+        for b in binaries.iter().filter(|b| b.belongs_to(catalog)) {
+            let out = b.command(self).arg("--list").args(selection_args(catalog)).output();
+            let out = out.map_err(|e| format!("{}: {e}", b.executable.display()))?;
+            if !out.status.success() {
+                return Err(format!(
+                    "{} --list: {}",
+                    b.executable.display(),
+                    tail(&String::from_utf8_lossy(&out.stderr))
+                ));
+            }
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            names.extend(stdout.lines().filter_map(|l| l.strip_suffix(": test")).map(full_name));
         }
-        if let Some(target) = &catalog.test_target {
-            c.args(["--test", target]);
-        }
-        c.arg("--").args(extra);
-        if !catalog.filter.is_empty() {
-            c.arg(&catalog.filter);
-        }
-        for name in &catalog.skip {
-            c.args(["--skip", name]);
-        }
-        c
+        Ok(names)
     }
 
-    /// Full names of the tests the battery's filter selects.
-    pub fn list(&self, catalog: &Catalog) -> Result<Vec<String>, String> {
-        let out = self.cargo(catalog, &["--list"]).output().map_err(|e| e.to_string())?;
-        if !out.status.success() {
-            return Err(tail(&String::from_utf8_lossy(&out.stderr)));
-        }
-        Ok(String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter_map(|l| l.strip_suffix(": test"))
-            .map(full_name)
-            .collect())
-    }
-
-    /// Runs the battery's tests with a time limit.
-    pub fn run(&self, catalog: &Catalog, limit: Duration) -> Result<TestRun, String> {
-        Self::run_command(self.cargo(catalog, &["--test-threads=2"]), limit)
-    }
-
-    /// Runs a `cargo test` command with a time limit and reads its verdict.
-    pub(crate) fn run_command(command: Command, limit: Duration) -> Result<TestRun, String> {
-        let Some((status, stdout, stderr)) = Watched::spawn(command)?.wait(Instant::now() + limit)? else {
-            return Ok(TestRun::TimedOut);
+    /// Builds and runs the battery's tests, every binary even after one
+    /// fails (so the killers are complete), all within `limit`.
+    pub fn run(&self, catalog: &Catalog, packages: &[String], limit: Duration) -> Result<TestRun, String> {
+        let deadline = Instant::now() + limit;
+        let binaries = match self.build(packages, &catalog_targets(catalog), deadline)? {
+            Ok(binaries) => binaries,
+            Err(decided) => return Ok(decided),
         };
-        let failed = failed_tests(&stdout);
-        if status.success() {
-            return Ok(TestRun::Passed { count: passed_tests(&stdout) });
+        let (mut failed, mut passed, mut green) = (Vec::new(), 0, true);
+        for b in binaries.iter().filter(|b| b.belongs_to(catalog)) {
+            let mut c = b.command(self);
+            c.arg("--test-threads=2").args(selection_args(catalog));
+            let Some((status, stdout, _)) = Watched::spawn(c)?.wait(deadline)? else {
+                return Ok(TestRun::TimedOut);
+            };
+            passed += passed_tests(&stdout);
+            if !status.success() {
+                // A binary that died without naming a failed test still
+                // failed: the verdict is a kill by no named test.
+                green = false;
+                failed.extend(failed_tests(&stdout));
+            }
         }
-        if failed.is_empty() && (stderr.contains("could not compile") || stderr.contains("error[")) {
-            return Ok(TestRun::BuildFailed { tail: tail(&stderr) });
-        }
-        Ok(TestRun::Failed { tests: failed })
+        Ok(if green { TestRun::Passed { count: passed } } else { TestRun::Failed { tests: failed } })
     }
 
     /// Applies `m`, runs, restores. The file is rewritten both ways (fresh
@@ -225,6 +220,7 @@ impl Runner {
     pub fn mutant(
         &self,
         catalog: &Catalog,
+        packages: &[String],
         index: &TestIndex,
         m: &Mutant,
         limit: Duration,
@@ -243,14 +239,14 @@ impl Runner {
             // decides here; anything else (a killer that passed, one the
             // index could not place, a run that could not start) goes to
             // the whole battery, with a limit of its own.
-            let outcome = match index.killers(&m.killers).map(|k| (k.len(), self.run_killers(&k, limit))) {
+            let outcome = match index.killers(&m.killers).map(|k| (k.len(), self.run_killers(&k, packages, limit))) {
                 Some((n, Ok(TestRun::Failed { tests }))) if tests.len() == n => Some(Ok(TestRun::Failed { tests })),
                 Some((_, Ok(decided @ (TestRun::BuildFailed { .. } | TestRun::TimedOut)))) => Some(Ok(decided)),
                 _ => None,
             };
             let outcome = outcome.unwrap_or_else(|| {
                 scope = Scope::Battery;
-                self.run(catalog, limit)
+                self.run(catalog, packages, limit)
             });
             write_fresh(&path, &original)?;
             match outcome? {
@@ -302,6 +298,11 @@ impl Runner {
             restored,
         })
     }
+}
+
+/// The targets a battery's builds name: its one test target, or all.
+fn catalog_targets(catalog: &Catalog) -> Vec<Vec<String>> {
+    catalog.test_target.iter().map(|t| vec!["--test".to_string(), t.clone()]).collect()
 }
 
 /// A test's name as libtest (or libtest-mimic, after its `[kind]` tag)
