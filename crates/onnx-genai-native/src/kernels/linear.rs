@@ -213,61 +213,64 @@ mod tests {
     /// Every instruction-set path this CPU has computes, on tiled weights
     /// of every storage, what the reference path computes on the row form:
     /// decode (1 row), small batches and prefill-sized row counts (every
-    /// row-chunk size of the kernels), partial tiles and blocks, one and
-    /// two threads. int8-input products are exact integer block sums, so
+    /// row-chunk size of the kernels), partial tiles and blocks, tile pairs
+    /// and a single tile, one and two threads. int8-input products are exact integer block sums, so
     /// they must agree to the last bit; f32 inputs to rounding.
     #[test]
     fn every_isa_matches_the_reference_on_every_storage() {
-        let (n, k) = (53, 96);
-        let wf: Vec<f32> = (0..n * k).map(|i| ((i * 13 % 29) as f32 - 14.0) * 0.03).collect();
-        let halves: Vec<f16> = wf.iter().map(|v| f16::from_f32(*v)).collect();
-        let q8: Vec<f32> = (0..n * 80)
-            .map(|i| if i % 80 % 32 == 0 { -127.0 } else { (i * 17 % 255) as f32 - 127.0 } * 0.0625)
-            .collect();
-        let weights = [
-            Weight { n, k: 80, packed: Packed::F32(q8) }.narrowed(),
-            // (a narrowed weight must really be 8-bit)
-            Weight { n, k, packed: Packed::F32(wf.clone()) },
-            Weight { n, k, packed: Packed::F16(halves) },
-            q4(n, k, 32, false, false),
-            q4(n, k, 32, true, false),
-            q4(n, 80, 32, true, false),
-            q4(n, 128, 64, false, false),
-            q4(n, k, 32, false, true),
-            q4(n, 80, 32, true, true),
-            q4(n, 128, 64, true, true),
-            // Symmetric int8-input blocks of 64: the zero share that
-            // starts the integer sums spans two records.
-            q4(n, 128, 64, false, true),
-            // GGUF Q4_1-like blocks: f16 scales and `aux` (one f16 line).
-            crate::kernels::weights::affine_q4(n, k, false, true),
-            crate::kernels::weights::affine_q4(n, 80, true, true),
-        ];
-        let runtimes = [Runtime::serial(), Runtime::new(2).unwrap()];
-        for w in &weights {
-            let tiled = w.clone().into_tiled();
-            assert!(matches!(tiled.packed, Packed::Tiled(_)), "{} tiles", w.kind());
-            if let (Packed::Q4 { offsets: Some(_), .. }, Packed::Tiled(t)) = (&w.packed, &tiled.packed) {
-                assert!(matches!(t.data, TileData::Q4 { half: true, .. }), "the f16-record path is the one tested");
-            }
-            for m in [1, 2, 3, 4, 5, 8, 13, 21, 40, 70] {
-                let x: Vec<f32> = (0..m * w.k).map(|i| ((i * 7 % 19) as f32 - 9.0) * 0.11).collect();
-                let mut want = vec![0.0; m * n];
-                reference(&x, m, w, &mut want, &runtimes[0].ctx());
-                for isa in Isa::all_available() {
-                    for rt in &runtimes {
-                        let mut ctx = rt.ctx();
-                        ctx.isa = isa;
-                        let mut got = Vec::new();
-                        linear(&x, m, &tiled, None, &mut got, &ctx);
-                        assert_eq!(got.len(), want.len(), "{} {isa} m={m}: outputs", w.kind());
-                        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-                            let close = if w.int8_inputs() {
-                                a.to_bits() == b.to_bits()
-                            } else {
-                                (a - b).abs() <= 2e-5 * (1.0 + b.abs())
-                            };
-                            assert!(close, "{} {isa} m={m} out {i}: {a} vs reference {b}", w.kind());
+        // 53 outputs are 4 tiles (pairs only); 40 are 3, so a thread's
+        // range can end in a single tile, the kernels' one-tile path.
+        for (n, k) in [(53, 96), (40, 96)] {
+            let wf: Vec<f32> = (0..n * k).map(|i| ((i * 13 % 29) as f32 - 14.0) * 0.03).collect();
+            let halves: Vec<f16> = wf.iter().map(|v| f16::from_f32(*v)).collect();
+            let q8: Vec<f32> = (0..n * 80)
+                .map(|i| if i % 80 % 32 == 0 { -127.0 } else { (i * 17 % 255) as f32 - 127.0 } * 0.0625)
+                .collect();
+            let weights = [
+                Weight { n, k: 80, packed: Packed::F32(q8) }.narrowed(),
+                // (a narrowed weight must really be 8-bit)
+                Weight { n, k, packed: Packed::F32(wf.clone()) },
+                Weight { n, k, packed: Packed::F16(halves) },
+                q4(n, k, 32, false, false),
+                q4(n, k, 32, true, false),
+                q4(n, 80, 32, true, false),
+                q4(n, 128, 64, false, false),
+                q4(n, k, 32, false, true),
+                q4(n, 80, 32, true, true),
+                q4(n, 128, 64, true, true),
+                // Symmetric int8-input blocks of 64: the zero share that
+                // starts the integer sums spans two records.
+                q4(n, 128, 64, false, true),
+                // GGUF Q4_1-like blocks: f16 scales and `aux` (one f16 line).
+                crate::kernels::weights::affine_q4(n, k, false, true),
+                crate::kernels::weights::affine_q4(n, 80, true, true),
+            ];
+            let runtimes = [Runtime::serial(), Runtime::new(2).unwrap()];
+            for w in &weights {
+                let tiled = w.clone().into_tiled();
+                assert!(matches!(tiled.packed, Packed::Tiled(_)), "{} tiles", w.kind());
+                if let (Packed::Q4 { offsets: Some(_), .. }, Packed::Tiled(t)) = (&w.packed, &tiled.packed) {
+                    assert!(matches!(t.data, TileData::Q4 { half: true, .. }), "the f16-record path is the one tested");
+                }
+                for m in [1, 2, 3, 4, 5, 8, 13, 16, 17, 21, 40, 70] {
+                    let x: Vec<f32> = (0..m * w.k).map(|i| ((i * 7 % 19) as f32 - 9.0) * 0.11).collect();
+                    let mut want = vec![0.0; m * n];
+                    reference(&x, m, w, &mut want, &runtimes[0].ctx());
+                    for isa in Isa::all_available() {
+                        for rt in &runtimes {
+                            let mut ctx = rt.ctx();
+                            ctx.isa = isa;
+                            let mut got = Vec::new();
+                            linear(&x, m, &tiled, None, &mut got, &ctx);
+                            assert_eq!(got.len(), want.len(), "{} {isa} m={m}: outputs", w.kind());
+                            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                                let close = if w.int8_inputs() {
+                                    a.to_bits() == b.to_bits()
+                                } else {
+                                    (a - b).abs() <= 2e-5 * (1.0 + b.abs())
+                                };
+                                assert!(close, "{} {isa} m={m} out {i}: {a} vs reference {b}", w.kind());
+                            }
                         }
                     }
                 }
