@@ -113,6 +113,7 @@ pub fn compile_with(model: &Model, binding: &Binding, form: WeightForm) -> Resul
                 stats.fusions.push((format!("narrow_{kind}"), count));
             }
         }
+        gather_weights(&mut g);
     }
     let inputs: Vec<String> = std::iter::once(&binding.token_ids)
         .chain(binding.position_ids.as_ref())
@@ -470,6 +471,25 @@ fn repack(g: &mut Graph) -> [(&'static str, usize); 3] {
         }
     }
     narrowed
+}
+
+/// Moves every tiled projection weight into one arena on huge pages
+/// ([`crate::kernels::storage`]), in plan order, so a decode step streams
+/// them as one run of memory.
+fn gather_weights(g: &mut Graph) {
+    let mut tiles: Vec<&mut crate::kernels::weights::Tiled> = g
+        .nodes
+        .iter_mut()
+        .flatten()
+        .filter_map(|node| match &mut node.op {
+            Op::Linear { weight, .. } | Op::GatedMlp { weight } => match &mut Arc::get_mut(weight)?.packed {
+                crate::kernels::weights::Packed::Tiled(t) => Some(t),
+                _ => None,
+            },
+            _ => None,
+        })
+        .collect();
+    crate::kernels::storage::gather(&mut tiles);
 }
 
 /// Removes nodes none of whose outputs reach `roots`.

@@ -299,6 +299,21 @@ impl Plan {
         })
     }
 
+    /// Whether every tiled projection weight lives in one shared arena
+    /// (the huge-page storage of [`crate::kernels::storage`]), and there
+    /// is at least one.
+    pub fn weights_in_one_arena(&self) -> bool {
+        let mut arenas = self.steps.iter().filter_map(|s| match &s.op {
+            Op::Linear { weight, .. } | Op::GatedMlp { weight } => match &weight.packed {
+                crate::kernels::weights::Packed::Tiled(t) => Some(t.lines.arena().map(|a| a.start())),
+                _ => None,
+            },
+            _ => None,
+        });
+        let Some(Some(first)) = arenas.next() else { return false };
+        arenas.all(|a| a == Some(first))
+    }
+
     /// Bytes of packed projection weights (what a decode step streams).
     pub fn projection_bytes(&self) -> u64 {
         self.steps

@@ -108,6 +108,17 @@ fn compressed_weights_stay_compressed() {
     assert!(ops.iter().filter(|o| o.starts_with("Linear")).all(|o| o == "Linear[q4]"), "{ops:?}");
 }
 
+/// A compiled plan keeps all its tiled projection weights in one arena
+/// (on huge pages where the OS grants them), f16 and 4-bit alike: a decode
+/// step streams one run of memory, not a few hundred allocations.
+#[test]
+fn projection_weights_share_one_arena() {
+    for (name, variant) in [("tiny-llama-f16", Variant::Decomposed), ("tiny-llama-gqa", Variant::Contrib)] {
+        let (_d, p) = package(name, variant);
+        assert!(compile_package(&p).unwrap().weights_in_one_arena(), "{name}");
+    }
+}
+
 /// KV memory follows the positions held (B2's resident bytes): a new
 /// sequence holds nothing; prefill and decode take whole blocks covering
 /// exactly the positions written; truncating gives blocks back; running

@@ -76,9 +76,7 @@ pub fn gated(x: &[f32], m: usize, w: &Weight, scratch: &mut Vec<f32>, y: &mut Ve
             let (gate, up) = products[i * w.n..(i + 1) * w.n].split_at(inter);
             // SAFETY: row `i` of the output belongs to this range only.
             let o = unsafe { out.slice(i * inter, inter) };
-            for ((o, g), u) in o.iter_mut().zip(gate).zip(up) {
-                *o = g * super::elementwise::sigmoid(*g) * u;
-            }
+            super::simd::silu_mul(gate, up, o);
         }
     };
     if m * inter >= PARALLEL_MIN_GATES {

@@ -17,6 +17,7 @@ mod portable;
 pub mod rotary;
 pub mod select;
 pub mod simd;
+pub mod storage;
 pub mod tiled;
 pub mod weights;
 

@@ -172,6 +172,29 @@ fn softmax_portable(row: &mut [f32], max: f32) {
     row.iter_mut().for_each(|v| *v *= inv);
 }
 
+/// `out[i] = gate[i] · sigmoid(gate[i]) · up[i]`: the gated MLP's SiLU
+/// gate. A batch of 16 SmolLM2 rows gates 737,000 values a step; one libm
+/// `expf` each was 1 ms of a 20 ms step. The vector path's exponential is
+/// the softmax's (Cephes' polynomial, within 2 ulp of `expf`); the rest is
+/// the same operations in the same order as the portable path.
+pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    silu_mul_on(true, gate, up, out)
+}
+
+fn silu_mul_on(vector: bool, gate: &[f32], up: &[f32], out: &mut [f32]) {
+    let n = out.len().min(gate.len()).min(up.len());
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if vector && has_avx2_fma() {
+        // SAFETY: AVX2/FMA checked; `n` bounds every read of `gate`, `up`
+        // and write of `out`.
+        done = unsafe { x86::silu_mul(gate.as_ptr(), up.as_ptr(), out.as_mut_ptr(), n) };
+    }
+    for i in done..n {
+        out[i] = gate[i] * super::elementwise::sigmoid(gate[i]) * up[i];
+    }
+}
+
 fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
@@ -397,6 +420,32 @@ mod x86 {
         _mm256_mul_ps(y, pow2n)
     }
 
+    /// `out[i] = g · (1 / (1 + exp(-g))) · up[i]` (sigmoid 0 where
+    /// `exp(-g)` overflows) for whole vectors of 8
+    /// from the start; returns how many values it wrote (the caller does
+    /// the rest).
+    ///
+    /// # Safety
+    /// AVX2 and FMA must be available; `gate`, `up` valid for `n` reads,
+    /// `out` for `n` writes.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn silu_mul(gate: *const f32, up: *const f32, out: *mut f32, n: usize) -> usize {
+        let one = _mm256_set1_ps(1.0);
+        let mut i = 0;
+        while i + 8 <= n {
+            let g = _mm256_loadu_ps(gate.add(i));
+            let e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+            // `exp8` clamps at ±88.38 where `expf` overflows to infinity
+            // (sigmoid 0): below that gate the clamped value would leave
+            // a tiny non-zero sigmoid that a huge gate scales back up.
+            let live = _mm256_cmp_ps::<_CMP_GE_OQ>(g, _mm256_set1_ps(-88.376_26));
+            let sigmoid = _mm256_and_ps(_mm256_div_ps(one, _mm256_add_ps(one, e)), live);
+            _mm256_storeu_ps(out.add(i), _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), _mm256_loadu_ps(up.add(i))));
+            i += 8;
+        }
+        i
+    }
+
     /// Replaces `x[i]` by `exp(x[i] - max)`; returns their sum.
     ///
     /// # Safety
@@ -523,6 +572,32 @@ mod tests {
                         );
                     }
                 }
+            }
+            // The SiLU gate against the f64 definition, over every tail
+            // length and the saturated ends (exp over- and underflow).
+            for n in [0, 1, 7, 8, 9, 17, 100] {
+                let gate: Vec<f32> = (0..n).map(|i| (i as f32 * 0.913).sin() * 12.0).collect();
+                let up: Vec<f32> = (0..n).map(|i| (i as f32 * 0.41).cos()).collect();
+                let mut out = vec![f32::NAN; n];
+                silu_mul_on(vector, &gate, &up, &mut out);
+                for i in 0..n {
+                    let g = f64::from(gate[i]);
+                    let want = (g / (1.0 + (-g).exp()) * f64::from(up[i])) as f32;
+                    assert!((out[i] - want).abs() <= 4e-7 * want.abs() + 1e-30, "{path} silu n={n} i={i}");
+                }
+            }
+            let extremes = [-1e30f32, -200.0, -88.5, -87.0, -20.0, -0.0, 0.0, 1e-8, 20.0, 88.5, 200.0, 1e30];
+            let mut out = [f32::NAN; 12];
+            silu_mul_on(vector, &extremes, &[2.0; 12], &mut out);
+            for (g, o) in extremes.iter().zip(out) {
+                let want = if *g > 50.0 {
+                    2.0 * g
+                } else if *g < -150.0 {
+                    0.0
+                } else {
+                    2.0 * g / (1.0 + (-g).exp())
+                };
+                assert!((o - want).abs() <= 1e-6 * want.abs() + 1e-30, "{path} silu({g}) = {o}, want {want}");
             }
             for n in [1, 5, 8, 13, 64, 1000] {
                 let row: Vec<f32> =

@@ -8,6 +8,8 @@
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
+use super::storage::Lines;
+
 /// Output rows per tile: one 512-bit register of f32 lanes.
 pub const TILE: usize = 16;
 
@@ -390,7 +392,7 @@ pub struct Tiled {
     pub kp: usize,
     pub tiles: usize,
     pub data: TileData,
-    pub lines: Vec<Line>,
+    pub lines: Lines,
 }
 
 /// Lines one Q4 `(tile, block)` record takes (with its `aux` line).
@@ -469,7 +471,7 @@ impl Tiled {
                         lines[(at + c * stride) / 64].0[lane * 4..lane * 4 + 4].copy_from_slice(&v.to_le_bytes());
                     }
                 }
-                Some(Self { n, k, kp: k, tiles, data: TileData::F32, lines })
+                Some(Self { n, k, kp: k, tiles, data: TileData::F32, lines: lines.into() })
             }
             Packed::F16(rows) => {
                 let steps = k.div_ceil(2);
@@ -482,7 +484,7 @@ impl Tiled {
                         lines[(at + (c / 2) * stride) / 64].0[b..b + 2].copy_from_slice(&v.to_le_bytes());
                     }
                 }
-                Some(Self { n, k, kp: k, tiles, data: TileData::F16, lines })
+                Some(Self { n, k, kp: k, tiles, data: TileData::F16, lines: lines.into() })
             }
             Packed::Q4 { data, scales, zeros, offsets, block, blocks, int8 } => {
                 if *block % QBLOCK != 0 || *block == 0 || (*int8 && offsets.is_some()) {
@@ -546,7 +548,7 @@ impl Tiled {
                 }
                 let data =
                     TileData::Q4 { blocks: qblocks, int8: *int8, symmetric, half, per_weight: false, x_block: *block };
-                Some(Self { n, k, kp: qblocks * QBLOCK, tiles, data, lines })
+                Some(Self { n, k, kp: qblocks * QBLOCK, tiles, data, lines: lines.into() })
             }
             Packed::Q8 { values, scales, blocks } => {
                 let mut lines = vec![Line([0; 64]); tiles * blocks * Q8_RECORD_LINES];
@@ -564,7 +566,7 @@ impl Tiled {
                     }
                 }
                 let data = TileData::Q8 { blocks: *blocks };
-                Some(Self { n, k, kp: blocks * QBLOCK, tiles, data, lines })
+                Some(Self { n, k, kp: blocks * QBLOCK, tiles, data, lines: lines.into() })
             }
             Packed::Tiled(t) => Some(t.clone()),
         }
@@ -578,9 +580,10 @@ impl Tiled {
     /// The raw bytes of the layout (the kernels read through typed
     /// pointers into it).
     pub fn as_bytes(&self) -> &[u8] {
+        let lines = self.lines.as_slice();
         // SAFETY: `Line` is `repr(C)` of 64 bytes with no padding, so the
         // lines are one contiguous, initialized byte run.
-        unsafe { std::slice::from_raw_parts(self.lines.as_ptr().cast::<u8>(), self.lines.len() * 64) }
+        unsafe { std::slice::from_raw_parts(lines.as_ptr().cast::<u8>(), lines.len() * 64) }
     }
 
     /// Row `r` dequantized into `out` (`k` values): what every kernel must

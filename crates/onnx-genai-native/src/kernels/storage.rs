@@ -1,0 +1,293 @@
+//! Where tiled weights live. A decode step streams every projection weight
+//! once (about 100 MB a token on SmolLM2); on 4 KiB pages that is some
+//! 25,000 pages a token, each a TLB miss and a page boundary the hardware
+//! prefetcher stops at. The compiler therefore moves a plan's tiled
+//! weights into one arena aligned to a 2 MiB huge page and marked for
+//! transparent huge pages (`madvise(MADV_HUGEPAGE)`, honoured unless the
+//! system's THP mode is `never`) before anything is written to it, so its
+//! pages fault in huge as the weights are copied. Where the hint is
+//! refused the arena is ordinary memory and nothing else changes; the
+//! bytes, and so every result, are the same wherever they live.
+
+use std::alloc::Layout;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use super::weights::{Line, Tiled};
+
+/// The huge page size the arena is aligned to (x86-64's 2 MiB).
+pub const HUGE_PAGE: usize = 2 << 20;
+
+/// A tiled weight's lines: its own vector (as repacked), or a run of a
+/// shared [`Arena`].
+#[derive(Clone, Debug)]
+pub struct Lines(Place);
+
+#[derive(Clone, Debug)]
+enum Place {
+    Own(Vec<Line>),
+    Arena { arena: Arc<Arena>, start: usize, len: usize },
+}
+
+impl From<Vec<Line>> for Lines {
+    fn from(lines: Vec<Line>) -> Self {
+        Self(Place::Own(lines))
+    }
+}
+
+impl Lines {
+    pub fn as_slice(&self) -> &[Line] {
+        match &self.0 {
+            Place::Own(lines) => lines,
+            Place::Arena { arena, start, len } => &arena.as_slice()[*start..*start + *len],
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.as_slice().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The arena these lines live in, if they were gathered into one.
+    pub fn arena(&self) -> Option<&Arena> {
+        match &self.0 {
+            Place::Own(_) => None,
+            Place::Arena { arena, .. } => Some(arena),
+        }
+    }
+}
+
+/// Values whose all-zero bytes are a valid value, so a [`HugeBuf`] of
+/// them may start zeroed.
+pub trait ZeroValid: Copy {}
+impl ZeroValid for f32 {}
+impl ZeroValid for half::f16 {}
+impl ZeroValid for Line {}
+
+/// `len` values in one allocation aligned to [`HUGE_PAGE`], its whole huge
+/// pages advised for transparent huge pages before anything touched them
+/// (so they fault in huge). Only whole huge pages are advised: a partial
+/// one at the end would fault in 2 MiB for the rest of a page the buffer
+/// does not use. The KV cache's blocks and the weight arena live in these.
+pub struct HugeBuf<T: ZeroValid> {
+    ptr: NonNull<T>,
+    len: usize,
+    layout: Layout,
+    huge: bool,
+}
+
+// SAFETY: a `HugeBuf` owns its values like a `Box<[T]>` does; shared
+// references only read them, writes need `&mut`.
+unsafe impl<T: ZeroValid + Send> Send for HugeBuf<T> {}
+// SAFETY: as above.
+unsafe impl<T: ZeroValid + Sync> Sync for HugeBuf<T> {}
+
+impl<T: ZeroValid> std::fmt::Debug for HugeBuf<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HugeBuf({} values, huge pages asked: {})", self.len, self.huge)
+    }
+}
+
+impl<T: ZeroValid> HugeBuf<T> {
+    /// `len` zeroed values (aborts on allocation failure, as `vec!` does).
+    pub fn zeroed(len: usize) -> Self {
+        let buf = Self::uninit(len);
+        // SAFETY: the allocation holds `len` values of `T`; all-zero bytes
+        // are a valid `T` (`ZeroValid`).
+        unsafe { std::ptr::write_bytes(buf.ptr.as_ptr(), 0, len) };
+        buf
+    }
+
+    /// `len` values, not yet written: every one must be written before the
+    /// buffer is read (`gather` does; `zeroed` does).
+    fn uninit(len: usize) -> Self {
+        let bytes = len.checked_mul(std::mem::size_of::<T>()).expect("buffer size overflows");
+        let layout = Layout::from_size_align(bytes, HUGE_PAGE).expect("buffer layout");
+        if bytes == 0 {
+            return Self { ptr: NonNull::dangling(), len: 0, layout, huge: false };
+        }
+        // SAFETY: the layout's size is non-zero.
+        let raw = unsafe { std::alloc::alloc(layout) };
+        let Some(ptr) = NonNull::new(raw.cast::<T>()) else { std::alloc::handle_alloc_error(layout) };
+        let whole = bytes / HUGE_PAGE * HUGE_PAGE;
+        let huge = whole > 0 && advise_huge_pages(raw, whole);
+        Self { ptr, len, layout, huge }
+    }
+
+    pub fn as_slice(&self) -> &[T] {
+        // SAFETY: `ptr` holds `len` initialized values (see `uninit`) and
+        // lives as long as `self`.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [T] {
+        // SAFETY: as in `as_slice`, and `&mut self` makes this the only
+        // reference.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// Whether the OS accepted the huge-page hint (false for buffers
+    /// smaller than one huge page).
+    pub fn huge_pages_asked(&self) -> bool {
+        self.huge
+    }
+
+    /// The first byte (its alignment is observable in tests).
+    pub fn start(&self) -> *const u8 {
+        self.ptr.as_ptr().cast()
+    }
+}
+
+impl<T: ZeroValid> Clone for HugeBuf<T> {
+    fn clone(&self) -> Self {
+        let copy = Self::uninit(self.len);
+        // SAFETY: both hold `len` values; `copy` is a fresh allocation, so
+        // they do not overlap; this writes every value of `copy`.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.as_ptr(), copy.ptr.as_ptr(), self.len) };
+        copy
+    }
+}
+
+impl<T: ZeroValid> Drop for HugeBuf<T> {
+    fn drop(&mut self) {
+        if self.layout.size() > 0 {
+            // SAFETY: allocated in `uninit` with exactly this layout.
+            unsafe { std::alloc::dealloc(self.ptr.as_ptr().cast(), self.layout) }
+        }
+    }
+}
+
+/// The lines every gathered weight of a plan shares.
+pub type Arena = HugeBuf<Line>;
+
+/// Moves the lines of every weight in `tiles` into one new arena, in order,
+/// freeing each weight's own vector as soon as it is copied (so the peak is
+/// the weights plus one of them, not twice the weights). Returns the arena,
+/// or `None` (every weight left as it was) when there is nothing to gather.
+pub fn gather(tiles: &mut [&mut Tiled]) -> Option<Arc<Arena>> {
+    let total: usize = tiles.iter().map(|t| t.lines.len()).sum();
+    if total == 0 {
+        return None;
+    }
+    let arena = Arena::uninit(total);
+    let base = arena.ptr.as_ptr();
+    let mut starts = Vec::with_capacity(tiles.len());
+    let mut at = 0;
+    for t in tiles.iter_mut() {
+        let own = std::mem::replace(&mut t.lines, Lines::from(Vec::new()));
+        let src = own.as_slice();
+        // SAFETY: lines `at..at + src.len()` lie inside the `total` lines
+        // allocated (the lengths sum to `total`, so together the copies
+        // write every line before the arena is read), and a fresh
+        // allocation cannot overlap `src`.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), base.add(at), src.len()) };
+        starts.push((at, src.len()));
+        at += src.len();
+    }
+    let arena = Arc::new(arena);
+    for (t, (start, len)) in tiles.iter_mut().zip(starts) {
+        t.lines = Lines(Place::Arena { arena: arena.clone(), start, len });
+    }
+    Some(arena)
+}
+
+#[cfg(target_os = "linux")]
+fn advise_huge_pages(start: *mut u8, bytes: usize) -> bool {
+    // SAFETY: `madvise` only changes how the kernel backs the pages of this
+    // range, which lies in our own allocation and starts on a page
+    // boundary (it is aligned to a huge page); it reads and writes no
+    // memory.
+    unsafe { libc::madvise(start.cast(), bytes, libc::MADV_HUGEPAGE) == 0 }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn advise_huge_pages(_start: *mut u8, _bytes: usize) -> bool {
+    false
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::kernels::weights::{Packed, Weight};
+
+    fn tiled(n: usize, k: usize, seed: usize) -> Tiled {
+        let values = (0..n * k).map(|i| ((i * 7 + seed * 13) % 23) as f32 - 11.0).collect();
+        Tiled::from_rows(&Weight { n, k, packed: Packed::F32(values) }).unwrap()
+    }
+
+    /// Gathering moves bytes, never changes them: every weight reads the
+    /// same rows from the arena as from its own vector, the arena starts
+    /// on a huge page, and it is one allocation holding all of them back
+    /// to back.
+    #[test]
+    fn gathered_weights_read_the_same_rows_from_one_aligned_arena() {
+        let mut weights = [tiled(40, 24, 1), tiled(16, 64, 2), tiled(53, 8, 3)];
+        let before: Vec<Vec<u8>> = weights.iter().map(|t| t.as_bytes().to_vec()).collect();
+        let rows = |t: &Tiled| -> Vec<Vec<f32>> {
+            (0..t.n)
+                .map(|r| {
+                    let mut out = vec![0.0; t.k];
+                    t.row(r, &mut out);
+                    out
+                })
+                .collect()
+        };
+        let rows_before: Vec<_> = weights.iter().map(rows).collect();
+        let mut refs: Vec<&mut Tiled> = weights.iter_mut().collect();
+        let arena = gather(&mut refs).expect("an arena");
+        assert_eq!(arena.start() as usize % HUGE_PAGE, 0, "the arena starts on a huge page");
+        assert_eq!(arena.as_slice().len(), before.iter().map(|b| b.len() / 64).sum::<usize>());
+        let mut next = arena.start();
+        for (i, t) in weights.iter().enumerate() {
+            assert_eq!(t.as_bytes(), &before[i][..], "weight {i}'s bytes");
+            assert_eq!(rows(t), rows_before[i], "weight {i}'s rows");
+            assert_eq!(t.as_bytes().as_ptr(), next, "weight {i} follows the one before it");
+            assert!(t.lines.arena().is_some());
+            next = next.wrapping_add(t.bytes());
+        }
+        assert!(gather(&mut []).is_none(), "nothing to gather allocates nothing");
+    }
+
+    /// Where the system's transparent huge pages are on `madvise` (as on
+    /// the CI machines), only an advised mapping is eligible: the arena's
+    /// mapping must say `THPeligible: 1` in `/proc/self/smaps`.
+    #[test]
+    fn the_arena_is_advised_for_huge_pages() {
+        let mut weights = [tiled(16 * 512, 64, 4)];
+        let mut refs: Vec<&mut Tiled> = weights.iter_mut().collect();
+        let arena = gather(&mut refs).expect("an arena");
+        if let Some(eligible) = thp_eligible(arena.start()) {
+            assert!(arena.huge_pages_asked(), "madvise refused");
+            assert!(eligible, "the arena's mapping is not eligible for huge pages");
+        }
+    }
+
+    /// Whether the mapping holding `at` may get transparent huge pages,
+    /// where that says whether it was advised: Linux with THP on `madvise`
+    /// (`None` elsewhere: nothing to observe).
+    pub(crate) fn thp_eligible(at: *const u8) -> Option<bool> {
+        let mode = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").ok()?;
+        if !mode.contains("[madvise]") {
+            eprintln!("THP mode is not madvise ({}); nothing to observe", mode.trim());
+            return None;
+        }
+        let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+        let mut inside = false;
+        for line in smaps.lines() {
+            let range = line.split_once(' ').and_then(|(r, _)| r.split_once('-'));
+            if let Some((lo, hi)) = range {
+                if let (Ok(lo), Ok(hi)) = (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16)) {
+                    inside = (lo..hi).contains(&(at as usize));
+                    continue;
+                }
+            }
+            if let (true, Some(v)) = (inside, line.strip_prefix("THPeligible:")) {
+                return Some(v.trim() == "1");
+            }
+        }
+        panic!("no mapping in /proc/self/smaps holds {at:?}")
+    }
+}
