@@ -45,14 +45,13 @@ fn send(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], bo
     }
     req.push_str("\r\n");
     s.write_all(req.as_bytes())?;
+    // The server may answer before it has read the whole body (413 for one
+    // over the limit) and close: the write then fails, yet the answer is
+    // waiting to be read. A client that gave up here would turn the
+    // server's right answer into a failure of its own.
     match s.write_all(body.as_bytes()) {
-        // The server may answer before it has read the whole body (413 for
-        // one over the limit) and close: the write then fails, yet the
-        // answer is waiting to be read. A client that gave up here would
-        // turn the server's right answer into a failure of its own.
-        Err(e) if matches!(e.kind(), io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset) => Ok(s),
-        Err(e) => Err(e),
-        Ok(()) => Ok(s),
+        Err(e) if !matches!(e.kind(), io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset) => Err(e),
+        _ => Ok(s),
     }
 }
 

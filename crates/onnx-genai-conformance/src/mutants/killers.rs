@@ -17,7 +17,7 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use super::runner::{failed_tests, full_name, is_killer, passed_tests, Runner, Watched};
+use super::runner::{catalog_targets, failed_tests, full_name, is_killer, passed_tests, unhurried, Runner, Watched};
 use super::{Catalog, TestRun};
 
 /// One test of a battery and the cargo arguments that build and run only
@@ -67,11 +67,8 @@ impl Runner {
     /// package's test target: cargo names each test binary it builds
     /// (`--message-format=json`), and each binary lists its tests.
     pub fn index(&self, catalog: &Catalog, packages: &[String], listed: &[String]) -> Result<TestIndex, String> {
-        let targets: Vec<Vec<String>> =
-            catalog.test_target.iter().map(|t| vec!["--test".to_string(), t.clone()]).collect();
-        let far = Instant::now() + Duration::from_secs(24 * 3600);
         let binaries = self
-            .build(packages, &targets, far)?
+            .build(packages, &catalog_targets(catalog), unhurried())?
             .map_err(|run| format!("building the tests of {}: {run:?}", catalog.battery))?;
         let mut located = Vec::new();
         for binary in binaries.iter().filter(|b| b.belongs_to(catalog)) {

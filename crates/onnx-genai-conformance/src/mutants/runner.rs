@@ -168,8 +168,8 @@ impl Runner {
     /// Full names of the tests the battery's filter selects (building the
     /// run's `packages` first).
     pub fn list(&self, catalog: &Catalog, packages: &[String]) -> Result<Vec<String>, String> {
-        let far = Instant::now() + Duration::from_secs(24 * 3600);
-        let binaries = self.build(packages, &catalog_targets(catalog), far)?.map_err(|run| format!("{run:?}"))?;
+        let binaries =
+            self.build(packages, &catalog_targets(catalog), unhurried())?.map_err(|run| format!("{run:?}"))?;
         let mut names = Vec::new();
         for b in binaries.iter().filter(|b| b.belongs_to(catalog)) {
             let out = b.command(self).arg("--list").args(selection_args(catalog)).output();
@@ -300,8 +300,14 @@ impl Runner {
     }
 }
 
+/// The deadline of a build that preparation waits out however long it
+/// takes (a mutant's builds have limits; listing and indexing do not).
+pub(super) fn unhurried() -> Instant {
+    Instant::now() + Duration::from_secs(24 * 3600)
+}
+
 /// The targets a battery's builds name: its one test target, or all.
-fn catalog_targets(catalog: &Catalog) -> Vec<Vec<String>> {
+pub(super) fn catalog_targets(catalog: &Catalog) -> Vec<Vec<String>> {
     catalog.test_target.iter().map(|t| vec!["--test".to_string(), t.clone()]).collect()
 }
 

@@ -212,8 +212,9 @@ mod tests {
     /// of every storage, what the reference path computes on the row form:
     /// decode (1 row), small batches and prefill-sized row counts (every
     /// row-chunk size of the kernels), partial tiles and blocks, tile pairs
-    /// and a single tile, one and two threads. int8-input products are exact integer block sums, so
-    /// they must agree to the last bit; f32 inputs to rounding.
+    /// and a single tile, one and two threads. int8-input products are
+    /// exact integer block sums, so they must agree to the last bit; f32
+    /// inputs to rounding.
     #[test]
     fn every_isa_matches_the_reference_on_every_storage() {
         // 53 outputs are 4 tiles (pairs only); 40 are 3, so a thread's
@@ -243,34 +244,38 @@ mod tests {
                 crate::kernels::weights::affine_q4(n, k, false, true),
                 crate::kernels::weights::affine_q4(n, 80, true, true),
             ];
-            let runtimes = [Runtime::serial(), Runtime::new(2).unwrap()];
             for w in &weights {
-                let tiled = w.clone().into_tiled();
-                assert!(matches!(tiled.packed, Packed::Tiled(_)), "{} tiles", w.kind());
-                if let (Packed::Q4 { offsets: Some(_), .. }, Packed::Tiled(t)) = (&w.packed, &tiled.packed) {
-                    assert!(matches!(t.data, TileData::Q4 { half: true, .. }), "the f16-record path is the one tested");
-                }
-                for m in [1, 2, 3, 4, 5, 8, 13, 16, 17, 21, 40, 70] {
-                    let x: Vec<f32> = (0..m * w.k).map(|i| ((i * 7 % 19) as f32 - 9.0) * 0.11).collect();
-                    let mut want = vec![0.0; m * n];
-                    reference(&x, m, w, &mut want, &runtimes[0].ctx());
-                    for isa in Isa::all_available() {
-                        for rt in &runtimes {
-                            let mut ctx = rt.ctx();
-                            ctx.isa = isa;
-                            let mut got = Vec::new();
-                            linear(&x, m, &tiled, None, &mut got, &ctx);
-                            assert_eq!(got.len(), want.len(), "{} {isa} m={m}: outputs", w.kind());
-                            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-                                let close = if w.int8_inputs() {
-                                    a.to_bits() == b.to_bits()
-                                } else {
-                                    (a - b).abs() <= 2e-5 * (1.0 + b.abs())
-                                };
-                                assert!(close, "{} {isa} m={m} out {i}: {a} vs reference {b}", w.kind());
-                            }
-                        }
-                    }
+                every_isa_matches_the_reference_on(w);
+            }
+        }
+    }
+
+    /// One weight of the test above: its tiled form on every path, thread
+    /// count and row count against the reference on its row form.
+    fn every_isa_matches_the_reference_on(w: &Weight) {
+        let runtimes = [Runtime::serial(), Runtime::new(2).unwrap()];
+        let tiled = w.clone().into_tiled();
+        assert!(matches!(tiled.packed, Packed::Tiled(_)), "{} tiles", w.kind());
+        if let (Packed::Q4 { offsets: Some(_), .. }, Packed::Tiled(t)) = (&w.packed, &tiled.packed) {
+            assert!(matches!(t.data, TileData::Q4 { half: true, .. }), "the f16-record path is the one tested");
+        }
+        for m in [1, 2, 3, 4, 5, 8, 13, 16, 17, 21, 40, 70] {
+            let x: Vec<f32> = (0..m * w.k).map(|i| ((i * 7 % 19) as f32 - 9.0) * 0.11).collect();
+            let mut want = vec![0.0; m * w.n];
+            reference(&x, m, w, &mut want, &runtimes[0].ctx());
+            for (isa, rt) in Isa::all_available().into_iter().flat_map(|isa| runtimes.iter().map(move |rt| (isa, rt))) {
+                let mut ctx = rt.ctx();
+                ctx.isa = isa;
+                let mut got = Vec::new();
+                linear(&x, m, &tiled, None, &mut got, &ctx);
+                assert_eq!(got.len(), want.len(), "{} {isa} m={m}: outputs", w.kind());
+                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                    let close = if w.int8_inputs() {
+                        a.to_bits() == b.to_bits()
+                    } else {
+                        (a - b).abs() <= 2e-5 * (1.0 + b.abs())
+                    };
+                    assert!(close, "{} {isa} m={m} out {i}: {a} vs reference {b}", w.kind());
                 }
             }
         }
