@@ -458,17 +458,12 @@ fn causal_attention(g: &mut Graph) {
 /// many were narrowed to each (`q8`, `q4`, `f16`).
 fn repack(g: &mut Graph) -> [(&'static str, usize); 3] {
     let mut narrowed = [("q8", 0), ("q4", 0), ("f16", 0)];
-    for node in g.nodes.iter_mut().flatten() {
-        match &mut node.op {
-            Op::Linear { weight, .. } | Op::GatedMlp { weight } => {
-                let w = (**weight).clone().narrowed();
-                for (kind, count) in &mut narrowed {
-                    *count += usize::from(w.kind() == *kind && weight.kind() == "f32");
-                }
-                *weight = Arc::new(w.into_tiled());
-            }
-            _ => {}
+    for weight in g.nodes.iter_mut().flatten().filter_map(|node| node.op.projection_weight_mut()) {
+        let w = (**weight).clone().narrowed();
+        for (kind, count) in &mut narrowed {
+            *count += usize::from(w.kind() == *kind && weight.kind() == "f32");
         }
+        *weight = Arc::new(w.into_tiled());
     }
     narrowed
 }
@@ -481,11 +476,8 @@ fn gather_weights(g: &mut Graph) {
         .nodes
         .iter_mut()
         .flatten()
-        .filter_map(|node| match &mut node.op {
-            Op::Linear { weight, .. } | Op::GatedMlp { weight } => match &mut Arc::get_mut(weight)?.packed {
-                crate::kernels::weights::Packed::Tiled(t) => Some(t),
-                _ => None,
-            },
+        .filter_map(|node| match &mut Arc::get_mut(node.op.projection_weight_mut()?)?.packed {
+            crate::kernels::weights::Packed::Tiled(t) => Some(t),
             _ => None,
         })
         .collect();

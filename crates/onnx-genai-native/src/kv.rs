@@ -73,7 +73,8 @@ impl KvLayout {
 /// One block's storage: at 16 sequences of SmolLM2 the blocks a decode
 /// step reads no longer fit in the L3, and on 4 KiB pages every few rows of
 /// a head cost a TLB miss; on huge pages (its whole 2 MiB pages, see
-/// [`HugeBuf`]) attention ran 20-24% faster (`examples/batch_profile`).
+/// [`HugeBuf`]) attention at 16 sequences took 3.8-5.2 ms a step against
+/// 4.6-6.6 (`examples/batch_profile`, alternating runs).
 #[derive(Debug, Clone)]
 pub enum Block {
     F32(HugeBuf<f32>),

@@ -207,6 +207,22 @@ pub struct PartialAttention {
 }
 
 impl Op {
+    /// The packed weight of a projection step (`Linear`, `GatedMlp`).
+    pub fn projection_weight(&self) -> Option<&Arc<Weight>> {
+        match self {
+            Op::Linear { weight, .. } | Op::GatedMlp { weight } => Some(weight),
+            _ => None,
+        }
+    }
+
+    /// [`Op::projection_weight`], to replace or repack it.
+    pub fn projection_weight_mut(&mut self) -> Option<&mut Arc<Weight>> {
+        match self {
+            Op::Linear { weight, .. } | Op::GatedMlp { weight } => Some(weight),
+            _ => None,
+        }
+    }
+
     /// A short name for plans and errors.
     pub fn name(&self) -> String {
         match self {

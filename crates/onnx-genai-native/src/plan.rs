@@ -284,6 +284,11 @@ impl Plan {
         self.slots
     }
 
+    /// Every projection step's weight, in plan order.
+    fn projection_weights(&self) -> impl Iterator<Item = &crate::kernels::weights::Weight> + '_ {
+        self.steps.iter().filter_map(|s| s.op.projection_weight().map(|w| &**w))
+    }
+
     /// Multiply-adds of the projections per position (every weight used
     /// once; attention, which grows with the context, is not counted).
     pub fn projection_macs(&self) -> u64 {
@@ -293,21 +298,15 @@ impl Plan {
     /// Whether any projection quantizes its inputs to int8
     /// (`accuracy_level` 4): its arithmetic is integer, not f32.
     pub fn int8_projections(&self) -> bool {
-        self.steps.iter().any(|s| match &s.op {
-            Op::Linear { weight, .. } | Op::GatedMlp { weight } => weight.int8_inputs(),
-            _ => false,
-        })
+        self.projection_weights().any(|w| w.int8_inputs())
     }
 
     /// Whether every tiled projection weight lives in one shared arena
     /// (the huge-page storage of [`crate::kernels::storage`]), and there
     /// is at least one.
     pub fn weights_in_one_arena(&self) -> bool {
-        let mut arenas = self.steps.iter().filter_map(|s| match &s.op {
-            Op::Linear { weight, .. } | Op::GatedMlp { weight } => match &weight.packed {
-                crate::kernels::weights::Packed::Tiled(t) => Some(t.lines.arena().map(|a| a.start())),
-                _ => None,
-            },
+        let mut arenas = self.projection_weights().filter_map(|w| match &w.packed {
+            crate::kernels::weights::Packed::Tiled(t) => Some(t.lines.arena().map(|a| a.start())),
             _ => None,
         });
         let Some(Some(first)) = arenas.next() else { return false };
@@ -316,13 +315,7 @@ impl Plan {
 
     /// Bytes of packed projection weights (what a decode step streams).
     pub fn projection_bytes(&self) -> u64 {
-        self.steps
-            .iter()
-            .map(|s| match &s.op {
-                Op::Linear { weight, .. } | Op::GatedMlp { weight } => weight.bytes() as u64,
-                _ => 0,
-            })
-            .sum()
+        self.projection_weights().map(|w| w.bytes() as u64).sum()
     }
 
     /// The ops of the plan in order, by name (for `inspect` and tests).
@@ -333,13 +326,7 @@ impl Plan {
     /// Each step's projection weight as (outputs, inputs), indexed like
     /// [`Plan::step_ops`]; `None` for steps that project nothing.
     pub fn step_shapes(&self) -> Vec<Option<(usize, usize)>> {
-        self.steps
-            .iter()
-            .map(|s| match &s.op {
-                Op::Linear { weight, .. } | Op::GatedMlp { weight } => Some((weight.n, weight.k)),
-                _ => None,
-            })
-            .collect()
+        self.steps.iter().map(|s| s.op.projection_weight().map(|w| (w.n, w.k))).collect()
     }
 
     /// Whether the logits projection runs on each sequence's last row only
