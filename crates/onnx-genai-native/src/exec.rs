@@ -253,7 +253,7 @@ pub fn run(op: &Op, inputs: &[Option<&Value>], outputs: &mut [Value], env: &mut 
         Op::Linear { weight, bias } => {
             let x = arg(inputs, 0)?;
             let (m, shape) = rows(x, weight.k, weight.n)?;
-            let mut y = out.recycle_f32(0);
+            let mut y = out.take_f32();
             linear(x.as_f32()?, m, weight, bias.as_deref().map(Vec::as_slice), &mut y, &env.ctx);
             *out = Value::f32(shape, y);
             Ok(())
@@ -261,7 +261,7 @@ pub fn run(op: &Op, inputs: &[Option<&Value>], outputs: &mut [Value], env: &mut 
         Op::GatedMlp { weight } => {
             let x = arg(inputs, 0)?;
             let (m, shape) = rows(x, weight.k, weight.n / 2)?;
-            let mut y = out.recycle_f32(0);
+            let mut y = out.take_f32();
             let mut staged = env.ctx.staging();
             let mut both = std::mem::take(&mut staged.gate);
             drop(staged);

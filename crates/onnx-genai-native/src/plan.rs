@@ -545,7 +545,7 @@ impl Plan {
             picked.extend_from_slice(row);
         }
         let out = outs.first_mut().ok_or("no output")?;
-        let mut y = out.recycle_f32(0);
+        let mut y = out.take_f32();
         linear(&picked, segments.len(), weight, bias.as_deref().map(Vec::as_slice), &mut y, ctx);
         ctx.staging().picked = picked;
         *out = Value::f32([1, segments.len(), weight.n], y);

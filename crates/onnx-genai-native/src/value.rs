@@ -103,6 +103,16 @@ macro_rules! typed_access {
 }
 
 impl Value {
+    /// Takes this value's f32 buffer as it is (old length and values), for
+    /// a kernel that writes every element it keeps: a projection's output,
+    /// which [`Self::recycle_f32`] would zero first for nothing.
+    pub fn take_f32(&mut self) -> Vec<f32> {
+        match std::mem::replace(&mut self.data, Data::U8(Vec::new())) {
+            Data::F32(v) => v,
+            _ => Vec::new(),
+        }
+    }
+
     pub fn f32(shape: impl AsRef<[usize]>, v: Vec<f32>) -> Self {
         Self { shape: Shape::from_slice(shape.as_ref()), data: Data::F32(v) }
     }

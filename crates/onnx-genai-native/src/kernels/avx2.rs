@@ -318,7 +318,7 @@ unsafe fn q4_int8<const R: usize, const VNNI: bool>(
                     _mm256_fnmadd_ps(_mm256_loadu_ps(rec.add(320 + 32 * h).cast()), total, int)
                 };
                 let product = _mm256_mul_ps(scale[h], sx);
-                row[h] = _mm256_add_ps(row[h], _mm256_mul_ps(exact, product));
+                row[h] = _mm256_fmadd_ps(exact, product, row[h]);
             }
         }
     }

@@ -439,7 +439,7 @@ unsafe fn q4_int8<const T: usize, const R: usize, const VNNI: bool>(
                 let exact =
                     if symmetric { int } else { _mm512_fnmadd_ps(_mm512_loadu_ps(rec[j].add(320).cast()), total, int) };
                 let product = _mm512_mul_ps(scale[j], sx);
-                row[j] = _mm512_add_ps(row[j], _mm512_mul_ps(exact, product));
+                row[j] = _mm512_fmadd_ps(exact, product, row[j]);
             }
         }
     }

@@ -19,8 +19,7 @@ const PARALLEL_MIN_MACS: usize = 1 << 15;
 /// products are split across the context's threads.
 pub fn linear(x: &[f32], m: usize, w: &Weight, bias: Option<&[f32]>, y: &mut Vec<f32>, ctx: &Ctx) {
     let n = w.n;
-    y.clear();
-    y.resize(m * n, 0.0);
+    super::sized_for_overwrite(y, m * n);
     match &w.packed {
         Packed::Tiled(t) => super::tiled::linear(t, x, m, y, ctx, ctx.isa),
         _ => reference(x, m, w, y, ctx),
@@ -67,8 +66,7 @@ pub fn reference(x: &[f32], m: usize, w: &Weight, y: &mut [f32], ctx: &Ctx) {
 pub fn gated(x: &[f32], m: usize, w: &Weight, scratch: &mut Vec<f32>, y: &mut Vec<f32>, ctx: &Ctx) {
     linear(x, m, w, None, scratch, ctx);
     let inter = w.n / 2;
-    y.clear();
-    y.resize(m * inter, 0.0);
+    super::sized_for_overwrite(y, m * inter);
     let products: &[f32] = scratch;
     let out = Disjoint::new(y);
     let work = |rows: std::ops::Range<usize>, _t: usize| {
@@ -212,7 +210,8 @@ mod tests {
     /// of every storage, what the reference path computes on the row form:
     /// decode (1 row), small batches and prefill-sized row counts (every
     /// row-chunk size of the kernels), partial tiles and blocks, tile pairs
-    /// and a single tile, one and two threads. int8-input products are
+    /// and a single tile, one and two threads; every output written (the
+    /// buffers start as NaN). int8-input products are
     /// exact integer block sums, so they must agree to the last bit; f32
     /// inputs to rounding.
     #[test]
@@ -261,12 +260,14 @@ mod tests {
         }
         for m in [1, 2, 3, 4, 5, 8, 13, 16, 17, 21, 40, 70] {
             let x: Vec<f32> = (0..m * w.k).map(|i| ((i * 7 % 19) as f32 - 9.0) * 0.11).collect();
-            let mut want = vec![0.0; m * w.n];
+            // Outputs start as NaN: no path may leave one unwritten (the
+            // output buffer is not cleared before a projection).
+            let mut want = vec![f32::NAN; m * w.n];
             reference(&x, m, w, &mut want, &runtimes[0].ctx());
             for (isa, rt) in Isa::all_available().into_iter().flat_map(|isa| runtimes.iter().map(move |rt| (isa, rt))) {
                 let mut ctx = rt.ctx();
                 ctx.isa = isa;
-                let mut got = Vec::new();
+                let mut got = vec![f32::NAN; m * w.n + 5];
                 linear(&x, m, &tiled, None, &mut got, &ctx);
                 assert_eq!(got.len(), want.len(), "{} {isa} m={m}: outputs", w.kind());
                 for (i, (a, b)) in got.iter().zip(&want).enumerate() {

@@ -3,7 +3,10 @@
 //! quantized to int8 per weight block (scale `max|x| / 127`, round to
 //! nearest even: [`super::tiled::quantize`]), each block product is an
 //! exact integer sum `Σ qx · (qw − zero)`, and only the block results are
-//! scaled and added in f32. Computing these in f32 instead would be more
+//! scaled and added in f32, each with one fused multiply-add
+//! `total + sum · (sw · sx)` as MLAS's kernels do (a multiply and then an
+//! add put one of 12 tiny-model prompts 1.2e-2 away from ONNX Runtime
+//! through an int8 rounding tie a layer later; fused, within 8.4e-7). Computing these in f32 instead would be more
 //! exact but not what the reference runtime computes: on a tiny model the
 //! two differ by ~1e-2 in the logits, 35x the int4 tier. The tiled kernels
 //! compute the same integers and must agree with this to the last bit.
@@ -43,7 +46,7 @@ fn dot_row(
             let q = i32::from(if j % 2 == 0 { byte & 0x0f } else { byte >> 4 });
             sum += i32::from(*qx) * (q - zero);
         }
-        total += sum as f32 * (scales[r * blocks + b] * sx);
+        total = (sum as f32).mul_add(scales[r * blocks + b] * sx, total);
     }
     total
 }

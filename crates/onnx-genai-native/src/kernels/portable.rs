@@ -85,7 +85,7 @@ pub fn tiles(t: &Tiled, rows: &Rows<'_>, tiles: Range<usize>, y: &Disjoint<'_, f
                             }
                             // Exact: both sides are integers below 2^24.
                             let exact = sum as f32 - zero * qsum as f32;
-                            *a += exact * (scale * sx);
+                            *a = exact.mul_add(scale * sx, *a);
                         }
                     }
                 }
