@@ -293,7 +293,7 @@ mod tests {
             };
             assert_eq!(start as usize % HUGE_PAGE, 0, "f16 {f16}: a block starts on a huge page");
             assert!(zero, "f16 {f16}: a new block is zeroed");
-            if let Some(eligible) = crate::kernels::storage::tests::thp_eligible(start) {
+            if let Some(eligible) = crate::kernels::storage::thp_eligible(start) {
                 assert!(eligible, "f16 {f16}: the block's mapping is not eligible for huge pages");
             }
             let small = KvPool::new(KvLayout::new(&[(2, 8)], f16), 0);

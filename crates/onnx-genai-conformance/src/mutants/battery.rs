@@ -101,9 +101,9 @@ pub struct Report {
     pub seconds: f64,
 }
 
-/// Seconds a battery spent before its first mutant: listing its tests (the
-/// first cargo run in a fresh scratch tree builds them), the clean
-/// baseline, placing the tests in their binaries, and the declared killers
+/// Seconds a battery spent before its first mutant: listing its tests and
+/// the binaries that hold them (the first cargo run in a fresh scratch tree
+/// builds them), the clean baseline, and the declared killers
 /// run alone on the clean tree. The mutants' own seconds are in their
 /// results; the rest of a run is these.
 #[derive(Debug, Default, Clone, Serialize)]
@@ -111,7 +111,6 @@ pub struct Preparation {
     pub battery: String,
     pub list: f64,
     pub baseline: f64,
-    pub index: f64,
     pub killers: f64,
 }
 
@@ -119,8 +118,8 @@ impl std::fmt::Display for Preparation {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{}: list {:.0} s, baseline {:.0} s, index {:.0} s, clean killers {:.0} s",
-            self.battery, self.list, self.baseline, self.index, self.killers
+            "{}: list {:.0} s, baseline {:.0} s, clean killers {:.0} s",
+            self.battery, self.list, self.baseline, self.killers
         )
     }
 }
@@ -264,8 +263,9 @@ pub fn run_all(
         }
         let mut preparation = Preparation { battery: catalog.battery.clone(), ..Preparation::default() };
         let phase = Instant::now();
-        let listed =
+        let index =
             runner.list(catalog, &packages).map_err(|e| format!("listing the tests of {}: {e}", catalog.battery))?;
+        let listed = index.names();
         preparation.list = phase.elapsed().as_secs_f64();
         if listed.len() != catalog.tests {
             report.problems.push(Problem::FilterDrift {
@@ -307,11 +307,6 @@ pub fn run_all(
         }
         preparation.baseline = baseline_started.elapsed().as_secs_f64();
         let limit = selection.min_limit.max(baseline_started.elapsed() * 4);
-        let phase = Instant::now();
-        let index = runner
-            .index(catalog, &packages, &listed)
-            .map_err(|e| format!("placing the tests of {}: {e}", catalog.battery))?;
-        preparation.index = phase.elapsed().as_secs_f64();
         let phase = Instant::now();
         let selected = selected(catalog, selection);
         // The killers judge alone, so they must pass alone on the clean

@@ -17,8 +17,8 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use super::runner::{catalog_targets, failed_tests, full_name, is_killer, passed_tests, unhurried, Runner, Watched};
-use super::{Catalog, TestRun};
+use super::runner::{failed_tests, is_killer, passed_tests, Runner, Watched};
+use super::TestRun;
 
 /// One test of a battery and the cargo arguments that build and run only
 /// the target holding it.
@@ -39,6 +39,15 @@ pub struct Located {
 pub struct TestIndex(Vec<Located>);
 
 impl TestIndex {
+    pub(crate) fn new(located: Vec<Located>) -> Self {
+        Self(located)
+    }
+
+    /// Full names of the tests placed, in the order listed.
+    pub fn names(&self) -> Vec<String> {
+        self.0.iter().map(|l| l.name.clone()).collect()
+    }
+
     /// The tests `killers` name, or `None` when some killer names no test
     /// the index placed (the whole battery must decide then).
     pub fn killers(&self, killers: &[String]) -> Option<Vec<&Located>> {
@@ -63,33 +72,6 @@ impl TestIndex {
 }
 
 impl Runner {
-    /// Places every test of `listed` (the battery's selection) in its
-    /// package's test target: cargo names each test binary it builds
-    /// (`--message-format=json`), and each binary lists its tests.
-    pub fn index(&self, catalog: &Catalog, packages: &[String], listed: &[String]) -> Result<TestIndex, String> {
-        let binaries = self
-            .build(packages, &catalog_targets(catalog), unhurried())?
-            .map_err(|run| format!("building the tests of {}: {run:?}", catalog.battery))?;
-        let mut located = Vec::new();
-        for binary in binaries.iter().filter(|b| b.belongs_to(catalog)) {
-            let out = binary.command(self).arg("--list").output();
-            let out = out.map_err(|e| format!("{}: {e}", binary.executable.display()))?;
-            let names = String::from_utf8_lossy(&out.stdout);
-            for name in names.lines().filter_map(|l| l.strip_suffix(": test")).map(full_name) {
-                if listed.contains(&name) {
-                    located.push(Located {
-                        name,
-                        package: binary.package.clone(),
-                        target: binary.target.clone(),
-                        executable: binary.executable.clone(),
-                        dir: binary.dir.clone(),
-                    });
-                }
-            }
-        }
-        Ok(TestIndex(located))
-    }
-
     /// Builds the targets holding `killers` (under the applied mutant, or
     /// on the clean tree; the run's `packages`, see `build.rs`) and runs
     /// each killer in its own process, all within `limit`. `Failed` lists

@@ -5,7 +5,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use super::build::selection_args;
-use super::killers::TestIndex;
+use super::killers::{Located, TestIndex};
 use super::{occurrences, Catalog, Mutant, MutantResult, Scope, Verdict};
 
 /// Holds `target/mutants/lock` for one run; a second run refuses to start.
@@ -165,12 +165,14 @@ impl Runner {
         c
     }
 
-    /// Full names of the tests the battery's filter selects (building the
-    /// run's `packages` first).
-    pub fn list(&self, catalog: &Catalog, packages: &[String]) -> Result<Vec<String>, String> {
+    /// The tests the battery's filter selects (building the run's
+    /// `packages` first), each placed in its package's test target: cargo
+    /// names each test binary it builds (`--message-format=json`), and each
+    /// binary lists its tests.
+    pub fn list(&self, catalog: &Catalog, packages: &[String]) -> Result<TestIndex, String> {
         let binaries =
             self.build(packages, &catalog_targets(catalog), unhurried())?.map_err(|run| format!("{run:?}"))?;
-        let mut names = Vec::new();
+        let mut located = Vec::new();
         for b in binaries.iter().filter(|b| b.belongs_to(catalog)) {
             let out = b.command(self).arg("--list").args(selection_args(catalog)).output();
             let out = out.map_err(|e| format!("{}: {e}", b.executable.display()))?;
@@ -182,9 +184,17 @@ impl Runner {
                 ));
             }
             let stdout = String::from_utf8_lossy(&out.stdout);
-            names.extend(stdout.lines().filter_map(|l| l.strip_suffix(": test")).map(full_name));
+            for name in stdout.lines().filter_map(|l| l.strip_suffix(": test")).map(full_name) {
+                located.push(Located {
+                    name,
+                    package: b.package.clone(),
+                    target: b.target.clone(),
+                    executable: b.executable.clone(),
+                    dir: b.dir.clone(),
+                });
+            }
         }
-        Ok(names)
+        Ok(TestIndex::new(located))
     }
 
     /// Builds and runs the battery's tests, every binary even after one

@@ -208,8 +208,36 @@ fn advise_huge_pages(_start: *mut u8, _bytes: usize) -> bool {
     false
 }
 
+/// Whether the mapping holding `at` may get transparent huge pages,
+/// where that says whether it was advised: Linux with THP on `madvise`
+/// (`None` elsewhere: nothing to observe). A probe for the tests of this
+/// module and of `kv`, which read `/proc/self/smaps`.
 #[cfg(test)]
-pub(crate) mod tests {
+pub(crate) fn thp_eligible(at: *const u8) -> Option<bool> {
+    let mode = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").ok()?;
+    if !mode.contains("[madvise]") {
+        eprintln!("THP mode is not madvise ({}); nothing to observe", mode.trim());
+        return None;
+    }
+    let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+    let mut inside = false;
+    for line in smaps.lines() {
+        let range = line.split_once(' ').and_then(|(r, _)| r.split_once('-'));
+        if let Some((lo, hi)) = range {
+            if let (Ok(lo), Ok(hi)) = (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16)) {
+                inside = (lo..hi).contains(&(at as usize));
+                continue;
+            }
+        }
+        if let (true, Some(v)) = (inside, line.strip_prefix("THPeligible:")) {
+            return Some(v.trim() == "1");
+        }
+    }
+    panic!("no mapping in /proc/self/smaps holds {at:?}")
+}
+
+#[cfg(test)]
+mod tests {
     use super::*;
     use crate::kernels::weights::{Packed, Weight};
 
@@ -263,31 +291,5 @@ pub(crate) mod tests {
             assert!(arena.huge_pages_asked(), "madvise refused");
             assert!(eligible, "the arena's mapping is not eligible for huge pages");
         }
-    }
-
-    /// Whether the mapping holding `at` may get transparent huge pages,
-    /// where that says whether it was advised: Linux with THP on `madvise`
-    /// (`None` elsewhere: nothing to observe).
-    pub(crate) fn thp_eligible(at: *const u8) -> Option<bool> {
-        let mode = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").ok()?;
-        if !mode.contains("[madvise]") {
-            eprintln!("THP mode is not madvise ({}); nothing to observe", mode.trim());
-            return None;
-        }
-        let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
-        let mut inside = false;
-        for line in smaps.lines() {
-            let range = line.split_once(' ').and_then(|(r, _)| r.split_once('-'));
-            if let Some((lo, hi)) = range {
-                if let (Ok(lo), Ok(hi)) = (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16)) {
-                    inside = (lo..hi).contains(&(at as usize));
-                    continue;
-                }
-            }
-            if let (true, Some(v)) = (inside, line.strip_prefix("THPeligible:")) {
-                return Some(v.trim() == "1");
-            }
-        }
-        panic!("no mapping in /proc/self/smaps holds {at:?}")
     }
 }
