@@ -80,19 +80,6 @@ pub fn sized(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
     v
 }
 
-/// `v` at length `n` for a kernel that writes every value: only values past
-/// the old length are zeroed. Clearing first zeroed every projection's
-/// whole output on the calling thread while the others waited (16 MB a
-/// batched decode step at 16 SmolLM2 sequences, `memset` 2% of a `perf`
-/// profile of `examples/batch_profile`).
-pub fn sized_for_overwrite<T: Clone + Default>(v: &mut Vec<T>, n: usize) {
-    if v.len() > n {
-        v.truncate(n);
-    } else {
-        v.resize(n, T::default());
-    }
-}
-
 /// `v` grown to at least `n` values and never shrunk, for a buffer whose
 /// user takes `&v[..n]` and writes all of it before reading: alternating
 /// sizes then zero nothing once the largest has been seen.
