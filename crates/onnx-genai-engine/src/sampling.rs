@@ -250,15 +250,35 @@ pub fn log_softmax_top(logits: &[f32], k: usize) -> (f32, Vec<(u32, f32)>) {
     (lse, top.into_iter().map(|(id, l)| (id, l - lse)).collect())
 }
 
-/// Index of the largest logit; the lowest index wins a tie.
+/// Index of the largest logit; the lowest index wins a tie (and `±0` tie).
+/// NaN logits are passed over, unless the first one is NaN: nothing
+/// compares greater than it, so it stays the answer, as in the one-pass
+/// loop "replace the best when strictly greater" that this equals.
+///
+/// Two passes of fixed-width chunks, which the compiler turns into vector
+/// compares: the largest value, then the first chunk holding it. (The
+/// one-pass loop, a branch and a reload per logit, was 3% of the driver
+/// thread's time serving 16 greedy clients of SmolLM2: 16 x 49,152 logits
+/// a step, while the model's other threads wait for the next step.)
 pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, v) in logits.iter().enumerate() {
-        if *v > logits[best] {
-            best = i;
+    const LANES: usize = 16;
+    let Some(&first) = logits.first() else { return 0 };
+    if first.is_nan() {
+        return 0;
+    }
+    let mut lanes = [first; LANES];
+    let chunks = logits.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for chunk in chunks {
+        for (m, v) in lanes.iter_mut().zip(chunk) {
+            // `>` passes NaN over (a comparison with NaN is false).
+            *m = if *v > *m { *v } else { *m };
         }
     }
-    best as u32
+    let max = lanes.iter().chain(tail).fold(first, |m, v| if *v > m { *v } else { m });
+    let at = logits.chunks(LANES).position(|chunk| chunk.iter().fold(false, |seen, v| seen | (*v == max))).unwrap_or(0);
+    let within = logits[at * LANES..].iter().position(|v| *v == max).unwrap_or(0);
+    (at * LANES + within) as u32
 }
 
 #[cfg(test)]
@@ -282,6 +302,47 @@ mod tests {
         }
         assert!(log_softmax_top(&logits, 0).1.is_empty());
         assert_eq!(log_softmax_top(&logits, 9).1.len(), logits.len());
+    }
+
+    /// Greedy decoding's choice is the one-pass definition "the first
+    /// logit strictly greater than every earlier best", on every length
+    /// around the chunk width and with ties, `±0`, `±inf` and NaN placed
+    /// anywhere, the first position included.
+    #[test]
+    fn argmax_is_the_first_strict_maximum() {
+        fn one_pass(logits: &[f32]) -> u32 {
+            let mut best = 0;
+            for (i, v) in logits.iter().enumerate() {
+                if *v > logits[best] {
+                    best = i;
+                }
+            }
+            best as u32
+        }
+        let specials = [f32::NAN, 0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY, 7.0, 7.0, -3.5];
+        let mut state = 0x9e37_79b9_u32;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 17;
+            state ^= state << 5;
+            state
+        };
+        for len in [0, 1, 2, 15, 16, 17, 31, 32, 33, 100, 49_152] {
+            for _ in 0..40 {
+                let mut logits: Vec<f32> = (0..len).map(|_| (next() % 21) as f32 - 10.0).collect();
+                for _ in 0..next() % 4 {
+                    if len > 0 {
+                        let at = next() as usize % len;
+                        logits[at] = specials[next() as usize % specials.len()];
+                    }
+                }
+                assert_eq!(argmax(&logits), one_pass(&logits), "{logits:?}");
+            }
+        }
+        assert_eq!(argmax(&[f32::NAN, 5.0]), 0);
+        assert_eq!(argmax(&[1.0, f32::NAN, 5.0, 5.0]), 2);
+        assert_eq!(argmax(&[-1.0, -0.0, 0.0]), 1);
+        assert_eq!(argmax(&[f32::NEG_INFINITY; 40]), 0);
     }
 
     #[test]

@@ -23,6 +23,7 @@ use crate::kernels::linear::linear;
 use crate::kernels::Ctx;
 use crate::kv::SeqKv;
 use crate::ops::Op;
+use crate::pool::Disjoint;
 use crate::value::{DType, Value};
 
 /// Where a step's input comes from: a constant of the plan or a slot.
@@ -410,7 +411,7 @@ impl Plan {
                 p[index] += t.elapsed();
             }
         }
-        self.collect(&slots[self.logits], segments, rows, logits)?;
+        self.collect(&slots[self.logits], segments, rows, logits, &env.ctx)?;
         if let Some(batch) = env.batch {
             for (kv, seg) in batch.kvs.iter_mut().zip(batch.segments) {
                 kv.set_len(seg.past + seg.len);
@@ -554,12 +555,16 @@ impl Plan {
 
     /// Copies each sequence's last-position logits out of the logits value
     /// (one row per sequence after the row-selecting head, else every row).
+    /// A batch's rows are copied by all the threads: 16 sequences of
+    /// SmolLM2 copy 3 MB a step, 1% of the driver thread's time serving
+    /// them while the other thread waited.
     fn collect(
         &self,
         value: &Value,
         segments: &[Segment],
         rows: usize,
         logits: &mut [&mut Vec<f32>],
+        ctx: &Ctx,
     ) -> Result<(), RunError> {
         let vocab = self.binding.vocab_size;
         let err = |reason: String| RunError { node: self.binding.logits.clone(), op: "output".into(), reason };
@@ -568,10 +573,22 @@ impl Plan {
         if value.shape.last() != Some(&vocab) || (!per_sequence && data.len() != rows * vocab) {
             return Err(err(format!("logits shape {:?} does not hold {rows} rows of vocab {vocab}", value.shape)));
         }
-        for (i, (seg, out)) in segments.iter().zip(logits.iter_mut()).enumerate() {
-            let row = if per_sequence { i } else { seg.start + seg.len - 1 };
-            out.clear();
-            out.extend_from_slice(&data[row * vocab..(row + 1) * vocab]);
+        let n = segments.len().min(logits.len());
+        let outs = Disjoint::new(logits);
+        let copy = |range: std::ops::Range<usize>, _t: usize| {
+            for i in range {
+                let seg = segments[i];
+                let row = if per_sequence { i } else { seg.start + seg.len - 1 };
+                // SAFETY: sequence `i`'s buffer belongs to this range alone.
+                let out = unsafe { &mut outs.slice(i, 1)[0] };
+                out.clear();
+                out.extend_from_slice(&data[row * vocab..(row + 1) * vocab]);
+            }
+        };
+        if n > 1 {
+            ctx.pool.for_ranges(n, 1, &copy);
+        } else {
+            copy(0..n, 0);
         }
         Ok(())
     }

@@ -179,3 +179,65 @@ fn crafted_sizes_are_errors_not_aborts() {
     let out = run(&back, vec![("x", Value::f32([5], vec![0.0, 1.0, 2.0, 3.0, 4.0]))]);
     assert_eq!(out[0].as_f32().unwrap(), &[4.0]);
 }
+
+/// SkipSimplifiedLayerNormalization on a batch large enough that its rows
+/// split across threads: two threads give the same bits as one (each row
+/// is normalized by one thread, in the same order), with and without the
+/// bias and the sum output, and the values are the definition's
+/// `(x + skip + bias) / rms · gamma`.
+#[test]
+fn skip_rms_norm_splits_rows_across_threads_exactly() {
+    let (rows, d) = (16usize, 576usize);
+    let wave = |n: usize, f: f32| -> Vec<f32> { (0..n).map(|i| ((i as f32) * f).sin() * 2.0).collect() };
+    let (x, skip, gamma, bias) = (wave(rows * d, 0.37), wave(rows * d, 0.11), wave(d, 0.05), wave(d, 0.9));
+    let dims = [rows as i64, d as i64];
+    for with_bias in [false, true] {
+        let model = graph(|g| {
+            g.opset("com.microsoft", 1);
+            f32_input(g, "x", &dims);
+            f32_input(g, "skip", &dims);
+            f32_input(g, "gamma", &[d as i64]);
+            f32_input(g, "bias", &[d as i64]);
+            let inputs: &[&str] = if with_bias { &["x", "skip", "gamma", "bias"] } else { &["x", "skip", "gamma"] };
+            let attrs = vec![onnx_genai_onnx::builder::attr_float("epsilon", 1e-6)];
+            g.node_in("com.microsoft", "SkipSimplifiedLayerNormalization", inputs, &["y", "", "", "sum"], attrs);
+            for name in ["y", "sum"] {
+                g.output(name, DataType::Float, dims.iter().map(|v| Dim::Fixed(*v)).collect());
+            }
+        });
+        let plan = compile_graph(&model).unwrap_or_else(|e| panic!("compile: {e}"));
+        let feed = || {
+            [
+                ("x", &x, vec![rows, d]),
+                ("skip", &skip, vec![rows, d]),
+                ("gamma", &gamma, vec![d]),
+                ("bias", &bias, vec![d]),
+            ]
+            .into_iter()
+            .map(|(n, v, s)| (n.to_string(), Value::f32(s, v.clone())))
+            .collect()
+        };
+        let on = |runtime: Runtime| {
+            let out =
+                plan.evaluate(&mut plan.workspace(), runtime.ctx(), feed()).unwrap_or_else(|e| panic!("run: {e}"));
+            out.into_iter().map(|(_, v)| v.as_f32().unwrap().to_vec()).collect::<Vec<_>>()
+        };
+        let serial = on(Runtime::serial());
+        let parallel = on(Runtime::new(2).unwrap());
+        assert_eq!(serial, parallel, "bias {with_bias}: two threads changed the result");
+        for r in 0..rows {
+            let sum: Vec<f32> =
+                (0..d).map(|c| x[r * d + c] + skip[r * d + c] + if with_bias { bias[c] } else { 0.0 }).collect();
+            let inv = 1.0 / (sum.iter().map(|v| v * v).sum::<f32>() / d as f32 + 1e-6).sqrt();
+            for c in 0..d {
+                assert_eq!(parallel[1][r * d + c], sum[c], "bias {with_bias}: sum row {r} col {c}");
+                let want = sum[c] * inv * gamma[c];
+                let got = parallel[0][r * d + c];
+                assert!(
+                    (got - want).abs() <= 1e-5 * want.abs().max(1.0),
+                    "bias {with_bias}: row {r} col {c}: {got} vs {want}"
+                );
+            }
+        }
+    }
+}
