@@ -202,67 +202,106 @@ pub fn attention(
     if step.bias.is_some() && step.segments.len() != 1 {
         return Err("an additive attention bias takes one sequence at a time".into());
     }
-    // 1. Append the new keys and values (rotated first when the op applies
-    //    rotary itself).
-    let mut rotated = [0f32; 512];
-    if hd > rotated.len() {
-        return Err(format!("head_dim {hd} is larger than native-cpu supports (512)"));
+    if hd > MAX_HEAD_DIM {
+        return Err(format!("head_dim {hd} is larger than native-cpu supports ({MAX_HEAD_DIM})"));
     }
-    for (seg, kv) in step.segments.iter().zip(kvs.iter_mut()) {
-        let (geometry_heads, geometry_dim) = kv.layout().geometry(step.layer).unwrap_or((0, 0));
-        if (geometry_heads, geometry_dim) != (kvh, hd) {
-            return Err(format!(
-                "KV cache layer {} holds {geometry_heads} heads x {geometry_dim}, the attention needs {kvh} x {hd}",
-                step.layer
-            ));
-        }
+    for seg in step.segments {
         if seg.start + seg.len > rows {
             return Err(format!("segment {seg:?} is outside the step's {rows} rows"));
         }
-        for i in 0..seg.len {
-            let pos = seg.past + i;
-            for h in 0..kvh {
-                let key = step.k.row(seg.start + i, h);
-                let key = match &step.rotary {
-                    Some(r) => {
-                        r.rotate(key, pos, &mut rotated[..hd])?;
-                        &rotated[..hd]
-                    }
-                    None => key,
-                };
-                kv.write(step.layer, h, pos, key, step.v.row(seg.start + i, h));
-            }
-        }
     }
-    // 2. Attend: one job per (segment, KV group, chunk of query rows),
-    //    claimed by the threads one at a time. The group's query heads
-    //    share every key and value row they read; a prefill's rows are
-    //    chunked so its few groups (3 on SmolLM2) still split evenly across
-    //    threads, and claimed because later rows see more keys.
     let n_rep = heads / kvh;
-    let jobs: usize = step.segments.iter().map(|seg| seg.len.div_ceil(ATTENTION_ROW_CHUNK) * kvh).sum();
-    let one_chunk_each = step.segments.iter().all(|seg| (1..=ATTENTION_ROW_CHUNK).contains(&seg.len));
-    let kvs: &[&mut SeqKv] = kvs;
     let target = Disjoint::new(out);
     let failed = std::sync::Mutex::new(None::<String>);
-    ctx.pool.for_claimed(jobs, &|job, t| {
-        // SAFETY: thread `t` is the only user of its scratch in this region.
-        let scratch = unsafe { ctx.scratch.get(t) };
-        // A decode step (one chunk per segment) maps jobs directly; only
-        // steps with a long segment walk the segments.
-        let place = if one_chunk_each { Some((job / kvh, job % kvh, 0)) } else { job_at(step.segments, kvh, job) };
-        let Some((s, g, first)) = place else { return };
-        let seg = step.segments[s];
-        let rows = first..(first + ATTENTION_ROW_CHUNK).min(seg.len);
-        let result = attend_group(spec, step, kvs[s], seg, g, rows, n_rep, &target, scratch);
-        if let Err(e) = result {
-            *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+    let fail = |e: String| *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+    let one_chunk_each = step.segments.iter().all(|seg| (1..=ATTENTION_ROW_CHUNK).contains(&seg.len));
+    if one_chunk_each && kvs.len() >= PER_SEQUENCE_MIN {
+        // A decode step of many sequences: one job per sequence appends
+        // its new rows, then attends each of its KV groups. The append is
+        // spread over the threads with the rest (done first for every
+        // sequence on the calling thread, it was 10% of the attention at
+        // 16 SmolLM2 sequences while the other thread waited).
+        let caches = Disjoint::new(kvs);
+        ctx.pool.for_claimed(step.segments.len(), &|s, t| {
+            // SAFETY: sequence `s`'s cache belongs to this job alone.
+            let kv: &mut SeqKv = unsafe { caches.slice(s, 1)[0] };
+            // SAFETY: thread `t` is the only user of its scratch in this region.
+            let scratch = unsafe { ctx.scratch.get(t) };
+            let seg = step.segments[s];
+            let result = append(step, seg, kv, kvh, hd).and_then(|()| {
+                (0..kvh).try_for_each(|g| attend_group(spec, step, kv, seg, g, 0..seg.len, n_rep, &target, scratch))
+            });
+            if let Err(e) = result {
+                fail(e);
+            }
+        });
+    } else {
+        // 1. Append every sequence's new keys and values.
+        for (seg, kv) in step.segments.iter().zip(kvs.iter_mut()) {
+            append(step, *seg, kv, kvh, hd)?;
         }
-    });
+        // 2. Attend: one job per (segment, KV group, chunk of query rows),
+        //    claimed by the threads one at a time. The group's query heads
+        //    share every key and value row they read; a prefill's rows are
+        //    chunked so its few groups (3 on SmolLM2) still split evenly
+        //    across threads, and claimed because later rows see more keys.
+        let jobs: usize = step.segments.iter().map(|seg| seg.len.div_ceil(ATTENTION_ROW_CHUNK) * kvh).sum();
+        let kvs: &[&mut SeqKv] = kvs;
+        ctx.pool.for_claimed(jobs, &|job, t| {
+            // SAFETY: thread `t` is the only user of its scratch in this region.
+            let scratch = unsafe { ctx.scratch.get(t) };
+            // A decode step (one chunk per segment) maps jobs directly; only
+            // steps with a long segment walk the segments.
+            let place = if one_chunk_each { Some((job / kvh, job % kvh, 0)) } else { job_at(step.segments, kvh, job) };
+            let Some((s, g, first)) = place else { return };
+            let seg = step.segments[s];
+            let rows = first..(first + ATTENTION_ROW_CHUNK).min(seg.len);
+            if let Err(e) = attend_group(spec, step, kvs[s], seg, g, rows, n_rep, &target, scratch) {
+                fail(e);
+            }
+        });
+    }
     match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
         Some(e) => Err(e),
         None => Ok(()),
     }
+}
+
+/// Head dimensions native-cpu attends over at most (the rotated row is a
+/// stack buffer).
+const MAX_HEAD_DIM: usize = 512;
+
+/// From this many sequences on, a decode step's attention runs one job per
+/// sequence (its append and all its groups); below, one job per (sequence,
+/// KV group), so that a few sequences still split across the threads.
+const PER_SEQUENCE_MIN: usize = 4;
+
+/// Writes segment `seg`'s new K/V rows into its cache (the keys rotated
+/// first when the op applies rotary itself).
+fn append(step: &Step<'_>, seg: Segment, kv: &mut SeqKv, kvh: usize, hd: usize) -> Result<(), String> {
+    let (geometry_heads, geometry_dim) = kv.layout().geometry(step.layer).unwrap_or((0, 0));
+    if (geometry_heads, geometry_dim) != (kvh, hd) {
+        return Err(format!(
+            "KV cache layer {} holds {geometry_heads} heads x {geometry_dim}, the attention needs {kvh} x {hd}",
+            step.layer
+        ));
+    }
+    let mut rotated = [0f32; MAX_HEAD_DIM];
+    for i in 0..seg.len {
+        let pos = seg.past + i;
+        for h in 0..kvh {
+            let key = step.k.row(seg.start + i, h);
+            let key = match &step.rotary {
+                Some(r) => {
+                    r.rotate(key, pos, &mut rotated[..hd])?;
+                    &rotated[..hd]
+                }
+                None => key,
+            };
+            kv.write(step.layer, h, pos, key, step.v.row(seg.start + i, h));
+        }
+    }
+    Ok(())
 }
 
 /// Query rows one attention job covers at most.
@@ -407,10 +446,13 @@ mod tests {
 
     /// A step over several sequences with ragged row counts and histories
     /// (a 37-row prefill beside a 3-row one, then a 1-row decode beside a
-    /// 20-row chunk, then a decode step of both) equals direct attention row by row, serial and on two
-    /// threads: the row chunks of a long segment and the claimed jobs
+    /// 20-row chunk, then a decode step of both; and five sequences whose
+    /// steps run one job per sequence with its append, once every segment
+    /// fits one chunk) equals direct attention row by row, serial and on
+    /// two threads: the row chunks of a long segment and the claimed jobs
     /// (INVARIANTS B1: a sequence's result does not depend on its batch)
-    /// cover every (sequence, row, head) exactly once.
+    /// cover every (sequence, row, head) exactly once, and every new key
+    /// and value lands at its position.
     #[test]
     fn ragged_batches_equal_direct_attention() {
         let (heads, kvh, hd) = (6, 2, 8);
@@ -425,56 +467,64 @@ mod tests {
             bias: Bias::Causal,
         };
         let value = |i: usize| ((i * 2654435761) % 1000) as f32 / 500.0 - 1.0;
-        for rt in [Runtime::serial(), Runtime::new(2).unwrap()] {
-            let pool = KvPool::new(KvLayout::new(&[(kvh, hd)], false), 0);
-            let mut caches = [SeqKv::new(pool.clone(), 64), SeqKv::new(pool.clone(), 64)];
-            // Every key and value each sequence has been given, by position.
-            let mut history: [(Vec<f32>, Vec<f32>); 2] = Default::default();
-            let mut seed = 0;
-            for lens in [[37, 3], [1, 20], [1, 1]] {
-                let rows: usize = lens.iter().sum();
-                let mut gen = |n: usize| -> Vec<f32> {
-                    seed += n;
-                    (0..n).map(|i| value(seed + i)).collect()
-                };
-                let (q, k, v) = (gen(rows * heads * hd), gen(rows * kvh * hd), gen(rows * kvh * hd));
-                let pasts = [caches[0].len(), caches[1].len()];
-                let segments = [
-                    Segment { start: 0, len: lens[0], past: pasts[0] },
-                    Segment { start: lens[0], len: lens[1], past: pasts[1] },
-                ];
-                for (s, seg) in segments.iter().enumerate() {
-                    caches[s].reserve(seg.past + seg.len);
-                    let span = seg.start * kvh * hd..(seg.start + seg.len) * kvh * hd;
-                    history[s].0.extend_from_slice(&k[span.clone()]);
-                    history[s].1.extend_from_slice(&v[span]);
-                }
-                let step = Step {
-                    layer: 0,
-                    segments: &segments,
-                    q: Heads::plain(&q, Layout::SeqFirst, heads, rows, hd),
-                    k: Heads::plain(&k, Layout::SeqFirst, kvh, rows, hd),
-                    v: Heads::plain(&v, Layout::SeqFirst, kvh, rows, hd),
-                    rotary: None,
-                    bias: None,
-                };
-                let mut out = vec![f32::NAN; rows * heads * hd];
-                let [a, b] = &mut caches;
-                attention(&spec, &step, &mut [a, b], &mut out, &rt.ctx()).unwrap();
-                for (s, seg) in segments.iter().enumerate() {
-                    caches[s].set_len(seg.past + seg.len);
-                    for i in 0..seg.len {
-                        let r = seg.start + i;
-                        let want = naive(
-                            &q[r * heads * hd..(r + 1) * heads * hd],
-                            &history[s].0,
-                            &history[s].1,
-                            seg.past + i,
-                            &spec,
-                        );
-                        let got = &out[r * heads * hd..(r + 1) * heads * hd];
-                        for (g, w) in got.iter().zip(&want) {
-                            assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()), "seq {s} row {i}: {g} vs {w}");
+        let batches: [&[&[usize]]; 2] =
+            [&[&[37, 3], &[1, 20], &[1, 1]], &[&[37, 3, 1, 5, 16], &[1, 1, 1, 1, 1], &[2, 1, 16, 1, 3]]];
+        for steps in batches {
+            let n = steps[0].len();
+            for rt in [Runtime::serial(), Runtime::new(2).unwrap()] {
+                let pool = KvPool::new(KvLayout::new(&[(kvh, hd)], false), 0);
+                let mut caches: Vec<SeqKv> = (0..n).map(|_| SeqKv::new(pool.clone(), 64)).collect();
+                // Every key and value each sequence has been given, by position.
+                let mut history: Vec<(Vec<f32>, Vec<f32>)> = vec![Default::default(); n];
+                let mut seed = 0;
+                for lens in steps {
+                    let rows: usize = lens.iter().sum();
+                    let mut gen = |n: usize| -> Vec<f32> {
+                        seed += n;
+                        (0..n).map(|i| value(seed + i)).collect()
+                    };
+                    let (q, k, v) = (gen(rows * heads * hd), gen(rows * kvh * hd), gen(rows * kvh * hd));
+                    let mut segments = Vec::new();
+                    for (cache, len) in caches.iter().zip(lens.iter()) {
+                        let start = segments.last().map_or(0, |s: &Segment| s.start + s.len);
+                        segments.push(Segment { start, len: *len, past: cache.len() });
+                    }
+                    for (s, seg) in segments.iter().enumerate() {
+                        caches[s].reserve(seg.past + seg.len);
+                        let span = seg.start * kvh * hd..(seg.start + seg.len) * kvh * hd;
+                        history[s].0.extend_from_slice(&k[span.clone()]);
+                        history[s].1.extend_from_slice(&v[span]);
+                    }
+                    let step = Step {
+                        layer: 0,
+                        segments: &segments,
+                        q: Heads::plain(&q, Layout::SeqFirst, heads, rows, hd),
+                        k: Heads::plain(&k, Layout::SeqFirst, kvh, rows, hd),
+                        v: Heads::plain(&v, Layout::SeqFirst, kvh, rows, hd),
+                        rotary: None,
+                        bias: None,
+                    };
+                    let mut out = vec![f32::NAN; rows * heads * hd];
+                    let mut refs: Vec<&mut SeqKv> = caches.iter_mut().collect();
+                    attention(&spec, &step, &mut refs, &mut out, &rt.ctx()).unwrap();
+                    for (s, seg) in segments.iter().enumerate() {
+                        caches[s].set_len(seg.past + seg.len);
+                        for i in 0..seg.len {
+                            let r = seg.start + i;
+                            let want = naive(
+                                &q[r * heads * hd..(r + 1) * heads * hd],
+                                &history[s].0,
+                                &history[s].1,
+                                seg.past + i,
+                                &spec,
+                            );
+                            let got = &out[r * heads * hd..(r + 1) * heads * hd];
+                            for (g, w) in got.iter().zip(&want) {
+                                assert!(
+                                    (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                                    "{n} sequences, seq {s} row {i}: {g} vs {w}"
+                                );
+                            }
                         }
                     }
                 }
