@@ -296,7 +296,11 @@ mod x86 {
                     acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr.add(c)), _mm256_loadu_ps(kt.add(c)), acc);
                     c += 8;
                 }
-                *out.add(r * ld + t) = hsum(acc);
+                // The reduction of four keys at once, on one key: the same
+                // additions in the same order, so a key's score does not
+                // depend on whether it fell in a group of four.
+                let zero = _mm256_setzero_ps();
+                *out.add(r * ld + t) = _mm_cvtss_f32(sum4(acc, zero, zero, zero));
             }
             t += 1;
         }
@@ -325,11 +329,21 @@ mod x86 {
             c += 8;
         }
         for (r, row) in acc.iter().enumerate() {
-            for (i, a) in row.iter().enumerate() {
-                *out.add(r * ld + i) = hsum(*a);
-            }
+            _mm_storeu_ps(out.add(r * ld), sum4(row[0], row[1], row[2], row[3]));
         }
         R
+    }
+
+    /// The lane sums of four vectors, as one vector of four: per vector
+    /// `((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7))`, by three
+    /// horizontal adds and one add for all four (a reduction of each apart
+    /// was 6 instructions per key: 43% of a score's instructions at head
+    /// dimension 64).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn sum4(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
+        let pairs = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+        _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1))
     }
 
     /// # Safety
