@@ -524,7 +524,7 @@ fn skip_rms_norm(eps: f32, inputs: &[Option<&Value>], outputs: &mut [Value], ctx
         // Rows normalize independently: a batch's rows split across the
         // threads (serial, 16 sequences of SmolLM2 left the other thread
         // waiting for 2-4% of a decode step, 60 norms a step).
-        if rows > 1 && xs.len() >= PARALLEL_MIN_NORMALIZED {
+        if xs.len() >= PARALLEL_MIN_NORMALIZED {
             ctx.pool.for_ranges(rows, 1, &work);
         } else {
             work(0..rows, 0);

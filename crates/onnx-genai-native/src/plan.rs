@@ -573,7 +573,6 @@ impl Plan {
         if value.shape.last() != Some(&vocab) || (!per_sequence && data.len() != rows * vocab) {
             return Err(err(format!("logits shape {:?} does not hold {rows} rows of vocab {vocab}", value.shape)));
         }
-        let n = segments.len().min(logits.len());
         let outs = Disjoint::new(logits);
         let copy = |range: std::ops::Range<usize>, _t: usize| {
             for i in range {
@@ -585,11 +584,9 @@ impl Plan {
                 out.extend_from_slice(&data[row * vocab..(row + 1) * vocab]);
             }
         };
-        if n > 1 {
-            ctx.pool.for_ranges(n, 1, &copy);
-        } else {
-            copy(0..n, 0);
-        }
+        // (One sequence runs inline: `for_ranges` splits nothing smaller
+        // than its unit.)
+        ctx.pool.for_ranges(segments.len(), 1, &copy);
         Ok(())
     }
 }

@@ -259,8 +259,8 @@ impl ThreadPool {
         // the owner takes the front, others the back, both by
         // compare-and-swap, so every chunk is taken exactly once.
         let shares: [AtomicU64; MAX_SHARES] = std::array::from_fn(|t| {
-            let r = split(chunks, 1, threads, t.min(threads - 1));
-            AtomicU64::new(if t < threads { pack(r.start, r.end) } else { 0 })
+            let r = if t < threads { split(chunks, 1, threads, t) } else { 0..0 };
+            AtomicU64::new(pack(r.start, r.end))
         });
         let take = |share: &AtomicU64, from_back: bool| -> Option<usize> {
             let mut now = share.load(Ordering::Relaxed);
