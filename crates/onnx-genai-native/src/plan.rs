@@ -9,6 +9,7 @@
 //! reads its weights once for all of them; attention alone looks at which
 //! rows belong to which sequence ([`Segment`]).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -77,7 +78,9 @@ pub fn eval(op: &Op, inputs: &[Option<&Value>], outputs: &mut [Value], ctx: Ctx<
 pub struct Plan {
     steps: Vec<Step>,
     consts: Vec<Arc<Value>>,
-    slots: usize,
+    /// Each slot's row width (the last dimension of every value it holds),
+    /// 0 where the compiler does not know it.
+    slot_widths: Vec<usize>,
     token_ids: Option<usize>,
     position_ids: Option<usize>,
     attention_mask: Option<usize>,
@@ -136,7 +139,14 @@ impl Plan {
         let mut const_of: Vec<Option<usize>> = vec![None; g.values.len()];
         // Slots are shared only between values of one element type, so a
         // slot's buffer always comes back in the type its next value needs
-        // (a recycled buffer of another type would be freed and replaced).
+        // (a recycled buffer of another type would be freed and replaced);
+        // and a projection's output shares only with projection outputs of
+        // its width (below): buffers are resized, not cleared, so a slot
+        // whose values alternate between widths zero-fills its growth every
+        // time it widens (`memset` on the calling thread while the others
+        // wait: 1-3% of a batched decode step's `perf` samples), while a
+        // projection's slot grows only when a step has more rows than the
+        // last. (Other values, small beside them, still share by type.)
         let class = |v: Vid| match g.values[v].dtype {
             Some(DType::F32) => 0,
             Some(DType::F16) => 1,
@@ -147,19 +157,23 @@ impl Plan {
             Some(DType::I32) => 6,
             None => 7,
         };
-        let mut free: [Vec<usize>; 8] = Default::default();
-        let mut slot_class: Vec<usize> = Vec::new();
-        let mut alloc = |free: &mut [Vec<usize>; 8], c: usize| {
-            free[c].pop().unwrap_or_else(|| {
-                slot_class.push(c);
-                slot_class.len() - 1
+        // A row width from the op itself (the value's inferred dims can
+        // describe the layout before a fusion changed it); 0: not known.
+        let mut width_of = vec![0; g.values.len()];
+        let key = |v: Vid, width_of: &[usize]| (class(v), width_of[v]);
+        let mut free: HashMap<(usize, usize), Vec<usize>> = HashMap::new();
+        let mut slot_widths = Vec::new();
+        let mut alloc = |free: &mut HashMap<(usize, usize), Vec<usize>>, c: (usize, usize)| {
+            free.get_mut(&c).and_then(Vec::pop).unwrap_or_else(|| {
+                slot_widths.push(c.1);
+                slot_widths.len() - 1
             })
         };
         // A graph input gets a slot when a step reads it or it is an output.
         let mut input_slots = Vec::new();
         for name in inputs {
             let Some(v) = g.find(name).filter(|v| last_use[*v].is_some() || kept(*v)) else { continue };
-            let s = alloc(&mut free, class(v));
+            let s = alloc(&mut free, key(v, &width_of));
             slot_of[v] = Some(s);
             input_slots.push((name.clone(), s));
         }
@@ -196,21 +210,24 @@ impl Plan {
             }
             // Outputs take slots before inputs are released, so no step
             // writes a buffer it is reading.
-            let outputs: Vec<usize> = n.outputs.iter().map(|v| alloc(&mut free, class(*v))).collect();
+            if let (Some(first), Some(w)) = (n.outputs.first(), n.op.projection_weight()) {
+                width_of[*first] = if matches!(n.op, Op::GatedMlp { .. }) { w.n / 2 } else { w.n };
+            }
+            let outputs: Vec<usize> = n.outputs.iter().map(|v| alloc(&mut free, key(*v, &width_of))).collect();
             for (v, slot) in n.outputs.iter().zip(&outputs) {
                 slot_of[*v] = Some(*slot);
             }
             for v in n.inputs.iter().flatten() {
                 if last_use[*v] == Some(s) && !kept(*v) {
                     if let Some(slot) = slot_of[*v].take() {
-                        free[class(*v)].push(slot);
+                        free.entry(key(*v, &width_of)).or_default().push(slot);
                     }
                 }
             }
             for (v, slot) in n.outputs.iter().zip(&outputs) {
                 if last_use[*v].is_none() && !kept(*v) {
                     slot_of[*v] = None;
-                    free[class(*v)].push(*slot);
+                    free.entry(key(*v, &width_of)).or_default().push(*slot);
                 }
             }
             steps.push(Step { name: n.name.clone(), op: n.op.clone(), inputs, outputs });
@@ -237,11 +254,10 @@ impl Plan {
         };
         stats.planned_steps = steps.len();
         let values = order.iter().map(|n| n.outputs.len()).sum();
-        let slots = slot_class.len();
         Ok(Self {
             steps,
             consts,
-            slots,
+            slot_widths,
             token_ids,
             position_ids,
             attention_mask,
@@ -282,7 +298,12 @@ impl Plan {
 
     /// Buffer slots after sharing (compare with [`Plan::values`]).
     pub fn slots(&self) -> usize {
-        self.slots
+        self.slot_widths.len()
+    }
+
+    /// The row width every value of `slot` has, when the compiler knows it.
+    pub fn slot_width(&self, slot: usize) -> Option<usize> {
+        self.slot_widths.get(slot).copied().filter(|w| *w != 0)
     }
 
     /// Every projection step's weight, in plan order.
@@ -350,7 +371,7 @@ impl Plan {
 
     /// Fresh buffers for runs of this plan.
     pub fn workspace(&self) -> Workspace {
-        Workspace { slots: vec![Value::default(); self.slots], ..Workspace::default() }
+        Workspace { slots: vec![Value::default(); self.slots()], ..Workspace::default() }
     }
 
     /// Runs `tokens[i]` after what `kvs[i]` holds, for every sequence `i` of
@@ -377,7 +398,7 @@ impl Plan {
         if kvs.len() > 1 && !self.batchable() {
             return Err(fail("this plan runs one sequence at a time".into()));
         }
-        if ws.slots.len() != self.slots {
+        if ws.slots.len() != self.slots() {
             *ws = self.workspace();
         }
         ws.segments.clear();
@@ -463,7 +484,7 @@ impl Plan {
         inputs: Vec<(String, Value)>,
     ) -> Result<Vec<(String, Value)>, RunError> {
         let fail = |reason: String| RunError { node: "(graph)".into(), op: "evaluate".into(), reason };
-        if ws.slots.len() != self.slots {
+        if ws.slots.len() != self.slots() {
             *ws = self.workspace();
         }
         let mut fed = vec![false; self.inputs.len()];

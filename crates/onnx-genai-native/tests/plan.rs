@@ -81,8 +81,11 @@ fn fusions_fire_on_every_export() {
         }
         assert_eq!(ops.iter().filter(|o| *o == "Attention").count(), layers, "{name} {variant:?}");
         assert!(plan.head_selects_rows(), "{name} {variant:?}: the logits projection runs on every row");
+        // 9-13 slots for 29-37 values on these 2-layer exports (a
+        // projection's output shares only with its own width, so a few more
+        // slots than sharing by type alone gave).
         assert!(
-            plan.slots() * 3 < plan.values,
+            plan.slots() * 2 < plan.values,
             "{name} {variant:?}: {} slots for {} values",
             plan.slots(),
             plan.values
@@ -251,5 +254,54 @@ fn a_model_runs_the_instruction_set_it_is_set_to() {
         if family(isa) != family(Isa::best()) {
             assert!(got != want, "{isa}: exactly the best path's logits, so it did not run");
         }
+    }
+}
+
+/// A buffer slot holds values of one row width wherever the compiler knows
+/// it: buffers are resized, not cleared, so a slot shared by a 960-wide
+/// projection output and a 576-wide one would zero-fill its growth every
+/// time it widened (on the calling thread, the other threads waiting).
+/// Every step's first output of a traced decode step has its slot's width,
+/// and every projection's output slot has a known width, on every export
+/// the batch runs.
+#[test]
+fn a_slot_holds_values_of_one_row_width() {
+    for (name, variant) in
+        [("tiny-llama-gqa", Variant::Decomposed), ("tiny-llama-gqa", Variant::Genai), ("tiny-gpt2", Variant::Contrib)]
+    {
+        let (_d, package) = package(name, variant);
+        let model = NativeModel::load(&package, 1).unwrap();
+        let mut seq = model.new_sequence();
+        let mut logits = Vec::new();
+        model
+            .step(&mut [Entry { sequence: &mut *seq, input: Input::Tokens(&[3, 5, 7]), logits: &mut logits }])
+            .unwrap();
+        model.set_tracing(true);
+        model.step(&mut [Entry { sequence: &mut *seq, input: Input::Tokens(&[9]), logits: &mut logits }]).unwrap();
+        let trace = model.trace();
+        let plan = model.plan();
+        // The trace holds the first output of each step that has one.
+        let traced: Vec<_> = plan.steps().filter(|s| !s.outputs.is_empty()).collect();
+        assert_eq!(traced.len(), trace.len(), "{name} {variant:?}: trace and steps differ");
+        let mut checked = 0;
+        for (step, value) in traced.iter().zip(&trace) {
+            let slot = &step.outputs[0];
+            let known = plan.slot_width(*slot);
+            if step.op.projection_weight().is_some() {
+                assert!(known.is_some(), "{name} {variant:?}: {}'s output slot has no known width", step.name);
+            }
+            if let Some(width) = known {
+                assert_eq!(
+                    value.shape.last(),
+                    Some(&width),
+                    "{name} {variant:?}: {} in slot {slot} shape {:?}",
+                    step.name,
+                    value.shape
+                );
+                checked += 1;
+            }
+        }
+        let projections = plan.steps().filter(|s| s.op.projection_weight().is_some()).count();
+        assert!(projections >= 5 && checked >= projections, "{name} {variant:?}: {checked} steps checked");
     }
 }
