@@ -241,3 +241,56 @@ fn skip_rms_norm_splits_rows_across_threads_exactly() {
         }
     }
 }
+
+/// Bad input, not a panic: a normalization over an empty axis (inputs of
+/// shape [2, 0], gamma and bias of none) is a typed run error naming the
+/// shape, for the fused skip-and-normalize with and without its bias, the
+/// RMS normalization and the layer normalization.
+#[test]
+fn empty_normalized_axes_are_errors_not_panics() {
+    type Build = fn(&mut GraphBuilder);
+    let cases: [(&str, Build); 4] = [
+        ("skip norm with bias", |g| {
+            g.opset("com.microsoft", 1);
+            let attrs = vec![onnx_genai_onnx::builder::attr_float("epsilon", 1e-6)];
+            g.node_in(
+                "com.microsoft",
+                "SkipSimplifiedLayerNormalization",
+                &["x", "skip", "gamma", "bias"],
+                &["y"],
+                attrs,
+            );
+        }),
+        ("skip norm", |g| {
+            g.opset("com.microsoft", 1);
+            let attrs = vec![onnx_genai_onnx::builder::attr_float("epsilon", 1e-6)];
+            g.node_in("com.microsoft", "SkipSimplifiedLayerNormalization", &["x", "skip", "gamma"], &["y"], attrs);
+        }),
+        ("rms norm", |g| {
+            g.node_in("", "RMSNormalization", &["x", "gamma"], &["y"], vec![]);
+        }),
+        ("layer norm", |g| {
+            g.node_in("", "LayerNormalization", &["x", "gamma", "bias"], &["y"], vec![]);
+        }),
+    ];
+    for (name, build) in cases {
+        let model = graph(|g| {
+            f32_input(g, "x", &[2, 0]);
+            f32_input(g, "skip", &[2, 0]);
+            f32_input(g, "gamma", &[0]);
+            f32_input(g, "bias", &[0]);
+            build(g);
+            g.output("y", DataType::Float, vec![Dim::Fixed(2), Dim::Fixed(0)]);
+        });
+        let plan = match compile_graph(&model) {
+            Ok(plan) => plan,
+            Err(e) => panic!("{name}: compile: {e}"),
+        };
+        let feed = ["x", "skip", "gamma", "bias"]
+            .into_iter()
+            .map(|n| (n.to_string(), Value::f32(if matches!(n, "x" | "skip") { vec![2, 0] } else { vec![0] }, vec![])))
+            .collect();
+        let err = plan.evaluate(&mut plan.workspace(), Runtime::serial().ctx(), feed).map(|_| ()).unwrap_err();
+        assert!(err.to_string().contains("[2, 0]"), "{name}: {err}");
+    }
+}
