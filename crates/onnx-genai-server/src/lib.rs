@@ -145,6 +145,15 @@ impl RunningServer {
         self.state.gauges()
     }
 
+    /// Starts [`Gauges::widest_step`] over from 0 on every model: it is a
+    /// running maximum, so a measurement in phases (the load sweep, after
+    /// its warm-up round) reads each phase's own widest step.
+    pub fn reset_widest_step(&self) {
+        for d in self.state.drivers.values() {
+            d.counters.widest_step.store(0, Ordering::SeqCst);
+        }
+    }
+
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.addr)
     }
