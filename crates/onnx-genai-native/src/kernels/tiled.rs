@@ -252,7 +252,8 @@ pub fn linear(t: &Tiled, x: &[f32], m: usize, y: &mut [f32], ctx: &Ctx, isa: Isa
     let work = |range: std::ops::Range<usize>, _t: usize| run(isa, t, &rows, range, &out);
     if m * t.n * t.k >= PARALLEL_MIN_MACS {
         // Pairs of tiles (the vector kernels interleave two), claimed in
-        // chunks of about a quarter of a thread's share: under a server the
+        // chunks of at most a quarter of a thread's share (smaller toward
+        // its end, see `ThreadPool::for_claimed_ranges`): under a server the
         // OS preempts a compute thread now and then, and a fixed split made
         // the other wait at the end of every projection (a quarter of the
         // CPU time of a served decode went to that wait).
