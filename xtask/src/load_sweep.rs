@@ -198,7 +198,8 @@ pub fn run(opts: Options) -> Result<()> {
         "\nSession churn: a request's latency {:.1} ms alone, {:.1} ms while another client creates and closes \
          sessions in a loop (+{:.1} ms).\n\nA client that stops reading its stream (the server parked its turn \
          {:.1} s after it stopped, once the socket buffers between them were full): two reading clients make \
-         {:.1} tok/s alone and {:.1} tok/s beside it ({:+.1}%).\n\nKernels: {isa}.\n",
+         {:.1} tok/s alone and {:.1} tok/s beside it ({:+.1}%; medians of three alternating rounds).\n\nKernels: \
+         {isa}.\n",
         i.alone_ms,
         i.churned_ms,
         i.churned_ms - i.alone_ms,
@@ -224,7 +225,8 @@ struct Interference {
     /// that stopped reading (once its turn is parked).
     readers: f64,
     beside: f64,
-    /// How long after it stopped reading the server parked its turn.
+    /// How long after it stopped reading the server parked its turn
+    /// (median of the rounds).
     parked_after_s: f64,
 }
 
@@ -278,30 +280,40 @@ fn interference(server: &onnx_genai_server::RunningServer, model: &str, max_toke
         }
         Ok(tokens as f64 / started.elapsed().as_secs_f64())
     };
-    // Medians of three: this check compares two rates, and one pair of
-    // runs on a small shared machine differs by 10% on its own.
-    let median3 = |f: &dyn Fn() -> Result<f64>| -> Result<f64> {
-        let mut v = [f()?, f()?, f()?];
-        v.sort_by(f64::total_cmp);
-        Ok(v[1])
-    };
-    let readers = median3(&pair)?;
-    // A client that opens a long stream and never reads it.
+    // Three rounds, each the readers alone and then beside a client that
+    // opens a long stream and never reads it; medians of each. This check
+    // compares two rates: one pair of runs on a small shared machine
+    // differs by 10% on its own, and with every "alone" run first a slow
+    // minute fell on one side only (two sweeps of one build read +1.8% and
+    // -11.8%).
     let body =
         json!({"model": model, "prompt": "A very long story:", "max_tokens": 4096, "temperature": 0, "stream": true});
-    let silent = Stream::open(addr, "/v1/completions", &[], &body)?;
-    // Until the socket buffers between it and the server fill, a client
-    // that does not read is indistinguishable from one that does; measure
-    // once the server has noticed (its turn parked).
-    let opened = Instant::now();
-    while server.gauges().parked == 0 {
-        if opened.elapsed() > Duration::from_secs(120) {
-            bail!("the silent client's turn was not parked within 120 s");
+    let wait_for = |what: &str, done: &dyn Fn(onnx_genai_server::Gauges) -> bool| -> Result<f64> {
+        let since = Instant::now();
+        while !done(server.gauges()) {
+            if since.elapsed() > Duration::from_secs(120) {
+                bail!("{what} within 120 s");
+            }
+            std::thread::sleep(Duration::from_millis(10));
         }
-        std::thread::sleep(Duration::from_millis(10));
+        Ok(since.elapsed().as_secs_f64())
+    };
+    let (mut alone_rates, mut beside_rates, mut noticed) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..3 {
+        alone_rates.push(pair()?);
+        let silent = Stream::open(addr, "/v1/completions", &[], &body)?;
+        // Until the socket buffers between it and the server fill, a
+        // client that does not read is indistinguishable from one that
+        // does; measure once the server has noticed (its turn parked).
+        noticed.push(wait_for("the silent client's turn was not parked", &|g| g.parked > 0)?);
+        beside_rates.push(pair()?);
+        drop(silent);
+        wait_for("the silent client's turn did not end after it left", &|g| g.running == 0)?;
     }
-    let noticed = opened.elapsed().as_secs_f64();
-    let beside = median3(&pair)?;
-    drop(silent);
+    let median = |mut v: Vec<f64>| -> f64 {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (readers, beside, noticed) = (median(alone_rates), median(beside_rates), median(noticed));
     Ok(Interference { alone_ms: alone, churned_ms: churned, readers, beside, parked_after_s: noticed })
 }
