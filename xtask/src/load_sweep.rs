@@ -93,6 +93,11 @@ struct Row {
     per_client: f64,
     gflops: f64,
     widest: u64,
+    /// Turns per model step, on average: below `clients` where requests
+    /// start, end or prefill out of step with the others.
+    mean_width: f64,
+    /// Wall time per model step.
+    step_ms: f64,
 }
 
 pub fn run(opts: Options) -> Result<()> {
@@ -137,11 +142,14 @@ pub fn run(opts: Options) -> Result<()> {
     let mut rows = Vec::new();
     for &clients in &opts.clients {
         server.reset_widest_step();
+        let before = server.gauges();
         let started = Instant::now();
         let all = run_clients(addr, &model, clients, opts.turns, opts.max_tokens, |c, t| {
             format!("Client {c} asks question {t}: tell me a story about")
         })?;
         let wall = started.elapsed().as_secs_f64();
+        let after = server.gauges();
+        let steps = after.steps.saturating_sub(before.steps).max(1) as f64;
         let tokens: usize = all.iter().map(|r| r.1).sum();
         let mut ttft: Vec<f64> = all.iter().map(|r| r.0 * 1e3).collect();
         ttft.sort_by(f64::total_cmp);
@@ -153,7 +161,9 @@ pub fn run(opts: Options) -> Result<()> {
             ttft_p95: percentile(&ttft, 0.95),
             per_client,
             gflops: 2.0 * macs as f64 * tokens as f64 / wall / 1e9,
-            widest: server.gauges().widest_step,
+            widest: after.widest_step,
+            mean_width: after.stepped.saturating_sub(before.stepped) as f64 / steps,
+            step_ms: wall * 1e3 / steps,
         };
         println!(
             "{clients:>3} clients: {:>8.1} tok/s aggregate, {:>6.1} tok/s per client, TTFT p50 {:.0} ms p95 {:.0} ms",
@@ -167,9 +177,11 @@ pub fn run(opts: Options) -> Result<()> {
     let mut md = format!(
         "# Load: {model}\n\n{} on {} thread(s), streaming `/v1/completions`, max_tokens {}, {} request(s) per \
          client; clients start together, after one unmeasured warm-up round at the widest count. G op/s = 2 x projection multiply-adds per token ({:.1} M) x aggregate \
-         tokens/s; the peak of the projections' arithmetic ({peak_kind}) at {} thread(s) is {:.1} G op/s.\n\n\
-         | clients | aggregate tok/s | x one client | per-client tok/s | TTFT p50 ms | TTFT p95 ms | G op/s | % of peak | widest step |\n\
-         |---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+         tokens/s; the peak of the projections' arithmetic ({peak_kind}) at {} thread(s) is {:.1} G op/s. Mean \
+         width: the turns a model step advanced on average (a newcomer's prompt chunk counts as one); ms/step: the \
+         wall time over the model steps run.\n\n\
+         | clients | aggregate tok/s | x one client | per-client tok/s | TTFT p50 ms | TTFT p95 ms | G op/s | % of peak | widest step | mean width | ms/step |\n\
+         |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         kind.name(),
         opts.threads,
         opts.max_tokens,
@@ -181,7 +193,7 @@ pub fn run(opts: Options) -> Result<()> {
     for r in &rows {
         let _ = writeln!(
             md,
-            "| {} | {:.1} | {:.2}x | {:.1} | {:.0} | {:.0} | {:.1} | {:.0}% | {} |",
+            "| {} | {:.1} | {:.2}x | {:.1} | {:.0} | {:.0} | {:.1} | {:.0}% | {} | {:.1} | {:.2} |",
             r.clients,
             r.tokens_per_s,
             r.tokens_per_s / one,
@@ -190,7 +202,9 @@ pub fn run(opts: Options) -> Result<()> {
             r.ttft_p95,
             r.gflops,
             100.0 * r.gflops / (2.0 * peak / 1e9),
-            r.widest
+            r.widest,
+            r.mean_width,
+            r.step_ms
         );
     }
     let _ = write!(

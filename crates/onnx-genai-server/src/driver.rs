@@ -139,6 +139,11 @@ pub struct Counters {
     pub parked: AtomicU64,
     /// The most turns one step advanced.
     pub widest_step: AtomicU64,
+    /// Model steps run (each advancing at least one turn).
+    pub steps: AtomicU64,
+    /// The turns those steps advanced, summed: over `steps`, the mean
+    /// batch width.
+    pub stepped: AtomicU64,
     /// Requests waiting in line for KV room.
     pub waiting: AtomicU64,
     /// KV bytes the model's idle sessions keep (what the budget reserves for
@@ -463,6 +468,10 @@ impl<'a> Loop<'a> {
         self.counters.parked.store(parked, Ordering::SeqCst);
         let width = self.running.iter().filter(|r| r.turn.state() == TurnState::Running && !r.parked()).count() as u64;
         self.counters.widest_step.fetch_max(width, Ordering::SeqCst);
+        if width > 0 {
+            self.counters.steps.fetch_add(1, Ordering::SeqCst);
+            self.counters.stepped.fetch_add(width, Ordering::SeqCst);
+        }
         {
             let takes = |r: &Running| !r.parked();
             // Positions in `running` of the turns this step takes.

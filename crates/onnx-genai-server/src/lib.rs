@@ -64,6 +64,8 @@ impl AppState {
             stalled: 0,
             parked: 0,
             widest_step: 0,
+            steps: 0,
+            stepped: 0,
             waiting: 0,
             idle_kv_bytes: 0,
             models_down: 0,
@@ -76,6 +78,8 @@ impl AppState {
             g.stalled += d.counters.stalled.load(Ordering::SeqCst);
             g.parked += d.counters.parked.load(Ordering::SeqCst);
             g.widest_step = g.widest_step.max(d.counters.widest_step.load(Ordering::SeqCst));
+            g.steps += d.counters.steps.load(Ordering::SeqCst);
+            g.stepped += d.counters.stepped.load(Ordering::SeqCst);
             g.waiting += d.counters.waiting.load(Ordering::SeqCst);
             g.idle_kv_bytes += d.counters.idle_kv_bytes.load(Ordering::SeqCst);
             g.models_down += usize::from(!d.alive());
@@ -124,6 +128,11 @@ pub struct Gauges {
     pub parked: u64,
     /// The most turns one model step has advanced.
     pub widest_step: u64,
+    /// Model steps run so far (a count: it only grows).
+    pub steps: u64,
+    /// The turns those steps advanced, summed (a count): the mean batch
+    /// width over an interval is its growth over that of `steps`.
+    pub stepped: u64,
     /// Requests waiting in line for KV room.
     pub waiting: u64,
     /// KV bytes idle sessions keep (reserved for them at rest, B2).

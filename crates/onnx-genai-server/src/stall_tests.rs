@@ -74,8 +74,10 @@ fn a_client_that_stops_reading_parks_out_of_the_batch_then_is_cancelled() {
         "the reader should finish while the silent turn is still parked: {g:?} after {:?}",
         started.elapsed()
     );
-    // Parked, the silent turn was not stepped beside the reader.
+    // Parked, the silent turn was not stepped beside the reader: every
+    // step so far advanced one turn, the reader's 40 tokens at least.
     assert_eq!(g.widest_step, 1, "{g:?}");
+    assert!(g.steps >= 40 && g.stepped == g.steps, "steps and the turns they advanced: {g:?}");
     // The gauge is a running maximum a measurement in phases starts over.
     server.reset_widest_step();
     assert_eq!(server.gauges().widest_step, 0);
