@@ -326,7 +326,7 @@ fn interference(server: &onnx_genai_server::RunningServer, model: &str, max_toke
     }
     let median = |mut v: Vec<f64>| -> f64 {
         v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
+        percentile(&v, 0.5)
     };
     let (readers, beside, noticed) = (median(alone_rates), median(beside_rates), median(noticed));
     Ok(Interference { alone_ms: alone, churned_ms: churned, readers, beside, parked_after_s: noticed })
