@@ -241,9 +241,13 @@ pub fn bench(rounds: usize, steps: usize, cpu_threads: usize) -> Result<()> {
         "# native-cuda bench\n\n{device}; copy bandwidth {:.0} GB/s (device-to-device, read + write); \
          SmolLM2-shaped package (random weights, SmolLM2-135M's shapes); {rounds} rounds, min / median; \
          ONNX Runtime on this machine's CPU with {cpu_threads} threads.\n\n\
-         | export | weights MB | decode b1 eager tok/s | decode b1 tok/s | decode b16 tok/s (aggregate) | b16 / b1 | prefill 128 tok/s | \
-         roofline b1 tok/s | ORT CPU decode tok/s |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
-        bandwidth / 1e9
+         Decode replays CUDA graphs; \"serial\" columns launch each kernel after the one before has finished, \
+         the others with programmatic dependent launch ({}).\n\n\
+         | export | weights MB | decode b1 eager tok/s | decode b1 serial tok/s | decode b16 serial tok/s | decode b1 tok/s | \
+         decode b16 tok/s (aggregate) | b16 / b1 | prefill 128 tok/s | roofline b1 tok/s | ORT CPU decode tok/s |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        bandwidth / 1e9,
+        if onnx_genai_cuda::overlap_supported()? { "on" } else { "not supported by this device: off" },
     );
     for v in BENCH_VARIANTS {
         let package = Package::open(&dir.join(v.name()))?;
@@ -252,8 +256,24 @@ pub fn bench(rounds: usize, steps: usize, cpu_threads: usize) -> Result<()> {
         model.set_graphs(false);
         let eager = decode(&model, 1, steps, rounds)?;
         model.set_graphs(true);
+        // Programmatic dependent launch off, then on (the default where
+        // the device has it), measured side by side.
+        let overlap = model.set_overlap(true);
+        model.set_overlap(false);
+        let b1_serial = decode(&model, 1, steps, rounds)?;
+        let b16_serial = decode(&model, 16, steps, rounds)?;
+        model.set_overlap(overlap);
         let b1 = decode(&model, 1, steps, rounds)?;
         let b16 = decode(&model, 16, steps, rounds)?;
+        model.set_graphs(false);
+        let b16_eager = decode(&model, 16, steps, rounds)?;
+        model.set_graphs(true);
+        for batch in [1, 16] {
+            if let Some((nodes, edges, programmatic)) = model.graph_shape(batch) {
+                println!("{} b{batch} graph: {nodes} nodes, {edges} edges, {programmatic} programmatic", v.name());
+            }
+        }
+        println!("{} b16 eager: {:.0} / {:.0} tok/s", v.name(), 16.0 / b16_eager.min, 16.0 / b16_eager.median);
         let pre = prefill(&model, 128, rounds)?;
         println!("{}: {} decode steps replayed from CUDA graphs", v.name(), model.graph_replays());
         for batch in [1, 16] {
@@ -279,10 +299,14 @@ pub fn bench(rounds: usize, steps: usize, cpu_threads: usize) -> Result<()> {
         let ort = onnx_genai_engine::BackendKind::Ort.load(&package, cpu_threads)?;
         let ort_b1 = decode(ort.as_ref(), 1, steps.min(32), 1)?;
         let line = format!(
-            "| {} | {:.1} | {:.0} | {:.0} / {:.0} | {:.0} / {:.0} | {:.1}x | {:.0} / {:.0} | {:.0} | {:.1} |",
+            "| {} | {:.1} | {:.0} | {:.0} / {:.0} | {:.0} / {:.0} | {:.0} / {:.0} | {:.0} / {:.0} | {:.1}x | {:.0} / {:.0} | {:.0} | {:.1} |",
             v.name(),
             weights / 1e6,
             1.0 / eager.median,
+            1.0 / b1_serial.min,
+            1.0 / b1_serial.median,
+            16.0 / b16_serial.min,
+            16.0 / b16_serial.median,
             1.0 / b1.min,
             1.0 / b1.median,
             16.0 / b16.min,

@@ -13,7 +13,12 @@ use crate::error::CudaError;
 
 /// The CUDA C source of every kernel.
 pub fn kernel_source() -> &'static str {
-    include_str!("kernels.cu")
+    concat!(
+        include_str!("kernels/common.cu"),
+        include_str!("kernels/pointwise.cu"),
+        include_str!("kernels/projections.cu"),
+        include_str!("kernels/attention.cu"),
+    )
 }
 
 /// The kernels a model loads (each an `extern "C"` function of the source).
@@ -29,6 +34,7 @@ pub const KERNELS: &[&str] = &[
     "rotary",
     "gemv_f16",
     "gemv_q4",
+    "gemv_q4_gated",
     "quantize_blocks",
     "gemv_q4_int8",
     "dequant_q4",
@@ -135,6 +141,13 @@ pub fn probe() -> Result<String, CudaError> {
     Ok(format!("{} (sm_{major}{minor})", ctx.name()?))
 }
 
+/// Whether the first device supports programmatic dependent launch
+/// (compute capability 9.0 and later).
+pub fn overlap_supported() -> Result<bool, CudaError> {
+    probe()?;
+    Ok(CudaContext::new(0)?.compute_capability()?.0 >= 9)
+}
+
 /// The first device's copy bandwidth in bytes per second (bytes read plus
 /// bytes written by device-to-device copies of 1 GiB, best of 10).
 pub fn copy_bandwidth() -> Result<f64, CudaError> {
@@ -199,7 +212,20 @@ pub(crate) struct Device {
     pub description: String,
     /// Largest dynamic shared memory a block may take (after opting in).
     pub max_shared: usize,
+    /// Streaming multiprocessors (kernels that loop over their work size
+    /// their grids by it).
+    pub sm_count: usize,
     allocations: std::sync::atomic::AtomicU64,
+    /// Whether the device can start a kernel while the one before it runs
+    /// (programmatic dependent launch, compute capability 9.0 and later).
+    overlap_supported: bool,
+    /// Whether kernels are launched so (on where supported; see
+    /// [`Device::launch_raw`]).
+    overlap: std::sync::atomic::AtomicBool,
+    /// Library (cuBLAS) calls made so far: their kernels do not wait for
+    /// the kernel before them, so a graph holding one keeps full
+    /// dependencies (see graph.rs).
+    library_calls: std::sync::atomic::AtomicU64,
 }
 
 // SAFETY: the device is used behind the model's mutex, one thread at a time;
@@ -235,7 +261,7 @@ impl Device {
                 .saturating_sub(1024);
         // Kernels that may take more than the default 48 KiB of dynamic
         // shared memory (scores over the context; staged input rows).
-        for name in ["attend", "gemv_q4"] {
+        for name in ["attend", "gemv_q4", "gemv_q4_gated"] {
             if let Some(f) = funcs.get(name) {
                 f.set_attribute(
                     sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -243,7 +269,85 @@ impl Device {
                 )?;
             }
         }
-        Ok(Self { ctx, stream, blas, funcs, description, max_shared, allocations: Default::default() })
+        let sm_count =
+            ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as usize;
+        let overlap_supported = major >= 9; // as `overlap_supported()`
+        Ok(Self {
+            ctx,
+            stream,
+            blas,
+            funcs,
+            description,
+            max_shared,
+            sm_count,
+            allocations: Default::default(),
+            overlap_supported,
+            overlap: std::sync::atomic::AtomicBool::new(overlap_supported),
+            library_calls: Default::default(),
+        })
+    }
+
+    /// Whether kernels launch with programmatic dependent launch.
+    pub fn overlap(&self) -> bool {
+        self.overlap.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Turns programmatic dependent launch on or off (it stays off where
+    /// the device does not support it). Graphs captured before keep the
+    /// launches they were captured with: their owner drops them.
+    pub fn set_overlap(&self, on: bool) {
+        self.overlap.store(on && self.overlap_supported, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Launches `f` on the stream. With overlap on, the launch carries
+    /// programmatic stream serialization: the kernel may start while the
+    /// kernel before it still runs, and holds at its `GRID_WAIT` (every
+    /// kernel in kernels/ waits before it reads another's output), so
+    /// its launch and its weight loads overlap the kernel before.
+    ///
+    /// # Safety
+    /// `params` point at values of exactly the kernel's parameter types, in
+    /// order; every pointer among them addresses a live device buffer sized
+    /// for the launch.
+    pub unsafe fn launch_raw(
+        &self,
+        f: &CudaFunction,
+        cfg: LaunchConfig,
+        params: &mut [*mut std::ffi::c_void],
+    ) -> Result<(), CudaError> {
+        // SAFETY: a zeroed attribute is a valid plain-data value; its id and
+        // the union member that id selects are set next.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let overlap = self.overlap();
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: if overlap { &mut attr } else { std::ptr::null_mut() },
+            numAttrs: u32::from(overlap),
+        };
+        // SAFETY: `config` and `attr` outlive the call; the caller vouches
+        // for `params` (see above); `f` belongs to this device's context.
+        unsafe { sys::cuLaunchKernelEx(&config, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }
+            .result()?;
+        Ok(())
+    }
+
+    /// Counts a library call (cuBLAS) about to be made on the stream.
+    pub fn library_call(&self) {
+        self.library_calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Library calls made so far.
+    pub fn library_calls(&self) -> u64 {
+        self.library_calls.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     pub fn func(&self, name: &str) -> Result<&CudaFunction, CudaError> {
@@ -338,19 +442,23 @@ pub(crate) fn grid(n: usize, threads: u32) -> LaunchConfig {
     LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
 }
 
+/// A kernel parameter: the address of a value the device can take
+/// (`DeviceRepr`: u64 pointers, i32, f32, the `#[repr(C)]` structs).
+pub(crate) fn param<T: cudarc::driver::DeviceRepr>(value: &T) -> *mut std::ffi::c_void {
+    value as *const T as *mut std::ffi::c_void
+}
+
 /// Launches kernel `$name` with the listed arguments (locals of exactly the
 /// kernel's parameter types: u64 for pointers, i32, f32, or the `#[repr(C)]`
-/// structs of `runner.rs`).
+/// structs of `runner.rs`) through [`Device::launch_raw`].
 macro_rules! launch {
     ($dev:expr, $name:literal, $cfg:expr, $($arg:ident),* $(,)?) => {{
         let f = $dev.func($name)?;
-        use cudarc::driver::PushKernelArg as _;
-        let mut builder = $dev.stream.launch_builder(f);
-        $( builder.arg(&$arg); )*
+        let mut params = [$( crate::device::param(&$arg) ),*];
         // SAFETY: the arguments match the kernel's parameter list in
-        // kernels.cu in number, order and type, and every pointer addresses
+        // kernels/ in number, order and type, and every pointer addresses
         // a live device buffer sized for the launch.
-        unsafe { builder.launch($cfg) }.map(|_| ()).map_err(crate::error::CudaError::from)
+        unsafe { $dev.launch_raw(f, $cfg, &mut params) }
     }};
 }
 pub(crate) use launch;

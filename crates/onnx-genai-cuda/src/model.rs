@@ -81,6 +81,23 @@ impl CudaModel {
         self.runner().use_graphs = on;
     }
 
+    /// Nodes, edges and programmatic edges of the decode step captured for
+    /// `batch` sequences (after a few decode steps of that width).
+    pub fn graph_shape(&self, batch: usize) -> Option<(usize, usize, usize)> {
+        self.runner().graph_shape(batch)
+    }
+
+    /// Turns programmatic dependent launch on or off (on by default where the
+    /// device supports it, compute capability 9.0 and later): each kernel
+    /// may then start, and load its weights, while the one before it runs.
+    /// Returns whether it is on. Captured graphs are dropped, to be captured
+    /// again with the new launches.
+    pub fn set_overlap(&self, on: bool) -> bool {
+        self.device.set_overlap(on);
+        self.runner().drop_graphs();
+        self.device.overlap()
+    }
+
     /// Starts (or stops and clears) timing every step alone, by op (runs
     /// are then never captured as graphs).
     pub fn set_profiling(&self, on: bool) {

@@ -10,11 +10,17 @@ use crate::device::{grid, grown, launch, DBuf, Device};
 use crate::error::CudaError;
 
 /// Up to this many input rows a product runs in the row kernels; beyond, on
-/// cuBLAS over the weight widened to f32.
+/// cuBLAS over the weight widened to f32. The row kernels hold this many
+/// rows' sums per lane (`ROWS_PER_PASS` in kernels/).
 const GEMV_MAX_ROWS: usize = 16;
 
 /// Warps (output rows) per block of the row kernels.
 const ROWS_PER_BLOCK: u32 = 4;
+
+/// `gemv_q4`'s outputs per block and input rows per warp (`OUTS_PER_BLOCK`
+/// and `ROWS_PER_WARP` in kernels/).
+const GEMV_Q4_OUTS_PER_BLOCK: u32 = 4;
+const GEMV_Q4_ROWS_PER_WARP: usize = 4;
 
 enum Storage {
     F32(DBuf),
@@ -37,6 +43,8 @@ pub(crate) struct Scratch {
     wide: Option<DBuf>,
     quantized: Option<DBuf>,
     input_scales: Option<DBuf>,
+    /// The gated MLP's gate and up products where they are not fused.
+    both: Option<DBuf>,
 }
 
 /// `x @ W^T + b` on the device.
@@ -106,11 +114,84 @@ impl Projection {
         if m == 0 {
             return Ok(());
         }
+        if self.gemv_q4_takes(m) {
+            return self.gemv_q4(dev, x, m, y, false);
+        }
+        self.product(dev, x, m, y, scratch)
+    }
+
+    /// The gated MLP over this weight (its gate rows, then its up rows):
+    /// `y[m, n / 2] = silu(x . gate) * (x . up)`. In one kernel where the
+    /// 4-bit row kernel takes the product, else the product then `silu_mul`.
+    pub fn run_gated(&self, dev: &Device, x: u64, m: usize, y: u64, scratch: &mut Scratch) -> Result<(), CudaError> {
+        if m == 0 {
+            return Ok(());
+        }
+        if self.gemv_q4_takes(m) {
+            return self.gemv_q4(dev, x, m, y, true);
+        }
+        let both = grown(dev, &mut scratch.both, m * self.n * 4)?.ptr();
+        self.product(dev, x, m, both, scratch)?;
+        let half = self.n / 2;
+        let (mi, hi) = (i32_of(m, "rows")?, i32_of(half, "outputs")?);
+        launch!(dev, "silu_mul", grid(m * half, 256), both, y, mi, hi)
+    }
+
+    /// Whether `gemv_q4` takes a product of `m` rows: 4-bit weights with
+    /// f32 inputs, blocks of whole words, few rows.
+    fn gemv_q4_takes(&self, m: usize) -> bool {
+        matches!(&self.storage, Storage::Q4 { int8: false, block, .. } if block.is_multiple_of(8)) && m <= GEMV_MAX_ROWS
+    }
+
+    /// The 4-bit row kernel (`gated`: the gated MLP's fused form, a warp per
+    /// gate/up pair).
+    fn gemv_q4(&self, dev: &Device, x: u64, m: usize, y: u64, gated: bool) -> Result<(), CudaError> {
+        let Storage::Q4 { data, scales, zeros, offsets, block, blocks, .. } = &self.storage else {
+            return Err(CudaError::Unsupported("gemv_q4 over a weight that is not 4-bit".into()));
+        };
+        let (dp, sp) = (data.ptr(), scales.ptr());
+        let zp = zeros.as_ref().map_or(0u64, DBuf::ptr);
+        let op = offsets.as_ref().map_or(0u64, DBuf::ptr);
+        let bias = self.bias.as_ref().map_or(0u64, DBuf::ptr);
+        let (mi, ni, ki) = (i32_of(m, "rows")?, i32_of(self.n, "outputs")?, i32_of(self.k, "inputs")?);
+        let (bi, bsi) = (i32_of(*block, "block")?, i32_of(*blocks, "blocks")?);
+        let vec_x = i32::from(self.k.is_multiple_of(8));
+        // The block's warps share its input rows: staged in shared memory
+        // when they fit.
+        let staged_bytes = m * self.k * 4;
+        let staged = i32::from(staged_bytes <= dev.max_shared);
+        let outs = if gated { self.n / 2 } else { self.n };
+        // A warp per output and group of input rows (kernels/projections.cu:
+        // OUTS_PER_BLOCK, ROWS_PER_WARP).
+        let groups = m.div_ceil(GEMV_Q4_ROWS_PER_WARP) as u32;
+        let threads = GEMV_Q4_OUTS_PER_BLOCK * groups * 32;
+        // Two waves of the blocks an SM holds (the kernel takes up to 128
+        // registers a thread: 512 threads a block fill an SM's 64 Ki); a
+        // larger product loops, staging x once per block.
+        let resident = (512 / threads).max(1) as usize;
+        let cap = (2 * dev.sm_count * resident) as u32;
+        let cfg = cudarc::driver::LaunchConfig {
+            grid_dim: ((outs as u32).div_ceil(GEMV_Q4_OUTS_PER_BLOCK).min(cap), 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: if staged == 1 { staged_bytes as u32 } else { 0 },
+        };
+        if gated {
+            launch!(dev, "gemv_q4_gated", cfg, x, dp, sp, zp, op, bias, y, mi, ni, ki, bi, bsi, vec_x, staged)
+        } else {
+            launch!(dev, "gemv_q4", cfg, x, dp, sp, zp, op, bias, y, mi, ni, ki, bi, bsi, vec_x, staged)
+        }
+    }
+
+    /// Every product but `gemv_q4`'s: the f16 and 8-bit-input row kernels,
+    /// and cuBLAS over the weight (widened to f32 where it is not).
+    fn product(&self, dev: &Device, x: u64, m: usize, y: u64, scratch: &mut Scratch) -> Result<(), CudaError> {
         let (mi, ni, ki) = (i32_of(m, "rows")?, i32_of(self.n, "outputs")?, i32_of(self.k, "inputs")?);
         let bias = self.bias.as_ref().map_or(0u64, DBuf::ptr);
-        let rows_cfg = grid(self.n, ROWS_PER_BLOCK * 32);
-        let rows_cfg =
-            cudarc::driver::LaunchConfig { grid_dim: ((self.n as u32).div_ceil(ROWS_PER_BLOCK), 1, 1), ..rows_cfg };
+        let rows_cfg = cudarc::driver::LaunchConfig {
+            grid_dim: ((self.n as u32).div_ceil(ROWS_PER_BLOCK), 1, 1),
+            block_dim: (ROWS_PER_BLOCK * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
         match &self.storage {
             Storage::F32(w) => {
                 self.sgemm(dev, w.ptr(), x, m, y)?;
@@ -145,21 +226,6 @@ impl Projection {
                     launch!(dev, "quantize_blocks", qcfg, x, xq, xs, mi, ki, bi, bsi)?;
                     return launch!(dev, "gemv_q4_int8", rows_cfg, xq, xs, dp, sp, zp, bias, y, mi, ni, bi, bsi);
                 }
-                let words = block.is_multiple_of(8);
-                if m <= GEMV_MAX_ROWS && words {
-                    let vec_x = i32::from(self.k.is_multiple_of(8));
-                    // The block's warps share its input rows: staged in
-                    // shared memory when they fit.
-                    let staged_bytes = m * self.k * 4;
-                    let staged = i32::from(staged_bytes <= dev.max_shared);
-                    let cfg = cudarc::driver::LaunchConfig {
-                        shared_mem_bytes: if staged == 1 { staged_bytes as u32 } else { 0 },
-                        ..rows_cfg
-                    };
-                    return launch!(
-                        dev, "gemv_q4", cfg, x, dp, sp, zp, op, bias, y, mi, ni, ki, bi, bsi, vec_x, staged
-                    );
-                }
                 let wide = grown(dev, &mut scratch.wide, self.n * self.k * 4)?.ptr();
                 launch!(dev, "dequant_q4", grid(self.n * self.k, 256), dp, sp, zp, op, wide, ni, ki, bi, bsi)?;
                 self.sgemm(dev, wide, x, m, y)?;
@@ -177,6 +243,7 @@ impl Projection {
     /// Row-major `y[m, n] = x[m, k] . w[n, k]^T` through cuBLAS (column
     /// major: `y^T = w^T' . x^T`, i.e. op(A) = T on the `[k, n]` view of w).
     fn sgemm(&self, dev: &Device, w: u64, x: u64, m: usize, y: u64) -> Result<(), CudaError> {
+        dev.library_call();
         let (alpha, beta) = (1.0f32, 0.0f32);
         let (n, k) = (i32_of(self.n, "outputs")?, i32_of(self.k, "inputs")?);
         let m = i32_of(m, "rows")?;

@@ -129,32 +129,37 @@ impl Runner {
             block_dim: (hd as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        launch!(
-            dev,
-            "kv_append",
-            append,
-            k,
-            kd,
-            v,
-            vd,
-            kptrs,
-            vptrs,
-            row_seg,
-            row_pos,
-            kvh_i,
-            rot,
-            cos,
-            sin,
-            half,
-            table_positions,
-            round16,
-            err
-        )?;
+        // Decode (one new row per sequence): attend appends the rows' keys
+        // and values itself, one launch fewer per layer.
+        let fused_append = segments.iter().all(|s| s.len == 1);
+        if !fused_append {
+            launch!(
+                dev,
+                "kv_append",
+                append,
+                k,
+                kd,
+                v,
+                vd,
+                kptrs,
+                vptrs,
+                row_seg,
+                row_pos,
+                kvh_i,
+                rot,
+                cos,
+                sin,
+                half,
+                table_positions,
+                round16,
+                err
+            )?;
+        }
         // Scores for the whole context when that fits, so that a captured
         // step's launch stays valid as the sequences grow.
         const ATTEND_THREADS: usize = 128;
         let visible = segments.iter().map(|s| s.past + s.len).max().unwrap_or(0);
-        let bytes = |positions: usize| (hd + positions + 4 * ATTEND_THREADS) * 4;
+        let bytes = |positions: usize| ((hd + positions + 4 * ATTEND_THREADS).next_multiple_of(4) + 2 * hd) * 4;
         let context = self.plan.binding.max_sequence_length;
         let held = if bytes(context) <= dev.max_shared {
             context
@@ -177,7 +182,7 @@ impl Runner {
             block_dim: (ATTEND_THREADS as u32, 1, 1),
             shared_mem_bytes: shared as u32,
         };
-        let held = held as i32;
+        let (held, fused) = (held as i32, i32::from(fused_append));
         launch!(
             dev,
             "attend",
@@ -204,7 +209,13 @@ impl Runner {
             bias_mode,
             bias_shared,
             held,
-            err
+            err,
+            k,
+            kd,
+            v,
+            vd,
+            round16,
+            fused
         )?;
         let shape: Shape = match spec.out_layout {
             Layout::HeadsFirst => [1, heads, rows, hd].into_iter().collect(),

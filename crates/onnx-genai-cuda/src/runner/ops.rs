@@ -8,7 +8,7 @@ use onnx_genai_native::value::{DType, Shape};
 use onnx_genai_native::{Op, Ref};
 
 use super::{check_width, elem_bytes, i32_of, unsupported, Broadcast, DTensor, Permute, Runner, MAX_RANK};
-use crate::device::{grid, grown, launch, DBuf};
+use crate::device::{grid, launch, DBuf};
 use crate::error::CudaError;
 
 /// `shape` with its last axis set to `n`.
@@ -48,14 +48,10 @@ impl Runner {
 
     fn gated(&mut self, index: usize, x: Ref, out: usize) -> Result<(), CudaError> {
         let (x, shape, m, n) = self.projection_input(index, x)?;
-        let dev = self.device.clone();
-        let both = grown(&dev, &mut self.both, m * n * 4)?.ptr();
-        let proj = self.projections[index].as_ref().ok_or_else(|| unsupported("projection not uploaded"))?;
-        proj.run(&dev, x, m, both, &mut self.scratch)?;
         let half = n / 2;
         let buf = self.out_buf(out, m * half * 4)?;
-        let (y, mi, hi) = (buf.ptr(), m as i32, half as i32);
-        launch!(dev, "silu_mul", grid(m * half, 256), both, y, mi, hi)?;
+        let proj = self.projections[index].as_ref().ok_or_else(|| unsupported("projection not uploaded"))?;
+        proj.run_gated(&self.device, x, m, buf.ptr(), &mut self.scratch)?;
         self.put(out, with_last(shape, half), DType::F32, buf);
         Ok(())
     }
