@@ -222,10 +222,8 @@ pub(crate) struct Device {
     /// Whether kernels are launched so (on where supported; see
     /// [`Device::launch_raw`]).
     overlap: std::sync::atomic::AtomicBool,
-    /// Library (cuBLAS) calls made so far: their kernels do not wait for
-    /// the kernel before them, so a graph holding one keeps full
-    /// dependencies (see graph.rs).
-    library_calls: std::sync::atomic::AtomicU64,
+    /// The driver's CUDA version (12030 for 12.3).
+    pub driver_version: i32,
 }
 
 // SAFETY: the device is used behind the model's mutex, one thread at a time;
@@ -272,6 +270,9 @@ impl Device {
         let sm_count =
             ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as usize;
         let overlap_supported = major >= 9; // as `overlap_supported()`
+        let mut driver_version = 0;
+        // SAFETY: writes one integer.
+        unsafe { sys::cuDriverGetVersion(&mut driver_version) }.result()?;
         Ok(Self {
             ctx,
             stream,
@@ -283,7 +284,7 @@ impl Device {
             allocations: Default::default(),
             overlap_supported,
             overlap: std::sync::atomic::AtomicBool::new(overlap_supported),
-            library_calls: Default::default(),
+            driver_version,
         })
     }
 
@@ -293,17 +294,20 @@ impl Device {
     }
 
     /// Turns programmatic dependent launch on or off (it stays off where
-    /// the device does not support it). Graphs captured before keep the
+    /// the device does not support it: compute capability below 9.0). Graphs captured before keep the
     /// launches they were captured with: their owner drops them.
     pub fn set_overlap(&self, on: bool) {
         self.overlap.store(on && self.overlap_supported, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Launches `f` on the stream. With overlap on, the launch carries
-    /// programmatic stream serialization: the kernel may start while the
-    /// kernel before it still runs, and holds at its `GRID_WAIT` (every
-    /// kernel in kernels/ waits before it reads another's output), so
-    /// its launch and its weight loads overlap the kernel before.
+    /// programmatic stream serialization (`cuLaunchKernelEx`): the kernel
+    /// may start while the kernel before it still runs and holds at its
+    /// `GRID_WAIT` — every kernel in kernels/ waits there before it reads
+    /// another's output — so its launch, and for the 4-bit projections the
+    /// loads of their first weights, overlap the kernel before. Stream
+    /// capture records such launches as programmatic graph edges. With
+    /// overlap off, a plain `cuLaunchKernel`.
     ///
     /// # Safety
     /// `params` point at values of exactly the kernel's parameter types, in
@@ -315,39 +319,44 @@ impl Device {
         cfg: LaunchConfig,
         params: &mut [*mut std::ffi::c_void],
     ) -> Result<(), CudaError> {
+        let (grid, block) = (cfg.grid_dim, cfg.block_dim);
+        if !self.overlap() {
+            // SAFETY: the caller vouches for `params` (see above); `f`
+            // belongs to this device's context.
+            unsafe {
+                cudarc::driver::result::launch_kernel(
+                    f.cu_function(),
+                    grid,
+                    block,
+                    cfg.shared_mem_bytes,
+                    self.stream.cu_stream(),
+                    params,
+                )
+            }?;
+            return Ok(());
+        }
         // SAFETY: a zeroed attribute is a valid plain-data value; its id and
         // the union member that id selects are set next.
         let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
         attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
         attr.value.programmaticStreamSerializationAllowed = 1;
-        let overlap = self.overlap();
         let config = sys::CUlaunchConfig {
-            gridDimX: cfg.grid_dim.0,
-            gridDimY: cfg.grid_dim.1,
-            gridDimZ: cfg.grid_dim.2,
-            blockDimX: cfg.block_dim.0,
-            blockDimY: cfg.block_dim.1,
-            blockDimZ: cfg.block_dim.2,
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block.0,
+            blockDimY: block.1,
+            blockDimZ: block.2,
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: self.stream.cu_stream(),
-            attrs: if overlap { &mut attr } else { std::ptr::null_mut() },
-            numAttrs: u32::from(overlap),
+            attrs: &mut attr,
+            numAttrs: 1,
         };
         // SAFETY: `config` and `attr` outlive the call; the caller vouches
         // for `params` (see above); `f` belongs to this device's context.
         unsafe { sys::cuLaunchKernelEx(&config, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }
             .result()?;
         Ok(())
-    }
-
-    /// Counts a library call (cuBLAS) about to be made on the stream.
-    pub fn library_call(&self) {
-        self.library_calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    /// Library calls made so far.
-    pub fn library_calls(&self) -> u64 {
-        self.library_calls.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     pub fn func(&self, name: &str) -> Result<&CudaFunction, CudaError> {
@@ -462,3 +471,75 @@ macro_rules! launch {
     }};
 }
 pub(crate) use launch;
+
+#[cfg(test)]
+mod tests {
+    use super::{kernel_source, KERNELS};
+
+    /// The body of the function whose definition starts at `at` (its
+    /// outermost braces).
+    fn body(src: &str, at: usize) -> &str {
+        let open = at + src[at..].find('{').expect("a function body");
+        let mut depth = 0;
+        for (i, c) in src[open..].char_indices() {
+            match c {
+                '{' => depth += 1,
+                '}' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        return &src[open + 1..open + i];
+                    }
+                }
+                _ => {}
+            }
+        }
+        panic!("unbalanced braces after byte {at}");
+    }
+
+    /// What launches with programmatic stream serialization (and the
+    /// programmatic graph edges they are captured as) rest on: every kernel
+    /// in kernels/ reaches `GRID_DEPEND()` — the wait for the kernel before
+    /// it — before any of its threads can return, and the template a
+    /// kernel forwards to does too. A kernel without it would read its
+    /// producer's output before that was written, or finish first and let
+    /// the kernel after it overtake the one before. The check is textual:
+    /// it does not see a wait inside a condition, or a read of another
+    /// kernel's output placed before the wait (review keeps what precedes
+    /// it to weights: `q4_load` in `gemv_q4_body`).
+    #[test]
+    fn every_kernel_waits_for_the_kernel_before_it() {
+        let src = kernel_source();
+        let mut checked = Vec::new();
+        for (at, _) in src.match_indices("extern \"C\" __global__") {
+            let mut sig = &src[at..at + src[at..].find('{').expect("a body")];
+            // `__launch_bounds__(...)` comes before the name.
+            if let Some(lb) = sig.find("__launch_bounds__(") {
+                let mut depth = 0;
+                let close = sig[lb..]
+                    .char_indices()
+                    .find(|&(_, c)| {
+                        depth += i32::from(c == '(') - i32::from(c == ')');
+                        c == ')' && depth == 0
+                    })
+                    .expect("launch bounds close");
+                sig = &sig[lb + close.0 + 1..];
+            }
+            let head = &sig[..sig.find('(').expect("a parameter list")];
+            let name = head.rsplit(|c: char| c.is_whitespace()).next().expect("a kernel name").to_string();
+            let mut code = body(src, at);
+            // A kernel that forwards to a template: check the template.
+            if let Some(call) = code.find("_body<") {
+                let template = &code[..call].rsplit(|c: char| !c.is_alphanumeric() && c != '_').next().expect("a name");
+                let def = src.find(&format!("void {template}_body(")).expect("the template's definition");
+                code = body(src, def);
+            }
+            let wait = code.find("GRID_DEPEND();").unwrap_or_else(|| panic!("kernel `{name}` never waits"));
+            assert!(!code[..wait].contains("return"), "kernel `{name}` may return before it waits");
+            checked.push(name);
+        }
+        checked.sort();
+        let mut listed: Vec<String> = KERNELS.iter().map(|k| k.to_string()).collect();
+        listed.sort();
+        assert_eq!(checked, listed, "every loaded kernel is checked");
+    }
+}

@@ -9,7 +9,6 @@
 
 mod device;
 mod error;
-mod graph;
 mod kv;
 mod model;
 mod runner;

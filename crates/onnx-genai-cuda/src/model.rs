@@ -89,7 +89,8 @@ impl CudaModel {
 
     /// Turns programmatic dependent launch on or off (on by default where the
     /// device supports it, compute capability 9.0 and later): each kernel
-    /// may then start, and load its weights, while the one before it runs.
+    /// may then start (the 4-bit projections also request their first
+    /// weights) while the one before it runs.
     /// Returns whether it is on. Captured graphs are dropped, to be captured
     /// again with the new launches.
     pub fn set_overlap(&self, on: bool) -> bool {

@@ -10,8 +10,10 @@ use crate::device::{grid, grown, launch, DBuf, Device};
 use crate::error::CudaError;
 
 /// Up to this many input rows a product runs in the row kernels; beyond, on
-/// cuBLAS over the weight widened to f32. The row kernels hold this many
-/// rows' sums per lane (`ROWS_PER_PASS` in kernels/).
+/// cuBLAS over the weight widened to f32. `gemv_f16` and `gemv_q4_int8` hold
+/// this many rows' sums per lane (`ROWS_PER_PASS` in kernels/); `gemv_q4`
+/// spreads them over warps of `GEMV_Q4_ROWS_PER_WARP` rows, at most
+/// `ROWS_PER_PASS / ROWS_PER_WARP` warps per output (its launch bound).
 const GEMV_MAX_ROWS: usize = 16;
 
 /// Warps (output rows) per block of the row kernels.
@@ -21,6 +23,9 @@ const ROWS_PER_BLOCK: u32 = 4;
 /// and `ROWS_PER_WARP` in kernels/).
 const GEMV_Q4_OUTS_PER_BLOCK: u32 = 4;
 const GEMV_Q4_ROWS_PER_WARP: usize = 4;
+
+// gemv_q4's blocks stay within its launch bound of 512 threads.
+const _: () = assert!(GEMV_MAX_ROWS.div_ceil(GEMV_Q4_ROWS_PER_WARP) * GEMV_Q4_OUTS_PER_BLOCK as usize * 32 <= 512);
 
 enum Storage {
     F32(DBuf),
@@ -127,7 +132,8 @@ impl Projection {
         if m == 0 {
             return Ok(());
         }
-        if self.gemv_q4_takes(m) {
+        // The fused kernel adds no bias (a gated MLP's weight has none).
+        if self.gemv_q4_takes(m) && self.bias.is_none() {
             return self.gemv_q4(dev, x, m, y, true);
         }
         let both = grown(dev, &mut scratch.both, m * self.n * 4)?.ptr();
@@ -243,7 +249,6 @@ impl Projection {
     /// Row-major `y[m, n] = x[m, k] . w[n, k]^T` through cuBLAS (column
     /// major: `y^T = w^T' . x^T`, i.e. op(A) = T on the `[k, n]` view of w).
     fn sgemm(&self, dev: &Device, w: u64, x: u64, m: usize, y: u64) -> Result<(), CudaError> {
-        dev.library_call();
         let (alpha, beta) = (1.0f32, 0.0f32);
         let (n, k) = (i32_of(self.n, "outputs")?, i32_of(self.k, "inputs")?);
         let m = i32_of(m, "rows")?;

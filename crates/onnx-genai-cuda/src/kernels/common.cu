@@ -40,8 +40,10 @@ __device__ __forceinline__ half_bits float_to_half(float f) {
 #define GRID_RELEASE()
 #endif
 #define GRID_DEPEND() \
-    GRID_WAIT();      \
-    GRID_RELEASE()
+    do {              \
+        GRID_WAIT();  \
+        GRID_RELEASE(); \
+    } while (0)
 
 #define MAX_RANK 6
 

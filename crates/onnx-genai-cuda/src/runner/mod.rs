@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use cudarc::driver::sys;
+use cudarc::driver::{sys, CudaGraph};
 
 use onnx_genai_native::kernels::Runtime;
 use onnx_genai_native::value::{DType, Shape, Value};
@@ -17,7 +17,6 @@ use onnx_genai_native::{Op, Plan, Ref};
 
 use crate::device::{grown, DBuf, Device};
 use crate::error::CudaError;
-use crate::graph::DeviceGraph;
 use crate::kv::SeqKv;
 use crate::weights::{Projection, Scratch};
 
@@ -118,7 +117,7 @@ fn host_bytes(v: &Value) -> Result<(Vec<u8>, DType), String> {
 
 /// A decode step of one batch width, captured.
 struct Captured {
-    graph: DeviceGraph,
+    graph: CudaGraph,
     /// [`Device::allocations`] when captured: the addresses it baked in are
     /// valid while the count holds.
     allocations: u64,
@@ -228,10 +227,30 @@ impl Runner {
     }
 
     /// The nodes, edges and programmatic edges (those a kernel may start
-    /// across, programmatic dependent launch) of the decode step captured
-    /// for batch width `b`.
+    /// across: programmatic dependent launch) of the decode step captured
+    /// for batch width `b`; `None` before a driver of CUDA 12.3, which
+    /// cannot list edge types.
     pub fn graph_shape(&self, b: usize) -> Option<(usize, usize, usize)> {
-        self.graphs.get(&b)?.graph.shape().ok()
+        if self.device.driver_version < 12030 {
+            return None;
+        }
+        let graph = self.graphs.get(&b)?.graph.cu_graph();
+        let null = std::ptr::null_mut::<sys::CUgraphNode>();
+        let (mut nodes, mut edges) = (0usize, 0usize);
+        // SAFETY: `graph` is alive while `self.graphs` holds it; the first
+        // calls only count, the last fills buffers of the counted length.
+        unsafe {
+            sys::cuGraphGetNodes(graph, null, &mut nodes).result().ok()?;
+            sys::cuGraphGetEdges_v2(graph, null, null, std::ptr::null_mut(), &mut edges).result().ok()?;
+            let mut from: Vec<sys::CUgraphNode> = vec![std::ptr::null_mut(); edges];
+            let mut to: Vec<sys::CUgraphNode> = vec![std::ptr::null_mut(); edges];
+            let mut data: Vec<sys::CUgraphEdgeData> = vec![std::mem::zeroed(); edges];
+            sys::cuGraphGetEdges_v2(graph, from.as_mut_ptr(), to.as_mut_ptr(), data.as_mut_ptr(), &mut edges)
+                .result()
+                .ok()?;
+            let programmatic = sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8;
+            Some((nodes, edges, data.iter().take(edges).filter(|d| d.type_ == programmatic).count()))
+        }
     }
 
     /// Bytes of projection weights on the device.
@@ -316,9 +335,11 @@ impl Runner {
     fn capture(&mut self, b: usize, segments: &[Segment], rows: usize, before: u64) -> Result<bool, CudaError> {
         let dev = self.device.clone();
         dev.stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-        let library_calls = dev.library_calls();
+        // Launches with programmatic stream serialization are captured as
+        // programmatic edges (into each of our kernels; an edge into a
+        // cuBLAS kernel, launched without it, stays a full dependency).
         let ran = self.run_steps(segments, rows);
-        let graph = DeviceGraph::end_capture(&dev, dev.overlap() && dev.library_calls() == library_calls);
+        let graph = dev.stream.end_capture(sys::CUgraphInstantiate_flags(0));
         match (ran, graph) {
             (Ok(()), Ok(Some(graph))) if self.capturable && dev.allocations() == before => {
                 graph.launch()?;
@@ -648,7 +669,7 @@ impl Runner {
                 let src = t.buf.ptr() + (first * vocab * 4) as u64;
                 let host = pinned(&dev, &mut self.logits_out, need).map_err(|e| e.to_string())?;
                 dev.read(src, &mut host[..need]).map_err(|e| e.to_string())?;
-                for (i, out) in logits.iter_mut().enumerate() {
+                for (i, out) in logits.iter_mut().enumerate().take(segments.len()) {
                     out.clear();
                     out.extend_from_slice(&host[i * vocab..(i + 1) * vocab]);
                 }
