@@ -258,7 +258,7 @@ pub fn bench(rounds: usize, steps: usize, cpu_threads: usize) -> Result<()> {
         model.set_graphs(true);
         // Programmatic dependent launch off, then on (the default where
         // the device has it), measured side by side.
-        let overlap = model.set_overlap(true);
+        let overlap = model.overlap_supported();
         model.set_overlap(false);
         let b1_serial = decode(&model, 1, steps, rounds)?;
         let b16_serial = decode(&model, 16, steps, rounds)?;

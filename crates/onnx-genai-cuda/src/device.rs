@@ -141,11 +141,15 @@ pub fn probe() -> Result<String, CudaError> {
     Ok(format!("{} (sm_{major}{minor})", ctx.name()?))
 }
 
-/// Whether the first device supports programmatic dependent launch
-/// (compute capability 9.0 and later).
+/// Whether the first device supports programmatic dependent launch.
 pub fn overlap_supported() -> Result<bool, CudaError> {
     probe()?;
-    Ok(CudaContext::new(0)?.compute_capability()?.0 >= 9)
+    Ok(overlap_capable(CudaContext::new(0)?.compute_capability()?.0))
+}
+
+/// Programmatic dependent launch needs compute capability 9.0 or later.
+fn overlap_capable(major: i32) -> bool {
+    major >= 9
 }
 
 /// The first device's copy bandwidth in bytes per second (bytes read plus
@@ -269,7 +273,7 @@ impl Device {
         }
         let sm_count =
             ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as usize;
-        let overlap_supported = major >= 9; // as `overlap_supported()`
+        let overlap_supported = overlap_capable(major);
         let mut driver_version = 0;
         // SAFETY: writes one integer.
         unsafe { sys::cuDriverGetVersion(&mut driver_version) }.result()?;
@@ -291,6 +295,11 @@ impl Device {
     /// Whether kernels launch with programmatic dependent launch.
     pub fn overlap(&self) -> bool {
         self.overlap.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Whether this device can launch with programmatic dependent launch.
+    pub fn overlap_supported(&self) -> bool {
+        self.overlap_supported
     }
 
     /// Turns programmatic dependent launch on or off (it stays off where

@@ -90,13 +90,18 @@ impl CudaModel {
     /// Turns programmatic dependent launch on or off (on by default where the
     /// device supports it, compute capability 9.0 and later): each kernel
     /// may then start (the 4-bit projections also request their first
-    /// weights) while the one before it runs.
-    /// Returns whether it is on. Captured graphs are dropped, to be captured
-    /// again with the new launches.
-    pub fn set_overlap(&self, on: bool) -> bool {
+    /// weights) while the one before it runs; it stays off where
+    /// [`CudaModel::overlap_supported`] is false. Captured graphs are
+    /// dropped, to be captured again with the new launches.
+    pub fn set_overlap(&self, on: bool) {
         self.device.set_overlap(on);
         self.runner().drop_graphs();
-        self.device.overlap()
+    }
+
+    /// Whether the device supports programmatic dependent launch (compute
+    /// capability 9.0 and later), the default there.
+    pub fn overlap_supported(&self) -> bool {
+        self.device.overlap_supported()
     }
 
     /// Starts (or stops and clears) timing every step alone, by op (runs
