@@ -161,28 +161,31 @@ fn attention_step(c: &mut Criterion) {
     let q = vec![0.1f32; heads * hd];
     let kv = vec![0.2f32; kv_heads * hd];
     let rt = Runtime::serial();
-    let pool = KvPool::new(KvLayout::new(&[(kv_heads, hd)], false), 0);
     let mut group = c.benchmark_group("attention_decode_step");
-    for context in [64usize, 1024] {
-        let mut cache = SeqKv::new(pool.clone(), 2048);
-        cache.reserve(context + 1);
-        cache.set_len(context);
-        let mut out = vec![0.0f32; heads * hd];
-        group.bench_with_input(BenchmarkId::from_parameter(context), &context, |b, &past| {
-            b.iter(|| {
-                let segments = [Segment { start: 0, len: 1, past }];
-                let step = Step {
-                    layer: 0,
-                    segments: &segments,
-                    q: Heads::plain(&q, Layout::SeqFirst, heads, 1, hd),
-                    k: Heads::plain(&kv, Layout::SeqFirst, kv_heads, 1, hd),
-                    v: Heads::plain(&kv, Layout::SeqFirst, kv_heads, 1, hd),
-                    rotary: None,
-                    bias: None,
-                };
-                attention(&spec, &step, &mut [&mut cache], &mut out, &rt.ctx()).expect("attention step");
-            })
-        });
+    // An f32 cache and an f16 one (f16 models' caches: widened as read).
+    for (cache_type, f16) in [("f32", false), ("f16", true)] {
+        let pool = KvPool::new(KvLayout::new(&[(kv_heads, hd)], f16), 0);
+        for context in [64usize, 1024] {
+            let mut cache = SeqKv::new(pool.clone(), 2048);
+            cache.reserve(context + 1);
+            cache.set_len(context);
+            let mut out = vec![0.0f32; heads * hd];
+            group.bench_with_input(BenchmarkId::new(cache_type, context), &context, |b, &past| {
+                b.iter(|| {
+                    let segments = [Segment { start: 0, len: 1, past }];
+                    let step = Step {
+                        layer: 0,
+                        segments: &segments,
+                        q: Heads::plain(&q, Layout::SeqFirst, heads, 1, hd),
+                        k: Heads::plain(&kv, Layout::SeqFirst, kv_heads, 1, hd),
+                        v: Heads::plain(&kv, Layout::SeqFirst, kv_heads, 1, hd),
+                        rotary: None,
+                        bias: None,
+                    };
+                    attention(&spec, &step, &mut [&mut cache], &mut out, &rt.ctx()).expect("attention step");
+                })
+            });
+        }
     }
     group.finish();
 }

@@ -150,7 +150,9 @@ impl<'a> Span<'a> {
         }
     }
 
-    /// The elements as f32: borrowed, or widened into `wide`.
+    /// The elements as f32: borrowed, or widened into `wide` (the tests'
+    /// view; attention widens as it reads, `KvElem`).
+    #[cfg(test)]
     pub fn widened(self, wide: &'a mut Vec<f32>) -> &'a [f32] {
         match self {
             Span::F32(v) => v,

@@ -69,14 +69,8 @@ impl NativeModel {
         // for the whole context now, so no decode step grows it later.
         let min_kv_heads = plan.binding.layers.iter().map(|l| l.kv_heads).min().unwrap_or(1).max(1);
         let scores = plan.binding.heads.div_ceil(min_kv_heads) * plan.binding.max_sequence_length;
-        // An f16 cache is widened one block of one head at a time, into
-        // the same buffer: sized for a full block now, as the score row.
-        let widest_head = plan.binding.layers.iter().map(|l| l.head_dim).max().unwrap_or(0);
-        let widened = if plan.binding.kv_f16 { crate::kv::BLOCK_TOKENS * widest_head } else { 0 };
         for t in 0..runtime.scratch.len() {
-            let scratch = runtime.scratch.get_mut(t);
-            scratch.b.reserve(scores);
-            scratch.c.reserve(widened);
+            runtime.scratch.get_mut(t).b.reserve(scores);
         }
         let layers: Vec<(usize, usize)> = plan.binding.layers.iter().map(|l| (l.kv_heads, l.head_dim)).collect();
         let kv = KvPool::new(KvLayout::new(&layers, plan.binding.kv_f16), KEEP_IDLE_KV_BYTES);

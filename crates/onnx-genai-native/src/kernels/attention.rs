@@ -7,7 +7,7 @@
 
 use super::simd::{scores as scores_of, weighted_sum};
 use super::Ctx;
-use crate::kv::SeqKv;
+use crate::kv::{SeqKv, Span};
 use crate::pool::Disjoint;
 
 /// How a tensor's `[rows, heads, dim]` elements are laid out.
@@ -340,7 +340,7 @@ fn attend_group(
     let hd = spec.head_dim;
     let rows = step.q.rows;
     let total = seg.past + seg.len;
-    let super::Scratch { a: qbuf, b: srow, c: wide, d: acc, .. } = scratch;
+    let super::Scratch { a: qbuf, b: srow, d: acc, .. } = scratch;
     super::sized(qbuf, n_rep * hd);
     super::sized(srow, n_rep * total);
     super::sized(acc, n_rep * hd);
@@ -370,8 +370,11 @@ fn attend_group(
                 kv.span(step.layer, false, g, b + 1, span_rows(b + 1)).prefetch();
             }
             kv.span(step.layer, true, g, b, span_rows(b)).prefetch();
-            let keys = kv.span(step.layer, false, g, b, block.min(visible - first)).widened(wide);
-            scores_of(qbuf, n_rep, keys, hd, &mut srow[first..], visible);
+            let scores = &mut srow[first..];
+            match kv.span(step.layer, false, g, b, block.min(visible - first)) {
+                Span::F32(keys) => scores_of(qbuf, n_rep, keys, hd, scores, visible),
+                Span::F16(keys) => scores_of(qbuf, n_rep, keys, hd, scores, visible),
+            }
         }
         for j in 0..n_rep {
             let h = g * n_rep + j;
@@ -397,8 +400,11 @@ fn attend_group(
         acc.iter_mut().for_each(|v| *v = 0.0);
         for b in 0..visible.div_ceil(block) {
             let first = b * block;
-            let values = kv.span(step.layer, true, g, b, block.min(visible - first)).widened(wide);
-            weighted_sum(&srow[first..], n_rep, visible, values, hd, acc);
+            let p = &srow[first..];
+            match kv.span(step.layer, true, g, b, block.min(visible - first)) {
+                Span::F32(values) => weighted_sum(p, n_rep, visible, values, hd, acc),
+                Span::F16(values) => weighted_sum(p, n_rep, visible, values, hd, acc),
+            }
         }
         for j in 0..n_rep {
             let h = g * n_rep + j;

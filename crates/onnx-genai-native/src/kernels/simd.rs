@@ -6,18 +6,70 @@
 
 use std::sync::OnceLock;
 
+use half::f16;
+
+/// AVX2, FMA and F16C (every AVX2 CPU has F16C; the attention loops widen
+/// f16 caches with it).
 fn has_avx2_fma() -> bool {
     static HAS: OnceLock<bool> = OnceLock::new();
     *HAS.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+            std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+                && std::arch::is_x86_feature_detected!("f16c")
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
             false
         }
     })
+}
+
+/// An element a KV cache stores: f32, or f16 widened (exactly) to f32
+/// inside the attention loops as it is read. Widening a block into a
+/// buffer first, then reading that, cost more than the halved bytes saved
+/// (SmolLM2 genai-int8 with its cache forced to f16, 16 sequences:
+/// attention 3.8-3.9 ms a step against 3.2-3.3 in f32).
+pub trait KvElem: Copy + Send + Sync + 'static {
+    fn widen(self) -> f32;
+
+    /// Eight elements from `p`, widened.
+    ///
+    /// # Safety
+    /// The caller must run with AVX2 and F16C enabled; `p` must be valid
+    /// for 8 reads.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+}
+
+impl KvElem for f32 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
+        // SAFETY: forwarded contract.
+        unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
+    }
+}
+
+impl KvElem for f16 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const f16) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: forwarded contract (8 halves are the 16 bytes read).
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast::<__m128i>())) }
+    }
 }
 
 /// Dot product of two equal-length slices (the shorter length is used).
@@ -62,11 +114,11 @@ fn axpy_on(vector: bool, y: &mut [f32], alpha: f32, x: &[f32]) {
 /// `out[r * ld + t] = q_r . k_t` for `rows` query rows of `hd` and
 /// `total` key rows of `hd` (both row-major; `ld >= total` is the row
 /// stride of `out`, so a caller can fill a wide score row in chunks).
-pub fn scores(q: &[f32], rows: usize, keys: &[f32], hd: usize, out: &mut [f32], ld: usize) {
+pub fn scores<E: KvElem>(q: &[f32], rows: usize, keys: &[E], hd: usize, out: &mut [f32], ld: usize) {
     scores_on(true, q, rows, keys, hd, out, ld)
 }
 
-fn scores_on(vector: bool, q: &[f32], rows: usize, keys: &[f32], hd: usize, out: &mut [f32], ld: usize) {
+fn scores_on<E: KvElem>(vector: bool, q: &[f32], rows: usize, keys: &[E], hd: usize, out: &mut [f32], ld: usize) {
     let total = keys.len().checked_div(hd).unwrap_or(0);
     assert!(
         q.len() >= rows * hd && ld >= total && (rows == 0 || out.len() >= (rows - 1) * ld + total),
@@ -90,11 +142,19 @@ fn scores_on(vector: bool, q: &[f32], rows: usize, keys: &[f32], hd: usize, out:
 /// `out_r += sum_t p[r * ld + t] * v_t` for `rows` rows, in `t` order (the
 /// same operations, in the same order, as one `axpy` per value row, so a
 /// caller may split the values into chunks).
-pub fn weighted_sum(p: &[f32], rows: usize, ld: usize, values: &[f32], hd: usize, out: &mut [f32]) {
+pub fn weighted_sum<E: KvElem>(p: &[f32], rows: usize, ld: usize, values: &[E], hd: usize, out: &mut [f32]) {
     weighted_sum_on(true, p, rows, ld, values, hd, out)
 }
 
-fn weighted_sum_on(vector: bool, p: &[f32], rows: usize, ld: usize, values: &[f32], hd: usize, out: &mut [f32]) {
+fn weighted_sum_on<E: KvElem>(
+    vector: bool,
+    p: &[f32],
+    rows: usize,
+    ld: usize,
+    values: &[E],
+    hd: usize,
+    out: &mut [f32],
+) {
     let total = values.len().checked_div(hd).unwrap_or(0);
     assert!(
         ld >= total && (rows == 0 || p.len() >= (rows - 1) * ld + total) && out.len() >= rows * hd,
@@ -116,8 +176,8 @@ fn weighted_sum_on(vector: bool, p: &[f32], rows: usize, ld: usize, values: &[f3
     }
 }
 
-fn axpy_portable(y: &mut [f32], alpha: f32, x: &[f32]) {
-    y.iter_mut().zip(x).for_each(|(y, x)| *y += alpha * x);
+fn axpy_portable<E: KvElem>(y: &mut [f32], alpha: f32, x: &[E]) {
+    y.iter_mut().zip(x).for_each(|(y, x)| *y += alpha * x.widen());
 }
 
 /// Asks the CPU to bring `data` into its L2 cache ahead of use: a hint, with
@@ -204,18 +264,18 @@ fn silu_mul_on(vector: bool, gate: &[f32], up: &[f32], out: &mut [f32]) {
     }
 }
 
-fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
+fn dot_portable<E: KvElem>(a: &[f32], b: &[E]) -> f32 {
     let mut acc = [0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
     let (ra, rb) = (ca.remainder(), cb.remainder());
     for (x, y) in ca.zip(cb) {
         for i in 0..8 {
-            acc[i] += x[i] * y[i];
+            acc[i] += x[i] * y[i].widen();
         }
     }
     let mut tail = 0.0;
     for (x, y) in ra.iter().zip(rb) {
-        tail += x * y;
+        tail += x * y.widen();
     }
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
@@ -223,6 +283,8 @@ fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
+
+    use super::KvElem;
 
     #[inline]
     #[target_feature(enable = "avx2,fma")]
@@ -264,8 +326,16 @@ mod x86 {
     /// AVX2 and FMA must be available; `hd % 8 == 0`; `q` valid for
     /// `rows * hd` reads, `k` for `total * hd`, `out` for `total` writes
     /// from each `r * ld`.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn scores(q: *const f32, rows: usize, k: *const f32, total: usize, hd: usize, out: *mut f32, ld: usize) {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn scores<E: KvElem>(
+        q: *const f32,
+        rows: usize,
+        k: *const E,
+        total: usize,
+        hd: usize,
+        out: *mut f32,
+        ld: usize,
+    ) {
         // Four keys at a time, for up to three query rows at once: every
         // key load serves each row and every query load each key, and the
         // 12 (row, key) chains overlap (one row at a time, 4 chains, waited
@@ -274,14 +344,14 @@ mod x86 {
         // would be (same lanes, same order, same reduction).
         let mut t = 0;
         while t + 4 <= total {
-            let kt: [*const f32; 4] = std::array::from_fn(|i| k.add((t + i) * hd));
+            let kt: [*const E; 4] = std::array::from_fn(|i| k.add((t + i) * hd));
             let mut r = 0;
             while r < rows {
                 let (qr, o) = (q.add(r * hd), out.add(r * ld + t));
                 r += match rows - r {
-                    1 => scores4::<1>(qr, &kt, hd, o, ld),
-                    2 => scores4::<2>(qr, &kt, hd, o, ld),
-                    _ => scores4::<3>(qr, &kt, hd, o, ld),
+                    1 => scores4::<E, 1>(qr, &kt, hd, o, ld),
+                    2 => scores4::<E, 2>(qr, &kt, hd, o, ld),
+                    _ => scores4::<E, 3>(qr, &kt, hd, o, ld),
                 };
             }
             t += 4;
@@ -293,7 +363,7 @@ mod x86 {
                 let mut acc = _mm256_setzero_ps();
                 let mut c = 0;
                 while c < hd {
-                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr.add(c)), _mm256_loadu_ps(kt.add(c)), acc);
+                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr.add(c)), E::load8(kt.add(c)), acc);
                     c += 8;
                 }
                 // The reduction of four keys at once, on one key: the same
@@ -309,10 +379,10 @@ mod x86 {
     /// Scores of `R` query rows (`hd` apart from `q`) against the four keys
     /// `k`, written at `out + r * ld + i`; returns `R`.
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn scores4<const R: usize>(
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scores4<E: KvElem, const R: usize>(
         q: *const f32,
-        k: &[*const f32; 4],
+        k: &[*const E; 4],
         hd: usize,
         out: *mut f32,
         ld: usize,
@@ -323,7 +393,7 @@ mod x86 {
             for (r, row) in acc.iter_mut().enumerate() {
                 let x = _mm256_loadu_ps(q.add(r * hd + c));
                 for (a, key) in row.iter_mut().zip(k) {
-                    *a = _mm256_fmadd_ps(x, _mm256_loadu_ps(key.add(c)), *a);
+                    *a = _mm256_fmadd_ps(x, E::load8(key.add(c)), *a);
                 }
             }
             c += 8;
@@ -350,12 +420,12 @@ mod x86 {
     /// AVX2 and FMA must be available; `hd % 8 == 0`; `p` valid for
     /// `total` reads from each `r * ld`, `v` for `total * hd`, `out` for
     /// `rows * hd` reads and writes.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn weighted_sum(
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn weighted_sum<E: KvElem>(
         p: *const f32,
         rows: usize,
         ld: usize,
-        v: *const f32,
+        v: *const E,
         total: usize,
         hd: usize,
         out: *mut f32,
@@ -367,15 +437,15 @@ mod x86 {
             // 64 columns at a time (8 independent chains: enough to cover
             // the multiply-add latency, which 4 did not), then 32, then 8.
             while c + 64 <= hd {
-                columns::<8>(pr, v.add(c), total, hd, o.add(c));
+                columns::<E, 8>(pr, v.add(c), total, hd, o.add(c));
                 c += 64;
             }
             while c + 32 <= hd {
-                columns::<4>(pr, v.add(c), total, hd, o.add(c));
+                columns::<E, 4>(pr, v.add(c), total, hd, o.add(c));
                 c += 32;
             }
             while c < hd {
-                columns::<1>(pr, v.add(c), total, hd, o.add(c));
+                columns::<E, 1>(pr, v.add(c), total, hd, o.add(c));
                 c += 8;
             }
         }
@@ -389,15 +459,15 @@ mod x86 {
     /// # Safety
     /// AVX2 and FMA must be available; `p` valid for `total` reads, `v` for
     /// `8N` reads at each `t * hd`, `o` for `8N` reads and writes.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    unsafe fn columns<const N: usize>(p: *const f32, v: *const f32, total: usize, hd: usize, o: *mut f32) {
+    unsafe fn columns<E: KvElem, const N: usize>(p: *const f32, v: *const E, total: usize, hd: usize, o: *mut f32) {
         let mut acc: [__m256; N] = std::array::from_fn(|j| _mm256_loadu_ps(o.add(8 * j)));
         for t in 0..total {
             let w = _mm256_set1_ps(*p.add(t));
             let row = v.add(t * hd);
             for (j, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_fmadd_ps(w, _mm256_loadu_ps(row.add(8 * j)), *a);
+                *a = _mm256_fmadd_ps(w, E::load8(row.add(8 * j)), *a);
             }
         }
         for (j, a) in acc.iter().enumerate() {
@@ -594,6 +664,28 @@ mod tests {
                             "{path} hd={hd} rows={rows}: weighted sum of row {r} differs from one axpy per value"
                         );
                     }
+                }
+            }
+            // An f16 cache: every path reads f16 keys and values as the
+            // same bits as their exact f32 widening (the attention of an
+            // f16 model does not depend on where the widening happens).
+            for hd in [8, 16, 24, 64, 72] {
+                for rows in [1, 3, 4] {
+                    let total = 11;
+                    let q: Vec<f32> = (0..rows * hd).map(|i| (i as f32 * 0.23).sin()).collect();
+                    let half: Vec<f16> = (0..total * hd).map(|i| f16::from_f32((i as f32 * 0.19).cos())).collect();
+                    let wide: Vec<f32> = half.iter().map(|h| h.to_f32()).collect();
+                    let (mut s16, mut s32) = (vec![0.0; rows * total], vec![0.0; rows * total]);
+                    scores_on(vector, &q, rows, &half, hd, &mut s16, total);
+                    scores_on(vector, &q, rows, &wide, hd, &mut s32, total);
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&s16), bits(&s32), "{path} f16 scores hd={hd} rows={rows}");
+                    let (mut o16, mut o32) = (vec![0.25; rows * hd], vec![0.25; rows * hd]);
+                    weighted_sum_on(vector, &s32, rows, total, &half, hd, &mut o16);
+                    weighted_sum_on(vector, &s32, rows, total, &wide, hd, &mut o32);
+                    assert_eq!(bits(&o16), bits(&o32), "{path} f16 weighted sum hd={hd} rows={rows}");
+                    let want = plain_dot(&q[..hd], &wide[..hd]);
+                    assert!((s16[0] - want).abs() < 1e-4, "{path} f16 score hd={hd}: {} vs {want}", s16[0]);
                 }
             }
             // The SiLU gate against the f64 definition, over every tail
