@@ -29,6 +29,8 @@ pub struct Options {
     pub max_tokens: u32,
     pub threads: usize,
     pub backend: String,
+    /// How the model stores its KV cache (`model`, `f16`).
+    pub kv_cache: String,
     /// Requests each client makes per client count.
     pub turns: usize,
 }
@@ -104,7 +106,8 @@ pub fn run(opts: Options) -> Result<()> {
     let lib = ort::provision()?;
     std::env::set_var("ORT_DYLIB_PATH", &lib);
     let kind: BackendKind = opts.backend.parse().map_err(anyhow::Error::msg)?;
-    let engine = Engine::open(&opts.package, kind, opts.threads)
+    let kv: onnx_genai_engine::KvCache = opts.kv_cache.parse().map_err(anyhow::Error::msg)?;
+    let engine = Engine::open_with(&opts.package, kind, opts.threads, kv)
         .with_context(|| format!("opening {}", opts.package.display()))?
         .with_scheduler(Scheduler::new(4 << 30))
         .with_prefill_chunk(256);
@@ -125,7 +128,7 @@ pub fn run(opts: Options) -> Result<()> {
     let server = onnx_genai_server::start_with(vec![engine], "127.0.0.1:0", Default::default())?;
     let addr = server.addr;
     println!(
-        "==> {model} on {} ({} threads), max_tokens {}, {peak_kind} peak {:.1} GOP/s",
+        "==> {model} on {} ({} threads, KV cache {kv}), max_tokens {}, {peak_kind} peak {:.1} GOP/s",
         kind.name(),
         opts.threads,
         opts.max_tokens,
@@ -175,7 +178,7 @@ pub fn run(opts: Options) -> Result<()> {
     server.stop();
     let one = rows.first().map_or(1.0, |r| r.tokens_per_s);
     let mut md = format!(
-        "# Load: {model}\n\n{} on {} thread(s), streaming `/v1/completions`, max_tokens {}, {} request(s) per \
+        "# Load: {model}\n\n{} on {} thread(s), KV cache `{kv}`, streaming `/v1/completions`, max_tokens {}, {} request(s) per \
          client; clients start together, after one unmeasured warm-up round at the widest count. G op/s = 2 x projection multiply-adds per token ({:.1} M) x aggregate \
          tokens/s; the peak of the projections' arithmetic ({peak_kind}) at {} thread(s) is {:.1} G op/s. Mean \
          width: the turns a model step advanced on average (a newcomer's prompt chunk counts as one); ms/step: the \

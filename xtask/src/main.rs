@@ -158,6 +158,10 @@ enum Command {
         /// With --package: threads of the model.
         #[arg(long, default_value_t = 2)]
         threads: usize,
+        /// With --package: how the model stores its KV cache (`model`, or
+        /// `f16`: native-cpu only).
+        #[arg(long, default_value = "model")]
+        kv_cache: String,
     },
     /// Mutation batteries over the admission and lease invariants (conformance/mutations).
     Mutants {
@@ -258,7 +262,7 @@ fn main() -> ExitCode {
         Command::Bench { threads, rounds, steps, package, .. } => {
             bench::run(bench::Options { threads, rounds: rounds.max(1), steps: steps.max(1), package })
         }
-        Command::Load { package: Some(package), sweep, threads, max_tokens, backend, turns, .. } => {
+        Command::Load { package: Some(package), sweep, threads, max_tokens, backend, turns, kv_cache, .. } => {
             let clients: Result<Vec<usize>, _> = sweep.split(',').map(|c| c.trim().parse::<usize>()).collect();
             match clients {
                 Ok(clients) if clients.iter().all(|c| *c > 0) => load_sweep::run(load_sweep::Options {
@@ -267,6 +271,7 @@ fn main() -> ExitCode {
                     max_tokens: max_tokens.max(1),
                     threads,
                     backend,
+                    kv_cache,
                     turns: turns.clamp(1, 4),
                 }),
                 _ => Err(anyhow::anyhow!("--sweep takes positive client counts separated by commas, got `{sweep}`")),

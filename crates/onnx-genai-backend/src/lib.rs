@@ -28,6 +28,48 @@ pub enum BackendError {
     Unavailable { backend: &'static str, reason: String },
 }
 
+/// How a model stores its sequences' keys and values.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum KvCache {
+    /// In the element type the model's KV ports declare: what the
+    /// reference computes with.
+    #[default]
+    Model,
+    /// In f16, whatever the model declares: half the bytes of an f32 cache
+    /// (so twice the positions under one KV budget, and half the reads of
+    /// a long context's attention), at f16's rounding of every key and
+    /// value. native-cpu only.
+    F16,
+}
+
+impl KvCache {
+    pub const ALL: [KvCache; 2] = [KvCache::Model, KvCache::F16];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KvCache::Model => "model",
+            KvCache::F16 => "f16",
+        }
+    }
+}
+
+impl std::fmt::Display for KvCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for KvCache {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::ALL.into_iter().find(|k| k.name() == s).ok_or_else(|| {
+            let known: Vec<&str> = Self::ALL.iter().map(|k| k.name()).collect();
+            format!("unknown KV cache type `{s}` (known: {})", known.join(", "))
+        })
+    }
+}
+
 /// What one sequence of a batch step feeds the model.
 #[derive(Clone, Copy, Debug)]
 pub enum Input<'a> {
@@ -90,6 +132,12 @@ pub trait DecodeModel: Send + Sync {
     /// what it holds). Admission reserves whole blocks so that what it
     /// counts covers what is resident. No default, for the same reason.
     fn kv_granularity(&self) -> usize;
+
+    /// KV bytes one position of one sequence holds, as this model stores
+    /// them (admission reserves this much per position; `None`: the model
+    /// keeps no KV cache). No default: the package's figure is wrong for a
+    /// model that stores its cache in another type.
+    fn kv_bytes_per_token(&self) -> Option<u64>;
 }
 
 /// One sequence's decode state: its KV cache and position.

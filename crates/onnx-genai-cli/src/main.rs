@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
-use onnx_genai_engine::{BackendKind, ChatMessage, Engine, Flow, GenerateRequest, Prompt, Sampling};
+use onnx_genai_engine::{BackendKind, ChatMessage, Engine, Flow, GenerateRequest, KvCache, Prompt, Sampling};
 use onnx_genai_package::Package;
 
 #[derive(Parser)]
@@ -63,6 +63,11 @@ enum Command {
         backend: BackendKind,
         #[arg(long, default_value_t = 0)]
         threads: usize,
+        /// How the KV cache is stored: `model` (the type the package
+        /// declares) or `f16` (half an f32 cache's bytes, so twice the
+        /// positions under the budget; native-cpu only).
+        #[arg(long, default_value = "model")]
+        kv_cache: KvCache,
         /// Require `Authorization: Bearer <KEY>` on every route but /health
         /// (repeatable: any of the keys; each key is one client, and
         /// sessions belong to the key that created them).
@@ -153,6 +158,10 @@ enum Command {
         /// Intra-op threads (0: the backend decides).
         #[arg(long, default_value_t = 0)]
         threads: usize,
+        /// How the KV cache is stored: `model` (the type the package
+        /// declares) or `f16` (native-cpu only).
+        #[arg(long, default_value = "model")]
+        kv_cache: KvCache,
         /// Print the token ids after the text.
         #[arg(long)]
         show_ids: bool,
@@ -344,6 +353,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             stall_timeout_s,
             backend,
             threads,
+            kv_cache,
             api_keys,
             allowed_hosts,
             header_timeout_s,
@@ -375,7 +385,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
             let scheduler = onnx_genai_engine::Scheduler::new(budget);
             let mut engines = Vec::new();
             for p in &packages {
-                let engine = Engine::open(p, backend, threads).with_context(|| format!("opening {}", p.display()))?;
+                let engine = Engine::open_with(p, backend, threads, kv_cache)
+                    .with_context(|| format!("opening {}", p.display()))?;
                 engines.push(engine.with_scheduler(scheduler.clone()).with_prefill_chunk(prefill_chunk));
             }
             let driver = onnx_genai_server::DriverOptions {
@@ -407,10 +418,11 @@ fn run(cli: Cli) -> Result<ExitCode> {
             seed,
             backend,
             threads,
+            kv_cache,
             show_ids,
             image,
         } => {
-            let mut engine = Engine::open(&package, backend, threads)?;
+            let mut engine = Engine::open_with(&package, backend, threads, kv_cache)?;
             let mut inputs = Vec::new();
             let mut prompt = prompt;
             let prompter = engine.prompter();

@@ -151,12 +151,24 @@ fn bad_input_fails_cleanly() {
     assert_eq!(zero.status.code(), Some(1));
     assert!(text(&zero).1.contains("max_new_tokens"));
 
+    // A KV cache type that does not exist is a usage error; one the backend
+    // cannot store is refused at load, naming the backend that can.
+    let bad_kv = cli(&["generate", p, "--prompt", "x", "--kv-cache", "f8"]);
+    assert_eq!(bad_kv.status.code(), Some(2), "{:?}", text(&bad_kv));
+    assert!(text(&bad_kv).1.contains("model, f16"), "{:?}", text(&bad_kv));
+    let ort_f16 = cli(&["generate", p, "--prompt", "x", "--backend", "ort", "--kv-cache", "f16"]);
+    assert_eq!(ort_f16.status.code(), Some(1), "{:?}", text(&ort_f16));
+    assert!(text(&ort_f16).1.contains("native-cpu"), "{:?}", text(&ort_f16));
+    let native_f16 =
+        cli(&["generate", p, "--prompt", "x", "--backend", "native-cpu", "--kv-cache", "f16", "--max-new-tokens", "3"]);
+    assert_eq!(native_f16.status.code(), Some(0), "{:?}", text(&native_f16));
+
     std::fs::write(dir.path().join("model.onnx"), b"\x08\x01garbage").unwrap();
     let corrupt = cli(&["generate", p, "--prompt", "x"]);
     assert_eq!(corrupt.status.code(), Some(1));
     assert!(text(&corrupt).1.contains("PKG020"), "{:?}", text(&corrupt));
 
-    for o in [missing, bad_arg, zero, corrupt] {
+    for o in [missing, bad_arg, zero, bad_kv, ort_f16, corrupt] {
         assert!(!text(&o).1.contains("panicked"), "{:?}", text(&o));
     }
 }

@@ -259,6 +259,9 @@ mod tests {
         fn kv_granularity(&self) -> usize {
             1
         }
+        fn kv_bytes_per_token(&self) -> Option<u64> {
+            None
+        }
     }
 
     fn scripted(rows: Vec<Vec<f32>>) -> Decoder {

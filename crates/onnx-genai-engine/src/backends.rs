@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use onnx_genai_backend::{BackendError, DecodeModel, Decoder};
+use onnx_genai_backend::{BackendError, DecodeModel, Decoder, KvCache};
 use onnx_genai_package::Package;
 
 /// Which decode backend runs a model.
@@ -62,9 +62,30 @@ impl BackendKind {
     /// threads (0: the backend decides). The model is shared by every
     /// sequence made from it.
     pub fn load(self, package: &Package, threads: usize) -> Result<Arc<dyn DecodeModel>, BackendError> {
+        self.load_with(package, threads, KvCache::Model)
+    }
+
+    /// [`BackendKind::load`] with the KV cache stored as `kv` says. Only
+    /// native-cpu stores a cache in another type than the model declares;
+    /// asked of another backend, that is `BackendError::Unavailable`.
+    pub fn load_with(
+        self,
+        package: &Package,
+        threads: usize,
+        kv: KvCache,
+    ) -> Result<Arc<dyn DecodeModel>, BackendError> {
+        if kv != KvCache::Model && self != BackendKind::NativeCpu {
+            return Err(BackendError::Unavailable {
+                backend: self.name(),
+                reason: format!(
+                    "stores its KV cache as the model declares; a `{kv}` cache is {}'s only (use --kv-cache model)",
+                    onnx_genai_native::NAME
+                ),
+            });
+        }
         Ok(match self {
             BackendKind::Ort => Arc::new(onnx_genai_ort::OrtModel::load(package, threads)?),
-            BackendKind::NativeCpu => Arc::new(onnx_genai_native::NativeModel::load(package, threads)?),
+            BackendKind::NativeCpu => Arc::new(onnx_genai_native::NativeModel::load_with(package, threads, kv)?),
             BackendKind::NativeCuda => Arc::new(onnx_genai_cuda::CudaModel::load(package)?),
         })
     }

@@ -30,6 +30,7 @@ use std::sync::Arc;
 pub use backends::BackendKind;
 pub use chat::{render_chat_template, Chat, ChatMessage, Prompter};
 pub use constraint::{Constraint, ResponseFormat};
+pub use onnx_genai_backend::KvCache;
 use onnx_genai_backend::{BackendError, DecodeModel, Sequence};
 use onnx_genai_package::{Package, PackageError};
 pub use onnx_genai_scheduler::{AdmissionError, BudgetCap, ConversationId, Scheduler};
@@ -173,8 +174,14 @@ impl Engine {
     /// Validates the package and opens it on `backend`, with an unlimited
     /// budget (see [`Engine::with_scheduler`]).
     pub fn open(dir: &Path, backend: BackendKind, threads: usize) -> Result<Self, EngineError> {
+        Self::open_with(dir, backend, threads, KvCache::Model)
+    }
+
+    /// [`Engine::open`] with the model's KV cache stored as `kv` says
+    /// (admission then counts the bytes it stores).
+    pub fn open_with(dir: &Path, backend: BackendKind, threads: usize, kv: KvCache) -> Result<Self, EngineError> {
         let package = Package::open(dir)?;
-        let model = backend.load(&package, threads)?;
+        let model = backend.load_with(&package, threads, kv)?;
         Self::new(package, model)
     }
 

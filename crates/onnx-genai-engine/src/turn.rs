@@ -217,7 +217,10 @@ impl Engine {
             conversation,
             prompt_tokens: prompt_tokens as u64,
             max_new_tokens: max_new as u64,
-            bytes_per_token: self.package.kv_geometry().map(|g| g.bytes_per_token()),
+            // What the model stores per position (a cache may be narrower
+            // than declared); nothing for a package that declares no KV
+            // geometry (A8).
+            bytes_per_token: self.package.kv_geometry().and(self.model.kv_bytes_per_token()),
             wait_until: None,
             granularity: self.model.kv_granularity() as u64,
         };

@@ -328,6 +328,47 @@ fn engines_share_one_budget() {
     assert_eq!(shared.reserved_bytes(), 0);
 }
 
+/// Pins A2 and A10 for a cache stored narrower than the package declares:
+/// admission counts what the model stores per position (native-cpu with
+/// `KvCache::F16`: half the package's f32 figure), so a request whose f32
+/// reservation is more than the whole budget runs in f16 on exactly that
+/// budget and gives it all back; a backend that cannot store another type refuses
+/// the option at load with a typed error.
+#[test]
+fn admission_counts_the_kv_bytes_the_model_stores() {
+    use onnx_genai_engine::KvCache;
+    let dir = tempfile::tempdir().unwrap();
+    let package = build(dir.path(), false);
+    let declared = package.kv_geometry().unwrap().bytes_per_token();
+    let blocks = |model: &dyn onnx_genai_backend::DecodeModel| {
+        let positions = (PROMPT.len() as u64 + u64::from(NEW)).next_multiple_of(model.kv_granularity() as u64);
+        positions * model.kv_bytes_per_token().unwrap()
+    };
+    let narrow = BackendKind::NativeCpu.load_with(&package, 1, KvCache::F16).unwrap();
+    let budget = blocks(narrow.as_ref());
+    let wide = BackendKind::NativeCpu.load(&package, 1).unwrap();
+    assert_eq!(blocks(wide.as_ref()), 2 * budget, "an f32 cache reserves twice an f16 one");
+    assert_eq!(wide.kv_bytes_per_token(), Some(declared));
+    let req = request(Path_::DecodeCore);
+    let scheduler = Scheduler::new(budget);
+    let mut e = Engine::new(package.clone(), wide).unwrap().with_scheduler(scheduler.clone());
+    let refused = e.generate(&req, &mut |_| Flow::Continue);
+    assert!(matches!(refused, Err(EngineError::Admission(AdmissionError::NeverFits { .. }))), "{refused:?}");
+    let mut e = Engine::new(package.clone(), narrow).unwrap().with_scheduler(scheduler.clone());
+    let mut held = 0;
+    let done = e.generate(&req, &mut |_| {
+        held = held.max(scheduler.reserved_bytes());
+        Flow::Continue
+    });
+    assert_eq!(done.unwrap().token_ids.len(), NEW as usize);
+    assert_eq!(held, budget, "the f16 request reserved its blocks at f16 bytes");
+    assert_eq!(scheduler.reserved_bytes(), 0);
+    for kind in [BackendKind::Ort, BackendKind::NativeCuda] {
+        let err = kind.load_with(&package, 1, KvCache::F16).err();
+        assert!(matches!(err, Some(BackendError::Unavailable { .. })), "{kind}: {err:?}");
+    }
+}
+
 /// Bad input gets a typed error and leaves no reservation: malformed
 /// tensors, unknown sessions, empty prompts, zero new tokens, oversized
 /// prompts.

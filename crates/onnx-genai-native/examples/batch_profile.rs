@@ -1,8 +1,10 @@
 //! Where a batched decode step spends its time: loads a package, prefills
 //! B sequences, then times decode steps of all B together, per op kind.
 //!
-//! `cargo run --release -p onnx-genai-native --example batch_profile -- DIR [THREADS] [B...] [isa=NAME]`
-//! (`isa=avx2` and so on: a lower kernel path than the best this CPU has).
+//! `cargo run --release -p onnx-genai-native --example batch_profile -- DIR [THREADS] [B...] [isa=NAME] [kv=f16] [prompt=N]`
+//! (`isa=avx2` and so on: a lower kernel path than the best this CPU has;
+//! `kv=f16`: the KV cache in f16; `prompt=N`: prompts of about N tokens,
+//! 12 by default).
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -15,14 +17,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
     let dir = args.next().ok_or("usage: batch_profile DIR [THREADS] [B...]")?;
     let threads: usize = args.next().map_or(Ok(2), |t| t.parse())?;
-    let (isa, batches): (Vec<String>, Vec<String>) = args.partition(|a| a.starts_with("isa="));
+    let (options, batches): (Vec<String>, Vec<String>) = args.partition(|a| a.contains('='));
+    let option = |key: &str| options.iter().rev().find_map(|a| a.strip_prefix(key)?.strip_prefix('='));
     let mut batches: Vec<usize> = batches.iter().map(|b| b.parse()).collect::<Result<_, _>>()?;
     if batches.is_empty() {
         batches = vec![1, 8, 16];
     }
+    let kv: onnx_genai_backend::KvCache = option("kv").unwrap_or("model").parse()?;
+    let prompt: u32 = option("prompt").map_or(Ok(12), str::parse)?;
     let package = Package::open(std::path::Path::new(&dir))?;
-    let model = NativeModel::load(&package, threads)?;
-    if let Some(name) = isa.last().and_then(|a| a.strip_prefix("isa=")) {
+    let model = NativeModel::load_with(&package, threads, kv)?;
+    if let Some(name) = option("isa") {
         let isa = onnx_genai_native::kernels::isa::Isa::parse(name).ok_or_else(|| format!("unknown isa {name}"))?;
         model.set_isa(isa)?;
     }
@@ -31,7 +36,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for b in batches {
         let mut seqs: Vec<_> = (0..b).map(|_| model.new_sequence()).collect();
         let mut logits = vec![Vec::new(); b];
-        let prompts: Vec<Vec<u32>> = (0..b).map(|i| (0..12 + i as u32).map(|t| 100 + 7 * t).collect()).collect();
+        let prompts: Vec<Vec<u32>> =
+            (0..b).map(|i| (0..prompt + i as u32).map(|t| 100 + 7 * t % 9000).collect()).collect();
         for ((s, p), l) in seqs.iter_mut().zip(&prompts).zip(logits.iter_mut()) {
             model.step(&mut [Entry { sequence: &mut **s, input: Input::Tokens(p), logits: l }])?;
         }

@@ -4,8 +4,8 @@
 
 use std::sync::{Arc, Mutex};
 
-use onnx_genai_backend::{downcast, BackendError, DecodeModel, Entry, Input, Sequence};
-use onnx_genai_package::Package;
+use onnx_genai_backend::{downcast, BackendError, DecodeModel, Entry, Input, KvCache, Sequence};
+use onnx_genai_package::{ElementType, KvGeometry, LayerKv, Package};
 use smallvec::SmallVec;
 
 use crate::compile::{compile_with, Binding, WeightForm};
@@ -32,6 +32,8 @@ pub struct NativeModel {
     plan: Arc<Plan>,
     runner: Mutex<Runner>,
     kv: Arc<KvPool>,
+    /// The cache as stored (`KvCache::F16` may narrow an f32 model's).
+    kv_geometry: KvGeometry,
 }
 
 /// Reads the package's decoder and compiles it.
@@ -51,11 +53,22 @@ impl NativeModel {
     /// Compiles the package's decoder and runs it on `threads` threads
     /// (0: one per core; 1: on the calling thread).
     pub fn load(package: &Package, threads: usize) -> Result<Self, BackendError> {
-        Self::from_plan(Arc::new(compile_package(package)?), threads)
+        Self::load_with(package, threads, KvCache::Model)
+    }
+
+    /// [`NativeModel::load`], its KV cache stored as `kv` says.
+    pub fn load_with(package: &Package, threads: usize, kv: KvCache) -> Result<Self, BackendError> {
+        Self::from_plan_with(Arc::new(compile_package(package)?), threads, kv)
     }
 
     /// A model over an already compiled plan.
     pub fn from_plan(plan: Arc<Plan>, threads: usize) -> Result<Self, BackendError> {
+        Self::from_plan_with(plan, threads, KvCache::Model)
+    }
+
+    /// [`NativeModel::from_plan`], its KV cache stored as `kv` says. (The
+    /// plan is the same either way: attention reads either element type.)
+    pub fn from_plan_with(plan: Arc<Plan>, threads: usize, kv: KvCache) -> Result<Self, BackendError> {
         let threads = match threads {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
             t => t,
@@ -72,10 +85,18 @@ impl NativeModel {
         for t in 0..runtime.scratch.len() {
             runtime.scratch.get_mut(t).b.reserve(scores);
         }
+        let f16 = plan.binding.kv_f16 || kv == KvCache::F16;
         let layers: Vec<(usize, usize)> = plan.binding.layers.iter().map(|l| (l.kv_heads, l.head_dim)).collect();
-        let kv = KvPool::new(KvLayout::new(&layers, plan.binding.kv_f16), KEEP_IDLE_KV_BYTES);
+        let kv_geometry = KvGeometry {
+            dtype: if f16 { ElementType::F16 } else { ElementType::F32 },
+            layers: layers
+                .iter()
+                .map(|&(kv_heads, head_dim)| LayerKv { kv_heads: kv_heads as u32, head_dim: head_dim as u32 })
+                .collect(),
+        };
+        let kv = KvPool::new(KvLayout::new(&layers, f16), KEEP_IDLE_KV_BYTES);
         let workspace = plan.workspace();
-        Ok(Self { plan, runner: Mutex::new(Runner { runtime, workspace }), kv })
+        Ok(Self { plan, runner: Mutex::new(Runner { runtime, workspace }), kv, kv_geometry })
     }
 
     pub fn plan(&self) -> &Plan {
@@ -206,6 +227,10 @@ impl DecodeModel for NativeModel {
 
     fn kv_granularity(&self) -> usize {
         crate::kv::BLOCK_TOKENS
+    }
+
+    fn kv_bytes_per_token(&self) -> Option<u64> {
+        (!self.kv_geometry.layers.is_empty()).then(|| self.kv_geometry.bytes_per_token())
     }
 }
 

@@ -305,3 +305,38 @@ fn a_slot_holds_values_of_one_row_width() {
         assert!(projections >= 5 && checked >= projections, "{name} {variant:?}: {checked} steps checked");
     }
 }
+
+/// An f32 model with its KV cache stored in f16 (`KvCache::F16`): a
+/// position holds half the bytes — what a sequence reports resident and
+/// what the model tells admission it stores per position (A1: the
+/// reservation covers what is resident) — while the logits stay within
+/// f16's rounding of the f32 cache's (the f16 tier; the int8-activation
+/// tier for `accuracy_level` 4, whose input quantization turns small
+/// differences into whole steps) and greedy decoding picks the same tokens,
+/// over a prompt longer than one KV block.
+#[test]
+fn an_f16_cache_halves_the_bytes_and_keeps_the_tokens() {
+    use onnx_genai_backend::KvCache;
+    let argmax = |l: &[f32]| (0..l.len()).max_by(|&i, &j| l[i].total_cmp(&l[j])).unwrap() as u32;
+    for (variant, tol) in [(Variant::Decomposed, 2e-3), (Variant::Genai, 2e-2)] {
+        let (_d, package) = package("tiny-llama-gqa", variant);
+        let wide = Arc::new(NativeModel::load(&package, 2).unwrap());
+        let narrow = Arc::new(NativeModel::load_with(&package, 2, KvCache::F16).unwrap());
+        let declared = package.kv_geometry().map(|g| g.bytes_per_token());
+        assert_eq!(wide.kv_bytes_per_token(), declared, "{variant:?}: an f32 cache stores what the package declares");
+        assert_eq!(narrow.kv_bytes_per_token().map(|b| 2 * b), declared, "{variant:?}: an f16 cache stores half");
+        let (mut a, mut b) = (Decoder::new(wide), Decoder::new(narrow));
+        let prompt: Vec<u32> = (0..70).map(|i| (i * 37 + 11) % 380).collect();
+        let (mut la, mut lb) = (a.forward(&prompt).unwrap(), b.forward(&prompt).unwrap());
+        for step in 0..16 {
+            let worst = la.iter().zip(&lb).map(|(x, y)| (x - y).abs() / (tol + tol * x.abs())).fold(0.0f32, f32::max);
+            assert!(worst <= 1.0, "{variant:?} step {step}: the f16 cache's logits are off by {worst}x the f16 tier");
+            let (ta, tb) = (argmax(&la), argmax(&lb));
+            assert_eq!(ta, tb, "{variant:?} step {step}: greedy tokens part");
+            la = a.forward(&[ta]).unwrap();
+            lb = b.forward(&[tb]).unwrap();
+        }
+        assert_eq!(b.kv_len(), a.kv_len());
+        assert_eq!(2 * b.resident_bytes(), a.resident_bytes(), "{variant:?}: resident bytes");
+    }
+}

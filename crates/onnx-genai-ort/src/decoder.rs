@@ -249,6 +249,10 @@ impl DecodeModel for OrtModel {
     fn kv_granularity(&self) -> usize {
         1
     }
+
+    fn kv_bytes_per_token(&self) -> Option<u64> {
+        Some(self.ports.bytes_per_token)
+    }
 }
 
 impl OrtSequence {

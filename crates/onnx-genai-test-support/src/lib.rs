@@ -130,6 +130,10 @@ impl<H: Hook> DecodeModel for Hooked<H> {
     fn kv_granularity(&self) -> usize {
         self.inner.kv_granularity()
     }
+
+    fn kv_bytes_per_token(&self) -> Option<u64> {
+        self.inner.kv_bytes_per_token()
+    }
 }
 
 /// A `[rows, cols]` matrix as `[cols, rows]`: the builder's `[inputs,
