@@ -78,13 +78,23 @@ impl NativeModel {
             what: "the thread pool".into(),
             reason: e.to_string(),
         })?;
-        // Attention keeps a score row per query head of a KV group; sized
-        // for the whole context now, so no decode step grows it later.
+        // Attention keeps a score row per query head of a KV group (of at
+        // most one part's positions) and the results of a row's parts;
+        // sized for the whole context now, so no decode step grows them.
         let min_kv_heads = plan.binding.layers.iter().map(|l| l.kv_heads).min().unwrap_or(1).max(1);
-        let scores = plan.binding.heads.div_ceil(min_kv_heads) * plan.binding.max_sequence_length;
+        let n_rep = plan.binding.heads.div_ceil(min_kv_heads);
+        let positions = plan.binding.max_sequence_length;
+        let scores = n_rep * positions.min(crate::kernels::attention::PART_POSITIONS);
+        let widest =
+            |f: fn(&onnx_genai_package::KvPorts) -> usize| plan.binding.layers.iter().map(f).max().unwrap_or(0);
+        let (row_parts, step_parts) =
+            crate::kernels::attention::part_buffers(n_rep, widest(|l| l.head_dim), widest(|l| l.kv_heads), positions);
         for t in 0..runtime.scratch.len() {
-            runtime.scratch.get_mut(t).b.reserve(scores);
+            let scratch = runtime.scratch.get_mut(t);
+            scratch.b.reserve(scores);
+            scratch.c.reserve(row_parts);
         }
+        runtime.attention_parts.get_mut().unwrap_or_else(|p| p.into_inner()).reserve(step_parts);
         let f16 = plan.binding.kv_f16 || kv == KvCache::F16;
         let layers: Vec<(usize, usize)> = plan.binding.layers.iter().map(|l| (l.kv_heads, l.head_dim)).collect();
         let kv_geometry = KvGeometry {

@@ -2,7 +2,9 @@
 //! reused from the step before (slots, per-thread scratch, staging, the KV
 //! blocks already held), on every thread of the pool. A counting global
 //! allocator proves it for f32, f16, 4-bit and int8-input (`accuracy_level`
-//! 4) packages, on one thread and on two.
+//! 4) packages, on one thread and on two, and past one attention part (a
+//! context of 700 positions, whose decode rows attend in parts run as
+//! separate jobs) with the cache in f32 and in f16.
 //!
 //! One test function only: the allocator counts every thread of the
 //! process, so nothing else may run while a step is measured.
@@ -11,7 +13,7 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use onnx_genai_backend::{DecodeModel, Entry, Input};
+use onnx_genai_backend::{DecodeModel, Entry, Input, KvCache};
 use onnx_genai_build::Variant;
 use onnx_genai_native::NativeModel;
 
@@ -104,6 +106,32 @@ fn a_warm_decode_step_allocates_nothing() {
             assert_eq!(
                 two, 0,
                 "{what} ({name} {variant:?}), {threads} thread(s): a batch of two allocated {two} times"
+            );
+        }
+    }
+    let mut spec = onnx_genai_test_support::spec("tiny-llama-gqa");
+    spec.max_sequence_length = 1024;
+    let dir = tempfile::tempdir().unwrap();
+    onnx_genai_build::build_variant(&spec, Variant::Decomposed, dir.path()).unwrap();
+    let package = onnx_genai_package::Package::open(dir.path()).unwrap();
+    let prompt: Vec<u32> = (0..700).map(|i| (i * 37 + 11) % 384).collect();
+    for kv in [KvCache::Model, KvCache::F16] {
+        for threads in [1, 2] {
+            let model: Arc<dyn DecodeModel> = Arc::new(NativeModel::load_with(&package, threads, kv).unwrap());
+            let mut seq = model.new_sequence();
+            let mut logits = Vec::with_capacity(model.vocab_size());
+            let mut step = |tokens: &[u32]| {
+                let entry = Entry { sequence: seq.as_mut(), input: Input::Tokens(tokens), logits: &mut logits };
+                model.step(&mut [entry]).unwrap();
+            };
+            step(&prompt);
+            for t in 0..3 {
+                step(&[t]);
+            }
+            let long = allocations_in(|| step(&[7]));
+            assert_eq!(
+                long, 0,
+                "{kv} cache, {threads} thread(s): a decode step at 700 positions allocated {long} times"
             );
         }
     }

@@ -17,7 +17,9 @@ pub fn softmax(x: &Value, out: &mut Value) -> Result<(), String> {
     let d = last_dim(x)?;
     let mut o = out.recycle_f32(0);
     o.extend_from_slice(x.as_f32()?);
-    o.chunks_exact_mut(d).for_each(softmax_row);
+    o.chunks_exact_mut(d).for_each(|row| {
+        softmax_row(row);
+    });
     *out = Value::f32(x.shape.clone(), o);
     Ok(())
 }

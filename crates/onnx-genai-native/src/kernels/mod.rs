@@ -95,6 +95,10 @@ pub struct Runtime {
     pub pool: ThreadPool,
     pub scratch: PerThread<Scratch>,
     pub staging: std::sync::Mutex<Scratch>,
+    /// The results of attention's parts in a decode step of few long
+    /// sequences, which every thread writes and the calling thread merges
+    /// (not staging: the attention op holds that for its inputs).
+    pub attention_parts: std::sync::Mutex<Vec<f32>>,
     /// The kernel path (the best this CPU has unless forced lower).
     pub isa: Isa,
 }
@@ -104,12 +108,18 @@ impl Runtime {
     pub fn new(threads: usize) -> std::io::Result<Self> {
         let pool = ThreadPool::new(threads, crate::pool::DEFAULT_SPIN)?;
         let scratch = PerThread::new(pool.threads());
-        Ok(Self { pool, scratch, staging: Default::default(), isa: Isa::best() })
+        Ok(Self { pool, scratch, staging: Default::default(), attention_parts: Default::default(), isa: Isa::best() })
     }
 
     /// The caller alone, for constant folding.
     pub fn serial() -> Self {
-        Self { pool: ThreadPool::serial(), scratch: PerThread::new(1), staging: Default::default(), isa: Isa::best() }
+        Self {
+            pool: ThreadPool::serial(),
+            scratch: PerThread::new(1),
+            staging: Default::default(),
+            attention_parts: Default::default(),
+            isa: Isa::best(),
+        }
     }
 
     /// Grows every thread's scratch to the largest any thread has.
@@ -131,7 +141,13 @@ impl Runtime {
     }
 
     pub fn ctx(&self) -> Ctx<'_> {
-        Ctx { pool: &self.pool, scratch: &self.scratch, staging: &self.staging, isa: self.isa }
+        Ctx {
+            pool: &self.pool,
+            scratch: &self.scratch,
+            staging: &self.staging,
+            attention_parts: &self.attention_parts,
+            isa: self.isa,
+        }
     }
 }
 
@@ -143,6 +159,8 @@ pub struct Ctx<'a> {
     /// Buffers the calling thread prepares before a region and every
     /// thread reads during it (a quantized input row, block sums).
     pub staging: &'a std::sync::Mutex<Scratch>,
+    /// See [`Runtime::attention_parts`].
+    pub attention_parts: &'a std::sync::Mutex<Vec<f32>>,
     /// Which kernels run.
     pub isa: Isa,
 }

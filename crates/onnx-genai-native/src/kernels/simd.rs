@@ -213,12 +213,14 @@ pub(crate) fn prefetch_bytes(start: *const u8, bytes: usize) {
     let _ = (start, bytes);
 }
 
-/// Numerically stable softmax of one row, in place.
-pub fn softmax(row: &mut [f32]) {
+/// Numerically stable softmax of one row, in place; returns the row's
+/// maximum and the sum of `exp(v - max)` it divided by (what merging the
+/// softmaxes of a row's parts needs).
+pub fn softmax(row: &mut [f32]) -> (f32, f32) {
     softmax_on(true, row)
 }
 
-fn softmax_on(vector: bool, row: &mut [f32]) {
+fn softmax_on(vector: bool, row: &mut [f32]) -> (f32, f32) {
     let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     #[cfg(target_arch = "x86_64")]
     if vector && has_avx2_fma() {
@@ -226,12 +228,12 @@ fn softmax_on(vector: bool, row: &mut [f32]) {
         let sum = unsafe { x86::exp_shifted(row.as_mut_ptr(), row.len(), max) };
         let inv = 1.0 / sum;
         row.iter_mut().for_each(|v| *v *= inv);
-        return;
+        return (max, sum);
     }
-    softmax_portable(row, max);
+    softmax_portable(row, max)
 }
 
-fn softmax_portable(row: &mut [f32], max: f32) {
+fn softmax_portable(row: &mut [f32], max: f32) -> (f32, f32) {
     let mut sum = 0.0;
     for v in row.iter_mut() {
         *v = (*v - max).exp();
@@ -239,6 +241,7 @@ fn softmax_portable(row: &mut [f32], max: f32) {
     }
     let inv = 1.0 / sum;
     row.iter_mut().for_each(|v| *v *= inv);
+    (max, sum)
 }
 
 /// `out[i] = gate[i] · sigmoid(gate[i]) · up[i]`: the gated MLP's SiLU
@@ -718,10 +721,12 @@ mod tests {
                 let row: Vec<f32> =
                     (0..n).map(|i| (i as f32 * 0.731).sin() * 30.0 - if i % 7 == 3 { 1e9 } else { 0.0 }).collect();
                 let mut got = row.clone();
-                softmax_on(vector, &mut got);
+                let (got_max, got_sum) = softmax_on(vector, &mut got);
                 let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let exps: Vec<f64> = row.iter().map(|v| f64::from(v - max).exp()).collect();
                 let sum: f64 = exps.iter().sum();
+                assert_eq!(got_max, max, "{path} softmax n={n}: the maximum it reports");
+                assert!((f64::from(got_sum) - sum).abs() <= 1e-5 * sum, "{path} softmax n={n}: sum {got_sum} vs {sum}");
                 for (a, e) in got.iter().zip(&exps) {
                     let want = (e / sum) as f32;
                     assert!((a - want).abs() <= 1e-6 + 1e-5 * want.abs(), "{path} softmax n={n}: {a} vs {want}");

@@ -235,6 +235,8 @@ pub fn attention(
                 fail(e);
             }
         });
+    } else if splits_parts(step, kvs.len()) {
+        return attend_in_parts(spec, step, kvs, out, ctx);
     } else {
         // 1. Append every sequence's new keys and values.
         for (seg, kv) in step.segments.iter().zip(kvs.iter_mut()) {
@@ -322,9 +324,163 @@ fn job_at(segments: &[Segment], kvh: usize, mut job: usize) -> Option<(usize, us
     None
 }
 
+/// Positions one pass of attention covers at most. A query row that sees
+/// more attends them in parts of this many (whole KV blocks), each with
+/// its own softmax, and merges the parts by their maxima and sums
+/// ([`merge_parts`]). Every path computes a row this way, so a decode step
+/// of few sequences can run the parts of one (sequence, KV group) as jobs
+/// of their own — a long context then keeps every thread busy, not one
+/// per KV group — and get the bits one job running them in turn gets.
+pub(crate) const PART_POSITIONS: usize = 8 * crate::kv::BLOCK_TOKENS;
+
+/// Floats one part's result takes per query head: its normalized weighted
+/// sum (`head_dim`), then (after every head's sum) its maximum score and
+/// its softmax sum.
+fn part_stride(n_rep: usize, hd: usize) -> usize {
+    n_rep * (hd + 2)
+}
+
+/// The floats attention's parts need at most, for a model whose layers'
+/// query heads, KV heads and head dimension are at most these and whose
+/// sequences hold up to `max_positions`: per thread (one row's parts,
+/// attended in turn) and in the runtime's `attention_parts` (every part of a decode
+/// step of few sequences, run as jobs). Reserved when a model loads, so no
+/// decode step allocates them.
+pub fn part_buffers(n_rep: usize, head_dim: usize, kv_heads: usize, max_positions: usize) -> (usize, usize) {
+    let row = max_positions.div_ceil(PART_POSITIONS) * part_stride(n_rep, head_dim);
+    (row, (PER_SEQUENCE_MIN - 1) * kv_heads * row + n_rep * head_dim)
+}
+
+/// Whether `step` is a decode step of few sequences with a context long
+/// enough to split: then each part of each (sequence, KV group) is a job.
+fn splits_parts(step: &Step<'_>, sequences: usize) -> bool {
+    sequences < PER_SEQUENCE_MIN
+        && step.bias.is_none()
+        && step.segments.iter().all(|s| s.len == 1)
+        && step.segments.iter().any(|s| s.past + 1 > PART_POSITIONS)
+}
+
+/// The decode step of [`splits_parts`]: the new K/V rows appended, then one
+/// job per (sequence, KV group, part), each writing its part's result into
+/// runtime's `attention_parts`, then each (sequence, group) merged in part
+/// order.
+fn attend_in_parts(
+    spec: &AttentionSpec,
+    step: &Step<'_>,
+    kvs: &mut [&mut SeqKv],
+    out: &mut [f32],
+    ctx: &Ctx<'_>,
+) -> Result<(), String> {
+    let (kvh, hd) = (spec.kv_heads, spec.head_dim);
+    let n_rep = spec.heads / kvh;
+    for (seg, kv) in step.segments.iter().zip(kvs.iter_mut()) {
+        append(step, *seg, kv, kvh, hd)?;
+    }
+    let parts_of = |seg: &Segment| (seg.past + 1).div_ceil(PART_POSITIONS);
+    let jobs: usize = step.segments.iter().map(|seg| kvh * parts_of(seg)).sum();
+    let stride = part_stride(n_rep, hd);
+    let mut buffer = ctx.attention_parts.lock().unwrap_or_else(|p| p.into_inner());
+    // Every job's slot, then the merged heads of one group.
+    let (results, acc) = super::sized(&mut buffer, jobs * stride + n_rep * hd).split_at_mut(jobs * stride);
+    let slots = Disjoint::new(results);
+    let kvs: &[&mut SeqKv] = kvs;
+    let failed = std::sync::Mutex::new(None::<String>);
+    ctx.pool.for_claimed(jobs, &|job, t| {
+        // Jobs run through the segments in order, each segment's groups in
+        // order, a group's parts innermost.
+        let mut first = 0;
+        for (s, seg) in step.segments.iter().enumerate() {
+            let parts = parts_of(seg);
+            if job < first + kvh * parts {
+                let (g, p) = ((job - first) / parts, (job - first) % parts);
+                // SAFETY: thread `t` is the only user of its scratch in
+                // this region.
+                let scratch = unsafe { ctx.scratch.get(t) };
+                let super::Scratch { a: q, b: srow, .. } = scratch;
+                let q = super::sized(q, n_rep * hd);
+                // SAFETY: job `job` alone writes slot `job`.
+                let slot = unsafe { slots.slice(job * stride, stride) };
+                let visible = seg.past + 1;
+                let keys = p * PART_POSITIONS..visible.min((p + 1) * PART_POSITIONS);
+                let result = group_queries(step, seg.start, seg.past, g, n_rep, hd, q)
+                    .and_then(|()| attend_part(spec, step, kvs[s], *seg, g, 0, q, n_rep, keys, srow, slot));
+                if let Err(e) = result {
+                    *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                }
+                return;
+            }
+            first += kvh * parts;
+        }
+    });
+    if let Some(e) = failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        return Err(e);
+    }
+    let target = Disjoint::new(out);
+    let mut first = 0;
+    for seg in step.segments {
+        let parts = parts_of(seg);
+        for g in 0..kvh {
+            let at = (first + g * parts) * stride;
+            merge_parts(&results[at..at + parts * stride], n_rep, hd, acc);
+            write_group(spec, step.q.rows, seg.start, g, n_rep, acc, &target);
+        }
+        first += kvh * parts;
+    }
+    Ok(())
+}
+
+/// Query heads `g * n_rep ..` of step row `r` (position `pos`) into `q`,
+/// rotated where the op applies rotary itself.
+fn group_queries(
+    step: &Step<'_>,
+    r: usize,
+    pos: usize,
+    g: usize,
+    n_rep: usize,
+    hd: usize,
+    q: &mut [f32],
+) -> Result<(), String> {
+    for j in 0..n_rep {
+        let src = step.q.row(r, g * n_rep + j);
+        let dst = &mut q[j * hd..(j + 1) * hd];
+        match &step.rotary {
+            Some(rot) => rot.rotate(src, pos, dst)?,
+            None => dst.copy_from_slice(src),
+        }
+    }
+    Ok(())
+}
+
+/// Writes the `n_rep` heads of group `g` of step row `r` (`src`, head after
+/// head) where `spec.out_layout` puts them.
+fn write_group(
+    spec: &AttentionSpec,
+    rows: usize,
+    r: usize,
+    g: usize,
+    n_rep: usize,
+    src: &[f32],
+    out: &Disjoint<'_, f32>,
+) {
+    let hd = spec.head_dim;
+    for j in 0..n_rep {
+        let h = g * n_rep + j;
+        let at = match spec.out_layout {
+            Layout::HeadsFirst => (h * rows + r) * hd,
+            Layout::SeqFirst => (r * spec.heads + h) * hd,
+        };
+        // SAFETY: (row r, head h) belongs to exactly one job (its group's,
+        // or the merge after every job), so no other thread writes these
+        // `hd` elements.
+        unsafe { out.slice(at, hd) }.copy_from_slice(&src[j * hd..(j + 1) * hd]);
+    }
+}
+
 /// The `n_rep` query heads of KV group `g` of one sequence: per row, the
 /// scores of every head against each key (read once for all of them), a
-/// softmax per head, and the weighted sum of each value row (read once).
+/// softmax per head, and the weighted sum of each value row (read once) —
+/// in parts of [`PART_POSITIONS`] positions, merged, where the row sees
+/// more.
 #[allow(clippy::too_many_arguments)]
 fn attend_group(
     spec: &AttentionSpec,
@@ -338,203 +494,127 @@ fn attend_group(
     scratch: &mut super::Scratch,
 ) -> Result<(), String> {
     let hd = spec.head_dim;
-    let rows = step.q.rows;
     let total = seg.past + seg.len;
-    let super::Scratch { a: qbuf, b: srow, d: acc, .. } = scratch;
-    super::sized(qbuf, n_rep * hd);
-    super::sized(srow, n_rep * total);
+    let stride = part_stride(n_rep, hd);
+    let super::Scratch { a: q, b: srow, c: results, d: acc, .. } = scratch;
+    let q = super::sized(q, n_rep * hd);
     super::sized(acc, n_rep * hd);
-    let block = crate::kv::BLOCK_TOKENS;
     for i in query_rows {
         let pos = seg.past + i;
         let r = seg.start + i;
-        for j in 0..n_rep {
-            let q = step.q.row(r, g * n_rep + j);
-            let dst = &mut qbuf[j * hd..(j + 1) * hd];
-            match &step.rotary {
-                Some(rot) => rot.rotate(q, pos, dst)?,
-                None => dst.copy_from_slice(q),
-            }
-        }
-        // Causal: keys 0..=pos, unless an explicit bias decides. Head j's
-        // scores are row j (stride `visible`).
+        group_queries(step, r, pos, g, n_rep, hd, q)?;
+        // Causal: keys 0..=pos, unless an explicit bias decides.
         let visible = if step.bias.is_some() { total } else { pos + 1 };
-        let blocks = visible.div_ceil(block);
-        let span_rows = |b: usize| block.min(visible - b * block);
-        for b in 0..blocks {
-            let first = b * block;
-            // A sequence's blocks lie anywhere in memory: fetch the next
-            // block's keys, and this block's values (read after the
-            // softmax), while these keys are scored.
-            if b + 1 < blocks {
-                kv.span(step.layer, false, g, b + 1, span_rows(b + 1)).prefetch();
-            }
-            kv.span(step.layer, true, g, b, span_rows(b)).prefetch();
-            let scores = &mut srow[first..];
-            match kv.span(step.layer, false, g, b, block.min(visible - first)) {
-                Span::F32(keys) => scores_of(qbuf, n_rep, keys, hd, scores, visible),
-                Span::F16(keys) => scores_of(qbuf, n_rep, keys, hd, scores, visible),
-            }
+        let parts = visible.div_ceil(PART_POSITIONS);
+        let results = super::sized(results, parts * stride);
+        for (p, slot) in results.chunks_mut(stride).enumerate() {
+            let keys = p * PART_POSITIONS..visible.min((p + 1) * PART_POSITIONS);
+            attend_part(spec, step, kv, seg, g, i, q, n_rep, keys, srow, slot)?;
         }
-        for j in 0..n_rep {
-            let h = g * n_rep + j;
-            let scores = &mut srow[j * visible..(j + 1) * visible];
-            scores.iter_mut().for_each(|s| *s *= spec.scale);
-            if let Some(bias) = &step.bias {
-                let (row, group, nrows) = match bias.mode {
-                    Bias::Grouped => ((h % n_rep) * seg.len + i, g, n_rep * seg.len),
-                    _ => (i, h, seg.len),
-                };
-                let base = if bias.shared { 0 } else { group * nrows * total };
-                let at = base + row * total;
-                let b = bias.data.get(at..at + total).ok_or_else(|| {
-                    format!(
-                        "attention bias of {} values does not cover row {row} of {total} positions",
-                        bias.data.len()
-                    )
-                })?;
-                scores.iter_mut().zip(b).for_each(|(s, b)| *s += b);
-            }
-            super::simd::softmax(scores);
-        }
-        acc.iter_mut().for_each(|v| *v = 0.0);
-        for b in 0..visible.div_ceil(block) {
-            let first = b * block;
-            let p = &srow[first..];
-            match kv.span(step.layer, true, g, b, block.min(visible - first)) {
-                Span::F32(values) => weighted_sum(p, n_rep, visible, values, hd, acc),
-                Span::F16(values) => weighted_sum(p, n_rep, visible, values, hd, acc),
-            }
-        }
-        for j in 0..n_rep {
-            let h = g * n_rep + j;
-            let at = match spec.out_layout {
-                Layout::HeadsFirst => (h * rows + r) * hd,
-                Layout::SeqFirst => (r * spec.heads + h) * hd,
-            };
-            // SAFETY: (row r, head h) belongs to exactly one job (its
-            // group's), so no other thread writes these `hd` elements.
-            unsafe { out.slice(at, hd) }.copy_from_slice(&acc[j * hd..(j + 1) * hd]);
+        if parts == 1 {
+            write_group(spec, step.q.rows, r, g, n_rep, results, out);
+        } else {
+            merge_parts(results, n_rep, hd, acc);
+            write_group(spec, step.q.rows, r, g, n_rep, acc, out);
         }
     }
     Ok(())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::kernels::Runtime;
-    use crate::kv::{KvLayout, KvPool};
-
-    /// Attention of one query row at position `pos` against keys and values
-    /// `0..=pos` of one sequence, computed directly (per head: scores,
-    /// softmax, weighted sum).
-    fn naive(q: &[f32], keys: &[f32], values: &[f32], pos: usize, spec: &AttentionSpec) -> Vec<f32> {
-        let (heads, kvh, hd) = (spec.heads, spec.kv_heads, spec.head_dim);
-        let mut out = vec![0.0; heads * hd];
-        for h in 0..heads {
-            let g = h / (heads / kvh);
-            let key = |t: usize| &keys[(t * kvh + g) * hd..(t * kvh + g + 1) * hd];
-            let s: Vec<f32> = (0..=pos)
-                .map(|t| q[h * hd..(h + 1) * hd].iter().zip(key(t)).map(|(a, b)| a * b).sum::<f32>() * spec.scale)
-                .collect();
-            let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let e: Vec<f32> = s.iter().map(|v| (v - max).exp()).collect();
-            let sum: f32 = e.iter().sum();
-            for (t, w) in e.iter().enumerate() {
-                for d in 0..hd {
-                    out[h * hd + d] += w / sum * values[(t * kvh + g) * hd + d];
-                }
-            }
+/// Query row `i` of `seg` (its group `g` heads in `q`, rotated) over the
+/// positions `keys` (starting on a block): the scores of every head against
+/// each key (head j's at `srow[j * keys.len()..]`), a softmax per head, and
+/// the weighted sum of the values into `slot` (`n_rep * hd`), followed by
+/// each head's maximum score and softmax sum.
+#[allow(clippy::too_many_arguments)]
+fn attend_part(
+    spec: &AttentionSpec,
+    step: &Step<'_>,
+    kv: &SeqKv,
+    seg: Segment,
+    g: usize,
+    i: usize,
+    q: &[f32],
+    n_rep: usize,
+    keys: std::ops::Range<usize>,
+    srow: &mut Vec<f32>,
+    slot: &mut [f32],
+) -> Result<(), String> {
+    let hd = spec.head_dim;
+    let total = seg.past + seg.len;
+    let width = keys.len();
+    let srow = super::sized(srow, n_rep * width);
+    let block = crate::kv::BLOCK_TOKENS;
+    let blocks = keys.start / block..keys.end.div_ceil(block);
+    let rows_of = |b: usize| block.min(keys.end - b * block);
+    for b in blocks.clone() {
+        // A sequence's blocks lie anywhere in memory: fetch the next
+        // block's keys, and this block's values (read after the softmax),
+        // while these keys are scored.
+        if b + 1 < blocks.end {
+            kv.span(step.layer, false, g, b + 1, rows_of(b + 1)).prefetch();
         }
-        out
+        kv.span(step.layer, true, g, b, rows_of(b)).prefetch();
+        let scores = &mut srow[b * block - keys.start..];
+        match kv.span(step.layer, false, g, b, rows_of(b)) {
+            Span::F32(k) => scores_of(q, n_rep, k, hd, scores, width),
+            Span::F16(k) => scores_of(q, n_rep, k, hd, scores, width),
+        }
     }
+    let (sums, stats) = slot.split_at_mut(n_rep * hd);
+    for j in 0..n_rep {
+        let h = g * n_rep + j;
+        let scores = &mut srow[j * width..(j + 1) * width];
+        scores.iter_mut().for_each(|s| *s *= spec.scale);
+        if let Some(bias) = &step.bias {
+            let (row, group, nrows) = match bias.mode {
+                Bias::Grouped => ((h % n_rep) * seg.len + i, g, n_rep * seg.len),
+                _ => (i, h, seg.len),
+            };
+            let base = if bias.shared { 0 } else { group * nrows * total };
+            let at = base + row * total;
+            let b = bias.data.get(at + keys.start..at + keys.end).ok_or_else(|| {
+                format!("attention bias of {} values does not cover row {row} of {total} positions", bias.data.len())
+            })?;
+            scores.iter_mut().zip(b).for_each(|(s, b)| *s += b);
+        }
+        let (max, sum) = super::simd::softmax(scores);
+        stats[j] = max;
+        stats[n_rep + j] = sum;
+    }
+    sums.iter_mut().for_each(|v| *v = 0.0);
+    for b in blocks {
+        let p = &srow[b * block - keys.start..];
+        match kv.span(step.layer, true, g, b, rows_of(b)) {
+            Span::F32(v) => weighted_sum(p, n_rep, width, v, hd, sums),
+            Span::F16(v) => weighted_sum(p, n_rep, width, v, hd, sums),
+        }
+    }
+    Ok(())
+}
 
-    /// A step over several sequences with ragged row counts and histories
-    /// (a 37-row prefill beside a 3-row one, then a 1-row decode beside a
-    /// 20-row chunk, then a decode step of both; and five sequences whose
-    /// steps run one job per sequence with its append, once every segment
-    /// fits one chunk) equals direct attention row by row, serial and on
-    /// two threads: the row chunks of a long segment and the claimed jobs
-    /// (INVARIANTS B1: a sequence's result does not depend on its batch)
-    /// cover every (sequence, row, head) exactly once, and every new key
-    /// and value lands at its position.
-    #[test]
-    fn ragged_batches_equal_direct_attention() {
-        let (heads, kvh, hd) = (6, 2, 8);
-        let spec = AttentionSpec {
-            heads,
-            kv_heads: kvh,
-            head_dim: hd,
-            scale: 0.35,
-            q_layout: Layout::SeqFirst,
-            kv_layout: Layout::SeqFirst,
-            out_layout: Layout::SeqFirst,
-            bias: Bias::Causal,
-        };
-        let value = |i: usize| ((i * 2654435761) % 1000) as f32 / 500.0 - 1.0;
-        let batches: [&[&[usize]]; 2] =
-            [&[&[37, 3], &[1, 20], &[1, 1]], &[&[37, 3, 1, 5, 16], &[1, 1, 1, 1, 1], &[2, 1, 16, 1, 3]]];
-        for steps in batches {
-            let n = steps[0].len();
-            for rt in [Runtime::serial(), Runtime::new(2).unwrap()] {
-                let pool = KvPool::new(KvLayout::new(&[(kvh, hd)], false), 0);
-                let mut caches: Vec<SeqKv> = (0..n).map(|_| SeqKv::new(pool.clone(), 64)).collect();
-                // Every key and value each sequence has been given, by position.
-                let mut history: Vec<(Vec<f32>, Vec<f32>)> = vec![Default::default(); n];
-                let mut seed = 0;
-                for lens in steps {
-                    let rows: usize = lens.iter().sum();
-                    let mut gen = |n: usize| -> Vec<f32> {
-                        seed += n;
-                        (0..n).map(|i| value(seed + i)).collect()
-                    };
-                    let (q, k, v) = (gen(rows * heads * hd), gen(rows * kvh * hd), gen(rows * kvh * hd));
-                    let mut segments = Vec::new();
-                    for (cache, len) in caches.iter().zip(lens.iter()) {
-                        let start = segments.last().map_or(0, |s: &Segment| s.start + s.len);
-                        segments.push(Segment { start, len: *len, past: cache.len() });
-                    }
-                    for (s, seg) in segments.iter().enumerate() {
-                        caches[s].reserve(seg.past + seg.len);
-                        let span = seg.start * kvh * hd..(seg.start + seg.len) * kvh * hd;
-                        history[s].0.extend_from_slice(&k[span.clone()]);
-                        history[s].1.extend_from_slice(&v[span]);
-                    }
-                    let step = Step {
-                        layer: 0,
-                        segments: &segments,
-                        q: Heads::plain(&q, Layout::SeqFirst, heads, rows, hd),
-                        k: Heads::plain(&k, Layout::SeqFirst, kvh, rows, hd),
-                        v: Heads::plain(&v, Layout::SeqFirst, kvh, rows, hd),
-                        rotary: None,
-                        bias: None,
-                    };
-                    let mut out = vec![f32::NAN; rows * heads * hd];
-                    let mut refs: Vec<&mut SeqKv> = caches.iter_mut().collect();
-                    attention(&spec, &step, &mut refs, &mut out, &rt.ctx()).unwrap();
-                    for (s, seg) in segments.iter().enumerate() {
-                        caches[s].set_len(seg.past + seg.len);
-                        for i in 0..seg.len {
-                            let r = seg.start + i;
-                            let want = naive(
-                                &q[r * heads * hd..(r + 1) * heads * hd],
-                                &history[s].0,
-                                &history[s].1,
-                                seg.past + i,
-                                &spec,
-                            );
-                            let got = &out[r * heads * hd..(r + 1) * heads * hd];
-                            for (g, w) in got.iter().zip(&want) {
-                                assert!(
-                                    (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
-                                    "{n} sequences, seq {s} row {i}: {g} vs {w}"
-                                );
-                            }
-                        }
-                    }
-                }
-            }
+/// One row's parts (each as [`attend_part`] leaves it, in position order)
+/// merged into `out` (`n_rep * hd`): per head, each part's normalized sum
+/// weighted by its share of the row's softmax mass,
+/// `sum_p exp(max_p - max) / (sum_q sum_q' exp(max_q - max))`, in part
+/// order.
+fn merge_parts(results: &[f32], n_rep: usize, hd: usize, out: &mut [f32]) {
+    let stride = part_stride(n_rep, hd);
+    let parts = results.len() / stride;
+    for j in 0..n_rep {
+        let stat = |p: usize, k: usize| results[p * stride + n_rep * hd + k * n_rep + j];
+        let max = (0..parts).map(|p| stat(p, 0)).fold(f32::NEG_INFINITY, f32::max);
+        let mass = |p: usize| stat(p, 1) * (stat(p, 0) - max).exp();
+        let total: f32 = (0..parts).map(mass).sum();
+        let o = &mut out[j * hd..(j + 1) * hd];
+        o.iter_mut().for_each(|v| *v = 0.0);
+        for p in 0..parts {
+            let w = mass(p) / total;
+            let sums = &results[p * stride + j * hd..p * stride + (j + 1) * hd];
+            o.iter_mut().zip(sums).for_each(|(o, v)| *o += w * v);
         }
     }
 }
+
+#[cfg(test)]
+mod tests;
