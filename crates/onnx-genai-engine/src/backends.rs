@@ -67,14 +67,16 @@ impl BackendKind {
 
     /// [`BackendKind::load`] with the KV cache stored as `kv` says. Only
     /// native-cpu stores a cache in another type than the model declares;
-    /// asked of another backend, that is `BackendError::Unavailable`.
+    /// asked of another backend, that is `BackendError::Unavailable` (an f16
+    /// cache for a package that declares one changes nothing: allowed).
     pub fn load_with(
         self,
         package: &Package,
         threads: usize,
         kv: KvCache,
     ) -> Result<Arc<dyn DecodeModel>, BackendError> {
-        if kv != KvCache::Model && self != BackendKind::NativeCpu {
+        let declared_f16 = package.kv_geometry().is_some_and(|g| g.dtype == onnx_genai_package::ElementType::F16);
+        if kv == KvCache::F16 && !declared_f16 && self != BackendKind::NativeCpu {
             return Err(BackendError::Unavailable {
                 backend: self.name(),
                 reason: format!(

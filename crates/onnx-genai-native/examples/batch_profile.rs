@@ -37,7 +37,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mut seqs: Vec<_> = (0..b).map(|_| model.new_sequence()).collect();
         let mut logits = vec![Vec::new(); b];
         let prompts: Vec<Vec<u32>> =
-            (0..b).map(|i| (0..prompt + i as u32).map(|t| 100 + 7 * t % 9000).collect()).collect();
+            (0..b).map(|i| (0..prompt + i as u32).map(|t| 100 + (7 * t) % 9000).collect()).collect();
         for ((s, p), l) in seqs.iter_mut().zip(&prompts).zip(logits.iter_mut()) {
             model.step(&mut [Entry { sequence: &mut **s, input: Input::Tokens(p), logits: l }])?;
         }

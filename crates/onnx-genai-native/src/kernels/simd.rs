@@ -10,7 +10,7 @@ use half::f16;
 
 /// AVX2, FMA and F16C (every AVX2 CPU has F16C; the attention loops widen
 /// f16 caches with it).
-fn has_avx2_fma() -> bool {
+fn has_avx2_fma_f16c() -> bool {
     static HAS: OnceLock<bool> = OnceLock::new();
     *HAS.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
@@ -31,7 +31,12 @@ fn has_avx2_fma() -> bool {
 /// buffer first, then reading that, cost more than the halved bytes saved
 /// (SmolLM2 genai-int8 with its cache forced to f16, 16 sequences:
 /// attention 3.8-3.9 ms a step against 3.2-3.3 in f32).
-pub trait KvElem: Copy + Send + Sync + 'static {
+///
+/// # Safety
+/// [`scores`] and [`weighted_sum`], safe functions, trust `load8` to read
+/// exactly the 8 elements at `p` (their bounds checks count elements of
+/// `Self`): an implementation must read nothing else.
+pub unsafe trait KvElem: Copy + Send + Sync + 'static {
     fn widen(self) -> f32;
 
     /// Eight elements from `p`, widened.
@@ -43,7 +48,8 @@ pub trait KvElem: Copy + Send + Sync + 'static {
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
 }
 
-impl KvElem for f32 {
+// SAFETY: `load8` reads the 8 f32 at `p`, nothing else.
+unsafe impl KvElem for f32 {
     #[inline(always)]
     fn widen(self) -> f32 {
         self
@@ -57,7 +63,8 @@ impl KvElem for f32 {
     }
 }
 
-impl KvElem for f16 {
+// SAFETY: `load8` reads the 8 halves (16 bytes) at `p`, nothing else.
+unsafe impl KvElem for f16 {
     #[inline(always)]
     fn widen(self) -> f32 {
         self.to_f32()
@@ -83,7 +90,7 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 fn dot_on(vector: bool, a: &[f32], b: &[f32]) -> f32 {
     let n = a.len().min(b.len());
     #[cfg(target_arch = "x86_64")]
-    if vector && has_avx2_fma() {
+    if vector && has_avx2_fma_f16c() {
         // SAFETY: the CPU supports AVX2 and FMA (checked above); the
         // function reads exactly `n` elements of each slice, both of which
         // hold at least `n`.
@@ -102,8 +109,8 @@ pub fn axpy(y: &mut [f32], alpha: f32, x: &[f32]) {
 fn axpy_on(vector: bool, y: &mut [f32], alpha: f32, x: &[f32]) {
     let n = y.len().min(x.len());
     #[cfg(target_arch = "x86_64")]
-    if vector && has_avx2_fma() {
-        // SAFETY: AVX2/FMA checked; reads `n` of `x`, writes `n` of `y`;
+    if vector && has_avx2_fma_f16c() {
+        // SAFETY: AVX2, FMA and F16C checked; reads `n` of `x`, writes `n` of `y`;
         // `y` is borrowed mutably so it cannot alias `x`.
         unsafe { x86::axpy(y.as_mut_ptr(), alpha, x.as_ptr(), n) };
         return;
@@ -125,8 +132,8 @@ fn scores_on<E: KvElem>(vector: bool, q: &[f32], rows: usize, keys: &[E], hd: us
         "attention score buffers are too small"
     );
     #[cfg(target_arch = "x86_64")]
-    if vector && has_avx2_fma() && hd.is_multiple_of(8) {
-        // SAFETY: AVX2/FMA checked; the assertion above bounds every read of
+    if vector && has_avx2_fma_f16c() && hd.is_multiple_of(8) {
+        // SAFETY: AVX2, FMA and F16C checked; the assertion above bounds every read of
         // `q` (rows * hd), `keys` (total * hd) and write of `out` (row r
         // at r * ld, total values).
         unsafe { x86::scores(q.as_ptr(), rows, keys.as_ptr(), total, hd, out.as_mut_ptr(), ld) };
@@ -161,8 +168,8 @@ fn weighted_sum_on<E: KvElem>(
         "attention output buffers are too small"
     );
     #[cfg(target_arch = "x86_64")]
-    if vector && has_avx2_fma() && hd.is_multiple_of(8) {
-        // SAFETY: AVX2/FMA checked; the assertion above bounds every read of
+    if vector && has_avx2_fma_f16c() && hd.is_multiple_of(8) {
+        // SAFETY: AVX2, FMA and F16C checked; the assertion above bounds every read of
         // `p` (row r at r * ld, total values), `values` (total * hd) and
         // read/write of `out` (rows * hd).
         unsafe { x86::weighted_sum(p.as_ptr(), rows, ld, values.as_ptr(), total, hd, out.as_mut_ptr()) };
@@ -223,8 +230,8 @@ pub fn softmax(row: &mut [f32]) -> (f32, f32) {
 fn softmax_on(vector: bool, row: &mut [f32]) -> (f32, f32) {
     let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     #[cfg(target_arch = "x86_64")]
-    if vector && has_avx2_fma() {
-        // SAFETY: AVX2/FMA checked; the function stays within `row`.
+    if vector && has_avx2_fma_f16c() {
+        // SAFETY: AVX2, FMA and F16C checked; the function stays within `row`.
         let sum = unsafe { x86::exp_shifted(row.as_mut_ptr(), row.len(), max) };
         let inv = 1.0 / sum;
         row.iter_mut().for_each(|v| *v *= inv);
@@ -257,8 +264,8 @@ fn silu_mul_on(vector: bool, gate: &[f32], up: &[f32], out: &mut [f32]) {
     let n = out.len().min(gate.len()).min(up.len());
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    if vector && has_avx2_fma() {
-        // SAFETY: AVX2/FMA checked; `n` bounds every read of `gate`, `up`
+    if vector && has_avx2_fma_f16c() {
+        // SAFETY: AVX2, FMA and F16C checked; `n` bounds every read of `gate`, `up`
         // and write of `out`.
         done = unsafe { x86::silu_mul(gate.as_ptr(), up.as_ptr(), out.as_mut_ptr(), n) };
     }
@@ -326,7 +333,7 @@ mod x86 {
     }
 
     /// # Safety
-    /// AVX2 and FMA must be available; `hd % 8 == 0`; `q` valid for
+    /// AVX2, FMA and F16C must be available; `hd % 8 == 0`; `q` valid for
     /// `rows * hd` reads, `k` for `total * hd`, `out` for `total` writes
     /// from each `r * ld`.
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -420,7 +427,7 @@ mod x86 {
     }
 
     /// # Safety
-    /// AVX2 and FMA must be available; `hd % 8 == 0`; `p` valid for
+    /// AVX2, FMA and F16C must be available; `hd % 8 == 0`; `p` valid for
     /// `total` reads from each `r * ld`, `v` for `total * hd`, `out` for
     /// `rows * hd` reads and writes.
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -460,7 +467,7 @@ mod x86 {
     /// multiply-add); each column adds its values in `t` order whatever `N`.
     ///
     /// # Safety
-    /// AVX2 and FMA must be available; `p` valid for `total` reads, `v` for
+    /// AVX2, FMA and F16C must be available; `p` valid for `total` reads, `v` for
     /// `8N` reads at each `t * hd`, `o` for `8N` reads and writes.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
@@ -575,7 +582,7 @@ mod tests {
     /// The paths this machine can run: portable always, AVX2+FMA where
     /// the CPU has it.
     fn paths() -> Vec<bool> {
-        if has_avx2_fma() {
+        if has_avx2_fma_f16c() {
             vec![false, true]
         } else {
             vec![false]

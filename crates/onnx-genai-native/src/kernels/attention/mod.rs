@@ -343,9 +343,9 @@ fn part_stride(n_rep: usize, hd: usize) -> usize {
 /// The floats attention's parts need at most, for a model whose layers'
 /// query heads, KV heads and head dimension are at most these and whose
 /// sequences hold up to `max_positions`: per thread (one row's parts,
-/// attended in turn) and in the runtime's `attention_parts` (every part of a decode
-/// step of few sequences, run as jobs). Reserved when a model loads, so no
-/// decode step allocates them.
+/// attended in turn) and in the runtime's `attention_parts` (every part
+/// of a decode step of few sequences, run as jobs). Reserved when a model
+/// loads, so no decode step allocates them.
 pub fn part_buffers(n_rep: usize, head_dim: usize, kv_heads: usize, max_positions: usize) -> (usize, usize) {
     let row = max_positions.div_ceil(PART_POSITIONS) * part_stride(n_rep, head_dim);
     (row, (PER_SEQUENCE_MIN - 1) * kv_heads * row + n_rep * head_dim)
@@ -578,7 +578,15 @@ fn attend_part(
             })?;
             scores.iter_mut().zip(b).for_each(|(s, b)| *s += b);
         }
-        let (max, sum) = super::simd::softmax(scores);
+        // A part whose every key is masked (an additive bias of -inf over
+        // it) weighs nothing: a softmax over it would be NaN, and NaN
+        // times its zero weight is still NaN in the merge.
+        let (max, sum) = if scores.iter().all(|s| *s == f32::NEG_INFINITY) {
+            scores.iter_mut().for_each(|s| *s = 0.0);
+            (f32::NEG_INFINITY, 0.0)
+        } else {
+            super::simd::softmax(scores)
+        };
         stats[j] = max;
         stats[n_rep + j] = sum;
     }
@@ -595,19 +603,24 @@ fn attend_part(
 
 /// One row's parts (each as [`attend_part`] leaves it, in position order)
 /// merged into `out` (`n_rep * hd`): per head, each part's normalized sum
-/// weighted by its share of the row's softmax mass,
-/// `sum_p exp(max_p - max) / (sum_q sum_q' exp(max_q - max))`, in part
-/// order.
+/// weighted by its share of the row's softmax mass — part p's weight is
+/// `s_p · exp(m_p − m) / Σ_q s_q · exp(m_q − m)`, where `m_p` and `s_p` are
+/// its maximum and softmax sum and `m` the largest maximum — added in part
+/// order. A head whose every part is masked comes out zero.
 fn merge_parts(results: &[f32], n_rep: usize, hd: usize, out: &mut [f32]) {
     let stride = part_stride(n_rep, hd);
     let parts = results.len() / stride;
     for j in 0..n_rep {
         let stat = |p: usize, k: usize| results[p * stride + n_rep * hd + k * n_rep + j];
         let max = (0..parts).map(|p| stat(p, 0)).fold(f32::NEG_INFINITY, f32::max);
-        let mass = |p: usize| stat(p, 1) * (stat(p, 0) - max).exp();
-        let total: f32 = (0..parts).map(mass).sum();
         let o = &mut out[j * hd..(j + 1) * hd];
         o.iter_mut().for_each(|v| *v = 0.0);
+        if max == f32::NEG_INFINITY {
+            continue;
+        }
+        // A masked part's mass is 0 · exp(−inf) = 0.
+        let mass = |p: usize| stat(p, 1) * (stat(p, 0) - max).exp();
+        let total: f32 = (0..parts).map(mass).sum();
         for p in 0..parts {
             let w = mass(p) / total;
             let sums = &results[p * stride + j * hd..p * stride + (j + 1) * hd];

@@ -181,10 +181,12 @@ fn long_contexts_attend_in_parts() {
     }
     let mut alone_serial = long.fork();
     let mut beside = long.fork();
+    let mut beside_one = long.fork();
     let mut others: Vec<SeqKv> = (0..3).map(|_| SeqKv::new(pool.clone(), 2048)).collect();
     for (o, other) in others.iter_mut().enumerate() {
         run(&two, &mut [other], &[5 + o], 10 + o);
     }
+    let mut short = others[0].fork();
     let (q, k, v, alone) = run(&two, &mut [&mut long], &[1], 20);
     let mut all_keys = keys.clone();
     all_keys.extend_from_slice(&k);
@@ -219,6 +221,78 @@ fn long_contexts_attend_in_parts() {
     let mut out4 = vec![f32::NAN; rows * heads * hd];
     attention(&spec, &step, &mut batch, &mut out4, &two.ctx()).unwrap();
     assert_eq!(bits(&alone), bits(&out4[..heads * hd]), "the long sequence's row alone and beside others differ");
+    // A short sequence first, then the long one: the long one's parts are
+    // jobs after the short one's, each merged from its own slots.
+    let (q2, k2, v2) = (
+        [&q4[heads * hd..2 * heads * hd], &q[..]].concat(),
+        [&k4[kvh * hd..2 * kvh * hd], &k[..]].concat(),
+        [&v4[kvh * hd..2 * kvh * hd], &v[..]].concat(),
+    );
+    let segments =
+        [Segment { start: 0, len: 1, past: short.len() }, Segment { start: 1, len: 1, past: beside_one.len() }];
+    short.reserve(short.len() + 1);
+    beside_one.reserve(beside_one.len() + 1);
+    let step = Step {
+        layer: 0,
+        segments: &segments,
+        q: Heads::plain(&q2, Layout::SeqFirst, heads, 2, hd),
+        k: Heads::plain(&k2, Layout::SeqFirst, kvh, 2, hd),
+        v: Heads::plain(&v2, Layout::SeqFirst, kvh, 2, hd),
+        rotary: None,
+        bias: None,
+    };
+    let mut out2 = vec![f32::NAN; 2 * heads * hd];
+    attention(&spec, &step, &mut [&mut short, &mut beside_one], &mut out2, &two.ctx()).unwrap();
+    assert_eq!(bits(&out2[heads * hd..]), bits(&alone), "the long sequence's row beside a short one differs");
+    assert_eq!(bits(&out2[..heads * hd]), bits(&out4[heads * hd..2 * heads * hd]), "the short sequence's row differs");
+}
+
+/// A part whose every key an additive bias masks with -inf weighs nothing
+/// in the merge: a 600-position prefill under an explicit causal bias (rows
+/// before 88 see no key of their second part) equals direct attention, with
+/// no NaN.
+#[test]
+fn a_masked_part_weighs_nothing() {
+    let (heads, kvh, hd) = (4, 2, 8);
+    let spec = AttentionSpec {
+        heads,
+        kv_heads: kvh,
+        head_dim: hd,
+        scale: 0.4,
+        q_layout: Layout::SeqFirst,
+        kv_layout: Layout::SeqFirst,
+        out_layout: Layout::SeqFirst,
+        bias: Bias::PerQuery,
+    };
+    let rows = 600;
+    let value = |i: usize| ((i * 2654435761) % 1000) as f32 / 500.0 - 1.0;
+    let (q, k, v): (Vec<f32>, Vec<f32>, Vec<f32>) = (
+        (0..rows * heads * hd).map(value).collect(),
+        (0..rows * kvh * hd).map(|i| value(i + 7)).collect(),
+        (0..rows * kvh * hd).map(|i| value(i + 13)).collect(),
+    );
+    let bias: Vec<f32> = (0..rows * rows).map(|i| if i % rows <= i / rows { 0.0 } else { f32::NEG_INFINITY }).collect();
+    let pool = KvPool::new(KvLayout::new(&[(kvh, hd)], false), 0);
+    let mut cache = SeqKv::new(pool, 1024);
+    cache.reserve(rows);
+    let segments = [Segment { start: 0, len: rows, past: 0 }];
+    let step = Step {
+        layer: 0,
+        segments: &segments,
+        q: Heads::plain(&q, Layout::SeqFirst, heads, rows, hd),
+        k: Heads::plain(&k, Layout::SeqFirst, kvh, rows, hd),
+        v: Heads::plain(&v, Layout::SeqFirst, kvh, rows, hd),
+        rotary: None,
+        bias: Some(AdditiveBias { data: &bias, mode: Bias::PerQuery, shared: true }),
+    };
+    let mut out = vec![f32::NAN; rows * heads * hd];
+    attention(&spec, &step, &mut [&mut cache], &mut out, &Runtime::new(2).unwrap().ctx()).unwrap();
+    for i in [0, 87, 88, 300, 511, 512, rows - 1] {
+        let want = naive(&q[i * heads * hd..(i + 1) * heads * hd], &k, &v, i, &spec);
+        for (g, w) in out[i * heads * hd..(i + 1) * heads * hd].iter().zip(&want) {
+            assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()), "row {i}: {g} vs {w}");
+        }
+    }
 }
 
 fn bits(v: &[f32]) -> Vec<u32> {
