@@ -1,5 +1,6 @@
 //! Where a batched decode step spends its time: loads a package, prefills
-//! B sequences, then times decode steps of all B together, per op kind.
+//! B sequences (the first one's prefill timed per op kind), then times
+//! decode steps of all B together, per op kind.
 //!
 //! `cargo run --release -p onnx-genai-native --example batch_profile -- DIR [THREADS] [B...] [isa=NAME] [kv=f16] [prompt=N]`
 //! (`isa=avx2` and so on: a lower kernel path than the best this CPU has;
@@ -38,9 +39,25 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mut logits = vec![Vec::new(); b];
         let prompts: Vec<Vec<u32>> =
             (0..b).map(|i| (0..prompt + i as u32).map(|t| 100 + (7 * t) % 9000).collect()).collect();
-        for ((s, p), l) in seqs.iter_mut().zip(&prompts).zip(logits.iter_mut()) {
+        for (i, ((s, p), l)) in seqs.iter_mut().zip(&prompts).zip(logits.iter_mut()).enumerate() {
+            model.set_profiling(i == 0);
+            let t = Instant::now();
             model.step(&mut [Entry { sequence: &mut **s, input: Input::Tokens(p), logits: l }])?;
+            if i == 0 {
+                // The first sequence's prefill, per op kind.
+                let wall = t.elapsed();
+                let mut by_op: BTreeMap<&str, Duration> = BTreeMap::new();
+                for (op, d) in ops.iter().zip(&model.profile()) {
+                    *by_op.entry(op.as_str()).or_default() += *d;
+                }
+                let mut sorted: Vec<_> = by_op.into_iter().collect();
+                sorted.sort_by_key(|b| std::cmp::Reverse(b.1));
+                let top: Vec<String> =
+                    sorted.iter().take(4).map(|(op, d)| format!("{op} {:.1}", d.as_secs_f64() * 1e3)).collect();
+                println!("prefill of {} tokens: {:.1} ms ({} ms)", p.len(), wall.as_secs_f64() * 1e3, top.join(", "));
+            }
         }
+        model.set_profiling(false);
         let next: Vec<Vec<u32>> = (0..b).map(|i| vec![200 + i as u32]).collect();
         let mut run = |n: usize| -> Result<Duration, Box<dyn std::error::Error>> {
             let t = Instant::now();
