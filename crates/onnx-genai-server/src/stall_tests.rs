@@ -63,6 +63,14 @@ fn a_client_that_stops_reading_parks_out_of_the_batch_then_is_cancelled() {
     };
     assert!(decided.is_ok(), "the silent request was not admitted");
     wait_for(|| server.gauges().parked == 1, "the silent client's turn was never parked");
+    // With only the parked turn left, the driver polls for commands but
+    // steps nothing and counts no step: the load report's mean width and
+    // ms/step come from these counters. (Found by cargo-mutants: `width >=
+    // 0` survived when the reader below arrived within one poll.)
+    let before = server.gauges();
+    std::thread::sleep(Duration::from_millis(50));
+    let after = server.gauges();
+    assert_eq!((after.steps, after.stepped), (before.steps, before.stepped), "an empty step was counted: {after:?}");
 
     let body = json!({"model": MODEL, "prompt": "A reader", "max_tokens": 40, "temperature": 0});
     let reply = call(server.addr, "POST", "/v1/completions", &[], &body.to_string()).unwrap();
