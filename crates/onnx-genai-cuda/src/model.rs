@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use onnx_genai_backend::{downcast, BackendError, DecodeModel, Entry, Input, Sequence};
 use onnx_genai_native::value::Value;
 use onnx_genai_native::{compile_package_with, Plan, WeightForm};
-use onnx_genai_package::{ElementType, KvGeometry, LayerKv, Package};
+use onnx_genai_package::{ElementType, Package};
 
 use crate::device::Device;
 use crate::error::CudaError;
@@ -219,9 +219,7 @@ impl DecodeModel for CudaModel {
     fn kv_bytes_per_token(&self) -> Option<u64> {
         // Every cache is f32 on the device (an f16 model's values are
         // rounded to f16 and stored wide), whatever the manifest declares.
-        let layers = self.plan.binding.layers.iter();
-        let layers = layers.map(|l| LayerKv { kv_heads: l.kv_heads as u32, head_dim: l.head_dim as u32 }).collect();
-        Some(KvGeometry { dtype: ElementType::F32, layers }.bytes_per_token())
+        Some(self.plan.binding.kv_geometry(ElementType::F32).bytes_per_token())
     }
 }
 

@@ -46,12 +46,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             if i == 0 {
                 // The first sequence's prefill, per op kind.
                 let wall = t.elapsed();
-                let mut by_op: BTreeMap<&str, Duration> = BTreeMap::new();
-                for (op, d) in ops.iter().zip(&model.profile()) {
-                    *by_op.entry(op.as_str()).or_default() += *d;
-                }
-                let mut sorted: Vec<_> = by_op.into_iter().collect();
-                sorted.sort_by_key(|b| std::cmp::Reverse(b.1));
+                let sorted = by_op_kind(&ops, &model.profile());
                 let top: Vec<String> =
                     sorted.iter().take(4).map(|(op, d)| format!("{op} {:.1}", d.as_secs_f64() * 1e3)).collect();
                 println!("prefill of {} tokens: {:.1} ms ({} ms)", p.len(), wall.as_secs_f64() * 1e3, top.join(", "));
@@ -78,10 +73,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         run(steps)?;
         let profile = model.profile();
         model.set_profiling(false);
-        let mut by_op: BTreeMap<&str, Duration> = BTreeMap::new();
-        for (op, d) in ops.iter().zip(&profile) {
-            *by_op.entry(op.as_str()).or_default() += *d;
-        }
         let profiled: Duration = profile.iter().sum();
         let per_step = wall.as_secs_f64() / steps as f64;
         println!(
@@ -90,8 +81,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             b as f64 / per_step,
             profiled.as_secs_f64() * 1e3 / steps as f64
         );
-        let mut sorted: Vec<_> = by_op.into_iter().collect();
-        sorted.sort_by_key(|b| std::cmp::Reverse(b.1));
+        let sorted = by_op_kind(&ops, &profile);
         for (op, d) in sorted.iter().take(10) {
             println!("    {op:<24} {:>8.3} ms/step", d.as_secs_f64() * 1e3 / steps as f64);
         }
@@ -105,4 +95,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     Ok(())
+}
+
+/// A profile's time summed per op kind, costliest first.
+fn by_op_kind<'a>(ops: &'a [String], profile: &[Duration]) -> Vec<(&'a str, Duration)> {
+    let mut by_op: BTreeMap<&str, Duration> = BTreeMap::new();
+    for (op, d) in ops.iter().zip(profile) {
+        *by_op.entry(op.as_str()).or_default() += *d;
+    }
+    let mut sorted: Vec<_> = by_op.into_iter().collect();
+    sorted.sort_by_key(|b| std::cmp::Reverse(b.1));
+    sorted
 }

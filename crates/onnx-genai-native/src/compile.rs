@@ -35,6 +35,13 @@ pub struct Binding {
 }
 
 impl Binding {
+    /// The bound layers' KV geometry with every value stored as `dtype`
+    /// (what a backend keeps per position; its bytes from the one place
+    /// that counts them, [`KvGeometry::bytes_per_token`]).
+    pub fn kv_geometry(&self, dtype: ElementType) -> onnx_genai_package::KvGeometry {
+        onnx_genai_package::KvGeometry::from_ports(dtype, &self.layers)
+    }
+
     pub fn from_package(package: &Package) -> Result<(Self, std::path::PathBuf), CompileError> {
         let (component, path) = package.decoder().map_err(|e| CompileError::Graph(e.to_string()))?;
         let port = |role: Role| {

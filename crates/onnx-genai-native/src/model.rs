@@ -5,7 +5,7 @@
 use std::sync::{Arc, Mutex};
 
 use onnx_genai_backend::{downcast, BackendError, DecodeModel, Entry, Input, KvCache, Sequence};
-use onnx_genai_package::{ElementType, KvGeometry, LayerKv, Package};
+use onnx_genai_package::{ElementType, KvGeometry, Package};
 use smallvec::SmallVec;
 
 use crate::compile::{compile_with, Binding, WeightForm};
@@ -97,13 +97,7 @@ impl NativeModel {
         runtime.attention_parts.get_mut().unwrap_or_else(|p| p.into_inner()).reserve(step_parts);
         let f16 = plan.binding.kv_f16 || kv == KvCache::F16;
         let layers: Vec<(usize, usize)> = plan.binding.layers.iter().map(|l| (l.kv_heads, l.head_dim)).collect();
-        let kv_geometry = KvGeometry {
-            dtype: if f16 { ElementType::F16 } else { ElementType::F32 },
-            layers: layers
-                .iter()
-                .map(|&(kv_heads, head_dim)| LayerKv { kv_heads: kv_heads as u32, head_dim: head_dim as u32 })
-                .collect(),
-        };
+        let kv_geometry = plan.binding.kv_geometry(if f16 { ElementType::F16 } else { ElementType::F32 });
         let kv = KvPool::new(KvLayout::new(&layers, f16), KEEP_IDLE_KV_BYTES);
         let workspace = plan.workspace();
         Ok(Self { plan, runner: Mutex::new(Runner { runtime, workspace }), kv, kv_geometry })

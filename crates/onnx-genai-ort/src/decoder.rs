@@ -8,7 +8,7 @@
 use std::sync::Mutex;
 
 use onnx_genai_backend::{downcast, BackendError, DecodeModel, Entry, Input, Sequence};
-use onnx_genai_package::{ElementType, Package, Role};
+use onnx_genai_package::{ElementType, KvGeometry, Package, Role};
 use ort::session::{Session, SessionInputValue};
 use ort::value::{DynValue, Tensor, TensorElementType};
 
@@ -83,11 +83,7 @@ impl OrtModel {
             .and_then(|o| o.dtype().tensor_type())
             == Some(TensorElementType::Int32);
         let layers = package.kv_ports(component).map_err(|e| load_err(e.to_string()))?;
-        let elem = match geometry.dtype {
-            ElementType::F32 => 4,
-            ElementType::F16 => 2,
-        };
-        let bytes_per_token = layers.iter().map(|l| (2 * l.kv_heads * l.head_dim * elem) as u64).sum();
+        let bytes_per_token = KvGeometry::from_ports(geometry.dtype, &layers).bytes_per_token();
         let ports = Ports {
             token_ids,
             inputs_embeds,

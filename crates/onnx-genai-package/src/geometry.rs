@@ -30,6 +30,14 @@ impl KvGeometry {
         Some(Self { dtype: kv.dtype, layers })
     }
 
+    /// The geometry of bound KV ports (their shapes) with every value
+    /// stored as `dtype`: what a backend keeps per position, which may be
+    /// narrower or wider than the manifest declares.
+    pub fn from_ports(dtype: ElementType, ports: &[crate::KvPorts]) -> Self {
+        let layers = ports.iter().map(|p| LayerKv { kv_heads: p.kv_heads as u32, head_dim: p.head_dim as u32 });
+        Self { dtype, layers: layers.collect() }
+    }
+
     /// Bytes one token occupies across every layer's key and value tensors:
     /// `sum over layers of 2 * kv_heads * head_dim * dtype_bytes`.
     /// Saturates rather than wraps: validation bounds the sizes so that it

@@ -235,12 +235,14 @@ pub fn attention(
                 fail(e);
             }
         });
-    } else if splits_parts(step, kvs.len()) {
-        return attend_in_parts(spec, step, kvs, out, ctx);
     } else {
         // 1. Append every sequence's new keys and values.
         for (seg, kv) in step.segments.iter().zip(kvs.iter_mut()) {
             append(step, *seg, kv, kvh, hd)?;
+        }
+        let kvs: &[&mut SeqKv] = kvs;
+        if splits_parts(step, kvs.len()) {
+            return attend_in_parts(spec, step, kvs, out, ctx);
         }
         // 2. Attend: one job per (segment, KV group, chunk of query rows),
         //    claimed by the threads one at a time. The group's query heads
@@ -248,7 +250,6 @@ pub fn attention(
         //    chunked so its few groups (3 on SmolLM2) still split evenly
         //    across threads, and claimed because later rows see more keys.
         let jobs: usize = step.segments.iter().map(|seg| seg.len.div_ceil(ATTENTION_ROW_CHUNK) * kvh).sum();
-        let kvs: &[&mut SeqKv] = kvs;
         ctx.pool.for_claimed(jobs, &|job, t| {
             // SAFETY: thread `t` is the only user of its scratch in this region.
             let scratch = unsafe { ctx.scratch.get(t) };
@@ -360,22 +361,19 @@ fn splits_parts(step: &Step<'_>, sequences: usize) -> bool {
         && step.segments.iter().any(|s| s.past + 1 > PART_POSITIONS)
 }
 
-/// The decode step of [`splits_parts`]: the new K/V rows appended, then one
+/// The decode step of [`splits_parts`], its new K/V rows appended: one
 /// job per (sequence, KV group, part), each writing its part's result into
 /// runtime's `attention_parts`, then each (sequence, group) merged in part
 /// order.
 fn attend_in_parts(
     spec: &AttentionSpec,
     step: &Step<'_>,
-    kvs: &mut [&mut SeqKv],
+    kvs: &[&mut SeqKv],
     out: &mut [f32],
     ctx: &Ctx<'_>,
 ) -> Result<(), String> {
     let (kvh, hd) = (spec.kv_heads, spec.head_dim);
     let n_rep = spec.heads / kvh;
-    for (seg, kv) in step.segments.iter().zip(kvs.iter_mut()) {
-        append(step, *seg, kv, kvh, hd)?;
-    }
     let parts_of = |seg: &Segment| (seg.past + 1).div_ceil(PART_POSITIONS);
     let jobs: usize = step.segments.iter().map(|seg| kvh * parts_of(seg)).sum();
     let stride = part_stride(n_rep, hd);
@@ -383,7 +381,6 @@ fn attend_in_parts(
     // Every job's slot, then the merged heads of one group.
     let (results, acc) = super::sized(&mut buffer, jobs * stride + n_rep * hd).split_at_mut(jobs * stride);
     let slots = Disjoint::new(results);
-    let kvs: &[&mut SeqKv] = kvs;
     let failed = std::sync::Mutex::new(None::<String>);
     ctx.pool.for_claimed(jobs, &|job, t| {
         // Jobs run through the segments in order, each segment's groups in
@@ -506,7 +503,9 @@ fn attend_group(
         // Causal: keys 0..=pos, unless an explicit bias decides.
         let visible = if step.bias.is_some() { total } else { pos + 1 };
         let parts = visible.div_ceil(PART_POSITIONS);
-        let results = super::sized(results, parts * stride);
+        // Each slot is written in full by `attend_part`.
+        super::grow_to(results, parts * stride);
+        let results = &mut results[..parts * stride];
         for (p, slot) in results.chunks_mut(stride).enumerate() {
             let keys = p * PART_POSITIONS..visible.min((p + 1) * PART_POSITIONS);
             attend_part(spec, step, kv, seg, g, i, q, n_rep, keys, srow, slot)?;
@@ -543,7 +542,10 @@ fn attend_part(
     let hd = spec.head_dim;
     let total = seg.past + seg.len;
     let width = keys.len();
-    let srow = super::sized(srow, n_rep * width);
+    // Every score is written before it is read: grown, never zero-filled
+    // (a prefill job sized it once per row).
+    super::grow_to(srow, n_rep * width);
+    let srow = &mut srow[..n_rep * width];
     let block = crate::kv::BLOCK_TOKENS;
     let blocks = keys.start / block..keys.end.div_ceil(block);
     let rows_of = |b: usize| block.min(keys.end - b * block);

@@ -80,15 +80,7 @@ fn ragged_batches_equal_direct_attention() {
                     history[s].0.extend_from_slice(&k[span.clone()]);
                     history[s].1.extend_from_slice(&v[span]);
                 }
-                let step = Step {
-                    layer: 0,
-                    segments: &segments,
-                    q: Heads::plain(&q, Layout::SeqFirst, heads, rows, hd),
-                    k: Heads::plain(&k, Layout::SeqFirst, kvh, rows, hd),
-                    v: Heads::plain(&v, Layout::SeqFirst, kvh, rows, hd),
-                    rotary: None,
-                    bias: None,
-                };
+                let step = plain_step(&segments, [&q, &k, &v], (heads, kvh, hd), rows);
                 let mut out = vec![f32::NAN; rows * heads * hd];
                 let mut refs: Vec<&mut SeqKv> = caches.iter_mut().collect();
                 attention(&spec, &step, &mut refs, &mut out, &rt.ctx()).unwrap();
@@ -149,15 +141,7 @@ fn long_contexts_attend_in_parts() {
             segments.push(Segment { start, len: *len, past: cache.len() });
             cache.reserve(cache.len() + len);
         }
-        let step = Step {
-            layer: 0,
-            segments: &segments,
-            q: Heads::plain(&q, Layout::SeqFirst, heads, rows, hd),
-            k: Heads::plain(&k, Layout::SeqFirst, kvh, rows, hd),
-            v: Heads::plain(&v, Layout::SeqFirst, kvh, rows, hd),
-            rotary: None,
-            bias: None,
-        };
+        let step = plain_step(&segments, [&q, &k, &v], (heads, kvh, hd), rows);
         let mut out = vec![f32::NAN; rows * heads * hd];
         attention(&spec, &step, caches, &mut out, &rt.ctx()).unwrap();
         for (cache, seg) in caches.iter_mut().zip(&segments) {
@@ -209,15 +193,7 @@ fn long_contexts_attend_in_parts() {
     for c in batch.iter_mut() {
         c.reserve(c.len() + 1);
     }
-    let step = Step {
-        layer: 0,
-        segments: &segments,
-        q: Heads::plain(&q4, Layout::SeqFirst, heads, rows, hd),
-        k: Heads::plain(&k4, Layout::SeqFirst, kvh, rows, hd),
-        v: Heads::plain(&v4, Layout::SeqFirst, kvh, rows, hd),
-        rotary: None,
-        bias: None,
-    };
+    let step = plain_step(&segments, [&q4, &k4, &v4], (heads, kvh, hd), rows);
     let mut out4 = vec![f32::NAN; rows * heads * hd];
     attention(&spec, &step, &mut batch, &mut out4, &two.ctx()).unwrap();
     assert_eq!(bits(&alone), bits(&out4[..heads * hd]), "the long sequence's row alone and beside others differ");
@@ -232,15 +208,7 @@ fn long_contexts_attend_in_parts() {
         [Segment { start: 0, len: 1, past: short.len() }, Segment { start: 1, len: 1, past: beside_one.len() }];
     short.reserve(short.len() + 1);
     beside_one.reserve(beside_one.len() + 1);
-    let step = Step {
-        layer: 0,
-        segments: &segments,
-        q: Heads::plain(&q2, Layout::SeqFirst, heads, 2, hd),
-        k: Heads::plain(&k2, Layout::SeqFirst, kvh, 2, hd),
-        v: Heads::plain(&v2, Layout::SeqFirst, kvh, 2, hd),
-        rotary: None,
-        bias: None,
-    };
+    let step = plain_step(&segments, [&q2, &k2, &v2], (heads, kvh, hd), 2);
     let mut out2 = vec![f32::NAN; 2 * heads * hd];
     attention(&spec, &step, &mut [&mut short, &mut beside_one], &mut out2, &two.ctx()).unwrap();
     assert_eq!(bits(&out2[heads * hd..]), bits(&alone), "the long sequence's row beside a short one differs");
@@ -277,13 +245,8 @@ fn a_masked_part_weighs_nothing() {
     cache.reserve(rows);
     let segments = [Segment { start: 0, len: rows, past: 0 }];
     let step = Step {
-        layer: 0,
-        segments: &segments,
-        q: Heads::plain(&q, Layout::SeqFirst, heads, rows, hd),
-        k: Heads::plain(&k, Layout::SeqFirst, kvh, rows, hd),
-        v: Heads::plain(&v, Layout::SeqFirst, kvh, rows, hd),
-        rotary: None,
         bias: Some(AdditiveBias { data: &bias, mode: Bias::PerQuery, shared: true }),
+        ..plain_step(&segments, [&q, &k, &v], (heads, kvh, hd), rows)
     };
     let mut out = vec![f32::NAN; rows * heads * hd];
     attention(&spec, &step, &mut [&mut cache], &mut out, &Runtime::new(2).unwrap().ctx()).unwrap();
@@ -292,6 +255,25 @@ fn a_masked_part_weighs_nothing() {
         for (g, w) in out[i * heads * hd..(i + 1) * heads * hd].iter().zip(&want) {
             assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()), "row {i}: {g} vs {w}");
         }
+    }
+}
+
+/// Layer 0 of a step over `rows` rows of plain (seq-first) query, key and
+/// value tensors, no rotary, no bias.
+fn plain_step<'a>(
+    segments: &'a [Segment],
+    [q, k, v]: [&'a [f32]; 3],
+    (heads, kvh, hd): (usize, usize, usize),
+    rows: usize,
+) -> Step<'a> {
+    Step {
+        layer: 0,
+        segments,
+        q: Heads::plain(q, Layout::SeqFirst, heads, rows, hd),
+        k: Heads::plain(k, Layout::SeqFirst, kvh, rows, hd),
+        v: Heads::plain(v, Layout::SeqFirst, kvh, rows, hd),
+        rotary: None,
+        bias: None,
     }
 }
 
