@@ -4,7 +4,11 @@
 //! G op/s the projections reach against this machine's measured peak for
 //! the export's arithmetic (f32 FMAs, or VNNI int8 dot products) at the
 //! same thread count (after one unmeasured warm-up round at the widest
-//! count, so the first point is not a cold server's). Then two
+//! count, so the first point is not a cold server's). With `--rounds N`
+//! the whole sweep runs N times in turn and each column is the median of
+//! the rounds (aggregate and ratio with their range): a ratio is taken
+//! within its round, so minutes in which the VM's neighbours were busy
+//! slow its numerator and denominator alike. Then two
 //! interference checks: how much
 //! creating and closing sessions adds to other requests' latency, and how
 //! much a client that stops reading its stream costs the others.
@@ -33,6 +37,8 @@ pub struct Options {
     pub kv_cache: String,
     /// Requests each client makes per client count.
     pub turns: usize,
+    /// Times the whole sweep runs (each column: the median over them).
+    pub rounds: usize,
 }
 
 /// One streamed completion: (time to first token, tokens, seconds).
@@ -87,6 +93,7 @@ fn run_clients(
     Ok(all)
 }
 
+#[derive(Clone, Copy, Debug, PartialEq)]
 struct Row {
     clients: usize,
     tokens_per_s: f64,
@@ -100,6 +107,97 @@ struct Row {
     mean_width: f64,
     /// Wall time per model step.
     step_ms: f64,
+}
+
+/// One client count, measured once: its clients stream their requests
+/// together; the server's gauges give the steps it took.
+fn measure(
+    server: &onnx_genai_server::RunningServer,
+    model: &str,
+    clients: usize,
+    opts: &Options,
+    macs: u64,
+) -> Result<Row> {
+    server.reset_widest_step();
+    let before = server.gauges();
+    let started = Instant::now();
+    let all = run_clients(server.addr, model, clients, opts.turns, opts.max_tokens, |c, t| {
+        format!("Client {c} asks question {t}: tell me a story about")
+    })?;
+    let wall = started.elapsed().as_secs_f64();
+    let after = server.gauges();
+    let steps = after.steps.saturating_sub(before.steps).max(1) as f64;
+    let tokens: usize = all.iter().map(|r| r.1).sum();
+    let mut ttft: Vec<f64> = all.iter().map(|r| r.0 * 1e3).collect();
+    ttft.sort_by(f64::total_cmp);
+    let per_client = all.iter().map(|r| r.1 as f64 / r.2).sum::<f64>() / all.len().max(1) as f64;
+    Ok(Row {
+        clients,
+        tokens_per_s: tokens as f64 / wall,
+        ttft_p50: percentile(&ttft, 0.5),
+        ttft_p95: percentile(&ttft, 0.95),
+        per_client,
+        gflops: 2.0 * macs as f64 * tokens as f64 / wall / 1e9,
+        widest: after.widest_step,
+        mean_width: after.stepped.saturating_sub(before.stepped) as f64 / steps,
+        step_ms: wall * 1e3 / steps,
+    })
+}
+
+/// A client count over the rounds: each column's median, the aggregate's
+/// and the ratio's range.
+#[derive(Debug, PartialEq)]
+struct Summary {
+    /// The median of each column (the widest step: the widest of any round).
+    row: Row,
+    aggregate_range: (f64, f64),
+    /// Aggregate tokens/s over the same round's first count (one client in
+    /// the default sweep): median and range over the rounds.
+    ratio: f64,
+    ratio_range: (f64, f64),
+}
+
+/// The rounds' median (the upper one of an even count, as the benches
+/// take it).
+fn median(v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    crate::bench_real::min_median(v).1
+}
+
+fn range(v: &[f64]) -> (f64, f64) {
+    v.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), x| (lo.min(*x), hi.max(*x)))
+}
+
+/// Per client count (in sweep order), the rounds' medians; every round
+/// holds the same counts in the same order.
+fn summarize(rounds: &[Vec<Row>]) -> Vec<Summary> {
+    let counts = rounds.first().map_or(0, Vec::len);
+    (0..counts)
+        .map(|i| {
+            let column = |f: fn(&Row) -> f64| median(rounds.iter().map(|r| f(&r[i])).collect());
+            let aggregates: Vec<f64> = rounds.iter().map(|r| r[i].tokens_per_s).collect();
+            let ratios: Vec<f64> = rounds.iter().map(|r| r[i].tokens_per_s / r[0].tokens_per_s).collect();
+            let row = Row {
+                clients: rounds[0][i].clients,
+                tokens_per_s: column(|r| r.tokens_per_s),
+                ttft_p50: column(|r| r.ttft_p50),
+                ttft_p95: column(|r| r.ttft_p95),
+                per_client: column(|r| r.per_client),
+                gflops: column(|r| r.gflops),
+                widest: rounds.iter().map(|r| r[i].widest).max().unwrap_or(0),
+                mean_width: column(|r| r.mean_width),
+                step_ms: column(|r| r.step_ms),
+            };
+            Summary {
+                row,
+                aggregate_range: range(&aggregates),
+                ratio: median(ratios.clone()),
+                ratio_range: range(&ratios),
+            }
+        })
+        .collect()
 }
 
 pub fn run(opts: Options) -> Result<()> {
@@ -142,44 +240,37 @@ pub fn run(opts: Options) -> Result<()> {
     let widest = opts.clients.iter().copied().max().unwrap_or(1);
     run_clients(addr, &model, widest, 1, opts.max_tokens, |c, _| format!("Warm-up {c}: tell me a story about"))
         .context("the warm-up round")?;
-    let mut rows = Vec::new();
-    for &clients in &opts.clients {
-        server.reset_widest_step();
-        let before = server.gauges();
-        let started = Instant::now();
-        let all = run_clients(addr, &model, clients, opts.turns, opts.max_tokens, |c, t| {
-            format!("Client {c} asks question {t}: tell me a story about")
-        })?;
-        let wall = started.elapsed().as_secs_f64();
-        let after = server.gauges();
-        let steps = after.steps.saturating_sub(before.steps).max(1) as f64;
-        let tokens: usize = all.iter().map(|r| r.1).sum();
-        let mut ttft: Vec<f64> = all.iter().map(|r| r.0 * 1e3).collect();
-        ttft.sort_by(f64::total_cmp);
-        let per_client = all.iter().map(|r| r.1 as f64 / r.2).sum::<f64>() / all.len().max(1) as f64;
-        let row = Row {
-            clients,
-            tokens_per_s: tokens as f64 / wall,
-            ttft_p50: percentile(&ttft, 0.5),
-            ttft_p95: percentile(&ttft, 0.95),
-            per_client,
-            gflops: 2.0 * macs as f64 * tokens as f64 / wall / 1e9,
-            widest: after.widest_step,
-            mean_width: after.stepped.saturating_sub(before.stepped) as f64 / steps,
-            step_ms: wall * 1e3 / steps,
-        };
-        println!(
-            "{clients:>3} clients: {:>8.1} tok/s aggregate, {:>6.1} tok/s per client, TTFT p50 {:.0} ms p95 {:.0} ms",
-            row.tokens_per_s, row.per_client, row.ttft_p50, row.ttft_p95
-        );
-        rows.push(row);
+    let mut rounds: Vec<Vec<Row>> = Vec::new();
+    for round in 0..opts.rounds.max(1) {
+        if opts.rounds > 1 {
+            println!("round {} of {}", round + 1, opts.rounds);
+        }
+        let mut rows = Vec::new();
+        for &clients in &opts.clients {
+            let row = measure(&server, &model, clients, &opts, macs)?;
+            println!(
+                "{clients:>3} clients: {:>8.1} tok/s aggregate, {:>6.1} tok/s per client, TTFT p50 {:.0} ms p95 {:.0} ms",
+                row.tokens_per_s, row.per_client, row.ttft_p50, row.ttft_p95
+            );
+            rows.push(row);
+        }
+        rounds.push(rows);
     }
+    let summary = summarize(&rounds);
     let i = interference(&server, &model, opts.max_tokens)?;
     server.stop();
-    let one = rows.first().map_or(1.0, |r| r.tokens_per_s);
+    let rounds_said = if opts.rounds > 1 {
+        format!(
+            " The sweep ran {} times in turn: each column is the median of the rounds, the aggregate's and the \
+             ratio's range beside it (a ratio is taken within its round).",
+            opts.rounds
+        )
+    } else {
+        String::new()
+    };
     let mut md = format!(
         "# Load: {model}\n\n{} on {} thread(s), KV cache `{kv}`, streaming `/v1/completions`, max_tokens {}, {} request(s) per \
-         client; clients start together, after one unmeasured warm-up round at the widest count. G op/s = 2 x projection multiply-adds per token ({:.1} M) x aggregate \
+         client; clients start together, after one unmeasured warm-up round at the widest count.{rounds_said} G op/s = 2 x projection multiply-adds per token ({:.1} M) x aggregate \
          tokens/s; the peak of the projections' arithmetic ({peak_kind}) at {} thread(s) is {:.1} G op/s. Mean \
          width: the turns a model step advanced on average (a newcomer's prompt chunk counts as one); ms/step: the \
          wall time over the model steps run.\n\n\
@@ -193,13 +284,21 @@ pub fn run(opts: Options) -> Result<()> {
         opts.threads,
         2.0 * peak / 1e9
     );
-    for r in &rows {
+    let spread = |value: String, (lo, hi): (f64, f64), digits: usize, unit: &str| {
+        if opts.rounds > 1 {
+            format!("{value} ({lo:.digits$}–{hi:.digits$}{unit})")
+        } else {
+            value
+        }
+    };
+    for s in &summary {
+        let r = &s.row;
         let _ = writeln!(
             md,
-            "| {} | {:.1} | {:.2}x | {:.1} | {:.0} | {:.0} | {:.1} | {:.0}% | {} | {:.1} | {:.2} |",
+            "| {} | {} | {} | {:.1} | {:.0} | {:.0} | {:.1} | {:.0}% | {} | {:.1} | {:.2} |",
             r.clients,
-            r.tokens_per_s,
-            r.tokens_per_s / one,
+            spread(format!("{:.1}", r.tokens_per_s), s.aggregate_range, 1, ""),
+            spread(format!("{:.2}x", s.ratio), s.ratio_range, 2, "x"),
             r.per_client,
             r.ttft_p50,
             r.ttft_p95,
@@ -213,7 +312,7 @@ pub fn run(opts: Options) -> Result<()> {
     let _ = write!(
         md,
         "\nSession churn: a request's latency {:.1} ms alone, {:.1} ms while another client creates and closes \
-         sessions in a loop (+{:.1} ms).\n\nA client that stops reading its stream (the server parked its turn \
+         sessions in a loop ({:+.1} ms).\n\nA client that stops reading its stream (the server parked its turn \
          {:.1} s after it stopped, once the socket buffers between them were full): two reading clients make \
          {:.1} tok/s alone and {:.1} tok/s beside it ({:+.1}%; medians of three alternating rounds).\n\nKernels: \
          {isa}.\n",
@@ -333,4 +432,60 @@ fn interference(server: &onnx_genai_server::RunningServer, model: &str, max_toke
     };
     let (readers, beside, noticed) = (median(alone_rates), median(beside_rates), median(noticed));
     Ok(Interference { alone_ms: alone, churned_ms: churned, readers, beside, parked_after_s: noticed })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(clients: usize, tokens_per_s: f64, widest: u64) -> Row {
+        Row {
+            clients,
+            tokens_per_s,
+            ttft_p50: tokens_per_s / 10.0,
+            ttft_p95: 0.0,
+            per_client: 0.0,
+            gflops: 0.0,
+            widest,
+            mean_width: clients as f64,
+            step_ms: 1.0,
+        }
+    }
+
+    /// `--rounds`: each ratio is taken within its round (a busy round slows
+    /// its one client and its eight alike), then the rounds' median; the
+    /// aggregate is the median with its range; the widest step the widest.
+    #[test]
+    fn rounds_report_medians_of_per_round_ratios() {
+        let rounds = vec![
+            vec![row(1, 100.0, 1), row(8, 350.0, 8)],
+            vec![row(1, 50.0, 1), row(8, 200.0, 7)],
+            vec![row(1, 90.0, 1), row(8, 270.0, 8)],
+        ];
+        let s = summarize(&rounds);
+        assert_eq!(s.len(), 2);
+        assert_eq!(s[1].row.clients, 8);
+        assert_eq!(s[1].row.tokens_per_s, 270.0, "median aggregate");
+        assert_eq!(s[1].aggregate_range, (200.0, 350.0));
+        // Ratios 3.5, 4.0, 3.0: median 3.5 — not 270 / 90 = 3.0 (medians
+        // divided) nor 820 / 240.
+        assert_eq!(s[1].ratio, 3.5);
+        assert_eq!(s[1].ratio_range, (3.0, 4.0));
+        assert_eq!(s[0].ratio, 1.0);
+        assert_eq!(s[1].row.widest, 8);
+        assert_eq!(s[1].row.ttft_p50, 27.0, "every other column: its median");
+        // An even count of rounds: the upper middle one, as the benches'
+        // medians.
+        let two = summarize(&rounds[..2]);
+        assert_eq!(two[1].row.tokens_per_s, 350.0);
+        assert_eq!(two[1].ratio, 4.0);
+    }
+
+    /// One round is the plain sweep: its own values, a zero-width range.
+    #[test]
+    fn one_round_is_the_sweep_itself() {
+        let s = summarize(&[vec![row(1, 120.0, 1), row(2, 200.0, 2)]]);
+        assert_eq!(s[1].row, row(2, 200.0, 2));
+        assert_eq!((s[1].ratio, s[1].ratio_range), (200.0 / 120.0, (200.0 / 120.0, 200.0 / 120.0)));
+    }
 }

@@ -162,6 +162,11 @@ enum Command {
         /// `f16`: native-cpu only).
         #[arg(long, default_value = "model")]
         kv_cache: String,
+        /// With --package: run the whole sweep this many times in turn and
+        /// report each column's median (the aggregate's and the ratio's
+        /// range beside it).
+        #[arg(long, default_value_t = 1)]
+        rounds: usize,
     },
     /// Mutation batteries over the admission and lease invariants (conformance/mutations).
     Mutants {
@@ -262,7 +267,9 @@ fn main() -> ExitCode {
         Command::Bench { threads, rounds, steps, package, .. } => {
             bench::run(bench::Options { threads, rounds: rounds.max(1), steps: steps.max(1), package })
         }
-        Command::Load { package: Some(package), sweep, threads, max_tokens, backend, turns, kv_cache, .. } => {
+        Command::Load {
+            package: Some(package), sweep, threads, max_tokens, backend, turns, kv_cache, rounds, ..
+        } => {
             let clients: Result<Vec<usize>, _> = sweep.split(',').map(|c| c.trim().parse::<usize>()).collect();
             match clients {
                 Ok(clients) if clients.iter().all(|c| *c > 0) => load_sweep::run(load_sweep::Options {
@@ -273,6 +280,7 @@ fn main() -> ExitCode {
                     backend,
                     kv_cache,
                     turns: turns.clamp(1, 4),
+                    rounds: rounds.max(1),
                 }),
                 _ => Err(anyhow::anyhow!("--sweep takes positive client counts separated by commas, got `{sweep}`")),
             }
