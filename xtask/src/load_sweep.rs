@@ -157,13 +157,11 @@ struct Summary {
     ratio_range: (f64, f64),
 }
 
-/// The rounds' median (the upper one of an even count, as the benches
-/// take it).
-fn median(v: Vec<f64>) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    crate::bench_real::min_median(v).1
+/// The median (the upper one of an even count, as the benches take it):
+/// of the rounds, and of the interference check's rounds.
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    percentile(&v, 0.5)
 }
 
 fn range(v: &[f64]) -> (f64, f64) {
@@ -190,12 +188,8 @@ fn summarize(rounds: &[Vec<Row>]) -> Vec<Summary> {
                 mean_width: column(|r| r.mean_width),
                 step_ms: column(|r| r.step_ms),
             };
-            Summary {
-                row,
-                aggregate_range: range(&aggregates),
-                ratio: median(ratios.clone()),
-                ratio_range: range(&ratios),
-            }
+            let ratio_range = range(&ratios);
+            Summary { row, aggregate_range: range(&aggregates), ratio: median(ratios), ratio_range }
         })
         .collect()
 }
@@ -352,11 +346,10 @@ struct Interference {
 fn interference(server: &onnx_genai_server::RunningServer, model: &str, max_tokens: u32) -> Result<Interference> {
     let addr = server.addr;
     let short = |n: usize| -> Result<f64> {
-        let mut v: Vec<f64> = (0..n)
+        let v: Vec<f64> = (0..n)
             .map(|i| stream_one(addr, model, &format!("Quick question {i}:"), 4).map(|r| r.2 * 1e3))
             .collect::<Result<_>>()?;
-        v.sort_by(f64::total_cmp);
-        Ok(percentile(&v, 0.5))
+        Ok(median(v))
     };
     let alone = short(9)?;
     let stop = Arc::new(AtomicBool::new(false));
@@ -426,10 +419,6 @@ fn interference(server: &onnx_genai_server::RunningServer, model: &str, max_toke
         drop(silent);
         wait_for("the silent client's turn did not end after it left", &|g| g.running == 0)?;
     }
-    let median = |mut v: Vec<f64>| -> f64 {
-        v.sort_by(f64::total_cmp);
-        percentile(&v, 0.5)
-    };
     let (readers, beside, noticed) = (median(alone_rates), median(beside_rates), median(noticed));
     Ok(Interference { alone_ms: alone, churned_ms: churned, readers, beside, parked_after_s: noticed })
 }
