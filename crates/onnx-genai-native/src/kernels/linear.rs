@@ -255,6 +255,60 @@ mod tests {
         }
     }
 
+    /// Pins the accuracy `kernels::limbs` claims for AVX-512 VNNI's
+    /// f32-input 4-bit path (decode rows, at most 2 a call): each block's
+    /// `Σ (q − zero) · x` is an exact integer over inputs held to 2^-30 of
+    /// the block's largest, so an output is within 1e-6 of `Σ |w · x|` of
+    /// the exact product (f64) — inputs spanning 40 binades, symmetric,
+    /// zero-point and f16-`aux` weights. (An f32 multiply-add chain over
+    /// the 96 inputs may be off by 96 roundings; this path makes about
+    /// three per block.)
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn vnni_f32_input_q4_rows_are_within_rounding_of_the_exact_product() {
+        if !Isa::Avx512Vnni.available() {
+            eprintln!("skipped: this CPU has no AVX-512 VNNI");
+            return;
+        }
+        let (n, k) = (53, 96);
+        let weights = [
+            q4(n, k, 32, false, false),
+            q4(n, k, 32, true, false),
+            crate::kernels::weights::affine_q4(n, k, false, true),
+        ];
+        for w in &weights {
+            let tiled = w.clone().into_tiled();
+            let mut scratch = Vec::new();
+            let rows: Vec<Vec<f32>> = (0..n).map(|r| w.row(r, &mut scratch).to_vec()).collect();
+            for m in [1, 2, 3, 5, 7] {
+                let x: Vec<f32> = (0..m * k)
+                    .map(|i| {
+                        let sign = if i % 3 == 0 { -1.0 } else { 1.0 };
+                        sign * 2f32.powi((i * 7 % 40) as i32 - 20) * (1.0 + (i % 13) as f32 / 16.0)
+                    })
+                    .collect();
+                let rt = Runtime::new(2).unwrap();
+                let mut ctx = rt.ctx();
+                ctx.isa = Isa::Avx512Vnni;
+                let mut got = Vec::new();
+                linear(&x, m, &tiled, None, &mut got, &ctx);
+                for r in super::super::avx512::limb_rows(m) {
+                    for (o, weights) in rows.iter().enumerate() {
+                        let terms =
+                            || weights.iter().zip(&x[r * k..(r + 1) * k]).map(|(w, x)| f64::from(*w) * f64::from(*x));
+                        let (exact, size) = (terms().sum::<f64>(), terms().map(f64::abs).sum::<f64>());
+                        let error = (f64::from(got[r * n + o]) - exact).abs();
+                        assert!(
+                            error <= 1e-6 * size,
+                            "{} m={m} row {r} out {o}: off by {error:e} of {size:e}",
+                            w.kind()
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     /// One weight of the test above: its tiled form on every path, thread
     /// count and row count against the reference on its row form.
     fn every_isa_matches_the_reference_on(w: &Weight) {

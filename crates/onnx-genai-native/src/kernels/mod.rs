@@ -10,6 +10,7 @@ pub mod elementwise;
 pub mod gather_q4;
 pub mod isa;
 pub mod layout;
+pub mod limbs;
 pub mod linear;
 pub mod linear_int8;
 pub mod math;

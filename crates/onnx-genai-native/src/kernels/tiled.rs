@@ -11,8 +11,10 @@ use crate::pool::Disjoint;
 
 /// The inputs as the kernels read them: `m` rows of `kp` values
 /// (zero-padded past `k`) with the sum of each block of 32 (`xsum`, for
-/// 4-bit weights), and for int8-input weights the same rows quantized per
-/// block (`q`), each block's scale and the sum of its quantized values.
+/// 4-bit weights), for int8-input weights the same rows quantized per
+/// block (`q`), each block's scale and the sum of its quantized values,
+/// and for f32-input 4-bit weights on AVX-512 VNNI the rows its integer
+/// kernel takes split into limbs (`limbs`).
 #[derive(Clone, Copy)]
 pub struct Rows<'a> {
     pub m: usize,
@@ -22,6 +24,17 @@ pub struct Rows<'a> {
     pub q: &'a [i8],
     pub qscale: &'a [f32],
     pub qsum: &'a [i32],
+    pub limbs: LimbRows<'a>,
+}
+
+/// Rows `first..` of a call as [`super::limbs::split`] leaves them: per
+/// row, `kp / 32` blocks of digits, scales and digit sums.
+#[derive(Clone, Copy, Default)]
+pub struct LimbRows<'a> {
+    pub first: usize,
+    pub digits: &'a [i8],
+    pub scales: &'a [f32],
+    pub sums: &'a [i32],
 }
 
 /// The little-endian f32 at byte `at` of `b`.
@@ -208,6 +221,7 @@ pub fn linear(t: &Tiled, x: &[f32], m: usize, y: &mut [f32], ctx: &Ctx, isa: Isa
     // The quantized rows, their scales and sums: every value is written
     // below, so the buffers only grow (never cleared and zeroed again).
     let (mut q_len, mut block_len) = (0, 0);
+    let mut limb_rows = LimbRows::default();
     match t.data {
         TileData::Q4 { int8: true, x_block, .. } => {
             // Rows quantize independently: a batch's rows split across the
@@ -242,12 +256,41 @@ pub fn linear(t: &Tiled, x: &[f32], m: usize, y: &mut [f32], ctx: &Ctx, isa: Isa
         // Only the AVX-512 per-block kernel reads the block sums (any row
         // of a call left with at most 4 rows to go may reach it).
         TileData::Q4 { int8: false, per_weight: false, .. } if isa.wide() => {
-            s.c.extend(a.chunks_exact(QBLOCK).map(|b| b.iter().sum::<f32>()))
+            s.c.extend(a.chunks_exact(QBLOCK).map(|b| b.iter().sum::<f32>()));
+            // The rows VNNI's integer kernel takes (the int8-input
+            // buffers are free here).
+            #[cfg(target_arch = "x86_64")]
+            if isa.vnni() {
+                use super::limbs::{split, BLOCK_BYTES, LIMBS};
+                let first = super::avx512::limb_rows(m).start;
+                let blocks = kp / QBLOCK;
+                let rows = m - first;
+                super::grow_to(&mut s.bytes, rows * blocks * BLOCK_BYTES);
+                super::grow_to(&mut s.b, rows * blocks);
+                super::grow_to(&mut s.ints, rows * blocks * LIMBS);
+                for r in 0..rows {
+                    split(
+                        &a[(first + r) * kp..(first + r + 1) * kp],
+                        &mut s.bytes[r * blocks * BLOCK_BYTES..(r + 1) * blocks * BLOCK_BYTES],
+                        &mut s.b[r * blocks..(r + 1) * blocks],
+                        &mut s.ints[r * blocks * LIMBS..(r + 1) * blocks * LIMBS],
+                    );
+                }
+                limb_rows = LimbRows { first, digits: &s.bytes, scales: &s.b, sums: &s.ints };
+            }
         }
         _ => {}
     }
-    let rows =
-        Rows { m, kp, x: a, xsum: &s.c, q: &s.bytes[..q_len], qscale: &s.b[..block_len], qsum: &s.ints[..block_len] };
+    let rows = Rows {
+        m,
+        kp,
+        x: a,
+        xsum: &s.c,
+        q: &s.bytes[..q_len],
+        qscale: &s.b[..block_len],
+        qsum: &s.ints[..block_len],
+        limbs: limb_rows,
+    };
     let out = Disjoint::new(y);
     let work = |range: std::ops::Range<usize>, _t: usize| run(isa, t, &rows, range, &out);
     if m * t.n * t.k >= PARALLEL_MIN_MACS {
