@@ -129,7 +129,8 @@ unsafe fn dispatch<const T: usize, const R: usize, const VNNI: bool>(
             let first = (r - rows.limbs.first) * blocks;
             let limbs = &rows.limbs;
             let (digits, scales) = (limbs.digits.as_ptr().add(first * BLOCK_BYTES), limbs.scales.as_ptr().add(first));
-            let (sums, xsum) = (limbs.sums.as_ptr().add(first * LIMBS), rows.xsum.as_ptr().add(r * blocks));
+            // (A symmetric weight's rows have no block sums: never read.)
+            let (sums, xsum) = (limbs.sums.as_ptr().add(first * LIMBS), rows.xsum.as_ptr().wrapping_add(r * blocks));
             q4_limbs::<T, R>(&w, stride, (blocks, symmetric, half), (digits, scales, sums), xsum, ahead, &mut acc)
         }
         // (Per block, `scale · Σ q x + aux · Σ x`: fewer operations, but
@@ -521,7 +522,7 @@ unsafe fn q4_limbs<const T: usize, const R: usize>(
         let sides: [(__m512, __m512); T] = std::array::from_fn(|j| scale_aux(rec[j], symmetric, half));
         for (r, row) in acc.iter_mut().enumerate() {
             let block_scale = _mm512_set1_ps(*scales.add(r * blocks + b));
-            let xs = _mm512_set1_ps(*xsum.add(r * blocks + b));
+            let xs = if symmetric { _mm512_setzero_ps() } else { _mm512_set1_ps(*xsum.add(r * blocks + b)) };
             for j in 0..T {
                 let [d0, d1, d2, d3] = int[r][j];
                 let high = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32::<8>(d3), d2));

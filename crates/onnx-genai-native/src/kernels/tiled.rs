@@ -11,7 +11,7 @@ use crate::pool::Disjoint;
 
 /// The inputs as the kernels read them: `m` rows of `kp` values
 /// (zero-padded past `k`) with the sum of each block of 32 (`xsum`, for
-/// 4-bit weights), for int8-input weights the same rows quantized per
+/// 4-bit weights; not of a symmetric weight's `limbs` rows), for int8-input weights the same rows quantized per
 /// block (`q`), each block's scale and the sum of its quantized values,
 /// and for f32-input 4-bit weights on AVX-512 VNNI the rows its integer
 /// kernel takes split into limbs (`limbs`).
@@ -254,15 +254,23 @@ pub fn linear(t: &Tiled, x: &[f32], m: usize, y: &mut [f32], ctx: &Ctx, isa: Isa
             }
         }
         // Only the AVX-512 per-block kernel reads the block sums (any row
-        // of a call left with at most 4 rows to go may reach it).
-        TileData::Q4 { int8: false, per_weight: false, .. } if isa.wide() => {
-            s.c.extend(a.chunks_exact(QBLOCK).map(|b| b.iter().sum::<f32>()));
+        // of a call left with at most 4 rows to go may reach it), and on
+        // VNNI the rows it leaves to the integer kernel need them only for
+        // an asymmetric weight (the sums run serially on the calling
+        // thread while the others wait).
+        TileData::Q4 { int8: false, per_weight: false, symmetric, .. } if isa.wide() => {
+            #[cfg(target_arch = "x86_64")]
+            let limb_first = if isa.vnni() { super::avx512::limb_rows(m).start } else { m };
+            #[cfg(not(target_arch = "x86_64"))]
+            let limb_first = m;
+            let summed = if symmetric { limb_first } else { m };
+            s.c.extend(a[..summed * kp].chunks_exact(QBLOCK).map(|b| b.iter().sum::<f32>()));
             // The rows VNNI's integer kernel takes (the int8-input
             // buffers are free here).
             #[cfg(target_arch = "x86_64")]
-            if isa.vnni() {
+            if limb_first < m {
                 use super::limbs::{split, BLOCK_BYTES, LIMBS};
-                let first = super::avx512::limb_rows(m).start;
+                let first = limb_first;
                 let blocks = kp / QBLOCK;
                 let rows = m - first;
                 super::grow_to(&mut s.bytes, rows * blocks * BLOCK_BYTES);
