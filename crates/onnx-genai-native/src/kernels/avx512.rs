@@ -19,7 +19,10 @@ use crate::pool::Disjoint;
 /// # Safety
 /// The CPU must have AVX-512 F/BW/VL/DQ (and AVX-512 VNNI when `vnni`);
 /// `rows` must hold `m` rows of `t.kp` values (and their quantization for
-/// int8-input weights); `y` must hold `m * t.n` values.
+/// int8-input weights; for f32-input 4-bit weights the block sums of every
+/// row a call of at most 4 rows takes, and with `vnni` the limbs of the
+/// rows [`limb_rows`] names, whose block sums only an asymmetric weight
+/// needs); `y` must hold `m * t.n` values.
 pub unsafe fn tiles(t: &Tiled, rows: &Rows<'_>, tiles: Range<usize>, y: &Disjoint<'_, f32>, vnni: bool) {
     // SAFETY: forwarded contract (VNNI only when the caller says the CPU
     // has it).
@@ -70,18 +73,17 @@ unsafe fn tiles_body<const VNNI: bool>(t: &Tiled, rows: &Rows<'_>, tiles: Range<
         let pair = tiles.end - tile >= 2;
         let mut r = 0;
         while r < rows.m {
-            let left = rows.m - r;
             // SAFETY: forwarded contract; `tile` (and `tile + 1` for a pair)
             // and rows `r..` are in bounds.
             unsafe {
-                match (pair, left) {
-                    (true, 8..) if eight => r += dispatch::<2, 8, VNNI>(t, rows, tile, r, y),
-                    (true, 4..) => r += dispatch::<2, 4, VNNI>(t, rows, tile, r, y),
-                    (true, 2..) => r += dispatch::<2, 2, VNNI>(t, rows, tile, r, y),
+                match (pair, rows_per_call(rows.m - r, eight)) {
+                    (true, 8) => r += dispatch::<2, 8, VNNI>(t, rows, tile, r, y),
+                    (true, 4) => r += dispatch::<2, 4, VNNI>(t, rows, tile, r, y),
+                    (true, 2) => r += dispatch::<2, 2, VNNI>(t, rows, tile, r, y),
                     (true, _) => r += dispatch::<2, 1, VNNI>(t, rows, tile, r, y),
-                    (false, 8..) if eight => r += dispatch::<1, 8, VNNI>(t, rows, tile, r, y),
-                    (false, 4..) => r += dispatch::<1, 4, VNNI>(t, rows, tile, r, y),
-                    (false, 2..) => r += dispatch::<1, 2, VNNI>(t, rows, tile, r, y),
+                    (false, 8) => r += dispatch::<1, 8, VNNI>(t, rows, tile, r, y),
+                    (false, 4) => r += dispatch::<1, 4, VNNI>(t, rows, tile, r, y),
+                    (false, 2) => r += dispatch::<1, 2, VNNI>(t, rows, tile, r, y),
                     (false, _) => r += dispatch::<1, 1, VNNI>(t, rows, tile, r, y),
                 }
             }
@@ -90,11 +92,34 @@ unsafe fn tiles_body<const VNNI: bool>(t: &Tiled, rows: &Rows<'_>, tiles: Range<
     }
 }
 
+/// The rows [`tiles_body`]'s next kernel call takes with `left` rows to go
+/// (8 only where `eight`). (Inlined: called, it left `tiles_body`'s match
+/// on its result compiled less well — 16 int8-input rows ran 8% slower.)
+#[inline(always)]
+fn rows_per_call(left: usize, eight: bool) -> usize {
+    match left {
+        8.. if eight => 8,
+        4.. => 4,
+        2.. => 2,
+        _ => 1,
+    }
+}
+
 /// The rows of an `m`-row call that [`tiles_body`] computes at most two at
-/// a time (after its calls of 8 and 4): on VNNI, f32-input 4-bit weights
-/// take these through [`q4_limbs`], whose inputs `linear` splits first.
+/// a time (those it reaches after its calls of 8 and 4): on VNNI,
+/// f32-input 4-bit weights take these through [`q4_limbs`], whose inputs
+/// `linear` splits first. Walked from [`rows_per_call`], so the two cannot
+/// disagree.
 pub(crate) fn limb_rows(m: usize) -> Range<usize> {
-    m - m % 4..m
+    let mut r = 0;
+    while r < m {
+        let call = rows_per_call(m - r, true);
+        if call <= 2 {
+            return r..m;
+        }
+        r += call;
+    }
+    m..m
 }
 
 /// `T` tiles from `tile`, `R` rows from `r`; returns `R`.
@@ -124,10 +149,18 @@ unsafe fn dispatch<const T: usize, const R: usize, const VNNI: bool>(
         TileData::F16 => f16_cols::<T, R>(&w, stride, t.k, x, rows.kp, ahead, &mut acc),
         TileData::Q8 { blocks } => q8_cols::<T, R>(&w, stride, blocks, x, rows.kp, ahead, &mut acc),
         TileData::Q4 { blocks, int8: false, symmetric, half, per_weight: false, .. } if VNNI && R <= 2 => {
-            debug_assert!(r >= rows.limbs.first, "rows {r}.. were not split into limbs");
-            debug_assert_eq!(blocks, rows.kp / QBLOCK, "one record per 32 inputs");
-            let first = (r - rows.limbs.first) * blocks;
             let limbs = &rows.limbs;
+            debug_assert_eq!(blocks, rows.kp / QBLOCK, "one record per 32 inputs");
+            debug_assert!(
+                r >= limbs.first
+                    && limbs.scales.len() >= (r - limbs.first + R) * blocks
+                    && limbs.digits.len() >= (r - limbs.first + R) * blocks * BLOCK_BYTES
+                    && limbs.sums.len() >= (r - limbs.first + R) * blocks * LIMBS
+                    && (symmetric || rows.xsum.len() >= (r + R) * blocks),
+                "rows {r}..{} were not split into limbs",
+                r + R
+            );
+            let first = (r - limbs.first) * blocks;
             let (digits, scales) = (limbs.digits.as_ptr().add(first * BLOCK_BYTES), limbs.scales.as_ptr().add(first));
             // (A symmetric weight's rows have no block sums: never read.)
             let (sums, xsum) = (limbs.sums.as_ptr().add(first * LIMBS), rows.xsum.as_ptr().wrapping_add(r * blocks));
@@ -464,12 +497,13 @@ unsafe fn q4_int8<const T: usize, const R: usize, const VNNI: bool>(
 }
 
 /// 4-bit weights, f32 inputs split into limbs ([`super::limbs`]), at most
-/// 2 rows: per record and limb the exact integer `Σ (q − zero) · digit`
-/// (`vpdpbusd`; a symmetric weight's zero point `8 · Σ digit` starts the
-/// sums), the limbs combined with one rounding (each pair of them is
+/// 2 rows: per record and limb an exact integer sum over the digits
+/// (`vpdpbusd`) — for a symmetric weight `Σ (q − 8) · digit` (its zero
+/// point `8 · Σ digit` starts the sums), for an asymmetric one `Σ q ·
+/// digit` — the limbs combined with one rounding (each pair of them is
 /// below 2^24, exact in f32), times the weight's scale and the block's
-/// power-of-two scale; an asymmetric weight's `aux · Σ x` is added as
-/// [`q4_blocks`] adds it.
+/// power-of-two scale; an asymmetric weight's `aux · Σ x` (f32 block sums)
+/// is then added as [`q4_blocks`] adds it.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn q4_limbs<const T: usize, const R: usize>(

@@ -8,9 +8,9 @@
 //! `-128..=127`; the top one within ±64). Scaling by a power of two is
 //! exact, so every input within 2^6 of its block's largest keeps all 24
 //! bits of its significand; a smaller one is held to 2^-30 of that largest
-//! magnitude — far below the rounding of any f32 sum over the block. The
-//! kernel's `Σ q · x` over the block is then an exact integer per limb,
-//! combined with one rounding.
+//! magnitude — 64 times finer than f32's own rounding of the largest
+//! input's product with a weight. The kernel's sum over the block is then
+//! an exact integer per limb, combined with one rounding.
 //!
 //! Why: the f32-input 4-bit kernel turns each weight into an f32 (a shift
 //! and a table lookup per 16 weights) before its multiply-add, and on a
@@ -167,12 +167,14 @@ mod tests {
         (limbs, scales, sums)
     }
 
-    /// A row of blocks that covers the cases: ordinary values, a block
-    /// whose values span 40 binades, zeros, values around 2^-100 (the
-    /// exponent floor), a huge block, a subnormal, and NaN / infinite
-    /// inputs.
+    /// A row of blocks that covers the cases: ordinary values with a
+    /// largest just below 2 (its top digit reaches 64), a block whose
+    /// values span 40 binades, zeros, values at the exponent floor (2^-96)
+    /// and below it (2^-106), a huge block, a subnormal, and NaN /
+    /// infinite inputs.
     fn awkward_row() -> Vec<f32> {
-        let mut x: Vec<f32> = (0..8 * QBLOCK).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.0173).collect();
+        let mut x: Vec<f32> = (0..9 * QBLOCK).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.0173).collect();
+        x[5] = 1.999_999_9;
         for (i, v) in x[QBLOCK..2 * QBLOCK].iter_mut().enumerate() {
             *v = (if i % 2 == 0 { 1.0 } else { -1.0 }) * 2f32.powi(i as i32 - 20) * (1.0 + i as f32 / 64.0);
         }
@@ -186,19 +188,24 @@ mod tests {
         x[5 * QBLOCK + 3] = f32::from_bits(1);
         x[6 * QBLOCK + 9] = f32::NAN;
         x[7 * QBLOCK + 31] = f32::NEG_INFINITY;
+        for (i, v) in x[8 * QBLOCK..9 * QBLOCK].iter_mut().enumerate() {
+            *v = 2f32.powi(-110) * (i as f32 - 15.0);
+        }
         x
     }
 
     /// Pins the claim the kernel rests on: each input is `scale · Σ
     /// digit_l · 256^l` exactly when it lies within 2^6 of its block's
-    /// largest magnitude, and within 2^-30 of that magnitude otherwise;
-    /// every digit is a signed byte (the top one within ±64, which keeps
-    /// the kernel's combined integer sums below 2^24); the sums are the
-    /// digits' sums; a non-finite block has a NaN scale and zero digits.
+    /// largest magnitude, and within 2^-30 of that magnitude otherwise
+    /// (of 2^-96 below the exponent floor); every digit is a signed byte
+    /// (the top one, which is not reduced, within ±64, and ±64 reached);
+    /// the sums are the digits' sums; a non-finite block has a NaN scale
+    /// and zero digits.
     #[test]
     fn limbs_hold_each_input_to_the_block_claim() {
         let x = awkward_row();
         let (limbs, scales, sums) = split_with(false, &x);
+        let mut widest_top = 0;
         for (b, block) in x.chunks_exact(QBLOCK).enumerate() {
             let digits = |i: usize| -> [i32; LIMBS] {
                 std::array::from_fn(|l| i32::from(limbs[b * BLOCK_BYTES + l * QBLOCK + i]))
@@ -213,6 +220,7 @@ mod tests {
             for (i, v) in block.iter().enumerate() {
                 let d = digits(i);
                 assert!(d[LIMBS - 1].abs() <= 64, "block {b} input {i}: top digit {}", d[LIMBS - 1]);
+                widest_top = widest_top.max(d[LIMBS - 1].abs());
                 let n = d.iter().rev().fold(0i64, |n, d| n * 256 + i64::from(*d));
                 let back = n as f64 * f64::from(scales[b]);
                 let error = (back - f64::from(*v)).abs();
@@ -230,6 +238,7 @@ mod tests {
                 assert_eq!(sums[b * LIMBS + l], want, "block {b} limb {l} sum");
             }
         }
+        assert_eq!(widest_top, 64, "the row reaches the top digit's bound");
     }
 
     /// The vector split is the portable one, bit for bit (the test runs

@@ -256,57 +256,128 @@ mod tests {
     }
 
     /// Pins the accuracy `kernels::limbs` claims for AVX-512 VNNI's
-    /// f32-input 4-bit path (decode rows, at most 2 a call): each block's
-    /// `Σ (q − zero) · x` is an exact integer over inputs held to 2^-30 of
-    /// the block's largest, so an output is within 1e-6 of `Σ |w · x|` of
-    /// the exact product (f64) — inputs spanning 40 binades, symmetric,
-    /// zero-point and f16-`aux` weights. (An f32 multiply-add chain over
-    /// the 96 inputs may be off by 96 roundings; this path makes about
-    /// three per block.)
+    /// f32-input 4-bit path (decode rows, at most 2 a call): inputs are held
+    /// to 2^-30 of their block's largest and each block's integer sum is
+    /// exact, so an output is off the exact product (f64) by at most 1e-6
+    /// of `Σ |w| · (largest |x| of w's block)` — inputs spanning 40
+    /// binades; symmetric, zero-point and f16-`aux` weights; tile pairs and
+    /// a single tile. (The bound is the blocks' largest inputs', not the
+    /// output's: an input far below its block's largest loses bits.)
     #[test]
     #[cfg(target_arch = "x86_64")]
     fn vnni_f32_input_q4_rows_are_within_rounding_of_the_exact_product() {
-        if !Isa::Avx512Vnni.available() {
-            eprintln!("skipped: this CPU has no AVX-512 VNNI");
+        if !vnni_here() {
             return;
         }
-        let (n, k) = (53, 96);
-        let weights = [
-            q4(n, k, 32, false, false),
-            q4(n, k, 32, true, false),
-            crate::kernels::weights::affine_q4(n, k, false, true),
-        ];
-        for w in &weights {
-            let tiled = w.clone().into_tiled();
-            let mut scratch = Vec::new();
-            let rows: Vec<Vec<f32>> = (0..n).map(|r| w.row(r, &mut scratch).to_vec()).collect();
-            for m in [1, 2, 3, 5, 7] {
-                let x: Vec<f32> = (0..m * k)
-                    .map(|i| {
-                        let sign = if i % 3 == 0 { -1.0 } else { 1.0 };
-                        sign * 2f32.powi((i * 7 % 40) as i32 - 20) * (1.0 + (i % 13) as f32 / 16.0)
-                    })
-                    .collect();
-                let rt = Runtime::new(2).unwrap();
-                let mut ctx = rt.ctx();
-                ctx.isa = Isa::Avx512Vnni;
-                let mut got = Vec::new();
-                linear(&x, m, &tiled, None, &mut got, &ctx);
-                for r in super::super::avx512::limb_rows(m) {
-                    for (o, weights) in rows.iter().enumerate() {
-                        let terms =
-                            || weights.iter().zip(&x[r * k..(r + 1) * k]).map(|(w, x)| f64::from(*w) * f64::from(*x));
-                        let (exact, size) = (terms().sum::<f64>(), terms().map(f64::abs).sum::<f64>());
-                        let error = (f64::from(got[r * n + o]) - exact).abs();
-                        assert!(
-                            error <= 1e-6 * size,
-                            "{} m={m} row {r} out {o}: off by {error:e} of {size:e}",
-                            w.kind()
-                        );
+        let k = 96;
+        for n in [53, 40] {
+            let weights = [
+                q4(n, k, 32, false, false),
+                q4(n, k, 32, true, false),
+                crate::kernels::weights::affine_q4(n, k, false, true),
+            ];
+            for w in &weights {
+                let tiled = w.clone().into_tiled();
+                let mut scratch = Vec::new();
+                let rows: Vec<Vec<f32>> = (0..n).map(|r| w.row(r, &mut scratch).to_vec()).collect();
+                for m in [1, 2, 3, 5, 7] {
+                    let x: Vec<f32> = (0..m * k)
+                        .map(|i| {
+                            let sign = if i % 3 == 0 { -1.0 } else { 1.0 };
+                            sign * 2f32.powi((i * 7 % 40) as i32 - 20) * (1.0 + (i % 13) as f32 / 16.0)
+                        })
+                        .collect();
+                    let got = vnni_linear(&x, m, &tiled);
+                    for r in super::super::avx512::limb_rows(m) {
+                        let x = &x[r * k..(r + 1) * k];
+                        let largest: Vec<f64> =
+                            x.chunks(32).map(|b| b.iter().fold(0.0f64, |a, v| a.max(f64::from(v.abs())))).collect();
+                        for (o, weights) in rows.iter().enumerate() {
+                            let exact: f64 = weights.iter().zip(x).map(|(w, x)| f64::from(*w) * f64::from(*x)).sum();
+                            let size: f64 =
+                                weights.iter().enumerate().map(|(c, w)| f64::from(w.abs()) * largest[c / 32]).sum();
+                            let error = (f64::from(got[r * n + o]) - exact).abs();
+                            assert!(
+                                error <= 1e-6 * size,
+                                "{} n={n} m={m} row {r} out {o}: off by {error:e} of {size:e}",
+                                w.kind()
+                            );
+                        }
                     }
                 }
             }
         }
+    }
+
+    /// The same path on inputs whose exact product is an f32 (multiples of
+    /// 2^-19 with one input of 2^10 per block against a zero weight, a
+    /// symmetric weight of scale 1/64): every output must be that product
+    /// to the last bit, which pins each of the four limbs, the lowest
+    /// included (a digit of 2^-19 here), where rounding hides them from the
+    /// test above.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn vnni_f32_input_q4_rows_are_exact_where_the_product_is_an_f32() {
+        if !vnni_here() {
+            return;
+        }
+        let (n, k) = (40, 96);
+        let blocks = k / 32;
+        // Nibble 8 (weight 0) for each block's first input, else spread.
+        let nibble = |o: usize, c: usize| if c.is_multiple_of(32) { 8 } else { ((o * 5 + c * 3) % 16) as u8 };
+        let data: Vec<u8> =
+            (0..n * k / 2).map(|i| nibble(2 * i / k, 2 * i % k) | (nibble(2 * i / k, 2 * i % k + 1) << 4)).collect();
+        let w = Weight {
+            n,
+            k,
+            packed: Packed::Q4 {
+                data,
+                scales: vec![1.0 / 64.0; n * blocks],
+                zeros: None,
+                offsets: None,
+                block: 32,
+                blocks,
+                int8: false,
+            },
+        };
+        let tiled = w.clone().into_tiled();
+        let mut scratch = Vec::new();
+        for m in [1, 2, 3] {
+            let x: Vec<f32> = (0..m * k)
+                .map(|i| if i.is_multiple_of(32) { 1024.0 } else { ((i * 37 % 2001) as f32 - 1000.0) * 2f32.powi(-19) })
+                .collect();
+            let got = vnni_linear(&x, m, &tiled);
+            for r in 0..m {
+                for o in 0..n {
+                    let row = w.row(o, &mut scratch);
+                    let exact: f64 = row.iter().zip(&x[r * k..]).map(|(w, x)| f64::from(*w) * f64::from(*x)).sum();
+                    assert_eq!(f64::from(exact as f32), exact, "the test's product is an f32");
+                    assert_eq!(got[r * n + o], exact as f32, "m={m} row {r} out {o}");
+                }
+            }
+        }
+    }
+
+    /// Whether this CPU has AVX-512 VNNI (a test without it says so and
+    /// passes: the path cannot run here).
+    #[cfg(target_arch = "x86_64")]
+    fn vnni_here() -> bool {
+        let here = Isa::Avx512Vnni.available();
+        if !here {
+            eprintln!("skipped: this CPU has no AVX-512 VNNI");
+        }
+        here
+    }
+
+    /// `linear` on AVX-512 VNNI, two threads.
+    #[cfg(target_arch = "x86_64")]
+    fn vnni_linear(x: &[f32], m: usize, tiled: &Weight) -> Vec<f32> {
+        let rt = Runtime::new(2).unwrap();
+        let mut ctx = rt.ctx();
+        ctx.isa = Isa::Avx512Vnni;
+        let mut got = Vec::new();
+        linear(x, m, tiled, None, &mut got, &ctx);
+        got
     }
 
     /// One weight of the test above: its tiled form on every path, thread

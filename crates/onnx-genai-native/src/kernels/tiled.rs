@@ -11,7 +11,7 @@ use crate::pool::Disjoint;
 
 /// The inputs as the kernels read them: `m` rows of `kp` values
 /// (zero-padded past `k`) with the sum of each block of 32 (`xsum`, for
-/// 4-bit weights; not of a symmetric weight's `limbs` rows), for int8-input weights the same rows quantized per
+/// 4-bit weights; not of a symmetric weight's `limbs` rows), and for int8-input weights the same rows quantized per
 /// block (`q`), each block's scale and the sum of its quantized values,
 /// and for f32-input 4-bit weights on AVX-512 VNNI the rows its integer
 /// kernel takes split into limbs (`limbs`).
@@ -221,7 +221,8 @@ pub fn linear(t: &Tiled, x: &[f32], m: usize, y: &mut [f32], ctx: &Ctx, isa: Isa
     // The quantized rows, their scales and sums: every value is written
     // below, so the buffers only grow (never cleared and zeroed again).
     let (mut q_len, mut block_len) = (0, 0);
-    let mut limb_rows = LimbRows::default();
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
+    let mut limbs = LimbRows::default();
     match t.data {
         TileData::Q4 { int8: true, x_block, .. } => {
             // Rows quantize independently: a batch's rows split across the
@@ -270,21 +271,20 @@ pub fn linear(t: &Tiled, x: &[f32], m: usize, y: &mut [f32], ctx: &Ctx, isa: Isa
             #[cfg(target_arch = "x86_64")]
             if limb_first < m {
                 use super::limbs::{split, BLOCK_BYTES, LIMBS};
-                let first = limb_first;
                 let blocks = kp / QBLOCK;
-                let rows = m - first;
+                let rows = m - limb_first;
                 super::grow_to(&mut s.bytes, rows * blocks * BLOCK_BYTES);
                 super::grow_to(&mut s.b, rows * blocks);
                 super::grow_to(&mut s.ints, rows * blocks * LIMBS);
                 for r in 0..rows {
                     split(
-                        &a[(first + r) * kp..(first + r + 1) * kp],
+                        &a[(limb_first + r) * kp..(limb_first + r + 1) * kp],
                         &mut s.bytes[r * blocks * BLOCK_BYTES..(r + 1) * blocks * BLOCK_BYTES],
                         &mut s.b[r * blocks..(r + 1) * blocks],
                         &mut s.ints[r * blocks * LIMBS..(r + 1) * blocks * LIMBS],
                     );
                 }
-                limb_rows = LimbRows { first, digits: &s.bytes, scales: &s.b, sums: &s.ints };
+                limbs = LimbRows { first: limb_first, digits: &s.bytes, scales: &s.b, sums: &s.ints };
             }
         }
         _ => {}
@@ -297,7 +297,7 @@ pub fn linear(t: &Tiled, x: &[f32], m: usize, y: &mut [f32], ctx: &Ctx, isa: Isa
         q: &s.bytes[..q_len],
         qscale: &s.b[..block_len],
         qsum: &s.ints[..block_len],
-        limbs: limb_rows,
+        limbs,
     };
     let out = Disjoint::new(y);
     let work = |range: std::ops::Range<usize>, _t: usize| run(isa, t, &rows, range, &out);
