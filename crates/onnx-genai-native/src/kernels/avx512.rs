@@ -68,6 +68,7 @@ unsafe fn tiles_body<const VNNI: bool>(t: &Tiled, rows: &Rows<'_>, tiles: Range<
     // 22-25% slower than pairs of 4 rows on an Intel Xeon (criterion, same
     // hour, with the low/high nibble sums split or not).
     let eight = !matches!(t.data, TileData::Q4 { int8: true, .. });
+    let limbs = VNNI && matches!(t.data, TileData::Q4 { int8: false, per_weight: false, .. });
     let mut tile = tiles.start;
     while tile < tiles.end {
         let pair = tiles.end - tile >= 2;
@@ -76,7 +77,7 @@ unsafe fn tiles_body<const VNNI: bool>(t: &Tiled, rows: &Rows<'_>, tiles: Range<
             // SAFETY: forwarded contract; `tile` (and `tile + 1` for a pair)
             // and rows `r..` are in bounds.
             unsafe {
-                match (pair, rows_per_call(rows.m - r, eight)) {
+                match (pair, rows_per_call(rows.m - r, eight, limbs)) {
                     (true, 8) => r += dispatch::<2, 8, VNNI>(t, rows, tile, r, y),
                     (true, 4) => r += dispatch::<2, 4, VNNI>(t, rows, tile, r, y),
                     (true, 2) => r += dispatch::<2, 2, VNNI>(t, rows, tile, r, y),
@@ -93,27 +94,30 @@ unsafe fn tiles_body<const VNNI: bool>(t: &Tiled, rows: &Rows<'_>, tiles: Range<
 }
 
 /// The rows [`tiles_body`]'s next kernel call takes with `left` rows to go
-/// (8 only where `eight`). (Inlined: called, it left `tiles_body`'s match
-/// on its result compiled less well — 16 int8-input rows ran 8% slower.)
+/// (8 only where `eight`; no 4 where the rows go through [`q4_limbs`],
+/// which takes 2: two calls of 2 limb rows ran 4 rows 15% faster than
+/// [`q4_blocks`]' one of 4, `batch_576x3072_1t/q4/avx512-vnni`).
+/// (Inlined: called, it left `tiles_body`'s match on its result compiled
+/// less well — 16 int8-input rows ran 8% slower.)
 #[inline(always)]
-fn rows_per_call(left: usize, eight: bool) -> usize {
+fn rows_per_call(left: usize, eight: bool, limbs: bool) -> usize {
     match left {
         8.. if eight => 8,
-        4.. => 4,
+        4.. if !limbs => 4,
         2.. => 2,
         _ => 1,
     }
 }
 
 /// The rows of an `m`-row call that [`tiles_body`] computes at most two at
-/// a time (those it reaches after its calls of 8 and 4): on VNNI,
-/// f32-input 4-bit weights take these through [`q4_limbs`], whose inputs
-/// `linear` splits first. Walked from [`rows_per_call`], so the two cannot
+/// a time (those it reaches after its calls of 8): on VNNI, f32-input
+/// 4-bit weights take these through [`q4_limbs`], whose inputs `linear`
+/// splits first. Walked from [`rows_per_call`], so the two cannot
 /// disagree.
 pub(crate) fn limb_rows(m: usize) -> Range<usize> {
     let mut r = 0;
     while r < m {
-        let call = rows_per_call(m - r, true);
+        let call = rows_per_call(m - r, true, true);
         if call <= 2 {
             return r..m;
         }
