@@ -23,13 +23,33 @@ pub(crate) fn min_median(mut v: Vec<f64>) -> (f64, f64) {
     (v[0], v[v.len() / 2])
 }
 
-/// Streaming read bandwidth (bytes/s), `(min, median)` over `passes`:
-/// `threads` threads at once, each summing its own part of a buffer of
-/// `bytes`, `reps` times per pass. Run at the backends' thread count over
-/// 512 MiB, it is the bound a decoder that reads every weight once per
-/// token cannot beat; over a few MiB (read again and again) it is the rate
-/// of data the last-level cache holds, reported beside it.
-fn read_bandwidth(threads: usize, bytes: usize, reps: usize, passes: usize) -> (f64, f64) {
+/// Read rates (bytes/s) over a probe's passes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Rates {
+    min: f64,
+    median: f64,
+    /// The fastest pass: what the rooflines divide, because a ceiling is
+    /// the most the machine was seen to do — on a VM whose neighbours come
+    /// and go, a median pass sits below what a decoder catches in a quiet
+    /// moment, and a decode then read as above its roofline though every
+    /// byte was counted (f16, 2026-12-05: 106 % of a median re-read rate).
+    best: f64,
+}
+
+impl Rates {
+    fn of(mut rates: Vec<f64>) -> Self {
+        rates.sort_by(f64::total_cmp);
+        Rates { min: rates[0], median: rates[rates.len() / 2], best: rates[rates.len() - 1] }
+    }
+}
+
+/// Streaming read bandwidth (bytes/s) over `passes`: `threads` threads at
+/// once, each summing its own part of a buffer of `bytes`, `reps` times
+/// per pass. Run at the backends' thread count over 512 MiB, it is the
+/// bound a decoder that reads every weight once per token cannot beat;
+/// over a few MiB (read again and again) it is the rate of data the
+/// last-level cache holds, reported beside it.
+fn read_bandwidth(threads: usize, bytes: usize, reps: usize, passes: usize) -> Rates {
     let threads = threads.max(1);
     let words = bytes / 8;
     let buffer: Vec<u64> = (0..words as u64).collect();
@@ -56,10 +76,10 @@ fn read_bandwidth(threads: usize, bytes: usize, reps: usize, passes: usize) -> (
         });
         rates.push((words * 8 * reps) as f64 / t.elapsed().as_secs_f64());
     }
-    min_median(rates)
+    Rates::of(rates)
 }
 
-/// The rate (bytes/s, median of 5 passes) at which `threads` threads
+/// The rate (bytes/s, the fastest of 5 passes) at which `threads` threads
 /// re-read a buffer of `bytes`, as a decoder re-reads its weights step
 /// after step: from memory when they exceed the last-level cache, from the
 /// cache when they fit (on a virtual machine whose cache is shared with
@@ -67,7 +87,7 @@ fn read_bandwidth(threads: usize, bytes: usize, reps: usize, passes: usize) -> (
 fn working_set_bandwidth(threads: usize, bytes: f64) -> f64 {
     let bytes = (bytes as usize).max(threads.max(1) * 64);
     let reps = ((2usize << 30) / bytes).max(1);
-    read_bandwidth(threads, bytes, reps, 5).1
+    read_bandwidth(threads, bytes, reps, 5).best
 }
 
 /// A decoding rate above this share of the roofline means the byte count
@@ -190,20 +210,22 @@ pub fn run(threads: usize, rounds: usize, steps: usize) -> Result<()> {
     let lib = ort::provision()?;
     std::env::set_var("ORT_DYLIB_PATH", &lib);
     // The memory roofline: a buffer larger than the last-level cache.
-    let (bw_min, bw_med) = read_bandwidth(threads, 512 << 20, 1, 5);
+    let memory = read_bandwidth(threads, 512 << 20, 1, 5);
     // 4 MiB per thread, well inside any last-level cache these machines have.
-    let (_, cached) = read_bandwidth(threads, threads.max(1) * (4 << 20), 64, 5);
+    let cached = read_bandwidth(threads, threads.max(1) * (4 << 20), 64, 5).best;
     println!(
-        "streaming read bandwidth ({threads} threads): min {:.1} GB/s, median {:.1} GB/s; cache-resident {:.1} GB/s",
-        bw_min / 1e9,
-        bw_med / 1e9,
+        "streaming read bandwidth ({threads} threads): min {:.1} GB/s, median {:.1} GB/s, best {:.1} GB/s; cache-resident {:.1} GB/s",
+        memory.min / 1e9,
+        memory.median / 1e9,
+        memory.best / 1e9,
         cached / 1e9
     );
     let mut md = format!(
         "# Real-model benchmark\n\n{threads} thread(s) per backend, both backends in this run; prefill of {PREFILL} \
          tokens, decode of {steps} steps after a {CONTEXT}-token context, {rounds} rounds (min / median tokens/s). \
-         Streaming read bandwidth, {threads} thread(s) at once over 512 MiB: min {:.1} / median {:.1} GB/s \
-         (cache-resident, 4 MiB per thread: {:.1} GB/s). Bytes a decode step reads: every weight once, a \
+         Streaming read bandwidth, {threads} thread(s) at once over 512 MiB, 5 passes: min {:.1} / median {:.1} / \
+         best {:.1} GB/s (cache-resident, 4 MiB per thread: {:.1} GB/s, best pass). Every roofline divides a \
+         probe's fastest pass: a ceiling is the most the machine was seen to do. Bytes a decode step reads: every weight once, a \
          gathered-only table one row, KV at context {CONTEXT}, for each backend its own (ONNX Runtime reads the \
          package's weights, native-cpu its plan's packed ones, narrowed where that is exact). Memory roofline = \
          the 512 MiB bandwidth / those bytes; cache roofline = the cache-resident bandwidth / the same bytes (the \
@@ -217,8 +239,9 @@ pub fn run(threads: usize, rounds: usize, steps: usize) -> Result<()> {
          ORT decode tok/s | native decode tok/s | decode ratio | % roofline ORT / native | \
          % memory roofline ORT / native | ORT prefill tok/s | native prefill tok/s | prefill ratio |\n\
          |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
-        bw_min / 1e9,
-        bw_med / 1e9,
+        memory.min / 1e9,
+        memory.median / 1e9,
+        memory.best / 1e9,
         cached / 1e9
     );
     for model in real::models()? {
@@ -249,8 +272,8 @@ pub fn run(threads: usize, rounds: usize, steps: usize) -> Result<()> {
                 native_per_token / 1e6,
                 reread / 1e9,
                 native_reread / 1e9,
-                bw_med / per_token,
-                bw_med / native_per_token,
+                memory.best / per_token,
+                memory.best / native_per_token,
                 cached / per_token,
                 cached / native_per_token,
                 o.decode.0,
@@ -260,8 +283,8 @@ pub fn run(threads: usize, rounds: usize, steps: usize) -> Result<()> {
                 n.decode.1 / o.decode.1,
                 share(o.decode.1 / roofline),
                 share(n.decode.1 / native_roofline),
-                100.0 * o.decode.1 / (bw_med / per_token),
-                100.0 * n.decode.1 / (bw_med / native_per_token),
+                100.0 * o.decode.1 / (memory.best / per_token),
+                100.0 * n.decode.1 / (memory.best / native_per_token),
                 o.prefill.0,
                 o.prefill.1,
                 n.prefill.0,
@@ -297,4 +320,18 @@ pub fn run(threads: usize, rounds: usize, steps: usize) -> Result<()> {
     std::fs::write(dir.join("real.md"), &md)?;
     println!("\n{md}\nreport: {}", dir.join("real.md").display());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Pins issue 15's "a roofline that holds" on a noisy VM: the rooflines
+    /// divide a probe's fastest pass (a ceiling), with its slowest and
+    /// median beside it for the report.
+    #[test]
+    fn a_probe_reports_its_fastest_pass_as_the_ceiling() {
+        let rates = Rates::of(vec![31.3e9, 28.1e9, 34.8e9, 30.1e9, 29.0e9]);
+        assert_eq!(rates, Rates { min: 28.1e9, median: 30.1e9, best: 34.8e9 });
+    }
 }
