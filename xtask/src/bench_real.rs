@@ -18,9 +18,9 @@ pub(crate) const PREFILL: usize = 128;
 pub(crate) const CONTEXT: usize = 64;
 
 /// `(min, median)` of `v`.
-pub(crate) fn min_median(mut v: Vec<f64>) -> (f64, f64) {
-    v.sort_by(f64::total_cmp);
-    (v[0], v[v.len() / 2])
+pub(crate) fn min_median(v: Vec<f64>) -> (f64, f64) {
+    let rates = Rates::of(v);
+    (rates.min, rates.median)
 }
 
 /// Read rates (bytes/s) over a probe's passes.

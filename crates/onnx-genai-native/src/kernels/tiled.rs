@@ -256,15 +256,16 @@ pub fn linear(t: &Tiled, x: &[f32], m: usize, y: &mut [f32], ctx: &Ctx, isa: Isa
         }
         // Only the AVX-512 per-block kernel reads the block sums (any row
         // of a call left with at most 4 rows to go may reach it); on VNNI
-        // the integer kernel takes those rows, and needs the sums only for
-        // an asymmetric weight (they run serially on the calling thread
-        // while the others wait).
+        // the integer kernel takes those rows instead, and needs the sums
+        // only for an asymmetric weight (they run serially on the calling
+        // thread while the others wait; groups of 8 rows never read them).
         TileData::Q4 { int8: false, per_weight: false, symmetric, .. } if isa.wide() => {
             #[cfg(target_arch = "x86_64")]
             let limb_first = if isa.vnni() { super::avx512::limb_rows(m).start } else { m };
             #[cfg(not(target_arch = "x86_64"))]
             let limb_first = m;
-            if limb_first == m || !symmetric {
+            let summed = if isa.vnni() { !symmetric && limb_first < m } else { true };
+            if summed {
                 s.c.extend(a.chunks_exact(QBLOCK).map(|b| b.iter().sum::<f32>()));
             }
             // The rows VNNI's integer kernel takes (the int8-input
