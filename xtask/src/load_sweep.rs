@@ -2,7 +2,7 @@
 //! 1, 2, 4, 8 and 16 concurrent streaming clients in turn (one run): the
 //! aggregate generated tokens/s, time to first token p50/p95, and the
 //! G op/s the projections reach against this machine's measured peak for
-//! the export's arithmetic (f32 FMAs, or VNNI int8 dot products) at the
+//! the export's arithmetic (f32 FMAs, or VNNI or AMX int8 dot products) at the
 //! same thread count (after one unmeasured warm-up round at the widest
 //! count, so the first point is not a cold server's). With `--rounds N`
 //! the whole sweep runs N times in turn and each column is the median of
@@ -209,12 +209,13 @@ pub fn run(opts: Options) -> Result<()> {
     let macs = plan.as_ref().map_or(0, |p| p.projection_macs());
     let isa = onnx_genai_native::kernels::isa::Isa::best();
     // The ceiling of the export's own arithmetic: integer dot products for
-    // int8 activations (`accuracy_level` 4) where this CPU has VNNI, else
-    // f32 FMAs.
+    // int8 activations (`accuracy_level` 4) where this CPU has VNNI (AMX
+    // tile products where it has those), else f32 FMAs.
     let int8 = plan.as_ref().is_some_and(|p| p.int8_projections());
+    let int8_kind = if isa == onnx_genai_native::kernels::isa::Isa::Avx512Amx { "int8 AMX" } else { "int8 VNNI" };
     let (peak, peak_kind) =
         match int8.then(|| onnx_genai_native::kernels::isa::peak_int8_macs(isa, opts.threads.max(1))) {
-            Some(Some(p)) => (p, "int8 VNNI"),
+            Some(Some(p)) => (p, int8_kind),
             _ => (onnx_genai_native::kernels::isa::peak_macs(isa, opts.threads.max(1)), "f32 FMA"),
         };
     let server = onnx_genai_server::start_with(vec![engine], "127.0.0.1:0", Default::default())?;

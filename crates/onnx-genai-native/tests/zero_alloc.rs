@@ -66,7 +66,8 @@ fn allocations_in(f: impl FnOnce()) -> usize {
 
 /// Pins issue 15's zero-allocation decode step on every weight storage the
 /// native kernels have (f32, f16, 4-bit, 4-bit with int8 inputs), at one
-/// and at two threads, and on a batch of two sequences.
+/// and at two threads, on a batch of two sequences, and on a batch of
+/// eight int8-input rows (the AMX kernel's, where the CPU has it).
 #[test]
 fn a_warm_decode_step_allocates_nothing() {
     let cases = [
@@ -108,6 +109,37 @@ fn a_warm_decode_step_allocates_nothing() {
                 "{what} ({name} {variant:?}), {threads} thread(s): a batch of two allocated {two} times"
             );
         }
+    }
+    // A batch of eight int8-input rows: on a CPU with AMX they run on
+    // tiles, whose images and sums live in each thread's scratch.
+    let (_dir, package) = onnx_genai_test_support::build_variant("tiny-llama-gqa", Variant::Genai);
+    for threads in [1, 2] {
+        let model: Arc<dyn DecodeModel> = Arc::new(NativeModel::load(&package, threads).unwrap());
+        let mut seqs: Vec<_> = (0..8).map(|_| model.new_sequence()).collect();
+        let mut logits: Vec<Vec<f32>> = (0..8).map(|_| Vec::with_capacity(model.vocab_size())).collect();
+        let mut step = |token: u32| {
+            let tokens: Vec<[u32; 1]> = (0..8).map(|i| [token + i]).collect();
+            let mut batch: Vec<Entry<'_>> = seqs
+                .iter_mut()
+                .zip(logits.iter_mut())
+                .zip(&tokens)
+                .map(|((s, l), t)| Entry { sequence: s.as_mut(), input: Input::Tokens(t), logits: l })
+                .collect();
+            model.step(&mut batch).unwrap();
+        };
+        for t in 0..4 {
+            step(t + 1);
+        }
+        // (The batch's own vectors are built outside the measured step.)
+        let tokens: Vec<[u32; 1]> = (0..8).map(|i| [20 + i]).collect();
+        let mut batch: Vec<Entry<'_>> = seqs
+            .iter_mut()
+            .zip(logits.iter_mut())
+            .zip(&tokens)
+            .map(|((s, l), t)| Entry { sequence: s.as_mut(), input: Input::Tokens(t), logits: l })
+            .collect();
+        let eight = allocations_in(|| model.step(&mut batch).unwrap());
+        assert_eq!(eight, 0, "int8 inputs, {threads} thread(s): a batch of eight allocated {eight} times");
     }
     let mut spec = onnx_genai_test_support::spec("tiny-llama-gqa");
     spec.max_sequence_length = 1024;

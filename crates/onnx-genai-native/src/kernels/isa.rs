@@ -18,10 +18,14 @@ pub enum Isa {
     Avx512,
     /// AVX-512 plus AVX-512 VNNI.
     Avx512Vnni,
+    /// AVX-512 VNNI plus AMX-INT8 (granted by the OS): int8-input products
+    /// of several rows run on tiles ([`super::amx`]); everything else is
+    /// AVX-512 VNNI's.
+    Avx512Amx,
 }
 
 impl Isa {
-    pub const ALL: [Isa; 5] = [Isa::Portable, Isa::Avx2, Isa::Avx2Vnni, Isa::Avx512, Isa::Avx512Vnni];
+    pub const ALL: [Isa; 6] = [Isa::Portable, Isa::Avx2, Isa::Avx2Vnni, Isa::Avx512, Isa::Avx512Vnni, Isa::Avx512Amx];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -30,6 +34,7 @@ impl Isa {
             Isa::Avx2Vnni => "avx2-vnni",
             Isa::Avx512 => "avx512",
             Isa::Avx512Vnni => "avx512-vnni",
+            Isa::Avx512Amx => "avx512-amx",
         }
     }
 
@@ -46,6 +51,7 @@ impl Isa {
             Isa::Avx2Vnni => f.avx2 && f.avx_vnni,
             Isa::Avx512 => f.avx512,
             Isa::Avx512Vnni => f.avx512 && f.avx512_vnni,
+            Isa::Avx512Amx => f.avx512 && f.avx512_vnni && amx_granted(),
         }
     }
 
@@ -61,12 +67,12 @@ impl Isa {
 
     /// Whether the path has 512-bit registers.
     pub fn wide(self) -> bool {
-        matches!(self, Isa::Avx512 | Isa::Avx512Vnni)
+        matches!(self, Isa::Avx512 | Isa::Avx512Vnni | Isa::Avx512Amx)
     }
 
     /// Whether the path has integer dot products (VNNI) for int8 inputs.
     pub fn vnni(self) -> bool {
-        matches!(self, Isa::Avx2Vnni | Isa::Avx512Vnni)
+        matches!(self, Isa::Avx2Vnni | Isa::Avx512Vnni | Isa::Avx512Amx)
     }
 
     /// Whether the path has at least AVX2/FMA/F16C.
@@ -133,9 +139,16 @@ pub fn peak_macs(isa: Isa, threads: usize) -> f64 {
 }
 
 /// Int8 multiply-adds per second `threads` threads sustain together with
-/// AVX-512 VNNI's `vpdpbusd` ([`concurrent_rate`]), the ceiling of the
-/// `accuracy_level` 4 kernels; `None` on a path without it.
+/// AVX-512 VNNI's `vpdpbusd`, or on the AMX path with tile products of the
+/// AMX kernel's shape ([`concurrent_rate`]): the ceiling of the
+/// `accuracy_level` 4 kernels; `None` on a path without them.
 pub fn peak_int8_macs(isa: Isa, threads: usize) -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512Amx && isa.available() {
+        // SAFETY: AMX is granted (checked by `available`).
+        let once = || unsafe { super::amx::int8_rate(2_000_000) };
+        return Some(concurrent_rate(threads, &once));
+    }
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512Vnni && isa.available() {
         // SAFETY: AVX-512 F and VNNI are available (checked).
@@ -149,6 +162,18 @@ pub fn peak_int8_macs(isa: Isa, threads: usize) -> Option<f64> {
 impl std::fmt::Display for Isa {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
+    }
+}
+
+/// Whether AMX-INT8 is there and this process may use it.
+fn amx_granted() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        super::amx::available()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
     }
 }
 
@@ -221,14 +246,15 @@ mod tests {
         }
     }
 
-    /// The int8 ceiling is probed exactly where the VNNI kernel runs (and
-    /// is a rate; how it compares with f32 is the load report's to say,
-    /// not a timed assertion's).
+    /// The int8 ceiling is probed exactly where the AVX-512 VNNI or AMX
+    /// kernels run (and is a rate; how it compares with f32 is the load
+    /// report's to say, not a timed assertion's).
     #[test]
     fn int8_peak_is_probed_only_with_vnni() {
         for isa in Isa::ALL {
             let peak = peak_int8_macs(isa, 2);
-            assert_eq!(peak.is_some(), isa == Isa::Avx512Vnni && isa.available(), "{isa}");
+            let probed = matches!(isa, Isa::Avx512Vnni | Isa::Avx512Amx) && isa.available();
+            assert_eq!(peak.is_some(), probed, "{isa}");
             if let Some(p) = peak {
                 assert!(p.is_finite() && p > 0.0, "{isa}: {p}");
             }

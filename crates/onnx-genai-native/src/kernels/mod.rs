@@ -1,6 +1,8 @@
 //! CPU kernels: f32 compute; f16 and 4-bit weights and f16 KV are widened as
 //! they are read.
 
+#[cfg(target_arch = "x86_64")]
+pub mod amx;
 pub mod attention;
 #[cfg(target_arch = "x86_64")]
 mod avx2;

@@ -220,7 +220,7 @@ pub fn linear(t: &Tiled, x: &[f32], m: usize, y: &mut [f32], ctx: &Ctx, isa: Isa
     s.c.clear();
     // The quantized rows, their scales and sums: every value is written
     // below, so the buffers only grow (never cleared and zeroed again).
-    let (mut q_len, mut block_len) = (0, 0);
+    let (mut q_at, mut q_len, mut block_len) = (0, 0, 0);
     #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
     let mut limbs = LimbRows::default();
     match t.data {
@@ -230,11 +230,14 @@ pub fn linear(t: &Tiled, x: &[f32], m: usize, y: &mut [f32], ctx: &Ctx, isa: Isa
             // batched decode step).
             let per_row = quantized_blocks(kp, x_block);
             (q_len, block_len) = (m * kp, m * per_row);
-            super::grow_to(&mut s.bytes, q_len);
+            // The rows start on a cache line (AMX loads 32-byte pieces of
+            // them as tile rows; one straddling two lines costs two).
+            super::grow_to(&mut s.bytes, q_len + 64);
+            q_at = s.bytes.as_ptr().align_offset(64).min(64);
             super::grow_to(&mut s.b, block_len);
             super::grow_to(&mut s.ints, block_len);
             let (q, scales, sums) = (
-                Disjoint::new(&mut s.bytes[..q_len]),
+                Disjoint::new(&mut s.bytes[q_at..q_at + q_len]),
                 Disjoint::new(&mut s.b[..block_len]),
                 Disjoint::new(&mut s.ints[..block_len]),
             );
@@ -296,13 +299,27 @@ pub fn linear(t: &Tiled, x: &[f32], m: usize, y: &mut [f32], ctx: &Ctx, isa: Isa
         kp,
         x: a,
         xsum: &s.c,
-        q: &s.bytes[..q_len],
+        q: &s.bytes[q_at..q_at + q_len],
         qscale: &s.b[..block_len],
         qsum: &s.ints[..block_len],
         limbs,
     };
     let out = Disjoint::new(y);
-    let work = |range: std::ops::Range<usize>, _t: usize| run(isa, t, &rows, range, &out);
+    let int8 = matches!(t.data, TileData::Q4 { int8: true, .. });
+    let amx = isa == Isa::Avx512Amx && m >= AMX_MIN_ROWS && int8 && isa.available();
+    let work = |range: std::ops::Range<usize>, th: usize| {
+        #[cfg(target_arch = "x86_64")]
+        if amx {
+            debug_assert!(rows.q.len() >= rows.m * rows.kp);
+            // SAFETY: thread `th` is the only user of its scratch here. AMX
+            // was granted and AVX-512 is there (checked); the weight takes
+            // int8 inputs, which were quantized into `rows` above.
+            unsafe { super::amx::tiles(t, &rows, range, &out, &mut ctx.scratch.get(th).bytes) };
+            return;
+        }
+        let _ = (amx, th);
+        run(isa, t, &rows, range, &out)
+    };
     if m * t.n * t.k >= PARALLEL_MIN_MACS {
         // Pairs of tiles (the vector kernels interleave two), claimed in
         // chunks of at most a quarter of a thread's share (smaller toward
@@ -384,6 +401,10 @@ fn gemm(t: &Tiled, packed: &mut Vec<f32>, x: &[f32], m: usize, y: &mut [f32], ct
         }
     });
 }
+
+/// From this many rows on, an int8-input product on the AMX path runs on
+/// tiles; fewer stay on AVX-512 VNNI.
+const AMX_MIN_ROWS: usize = 8;
 
 /// The kernel of `isa` over `tiles`.
 pub fn run(isa: Isa, t: &Tiled, rows: &Rows<'_>, tiles: std::ops::Range<usize>, y: &Disjoint<'_, f32>) {
