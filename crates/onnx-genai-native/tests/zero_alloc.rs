@@ -13,7 +13,7 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use onnx_genai_backend::{DecodeModel, Entry, Input, KvCache};
+use onnx_genai_backend::{DecodeModel, Entry, Input, KvCache, Sequence};
 use onnx_genai_build::Variant;
 use onnx_genai_native::NativeModel;
 
@@ -62,6 +62,19 @@ fn allocations_in(f: impl FnOnce()) -> usize {
     f();
     ARMED.store(false, Ordering::SeqCst);
     ALLOCATIONS.load(Ordering::SeqCst)
+}
+
+/// One entry per sequence, each fed its one token.
+fn entries<'a>(
+    seqs: &'a mut [Box<dyn Sequence>],
+    logits: &'a mut [Vec<f32>],
+    tokens: &'a [[u32; 1]],
+) -> Vec<Entry<'a>> {
+    seqs.iter_mut()
+        .zip(logits.iter_mut())
+        .zip(tokens)
+        .map(|((s, l), t)| Entry { sequence: s.as_mut(), input: Input::Tokens(t), logits: l })
+        .collect()
 }
 
 /// Pins issue 15's zero-allocation decode step on every weight storage the
@@ -117,27 +130,13 @@ fn a_warm_decode_step_allocates_nothing() {
         let model: Arc<dyn DecodeModel> = Arc::new(NativeModel::load(&package, threads).unwrap());
         let mut seqs: Vec<_> = (0..8).map(|_| model.new_sequence()).collect();
         let mut logits: Vec<Vec<f32>> = (0..8).map(|_| Vec::with_capacity(model.vocab_size())).collect();
-        let mut step = |token: u32| {
-            let tokens: Vec<[u32; 1]> = (0..8).map(|i| [token + i]).collect();
-            let mut batch: Vec<Entry<'_>> = seqs
-                .iter_mut()
-                .zip(logits.iter_mut())
-                .zip(&tokens)
-                .map(|((s, l), t)| Entry { sequence: s.as_mut(), input: Input::Tokens(t), logits: l })
-                .collect();
-            model.step(&mut batch).unwrap();
-        };
         for t in 0..4 {
-            step(t + 1);
+            let tokens: Vec<[u32; 1]> = (0..8).map(|i| [t + i + 1]).collect();
+            model.step(&mut entries(&mut seqs, &mut logits, &tokens)).unwrap();
         }
-        // (The batch's own vectors are built outside the measured step.)
+        // (The batch's own vector is built outside the measured step.)
         let tokens: Vec<[u32; 1]> = (0..8).map(|i| [20 + i]).collect();
-        let mut batch: Vec<Entry<'_>> = seqs
-            .iter_mut()
-            .zip(logits.iter_mut())
-            .zip(&tokens)
-            .map(|((s, l), t)| Entry { sequence: s.as_mut(), input: Input::Tokens(t), logits: l })
-            .collect();
+        let mut batch = entries(&mut seqs, &mut logits, &tokens);
         let eight = allocations_in(|| model.step(&mut batch).unwrap());
         assert_eq!(eight, 0, "int8 inputs, {threads} thread(s): a batch of eight allocated {eight} times");
     }
