@@ -19,6 +19,10 @@
 //! loads from tile stores: each chunk is unpacked, multiplied and its sums
 //! read back in three phases rather than interleaved.
 //!
+//! Non-finite activations quantize to values no runtime defines (the
+//! quantizer's integer conversion of a NaN); there the two paths may give
+//! different finite results.
+//!
 //! The tile registers are not part of a thread's state until the process
 //! asks Linux for them ([`available`] does, once); a kernel call loads its
 //! tile configuration, and releases the tiles before it returns.
@@ -74,7 +78,6 @@ struct Config {
     reserved: [u8; 14],
     colsb: [u16; 16],
     rows: [u8; 16],
-    reserved_tail: [u8; 16],
 }
 
 /// The tiles a call uses (the registers the instructions below name): two
@@ -87,14 +90,7 @@ const WEIGHT_TILES: [usize; 2] = [4, 5];
 impl Config {
     /// `rows` input rows against 32 inputs (one record) a product.
     fn for_rows(rows: usize) -> Self {
-        let mut c = Config {
-            palette: 1,
-            start_row: 0,
-            reserved: [0; 14],
-            colsb: [0; 16],
-            rows: [0; 16],
-            reserved_tail: [0; 16],
-        };
+        let mut c = Config { palette: 1, start_row: 0, reserved: [0; 14], colsb: [0; 16], rows: [0; 16] };
         let rows = rows as u8;
         for t in SUMS_TILES {
             // `rows` rows of 16 int32 sums.
@@ -119,9 +115,10 @@ impl Config {
 const IMAGE: usize = 512;
 
 /// Quantization groups a chunk takes: its records unpacked, multiplied and
-/// their sums stored, then read back by the f32 epilogue. Small enough that
-/// a pair's images and sums stay in L1 (16 rows: 4 groups a chunk ran 5%
-/// slower than 8, 18 with every image of a pair unpacked first 50%).
+/// their sums stored, then read back by the f32 epilogue. With groups of
+/// one or two records a tile pair's images and sums stay in L1 (16 rows,
+/// blocks of 32: 4 groups a chunk ran 5% slower than 8, 18 with every
+/// image of a pair unpacked first 50%); blocks of 128 fill the 48 KiB.
 const GROUPS_AHEAD: usize = 8;
 
 /// Bytes of one group's stored sums for a tile pair: 16 rows of 16 int32
@@ -139,7 +136,8 @@ fn scratch_bytes(sub: usize) -> usize {
 ///
 /// # Safety
 /// [`available`] must have returned true and the CPU must have AVX-512
-/// F/BW; `t` must be int8-input 4-bit and `rows` must hold `m` quantized
+/// F/BW/VL/DQ, AVX2 and FMA (the AVX-512 path's features); `t` must be
+/// int8-input 4-bit and `rows` must hold `m` quantized
 /// rows of `t.kp` values with their scales and sums (as
 /// [`super::tiled::linear`] stages them); `y` must hold `m * t.n` values.
 pub unsafe fn tiles(t: &Tiled, rows: &Rows<'_>, tiles: Range<usize>, y: &Disjoint<'_, f32>, images: &mut Vec<i8>) {
@@ -152,11 +150,16 @@ pub unsafe fn tiles(t: &Tiled, rows: &Rows<'_>, tiles: Range<usize>, y: &Disjoin
     super::grow_to(images, scratch_bytes(sub));
     // Images and sums start on a cache line (a tile row that straddles
     // two lines is two accesses).
-    let offset = images.as_ptr().align_offset(64);
+    let offset = (64 - images.as_ptr() as usize % 64) % 64;
     // SAFETY: the scratch has 64 bytes to spare for the alignment.
     let images = unsafe { images.as_mut_ptr().add(offset).cast::<u8>() };
     // SAFETY: the sums follow the images in the scratch.
     let sums = unsafe { images.add(2 * GROUPS_AHEAD * sub * IMAGE) };
+    #[cfg(test)]
+    TILE_CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    // Releases the tiles however this returns (a panic in a pool job is
+    // caught and the thread lives on).
+    let _held = Held;
     let mut configured = 0;
     let mut tile = tiles.start;
     while tile < tiles.end {
@@ -200,8 +203,19 @@ pub unsafe fn tiles(t: &Tiled, rows: &Rows<'_>, tiles: Range<usize>, y: &Disjoin
         }
         tile += width;
     }
-    if configured != 0 {
-        // SAFETY: gives the tile state back (AMX granted).
+}
+
+/// Calls of [`tiles`] (tests: the tile path did run).
+#[cfg(test)]
+static TILE_CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Gives the tile state back when dropped (`tilerelease` leaves the tiles
+/// unconfigured, also where none were configured).
+struct Held;
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        // SAFETY: only made in `tiles`, whose caller has AMX granted.
         unsafe { asm!("tilerelease", options(nostack, nomem)) };
     }
 }
@@ -532,11 +546,12 @@ mod tests {
     use crate::kernels::weights::{Packed, Weight};
     use crate::kernels::Runtime;
 
-    /// An int8-input 4-bit weight: `n` outputs, `k` inputs, blocks of
-    /// `block`, with zero points or symmetric.
+    /// An int8-input 4-bit weight: `n` outputs, `k` inputs (the last block
+    /// partial where `block` does not divide it), blocks of `block`, with
+    /// zero points or symmetric.
     fn weight(n: usize, k: usize, block: usize, zeros: bool) -> Weight {
-        let blocks = k / block;
-        let data = (0..n * k / 2).map(|i| (i * 37 % 251) as u8).collect();
+        let blocks = k.div_ceil(block);
+        let data = (0..n * blocks * block / 2).map(|i| (i * 37 % 251) as u8).collect();
         let scales = (0..n * blocks).map(|i| 0.01 * (i % 7 + 1) as f32).collect();
         let zeros = zeros.then(|| (0..n * blocks.div_ceil(2)).map(|i| (i * 29 % 256) as u8).collect());
         Weight { n, k, packed: Packed::Q4 { data, scales, zeros, offsets: None, block, blocks, int8: true } }
@@ -546,7 +561,8 @@ mod tests {
     /// Pins the AMX path's bit-exactness with AVX-512 VNNI (and so with
     /// ONNX Runtime's integer path, which the VNNI kernel matches) where
     /// its own structure splits the work: more groups than one chunk (18
-    /// records, and 9 groups of two), row counts that leave a partial tile
+    /// records; 9 groups of two; 5 of four, the last partial, the images
+    /// a chunk holds at their largest), the fewest rows that take tiles, row counts that leave a partial tile
     /// of rows (17, 33: a reconfiguration per pair), a last single weight
     /// tile and a partial one (40 outputs), symmetric and zero-point
     /// weights, one and two threads; every output written.
@@ -556,10 +572,11 @@ mod tests {
             eprintln!("no AMX here: the tile kernel is not tested on this machine");
             return;
         }
-        assert!(super::available());
-        for (block, zeros) in [(32, false), (32, true), (64, false), (64, true)] {
+        let least = crate::kernels::tiled::AMX_MIN_ROWS;
+        assert!(least <= 16, "the rows below reach the tile path");
+        for (block, zeros) in [(32, false), (32, true), (64, false), (64, true), (128, false), (128, true)] {
             let w = weight(40, 576, block, zeros);
-            for m in [8, 16, 17, 33] {
+            for m in [least, 16, 17, 33] {
                 let x: Vec<f32> =
                     (0..m * 576).map(|i| ((i * 7 % 19) as f32 - 9.0) * 0.11 + (i % 5) as f32 * 0.013).collect();
                 for threads in [1, 2] {
@@ -570,7 +587,13 @@ mod tests {
                         linear(&x, m, &w, None, &mut y, &rt.ctx());
                         y
                     };
-                    let (tiles, vnni) = (run(Isa::Avx512Amx, &mut rt), run(Isa::Avx512Vnni, &mut rt));
+                    let before = super::TILE_CALLS.load(std::sync::atomic::Ordering::Relaxed);
+                    let tiles = run(Isa::Avx512Amx, &mut rt);
+                    assert!(
+                        super::TILE_CALLS.load(std::sync::atomic::Ordering::Relaxed) > before,
+                        "m={m}: no tile call"
+                    );
+                    let vnni = run(Isa::Avx512Vnni, &mut rt);
                     assert!(
                         tiles.iter().all(|v| v.is_finite()),
                         "block {block} zeros {zeros} m={m}: an output unwritten"

@@ -404,7 +404,7 @@ fn gemm(t: &Tiled, packed: &mut Vec<f32>, x: &[f32], m: usize, y: &mut [f32], ct
 
 /// From this many rows on, an int8-input product on the AMX path runs on
 /// tiles; fewer stay on AVX-512 VNNI.
-const AMX_MIN_ROWS: usize = 8;
+pub(crate) const AMX_MIN_ROWS: usize = 8;
 
 /// The kernel of `isa` over `tiles`.
 pub fn run(isa: Isa, t: &Tiled, rows: &Rows<'_>, tiles: std::ops::Range<usize>, y: &Disjoint<'_, f32>) {
