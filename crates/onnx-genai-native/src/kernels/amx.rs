@@ -150,7 +150,7 @@ pub unsafe fn tiles(t: &Tiled, rows: &Rows<'_>, tiles: Range<usize>, y: &Disjoin
     super::grow_to(images, scratch_bytes(sub));
     // Images and sums start on a cache line (a tile row that straddles
     // two lines is two accesses).
-    let offset = (64 - images.as_ptr() as usize % 64) % 64;
+    let offset = super::line_offset(images.as_ptr());
     // SAFETY: the scratch has 64 bytes to spare for the alignment.
     let images = unsafe { images.as_mut_ptr().add(offset).cast::<u8>() };
     // SAFETY: the sums follow the images in the scratch.
@@ -174,36 +174,19 @@ pub unsafe fn tiles(t: &Tiled, rows: &Rows<'_>, tiles: Range<usize>, y: &Disjoin
                 unsafe { asm!("ldtilecfg [{}]", in(reg) &config, options(nostack, readonly)) };
                 configured = count;
             }
+            let kernel: RowsByTiles = if width == 2 { rows_by_tiles::<2> } else { rows_by_tiles::<1> };
             // SAFETY: forwarded contract; rows `first..first + count` are in
             // bounds and the tiles are configured for `count` rows.
-            unsafe {
-                if width == 2 {
-                    rows_by_tiles::<2>(
-                        t,
-                        rows,
-                        (blocks, sub, symmetric),
-                        tile,
-                        first..first + count,
-                        (images, sums),
-                        y,
-                    );
-                } else {
-                    rows_by_tiles::<1>(
-                        t,
-                        rows,
-                        (blocks, sub, symmetric),
-                        tile,
-                        first..first + count,
-                        (images, sums),
-                        y,
-                    );
-                }
-            }
+            unsafe { kernel(t, rows, (blocks, sub, symmetric), tile, first..first + count, (images, sums), y) };
             first += count;
         }
         tile += width;
     }
 }
+
+/// [`rows_by_tiles`] for one or two weight tiles.
+type RowsByTiles =
+    unsafe fn(&Tiled, &Rows<'_>, (usize, usize, bool), usize, Range<usize>, (*const u8, *mut u8), &Disjoint<'_, f32>);
 
 /// Calls of [`tiles`] (tests: the tile path did run).
 #[cfg(test)]

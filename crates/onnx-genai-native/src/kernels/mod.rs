@@ -83,6 +83,12 @@ pub fn sized(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
     v
 }
 
+/// Bytes from `p` to the next 64-byte cache line boundary (0 when `p` is
+/// on one): where a buffer with 64 bytes to spare starts its aligned part.
+pub(crate) fn line_offset<T>(p: *const T) -> usize {
+    (64 - p as usize % 64) % 64
+}
+
 /// `v` grown to at least `n` values and never shrunk, for a buffer whose
 /// user takes `&v[..n]` and writes all of it before reading: alternating
 /// sizes then zero nothing once the largest has been seen.

@@ -233,7 +233,7 @@ pub fn linear(t: &Tiled, x: &[f32], m: usize, y: &mut [f32], ctx: &Ctx, isa: Isa
             // The rows start on a cache line (AMX loads 32-byte pieces of
             // them as tile rows; one straddling two lines costs two).
             super::grow_to(&mut s.bytes, q_len + 64);
-            q_at = s.bytes.as_ptr().align_offset(64).min(64);
+            q_at = super::line_offset(s.bytes.as_ptr());
             super::grow_to(&mut s.b, block_len);
             super::grow_to(&mut s.ints, block_len);
             let (q, scales, sums) = (
