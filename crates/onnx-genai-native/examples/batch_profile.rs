@@ -1,6 +1,6 @@
 //! Where a batched decode step spends its time: loads a package, prefills
 //! B sequences (the first one's prefill timed per op kind), then times
-//! decode steps of all B together, per op kind.
+//! decode steps of all B together, per op kind and per projection size.
 //!
 //! `cargo run --release -p onnx-genai-native --example batch_profile -- DIR [THREADS] [B...] [isa=NAME] [kv=f16] [prompt=N]`
 //! (`isa=avx2` and so on: a lower kernel path than the best this CPU has;
@@ -85,8 +85,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         for (op, d) in sorted.iter().take(10) {
             println!("    {op:<24} {:>8.3} ms/step", d.as_secs_f64() * 1e3 / steps as f64);
         }
-        // The costliest single steps, with the projection sizes (n x k).
+        // Projections summed per size (n x k): a small one's time against
+        // its bytes shows what each region costs beside its weights.
         let shapes = model.plan().step_shapes();
+        let mut by_shape: BTreeMap<String, (Duration, usize)> = BTreeMap::new();
+        for (i, d) in profile.iter().enumerate() {
+            if let Some((n, k)) = shapes[i] {
+                let e = by_shape.entry(format!("{} {n}x{k}", ops[i])).or_default();
+                e.0 += *d;
+                e.1 += 1;
+            }
+        }
+        for (name, (d, count)) in &by_shape {
+            let ms = d.as_secs_f64() * 1e3 / steps as f64;
+            println!("    {name:<32} x{count:<3} {ms:>8.3} ms/step, {:.1} us each", ms * 1e3 / *count as f64);
+        }
+        // The costliest single steps, with the projection sizes (n x k).
         let mut single: Vec<(usize, Duration)> = profile.iter().copied().enumerate().collect();
         single.sort_by_key(|s| std::cmp::Reverse(s.1));
         for (i, d) in single.iter().take(4) {

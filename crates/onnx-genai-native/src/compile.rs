@@ -115,6 +115,10 @@ pub fn compile_with(model: &Model, binding: &Binding, form: WeightForm) -> Resul
     forward_identities(&mut g, &[logits], &mut stats);
     check_kv_is_owned(&g, binding)?;
     if form == WeightForm::Tiled {
+        let stacks = crate::fuse::stack_siblings(&mut g, logits);
+        if stacks > 0 {
+            stats.fusions.push(("stack_projections".into(), stacks));
+        }
         for (kind, count) in repack(&mut g) {
             if count > 0 {
                 stats.fusions.push((format!("narrow_{kind}"), count));

@@ -4,7 +4,7 @@
 use crate::kernels::attention::{self, AdditiveBias, Bias, Heads, Layout, RotaryCache, Segment};
 use crate::kernels::elementwise as ew;
 use crate::kernels::layout as ly;
-use crate::kernels::linear::{gated, linear};
+use crate::kernels::linear::{gated, linear, split};
 use crate::kernels::math::Reduce;
 use crate::kernels::rotary::{rotary, Angles};
 use crate::kernels::{math, select, Ctx};
@@ -51,6 +51,7 @@ pub fn run(op: &Op, inputs: &[Option<&Value>], outputs: &mut [Value], env: &mut 
             let k = usize::try_from(k).map_err(|_| format!("k={k} is negative"))?;
             return select::top_k(arg(inputs, 0)?, k, *axis, *largest, outputs);
         }
+        Op::SplitLinear { weight, widths } => return split_linear(weight, widths, inputs, outputs, &env.ctx),
         Op::Split { axis, sizes } => {
             let x = arg(inputs, 0)?;
             let len = x.shape.get(ly::axis(*axis, x.shape.len())?).copied().unwrap_or(0);
@@ -250,7 +251,7 @@ pub fn run(op: &Op, inputs: &[Option<&Value>], outputs: &mut [Value], env: &mut 
             *out = Value::f32(&x.shape, o);
             Ok(())
         }
-        Op::SkipRmsNorm { .. } | Op::LayerNorm { .. } => Err("dispatched above".into()),
+        Op::SkipRmsNorm { .. } | Op::LayerNorm { .. } | Op::SplitLinear { .. } => Err("dispatched above".into()),
         Op::Linear { weight, bias } => {
             let x = arg(inputs, 0)?;
             let (m, shape) = rows(x, weight.k, weight.n)?;
@@ -435,6 +436,36 @@ fn run_attention(
 }
 
 /// Rows of a projection input `[.., k]` and the output shape `[.., n]`.
+/// [`Op::SplitLinear`]: one output per member, shaped as its own
+/// projection's.
+fn split_linear(
+    weight: &crate::kernels::weights::Weight,
+    widths: &[usize],
+    inputs: &[Option<&Value>],
+    outputs: &mut [Value],
+    ctx: &Ctx,
+) -> Result<(), String> {
+    let x = arg(inputs, 0)?;
+    let (m, _) = rows(x, weight.k, weight.n)?;
+    let xs = x.as_f32()?;
+    if outputs.len() != widths.len() || widths.iter().sum::<usize>() != weight.n {
+        return Err(format!("{} outputs of widths {widths:?} for {} stacked outputs", outputs.len(), weight.n));
+    }
+    // At most 3 members (Q, K and V) in the exports seen; more spill to the
+    // heap, once per step.
+    let mut ys: smallvec::SmallVec<[Vec<f32>; 3]> = outputs.iter_mut().map(Value::take_f32).collect();
+    let mut staged = ctx.staging();
+    let mut all = std::mem::take(&mut staged.gate);
+    drop(staged);
+    split(xs, m, weight, widths, &mut all, &mut ys, ctx);
+    ctx.staging().gate = all;
+    for ((out, y), &width) in outputs.iter_mut().zip(ys.drain(..)).zip(widths) {
+        let (_, shape) = rows(x, weight.k, width)?;
+        *out = Value::f32(shape, y);
+    }
+    Ok(())
+}
+
 fn rows(x: &Value, k: usize, n: usize) -> Result<(usize, crate::value::Shape), String> {
     match x.shape.last() {
         Some(d) if *d == k => {

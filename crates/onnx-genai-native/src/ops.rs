@@ -143,6 +143,15 @@ pub enum Op {
         weight: Arc<Weight>,
         bias: Option<Arc<Vec<f32>>>,
     },
+    /// Sibling projections of one input (a layer's Q, K and V) as one:
+    /// `x @ W` over their stacked bias-free weights, its columns split into
+    /// one output per member, `widths[i]` wide, in member order. A decode
+    /// step then streams the three in one pass over the threads instead of
+    /// three (each output's arithmetic is its member's own).
+    SplitLinear {
+        weight: Arc<Weight>,
+        widths: Vec<usize>,
+    },
     /// `silu(x Wg) * (x Wu)`; the weight stacks gate over up rows.
     GatedMlp {
         weight: Arc<Weight>,
@@ -207,10 +216,11 @@ pub struct PartialAttention {
 }
 
 impl Op {
-    /// The packed weight of a projection step (`Linear`, `GatedMlp`).
+    /// The packed weight of a projection step (`Linear`, `SplitLinear`,
+    /// `GatedMlp`).
     pub fn projection_weight(&self) -> Option<&Arc<Weight>> {
         match self {
-            Op::Linear { weight, .. } | Op::GatedMlp { weight } => Some(weight),
+            Op::Linear { weight, .. } | Op::SplitLinear { weight, .. } | Op::GatedMlp { weight } => Some(weight),
             _ => None,
         }
     }
@@ -218,7 +228,7 @@ impl Op {
     /// [`Op::projection_weight`], to replace or repack it.
     pub fn projection_weight_mut(&mut self) -> Option<&mut Arc<Weight>> {
         match self {
-            Op::Linear { weight, .. } | Op::GatedMlp { weight } => Some(weight),
+            Op::Linear { weight, .. } | Op::SplitLinear { weight, .. } | Op::GatedMlp { weight } => Some(weight),
             _ => None,
         }
     }
@@ -247,6 +257,7 @@ impl Op {
             Op::Linear { weight, bias } => {
                 format!("Linear[{}{}]", weight.kind(), if bias.is_some() { "+bias" } else { "" })
             }
+            Op::SplitLinear { weight, .. } => format!("SplitLinear[{}]", weight.kind()),
             Op::GatedMlp { .. } => "GatedMlp".into(),
             Op::MatMulNBits { .. } => "MatMulNBits".into(),
             Op::GatherQ4 { .. } => "GatherQ4".into(),
@@ -259,6 +270,13 @@ impl Op {
 
     /// Whether constant inputs may be evaluated at compile time.
     pub fn foldable(&self) -> bool {
-        !matches!(self, Op::Attention { .. } | Op::Linear { .. } | Op::GatedMlp { .. } | Op::MatMulNBits { .. })
+        !matches!(
+            self,
+            Op::Attention { .. }
+                | Op::Linear { .. }
+                | Op::SplitLinear { .. }
+                | Op::GatedMlp { .. }
+                | Op::MatMulNBits { .. }
+        )
     }
 }

@@ -17,7 +17,8 @@ use onnx_genai_test_support::build_variant as package;
 
 /// Fusion coverage per export: a matcher that silently stops firing fails
 /// here even though the generic kernels would still compute the right
-/// logits (decomposed attention cannot fall back: it must fuse). The
+/// logits (decomposed attention cannot fall back: it must fuse). Every
+/// separate Q/K/V trio is stacked into one split projection. The
 /// logits projection writes the logits output itself (the exporters'
 /// Identity before it is removed, no copy runs), so a prefill computes only
 /// the last row's logits.
@@ -37,18 +38,43 @@ fn fusions_fire_on_every_export() {
                 ("rotary", 2 * layers),
                 ("attention", layers),
                 ("head_layout", layers),
+                ("stack_projections", layers),
             ],
         ),
         (
             "tiny-llama-gqa",
             Variant::Opset23,
-            vec![("causal_mask", 1), ("linear", 15), ("gated_mlp", layers), ("head_layout", layers)],
+            vec![
+                ("causal_mask", 1),
+                ("linear", 15),
+                ("gated_mlp", layers),
+                ("head_layout", layers),
+                ("stack_projections", layers),
+            ],
         ),
-        ("tiny-llama-gqa", Variant::Contrib, vec![("matmul_nbits", 15), ("gated_mlp", layers)]),
-        // One packed QKV projection per layer: 5 per layer plus the head.
-        ("tiny-llama-gqa", Variant::Genai, vec![("matmul_nbits", 5 * layers + 1), ("gated_mlp", layers)]),
-        ("tiny-llama-f16", Variant::Genai, vec![("matmul_nbits", 5 * layers + 1), ("gated_mlp", layers)]),
-        ("tiny-gpt2", Variant::Contrib, vec![("matmul_nbits", 13), ("linear_bias", 12), ("gelu_tanh", layers)]),
+        (
+            "tiny-llama-gqa",
+            Variant::Contrib,
+            vec![("matmul_nbits", 15), ("gated_mlp", layers), ("stack_projections", layers)],
+        ),
+        // One packed QKV projection per layer (5 per layer plus the head):
+        // nothing left to stack.
+        (
+            "tiny-llama-gqa",
+            Variant::Genai,
+            vec![("matmul_nbits", 5 * layers + 1), ("gated_mlp", layers), ("stack_projections", 0)],
+        ),
+        (
+            "tiny-llama-f16",
+            Variant::Genai,
+            vec![("matmul_nbits", 5 * layers + 1), ("gated_mlp", layers), ("stack_projections", 0)],
+        ),
+        // GPT-2's attention input is one biased projection already.
+        (
+            "tiny-gpt2",
+            Variant::Contrib,
+            vec![("matmul_nbits", 13), ("linear_bias", 12), ("gelu_tanh", layers), ("stack_projections", 0)],
+        ),
         (
             "tiny-gpt2",
             Variant::Decomposed,
@@ -65,7 +91,14 @@ fn fusions_fire_on_every_export() {
         (
             "tiny-llama-f16",
             Variant::Decomposed,
-            vec![("linear", 15), ("rms_norm", 5), ("gated_mlp", layers), ("rotary", 4), ("attention", layers)],
+            vec![
+                ("linear", 15),
+                ("rms_norm", 5),
+                ("gated_mlp", layers),
+                ("rotary", 4),
+                ("attention", layers),
+                ("stack_projections", layers),
+            ],
         ),
     ];
     for (name, variant, fusions) in expect {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use super::{fused, is_bin, Rewrite, M};
 use crate::error::CompileError;
-use crate::graph::{Graph, Uses};
+use crate::graph::{Graph, Node, Uses, Vid};
 use crate::kernels::elementwise::BinOp;
 use crate::kernels::weights::{Packed, Weight};
 use crate::ops::Op;
@@ -190,4 +190,85 @@ pub(super) fn q4_offsets(g: &Graph, u: &Uses, i: usize) -> Result<Option<Rewrite
         return Ok(Some(Rewrite::new(i, nodes, fused(n, op, vec![x], n.outputs.clone()))));
     }
     Ok(None)
+}
+
+/// Bias-free projections of one input (a layer's Q, K and V in a
+/// decomposed export) stacked into one [`Op::SplitLinear`] at the first
+/// one's place: a decode step then runs one parallel region over their
+/// weights instead of three (on SmolLM2's int4 export at 2 threads, K and
+/// V's 192-output projections each took as long as at 1 thread — a region
+/// that small is its own overhead). Runs on row-form weights just before
+/// repacking, after every other fusion has matched the separate
+/// projections. Members must share a storage; f32 ones must also narrow
+/// to the same form (narrowing goes block by block, so the stack narrows
+/// to it as well and no member ends up stored wider than alone). The
+/// logits projection `head` (run on the last rows alone) is never
+/// stacked. Returns how many stacks were made.
+pub(crate) fn stack_siblings(g: &mut Graph, head: Vid) -> usize {
+    let uses = Uses::of(g);
+    let mut stacks = 0;
+    for x in 0..g.values.len() {
+        let mut members: Vec<(usize, &Weight)> = Vec::new();
+        for &i in &uses.consumers[x] {
+            let Some(n) = &g.nodes[i] else { continue };
+            let Op::Linear { weight, bias: None } = &n.op else { continue };
+            if M::input(n, 0) == Some(x)
+                && n.outputs.len() == 1
+                && n.outputs[0] != head
+                && !members.iter().any(|m| m.0 == i)
+            {
+                members.push((i, weight));
+            }
+        }
+        if members.len() < 2 {
+            continue;
+        }
+        // (Narrowing an f32 weight to learn its form is costly: only here.)
+        let mut members: Vec<(usize, &'static str)> = members.into_iter().map(|(i, w)| (i, stored_kind(w))).collect();
+        // Kinds in order of first appearance; the group keeps plan order.
+        while let Some(&(_, kind)) = members.first() {
+            let group: Vec<usize> = members.iter().filter(|m| m.1 == kind).map(|m| m.0).collect();
+            if group.len() >= 2 && stack_group(g, x, &group) {
+                stacks += 1;
+            }
+            members.retain(|m| m.1 != kind);
+        }
+    }
+    stacks
+}
+
+/// The form a weight is stored in after repacking.
+fn stored_kind(w: &Weight) -> &'static str {
+    match &w.packed {
+        Packed::F32(_) => w.clone().narrowed().kind(),
+        _ => w.kind(),
+    }
+}
+
+/// Replaces the projections `group` (in plan order, all reading `x`) by
+/// one [`Op::SplitLinear`] at the first one's place; false (the graph
+/// untouched) when their weights do not stack.
+fn stack_group(g: &mut Graph, x: Vid, group: &[usize]) -> bool {
+    let mut stacked: Option<Weight> = None;
+    let (mut widths, mut outputs) = (Vec::new(), Vec::new());
+    for &i in group {
+        let Some(Node { op: Op::Linear { weight, .. }, outputs: outs, .. }) = &g.nodes[i] else { return false };
+        let w = (**weight).clone();
+        widths.push(w.n);
+        outputs.extend(outs.iter().copied());
+        stacked = Some(match stacked {
+            None => w,
+            Some(s) => match Weight::stack(s, w) {
+                Ok(s) => s,
+                Err(_) => return false,
+            },
+        });
+    }
+    let (Some(weight), Some(first)) = (stacked, g.nodes[group[0]].as_ref()) else { return false };
+    let node = fused(first, Op::SplitLinear { weight: Arc::new(weight), widths }, vec![Some(x)], outputs);
+    for &i in &group[1..] {
+        g.nodes[i] = None;
+    }
+    g.nodes[group[0]] = Some(node);
+    true
 }

@@ -12,6 +12,8 @@
 
 mod attention;
 mod linear;
+
+pub(crate) use linear::stack_siblings;
 mod mask;
 mod mlp;
 mod norm;

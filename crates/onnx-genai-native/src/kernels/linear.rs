@@ -90,6 +90,31 @@ pub fn gated(x: &[f32], m: usize, w: &Weight, scratch: &mut Vec<f32>, y: &mut Ve
     }
 }
 
+/// Stacked sibling projections ([`crate::ops::Op::SplitLinear`]): the
+/// product over every member's rows into `scratch`, then member `i`'s
+/// `widths[i]` columns of each row into `outs[i]`. Each output's values are
+/// its member's alone, computed as a projection of that member would.
+pub fn split(
+    x: &[f32],
+    m: usize,
+    w: &Weight,
+    widths: &[usize],
+    scratch: &mut Vec<f32>,
+    outs: &mut [Vec<f32>],
+    ctx: &Ctx,
+) {
+    debug_assert_eq!(widths.iter().sum::<usize>(), w.n, "the widths cover the stacked outputs");
+    linear(x, m, w, None, scratch, ctx);
+    let mut first = 0;
+    for (y, &width) in outs.iter_mut().zip(widths) {
+        y.clear();
+        for row in scratch.chunks_exact(w.n.max(1)) {
+            y.extend_from_slice(&row[first..first + width]);
+        }
+        first += width;
+    }
+}
+
 /// From this many gated values on, rows are gated in parallel (a batch of
 /// 8 SmolLM2 rows, 12,288 values, ran serially below 2^14 while the other
 /// thread waited: 2% of a batched decode step).
@@ -207,6 +232,76 @@ mod tests {
                     linear(&x, m, &narrow, None, &mut b, &ctx);
                     let same = a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits());
                     assert!(same, "{kind} {isa} m={m}: the narrowed weight computes other values");
+                }
+            }
+        }
+    }
+
+    /// A split projection (Q, K and V stacked, `Op::SplitLinear`) gives
+    /// each member exactly the bits its own projection gives, on every
+    /// instruction-set path, storage (f32, f32 narrowed to affine 4-bit
+    /// blocks, f16, 4-bit with and without zero points, int8 inputs), row
+    /// count (decode, batches, AMX-sized and GEMM-sized) and thread count,
+    /// with member boundaries inside a tile (40 + 24 + 24 outputs) and on
+    /// tile edges (64 + 16 + 16).
+    #[test]
+    fn split_outputs_are_each_members_own_bits() {
+        let k = 96;
+        let f32_rows = |n: usize, seed: usize| -> Vec<f32> {
+            (0..n * k).map(|i| ((i * 13 + seed * 7) % 29) as f32 * 0.031 - 0.4).collect()
+        };
+        // Q4_1-style values (`d * q + m` per block of 32): narrow to
+        // affine 4-bit blocks.
+        let affine = |n: usize, seed: usize| -> Vec<f32> {
+            (0..n * k)
+                .map(|i| {
+                    let block = i / 32 + seed;
+                    let d = f16::from_f32(0.002 + (block % 7) as f32 * 0.001).to_f32();
+                    let m = f16::from_f32(-0.01 - (block % 5) as f32 * 0.003).to_f32();
+                    d * ((i * 7 + seed) % 16) as f32 + m
+                })
+                .collect()
+        };
+        type Make<'a> = &'a dyn Fn(usize, usize) -> Weight;
+        let storages: [(&str, Make); 7] = [
+            ("f32", &|n, s| Weight { n, k, packed: Packed::F32(f32_rows(n, s)) }),
+            ("affine", &|n, s| Weight { n, k, packed: Packed::F32(affine(n, s)) }),
+            ("f16", &|n, s| Weight {
+                n,
+                k,
+                packed: Packed::F16(f32_rows(n, s).iter().map(|v| f16::from_f32(*v)).collect()),
+            }),
+            ("q4", &|n, _| q4(n, k, 32, false, false)),
+            ("q4 zeros", &|n, _| q4(n, k, 32, true, false)),
+            ("q4i8", &|n, _| q4(n, k, 32, false, true)),
+            ("q4i8 zeros", &|n, _| q4(n, k, 32, true, true)),
+        ];
+        for (name, make) in storages {
+            for widths in [[40, 24, 24], [64, 16, 16]] {
+                let members: Vec<Weight> = widths.iter().enumerate().map(|(i, &n)| make(n, i)).collect();
+                let stacked =
+                    members.iter().skip(1).fold(members[0].clone(), |s, w| Weight::stack(s, w.clone()).unwrap());
+                let stacked = stacked.narrowed().into_tiled();
+                let members: Vec<Weight> = members.into_iter().map(|w| w.narrowed().into_tiled()).collect();
+                assert_eq!(stacked.kind(), members[0].kind(), "{name}: the stack is stored as its members");
+                for threads in [1, 2] {
+                    let rt = Runtime::new(threads).unwrap();
+                    for isa in Isa::all_available() {
+                        let mut ctx = rt.ctx();
+                        ctx.isa = isa;
+                        for m in [1, 2, 4, 5, 8, 9, 16, 70] {
+                            let x: Vec<f32> = (0..m * k).map(|i| ((i * 7 % 19) as f32 - 9.0) * 0.11).collect();
+                            let mut outs = vec![vec![f32::NAN; 3]; 3];
+                            split(&x, m, &stacked, &widths, &mut Vec::new(), &mut outs, &ctx);
+                            for (i, (member, got)) in members.iter().zip(&outs).enumerate() {
+                                let mut want = Vec::new();
+                                linear(&x, m, member, None, &mut want, &ctx);
+                                let same = got.len() == want.len()
+                                    && got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+                                assert!(same, "{name} {widths:?} {isa} {threads}t m={m}: member {i} differs");
+                            }
+                        }
+                    }
                 }
             }
         }

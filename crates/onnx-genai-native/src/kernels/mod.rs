@@ -37,8 +37,9 @@ pub struct Scratch {
     pub d: Vec<f32>,
     pub bytes: Vec<i8>,
     pub ints: Vec<i32>,
-    /// The gated MLP's stacked gate/up product (staging only: the
-    /// projection it comes from stages its inputs in the fields above).
+    /// The gated MLP's stacked gate/up product, or a split projection's
+    /// stacked product (staging only: the projection it comes from stages
+    /// its inputs in the fields above).
     pub gate: Vec<f32>,
     /// The rows a row-selecting head projects (staging only).
     pub picked: Vec<f32>,
