@@ -125,10 +125,10 @@ const GROUPS_AHEAD: usize = 8;
 /// for each tile.
 const SUMS: usize = 2 * TILE_ROWS * TILE * 4;
 
-/// Bytes of scratch [`tiles`] needs for groups of `sub` records: a chunk's
-/// images for a tile pair, its sums, and a line to align them to.
-fn scratch_bytes(sub: usize) -> usize {
-    2 * GROUPS_AHEAD * sub * IMAGE + GROUPS_AHEAD * SUMS + 64
+/// Bytes of scratch [`tiles`] needs to hold `records` images of a tile
+/// pair, a chunk's sums, and a line to align them to.
+fn scratch_bytes(records: usize) -> usize {
+    2 * records * IMAGE + GROUPS_AHEAD * SUMS + 64
 }
 
 /// Runs the kernel for the int8-input 4-bit weight `t` over `tiles`, every
@@ -147,14 +147,21 @@ pub unsafe fn tiles(t: &Tiled, rows: &Rows<'_>, tiles: Range<usize>, y: &Disjoin
     };
     let sub = (x_block / QBLOCK).max(1);
     debug_assert!(blocks.is_multiple_of(sub) && rows.qscale.len() >= rows.m * (rows.kp / QBLOCK));
-    super::grow_to(images, scratch_bytes(sub));
+    // More rows than one tile takes (a prefill) multiply every 16-row
+    // slice by the same weight images: a pair's records are then unpacked
+    // once, all of them, and each slice reads them from L2 (unpacked again
+    // chunk by chunk for each slice, the unpacking was most of a prefill's
+    // products). One slice keeps the chunks, whose images stay in L1.
+    let whole = rows.m > TILE_ROWS;
+    let records = if whole { blocks } else { GROUPS_AHEAD * sub };
+    super::grow_to(images, scratch_bytes(records));
     // Images and sums start on a cache line (a tile row that straddles
     // two lines is two accesses).
     let offset = super::line_offset(images.as_ptr());
     // SAFETY: the scratch has 64 bytes to spare for the alignment.
     let images = unsafe { images.as_mut_ptr().add(offset).cast::<u8>() };
     // SAFETY: the sums follow the images in the scratch.
-    let sums = unsafe { images.add(2 * GROUPS_AHEAD * sub * IMAGE) };
+    let sums = unsafe { images.add(2 * records * IMAGE) };
     #[cfg(test)]
     TILE_CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     // Releases the tiles however this returns (a panic in a pool job is
@@ -164,6 +171,11 @@ pub unsafe fn tiles(t: &Tiled, rows: &Rows<'_>, tiles: Range<usize>, y: &Disjoin
     let mut tile = tiles.start;
     while tile < tiles.end {
         let width = if tiles.end - tile >= 2 { 2 } else { 1 };
+        if whole {
+            // SAFETY: `tile..tile + width` are in bounds; the scratch holds
+            // `blocks` images of each.
+            unsafe { unpack(t, tile, width, 0..blocks, images, symmetric) };
+        }
         let mut first = 0;
         while first < rows.m {
             let count = TILE_ROWS.min(rows.m - first);
@@ -177,7 +189,7 @@ pub unsafe fn tiles(t: &Tiled, rows: &Rows<'_>, tiles: Range<usize>, y: &Disjoin
             let kernel: RowsByTiles = if width == 2 { rows_by_tiles::<2> } else { rows_by_tiles::<1> };
             // SAFETY: forwarded contract; rows `first..first + count` are in
             // bounds and the tiles are configured for `count` rows.
-            unsafe { kernel(t, rows, (blocks, sub, symmetric), tile, first..first + count, (images, sums), y) };
+            unsafe { kernel(t, rows, (blocks, sub, symmetric), tile, first..first + count, (images, sums, whole), y) };
             first += count;
         }
         tile += width;
@@ -185,8 +197,15 @@ pub unsafe fn tiles(t: &Tiled, rows: &Rows<'_>, tiles: Range<usize>, y: &Disjoin
 }
 
 /// [`rows_by_tiles`] for one or two weight tiles.
-type RowsByTiles =
-    unsafe fn(&Tiled, &Rows<'_>, (usize, usize, bool), usize, Range<usize>, (*const u8, *mut u8), &Disjoint<'_, f32>);
+type RowsByTiles = unsafe fn(
+    &Tiled,
+    &Rows<'_>,
+    (usize, usize, bool),
+    usize,
+    Range<usize>,
+    (*const u8, *mut u8, bool),
+    &Disjoint<'_, f32>,
+);
 
 /// Calls of [`tiles`] (tests: the tile path did run).
 #[cfg(test)]
@@ -243,7 +262,8 @@ unsafe fn unpack(t: &Tiled, tile: usize, width: usize, records: Range<usize>, im
 
 /// `T` weight tiles from `tile` against the input rows `rows_range` (at
 /// most 16, the configured tile height), chunk by chunk of groups
-/// ([`GROUPS_AHEAD`]): unpack, multiply, then the f32 epilogue.
+/// ([`GROUPS_AHEAD`]): unpack (unless `whole`: the images then hold every
+/// record of the tiles already), multiply, then the f32 epilogue.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
 #[allow(clippy::too_many_arguments)]
@@ -253,7 +273,7 @@ unsafe fn rows_by_tiles<const T: usize>(
     (blocks, sub, symmetric): (usize, usize, bool),
     tile: usize,
     rows_range: Range<usize>,
-    (images, sums): (*const u8, *mut u8),
+    (images, sums, whole): (*const u8, *mut u8, bool),
     y: &Disjoint<'_, f32>,
 ) {
     let (first, count) = (rows_range.start, rows_range.len());
@@ -269,9 +289,13 @@ unsafe fn rows_by_tiles<const T: usize>(
     let multiply = |k: usize| {
         let g0 = k * GROUPS_AHEAD;
         let records = g0 * sub..(g0 + GROUPS_AHEAD).min(groups) * sub;
-        // SAFETY: `tile` (and `tile + 1` for a pair) are in bounds; the
-        // images hold the chunk's records.
-        unsafe { unpack(t, tile, T, records, images.cast_mut(), symmetric) };
+        // The image of the chunk's first record.
+        let image0 = if whole { records.start } else { 0 };
+        if !whole {
+            // SAFETY: `tile` (and `tile + 1` for a pair) are in bounds; the
+            // images hold the chunk's records.
+            unsafe { unpack(t, tile, T, records, images.cast_mut(), symmetric) };
+        }
         for c in 0..GROUPS_AHEAD.min(groups - g0) {
             let g = g0 + c;
             // Consecutive groups alternate between two register sets, so
@@ -290,7 +314,7 @@ unsafe fn rows_by_tiles<const T: usize>(
                 unsafe {
                     load_inputs(set, q.add(b * QBLOCK), kp);
                     for j in 0..T {
-                        product(set, j, images.add(((b - g0 * sub) * T + j) * IMAGE), symmetric);
+                        product(set, j, images.add(((b - g0 * sub + image0) * T + j) * IMAGE), symmetric);
                     }
                 }
             }
