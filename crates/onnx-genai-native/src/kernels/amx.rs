@@ -13,7 +13,7 @@
 //! fused multiply-add per 16 outputs, row and block) is then most of the
 //! work: criterion `batch_576x3072_1t/q4_int8_inputs` at 16 rows ran in
 //! about two thirds of VNNI's time on an Intel Xeon with AMX, and lost to
-//! it at 4 rows, hence [`super::tiled`]'s minimum of 8.
+//! it below 7 rows, hence [`super::tiled`]'s minimum of 7 (`AMX_MIN_ROWS`).
 //!
 //! Tile loads do not take data from stores still in flight, nor vector
 //! loads from tile stores: each chunk is unpacked, multiplied and its sums
