@@ -435,7 +435,6 @@ fn run_attention(
     Ok(())
 }
 
-/// Rows of a projection input `[.., k]` and the output shape `[.., n]`.
 /// [`Op::SplitLinear`]: one output per member, shaped as its own
 /// projection's.
 fn split_linear(
@@ -466,6 +465,7 @@ fn split_linear(
     Ok(())
 }
 
+/// Rows of a projection input `[.., k]` and the output shape `[.., n]`.
 fn rows(x: &Value, k: usize, n: usize) -> Result<(usize, crate::value::Shape), String> {
     match x.shape.last() {
         Some(d) if *d == k => {
