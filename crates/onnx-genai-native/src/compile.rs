@@ -469,10 +469,16 @@ fn causal_attention(g: &mut Graph) {
 /// many were narrowed to each (`q8`, `q4`, `f16`).
 fn repack(g: &mut Graph) -> [(&'static str, usize); 3] {
     let mut narrowed = [("q8", 0), ("q4", 0), ("f16", 0)];
-    for weight in g.nodes.iter_mut().flatten().filter_map(|node| node.op.projection_weight_mut()) {
+    for node in g.nodes.iter_mut().flatten() {
+        // A split projection's members count one by one.
+        let members = match &node.op {
+            Op::SplitLinear { widths, .. } => widths.len(),
+            _ => 1,
+        };
+        let Some(weight) = node.op.projection_weight_mut() else { continue };
         let w = (**weight).clone().narrowed();
         for (kind, count) in &mut narrowed {
-            *count += usize::from(w.kind() == *kind && weight.kind() == "f32");
+            *count += members * usize::from(w.kind() == *kind && weight.kind() == "f32");
         }
         *weight = Arc::new(w.into_tiled());
     }

@@ -4,7 +4,7 @@
 use crate::kernels::attention::{self, AdditiveBias, Bias, Heads, Layout, RotaryCache, Segment};
 use crate::kernels::elementwise as ew;
 use crate::kernels::layout as ly;
-use crate::kernels::linear::{gated, linear, split};
+use crate::kernels::linear::{gated, linear, split, MAX_STACKED};
 use crate::kernels::math::Reduce;
 use crate::kernels::rotary::{rotary, Angles};
 use crate::kernels::{math, select, Ctx};
@@ -450,14 +450,13 @@ fn split_linear(
     if outputs.len() != widths.len() || widths.iter().sum::<usize>() != weight.n {
         return Err(format!("{} outputs of widths {widths:?} for {} stacked outputs", outputs.len(), weight.n));
     }
-    // At most 3 members (Q, K and V) in the exports seen; more spill to the
-    // heap, once per step.
-    let mut ys: smallvec::SmallVec<[Vec<f32>; 3]> = outputs.iter_mut().map(Value::take_f32).collect();
+    // (At most `MAX_STACKED` members: held inline, no allocation.)
+    let mut ys: smallvec::SmallVec<[Vec<f32>; MAX_STACKED]> = outputs.iter_mut().map(Value::take_f32).collect();
     let mut staged = ctx.staging();
-    let mut all = std::mem::take(&mut staged.gate);
+    let mut all = std::mem::take(&mut staged.split);
     drop(staged);
     split(xs, m, weight, widths, &mut all, &mut ys, ctx);
-    ctx.staging().gate = all;
+    ctx.staging().split = all;
     for ((out, y), &width) in outputs.iter_mut().zip(ys.drain(..)).zip(widths) {
         let (_, shape) = rows(x, weight.k, width)?;
         *out = Value::f32(shape, y);

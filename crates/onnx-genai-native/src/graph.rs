@@ -1,7 +1,8 @@
 //! The compiler's working graph: values with inferred dtype/dims and
 //! optional constant data, and lowered nodes kept in topological order.
 //! Passes remove nodes (`None`) and put fused nodes where the last node of
-//! their pattern was, which keeps the order valid.
+//! their pattern was, which keeps the order valid (stacked sibling
+//! projections go where the first was: see `fuse::linear::stack_group`).
 
 use std::collections::HashMap;
 use std::sync::Arc;

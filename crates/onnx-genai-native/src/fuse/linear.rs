@@ -8,6 +8,7 @@ use super::{fused, is_bin, Rewrite, M};
 use crate::error::CompileError;
 use crate::graph::{Graph, Node, Uses, Vid};
 use crate::kernels::elementwise::BinOp;
+use crate::kernels::linear::MAX_STACKED;
 use crate::kernels::weights::{Packed, Weight};
 use crate::ops::Op;
 use crate::value::DType;
@@ -192,8 +193,8 @@ pub(super) fn q4_offsets(g: &Graph, u: &Uses, i: usize) -> Result<Option<Rewrite
     Ok(None)
 }
 
-/// Bias-free projections of one input (a layer's Q, K and V in a
-/// decomposed export) stacked into one [`Op::SplitLinear`] at the first
+/// Bias-free projections of one input (a layer's Q, K and V, where an
+/// export keeps them apart: decomposed, opset-23 and contrib) stacked into one [`Op::SplitLinear`] at the first
 /// one's place: a decode step then runs one parallel region over their
 /// weights instead of three (on SmolLM2's int4 export at 2 threads, K and
 /// V's 192-output projections each took as long as at 1 thread — a region
@@ -225,11 +226,14 @@ pub(crate) fn stack_siblings(g: &mut Graph, head: Vid) -> usize {
         }
         // (Narrowing an f32 weight to learn its form is costly: only here.)
         let mut members: Vec<(usize, &'static str)> = members.into_iter().map(|(i, w)| (i, stored_kind(w))).collect();
-        // Kinds in order of first appearance; the group keeps plan order.
+        // Kinds in order of first appearance; a group keeps plan order,
+        // and more than `MAX_STACKED` members make several stacks.
         while let Some(&(_, kind)) = members.first() {
             let group: Vec<usize> = members.iter().filter(|m| m.1 == kind).map(|m| m.0).collect();
-            if group.len() >= 2 && stack_group(g, x, &group) {
-                stacks += 1;
+            for part in group.chunks(MAX_STACKED) {
+                if part.len() >= 2 && stack_group(g, x, part) {
+                    stacks += 1;
+                }
             }
             members.retain(|m| m.1 != kind);
         }
@@ -246,8 +250,10 @@ fn stored_kind(w: &Weight) -> &'static str {
 }
 
 /// Replaces the projections `group` (in plan order, all reading `x`) by
-/// one [`Op::SplitLinear`] at the first one's place; false (the graph
-/// untouched) when their weights do not stack.
+/// one [`Op::SplitLinear`] at the first one's place (not the last's, as
+/// the pattern passes place theirs: its one input `x` comes before every
+/// member, and whatever reads a member's output comes after that member);
+/// false (the graph untouched) when their weights do not stack.
 fn stack_group(g: &mut Graph, x: Vid, group: &[usize]) -> bool {
     let mut stacked: Option<Weight> = None;
     let (mut widths, mut outputs) = (Vec::new(), Vec::new());
@@ -271,4 +277,55 @@ fn stack_group(g: &mut Graph, x: Vid, group: &[usize]) -> bool {
     }
     g.nodes[group[0]] = Some(node);
     true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn linear(g: &mut Graph, x: Vid, name: &str, n: usize, f16: bool) -> usize {
+        let k = 8;
+        let rows: Vec<f32> = (0..n * k).map(|i| (i % 7) as f32 * 0.25).collect();
+        let packed =
+            if f16 { Packed::F16(rows.iter().map(|v| half::f16::from_f32(*v)).collect()) } else { Packed::F32(rows) };
+        let out = g.value(name);
+        let op = Op::Linear { weight: Arc::new(Weight { n, k, packed }), bias: None };
+        g.nodes.push(Some(Node {
+            name: name.into(),
+            origin: "MatMul".into(),
+            op,
+            inputs: vec![Some(x)],
+            outputs: vec![out],
+        }));
+        g.nodes.len() - 1
+    }
+
+    /// Stacking is bounded and keeps order: five f16 projections of one
+    /// input make one stack of `MAX_STACKED` (at the first one's place,
+    /// outputs in member order) and leave the fifth alone; a projection of
+    /// another storage and the logits projection are never stacked.
+    #[test]
+    fn siblings_stack_in_order_up_to_the_bound() {
+        let mut g = Graph::default();
+        let x = g.value("x");
+        let members: Vec<usize> = (0..5).map(|i| linear(&mut g, x, &format!("p{i}"), 16 + i, true)).collect();
+        let other = linear(&mut g, x, "wide", 16, false);
+        let head = linear(&mut g, x, "logits", 16, true);
+        let head_out = g.nodes[head].as_ref().unwrap().outputs[0];
+        let want: Vec<Vid> = members[..4].iter().map(|i| g.nodes[*i].as_ref().unwrap().outputs[0]).collect();
+        assert_eq!(stack_siblings(&mut g, head_out), 1);
+        let Some(Node { op: Op::SplitLinear { widths, weight }, outputs, .. }) = &g.nodes[members[0]] else {
+            panic!("no stack at the first member's place: {:?}", g.nodes[members[0]]);
+        };
+        assert_eq!(widths, &[16, 17, 18, 19]);
+        assert_eq!(weight.n, 70);
+        assert_eq!(outputs, &want);
+        assert!(members[1..4].iter().all(|i| g.nodes[*i].is_none()), "stacked members stay behind");
+        for alone in [members[4], other, head] {
+            assert!(
+                matches!(g.nodes[alone].as_ref().map(|n| &n.op), Some(Op::Linear { .. })),
+                "node {alone} was stacked"
+            );
+        }
+    }
 }

@@ -90,10 +90,15 @@ pub fn gated(x: &[f32], m: usize, w: &Weight, scratch: &mut Vec<f32>, y: &mut Ve
     }
 }
 
+/// Members a split projection stacks at most (the compiler makes several
+/// stacks of more): its outputs are then held without allocating.
+pub const MAX_STACKED: usize = 4;
+
 /// Stacked sibling projections ([`crate::ops::Op::SplitLinear`]): the
 /// product over every member's rows into `scratch`, then member `i`'s
-/// `widths[i]` columns of each row into `outs[i]`. Each output's values are
-/// its member's alone, computed as a projection of that member would.
+/// `widths[i]` columns of each row into `outs[i]` (at most
+/// [`MAX_STACKED`]). Each output's values are its member's alone, computed
+/// as a projection of that member would.
 pub fn split(
     x: &[f32],
     m: usize,
@@ -104,14 +109,32 @@ pub fn split(
     ctx: &Ctx,
 ) {
     debug_assert_eq!(widths.iter().sum::<usize>(), w.n, "the widths cover the stacked outputs");
+    debug_assert!(outs.len() == widths.len() && outs.len() <= MAX_STACKED);
     linear(x, m, w, None, scratch, ctx);
-    let mut first = 0;
+    let products: &[f32] = scratch;
+    // Every value is written below (not cleared first: see `linear`).
     for (y, &width) in outs.iter_mut().zip(widths) {
-        y.clear();
-        for row in scratch.chunks_exact(w.n.max(1)) {
-            y.extend_from_slice(&row[first..first + width]);
+        y.resize(m * width, 0.0);
+    }
+    let targets: smallvec::SmallVec<[Disjoint<'_, f32>; MAX_STACKED]> =
+        outs.iter_mut().map(|y| Disjoint::new(y)).collect();
+    let work = |rows: std::ops::Range<usize>, _t: usize| {
+        for r in rows {
+            let mut first = 0;
+            for (y, &width) in targets.iter().zip(widths) {
+                // SAFETY: row `r` of each output belongs to this range only.
+                let out = unsafe { y.slice(r * width, width) };
+                out.copy_from_slice(&products[r * w.n + first..r * w.n + first + width]);
+                first += width;
+            }
         }
-        first += width;
+    };
+    // A prefill's rows are copied by all the threads (0.5 MB a SmolLM2
+    // layer at 128 rows); a decode step's few rows inline.
+    if m * w.n >= PARALLEL_MIN_GATES {
+        ctx.pool.for_ranges(m, 1, &work);
+    } else {
+        work(0..m, 0);
     }
 }
 

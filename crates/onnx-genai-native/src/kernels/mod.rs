@@ -37,17 +37,23 @@ pub struct Scratch {
     pub d: Vec<f32>,
     pub bytes: Vec<i8>,
     pub ints: Vec<i32>,
-    /// The gated MLP's stacked gate/up product, or a split projection's
-    /// stacked product (staging only: the projection it comes from stages
-    /// its inputs in the fields above).
+    /// The gated MLP's stacked gate/up product (staging only: the
+    /// projection it comes from stages its inputs in the fields above).
     pub gate: Vec<f32>,
+    /// A split projection's stacked product (staging only, as `gate`; its
+    /// own buffer: shared, the two widths alternating each layer made
+    /// `linear`'s resize zero-fill the wider one's growth every time).
+    pub split: Vec<f32>,
     /// The rows a row-selecting head projects (staging only).
     pub picked: Vec<f32>,
 }
 
 impl Scratch {
+    /// Its buffers.
+    const FIELDS: usize = 9;
+
     /// The capacity of every buffer, in field order.
-    fn capacities(&self) -> [usize; 8] {
+    fn capacities(&self) -> [usize; Self::FIELDS] {
         [
             self.a.capacity(),
             self.b.capacity(),
@@ -56,16 +62,17 @@ impl Scratch {
             self.bytes.capacity(),
             self.ints.capacity(),
             self.gate.capacity(),
+            self.split.capacity(),
             self.picked.capacity(),
         ]
     }
 
     /// Grows every buffer to at least the matching capacity in `caps`.
-    fn reserve_capacities(&mut self, caps: [usize; 8]) {
+    fn reserve_capacities(&mut self, caps: [usize; Self::FIELDS]) {
         fn at_least<T>(v: &mut Vec<T>, cap: usize) {
             v.reserve(cap.saturating_sub(v.len()));
         }
-        let [a, b, c, d, bytes, ints, gate, picked] = caps;
+        let [a, b, c, d, bytes, ints, gate, split, picked] = caps;
         at_least(&mut self.a, a);
         at_least(&mut self.b, b);
         at_least(&mut self.c, c);
@@ -73,6 +80,7 @@ impl Scratch {
         at_least(&mut self.bytes, bytes);
         at_least(&mut self.ints, ints);
         at_least(&mut self.gate, gate);
+        at_least(&mut self.split, split);
         at_least(&mut self.picked, picked);
     }
 }
@@ -139,7 +147,7 @@ impl Runtime {
     /// another thread has: without this, a warm step with shapes already
     /// seen could still allocate, on whichever thread was unlucky.
     pub fn even_out_scratch(&mut self) {
-        let mut most = [0usize; 8];
+        let mut most = [0usize; Scratch::FIELDS];
         for t in 0..self.scratch.len() {
             for (m, c) in most.iter_mut().zip(self.scratch.get_mut(t).capacities()) {
                 *m = (*m).max(c);
@@ -197,12 +205,14 @@ mod tests {
         super::sized(&mut runtime.scratch.get_mut(0).a, 1000);
         runtime.scratch.get_mut(2).ints.resize(77, 0);
         runtime.scratch.get_mut(1).picked.reserve(300);
+        runtime.scratch.get_mut(1).split.reserve(500);
         runtime.even_out_scratch();
         for t in 0..3 {
             let caps = runtime.scratch.get_mut(t).capacities();
             assert!(caps[0] >= 1000, "thread {t}: a has {}", caps[0]);
             assert!(caps[5] >= 77, "thread {t}: ints has {}", caps[5]);
-            assert!(caps[7] >= 300, "thread {t}: picked has {}", caps[7]);
+            assert!(caps[7] >= 500, "thread {t}: split has {}", caps[7]);
+            assert!(caps[8] >= 300, "thread {t}: picked has {}", caps[8]);
         }
         // What a thread holds is kept: only capacity is added.
         assert_eq!(runtime.scratch.get_mut(0).a.len(), 1000);
