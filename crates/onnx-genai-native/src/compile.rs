@@ -471,10 +471,7 @@ fn repack(g: &mut Graph) -> [(&'static str, usize); 3] {
     let mut narrowed = [("q8", 0), ("q4", 0), ("f16", 0)];
     for node in g.nodes.iter_mut().flatten() {
         // A split projection's members count one by one.
-        let members = match &node.op {
-            Op::SplitLinear { widths, .. } => widths.len(),
-            _ => 1,
-        };
+        let members = node.op.projection_widths().len();
         let Some(weight) = node.op.projection_weight_mut() else { continue };
         let w = (**weight).clone().narrowed();
         for (kind, count) in &mut narrowed {

@@ -261,15 +261,13 @@ pub fn infer(op: &Op, inputs: &[Option<&Meta>], outputs: usize) -> Result<Vec<Ou
             let x = (Some(DType::F32), d(0));
             Ok(vec![x.clone(), (None, None), (None, None), x].into_iter().take(outputs.max(1)).collect())
         }
-        Op::Linear { weight, .. } => linear_out(&d(0), t(0), weight.k, weight.n),
-        Op::SplitLinear { weight, widths } => {
-            let mut outs = Vec::with_capacity(widths.len());
-            for w in widths {
-                outs.extend(linear_out(&d(0), t(0), weight.k, *w)?);
+        Op::Linear { weight, .. } | Op::SplitLinear { weight, .. } | Op::GatedMlp { weight } => {
+            let mut outs = Vec::with_capacity(outputs.max(1));
+            for w in op.projection_widths() {
+                outs.extend(linear_out(&d(0), t(0), weight.k, w)?);
             }
             Ok(outs)
         }
-        Op::GatedMlp { weight } => linear_out(&d(0), t(0), weight.k, weight.n / 2),
         Op::MatMulNBits { k, n, .. } => linear_out(&d(0), t(0), *k, *n),
         Op::GatherQ4 { .. } => {
             if t(0).is_some_and(|t| t != DType::U8) || t(1).is_some_and(|t| t != DType::I64) {

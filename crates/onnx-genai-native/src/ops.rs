@@ -225,6 +225,18 @@ impl Op {
         }
     }
 
+    /// The widths of a projection step's outputs, in output order: a split
+    /// projection's members, a gated MLP's half of its stacked rows, a
+    /// linear's rows; none for other ops.
+    pub fn projection_widths(&self) -> smallvec::SmallVec<[usize; crate::kernels::linear::MAX_STACKED]> {
+        match self {
+            Op::Linear { weight, .. } => smallvec::smallvec![weight.n],
+            Op::SplitLinear { widths, .. } => widths.iter().copied().collect(),
+            Op::GatedMlp { weight } => smallvec::smallvec![weight.n / 2],
+            _ => smallvec::SmallVec::new(),
+        }
+    }
+
     /// [`Op::projection_weight`], to replace or repack it.
     pub fn projection_weight_mut(&mut self) -> Option<&mut Arc<Weight>> {
         match self {

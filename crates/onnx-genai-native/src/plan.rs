@@ -210,22 +210,8 @@ impl Plan {
             }
             // Outputs take slots before inputs are released, so no step
             // writes a buffer it is reading.
-            match &n.op {
-                Op::SplitLinear { widths, .. } => {
-                    for (v, w) in n.outputs.iter().zip(widths) {
-                        width_of[*v] = *w;
-                    }
-                }
-                Op::GatedMlp { weight } => {
-                    if let Some(first) = n.outputs.first() {
-                        width_of[*first] = weight.n / 2;
-                    }
-                }
-                op => {
-                    if let (Some(first), Some(w)) = (n.outputs.first(), op.projection_weight()) {
-                        width_of[*first] = w.n;
-                    }
-                }
+            for (v, w) in n.outputs.iter().zip(n.op.projection_widths()) {
+                width_of[*v] = w;
             }
             let outputs: Vec<usize> = n.outputs.iter().map(|v| alloc(&mut free, key(*v, &width_of))).collect();
             for (v, slot) in n.outputs.iter().zip(&outputs) {

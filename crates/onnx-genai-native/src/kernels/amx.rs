@@ -295,8 +295,9 @@ unsafe fn rows_by_tiles<const T: usize>(
     let multiply = |k: usize| {
         let g0 = k * GROUPS_AHEAD;
         let records = g0 * sub..(g0 + GROUPS_AHEAD).min(groups) * sub;
-        // The image of the chunk's first record.
-        let image0 = if whole { records.start } else { 0 };
+        // The record whose image comes first in the scratch: the chunk's
+        // own, or (whole) the tile's first.
+        let first_image = if whole { 0 } else { records.start };
         if !whole {
             // SAFETY: `tile` (and `tile + 1` for a pair) are in bounds; the
             // images hold the chunk's records.
@@ -320,7 +321,7 @@ unsafe fn rows_by_tiles<const T: usize>(
                 unsafe {
                     load_inputs(set, q.add(b * QBLOCK), kp);
                     for j in 0..T {
-                        product(set, j, images.add(((b - g0 * sub + image0) * T + j) * IMAGE), symmetric);
+                        product(set, j, images.add(((b - first_image) * T + j) * IMAGE), symmetric);
                     }
                 }
             }
