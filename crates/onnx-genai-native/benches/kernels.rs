@@ -4,8 +4,8 @@
 //! with int8 inputs) on every instruction-set path this CPU has, as a decode
 //! projection (one row: the weight streamed once, reported in GB/s of
 //! weight bytes read) and as a prefill (128 rows: reported in GFLOP/s);
-//! the GEMM microkernel alone; and the attention step at context 64 vs
-//! 1024. End-to-end decode against ONNX Runtime is `cargo xtask bench`.
+//! the GEMM microkernel alone; the attention step at context 64 vs
+//! 1024; and a parallel region's own cost. End-to-end decode against ONNX Runtime is `cargo xtask bench`.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use onnx_genai_native::kernels::attention::{attention, AttentionSpec, Bias, Heads, Layout, Segment, Step};
@@ -215,5 +215,31 @@ fn batched_decode(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, projections, batched_decode, microkernel, attention_step);
+/// What a parallel region costs beyond its work, on two threads: an empty
+/// one (the hand-off and the barrier) and one of SmolLM2's smallest
+/// projection's claims (its 576 outputs are 18 tile pairs, claimed 3 at
+/// most at a time, as `tiled::linear` splits them). A decode step runs
+/// about 180 regions.
+fn pool_regions(c: &mut Criterion) {
+    use onnx_genai_native::pool::{ThreadPool, DEFAULT_SPIN};
+    let pool = ThreadPool::new(2, DEFAULT_SPIN).expect("thread pool");
+    let mut group = c.benchmark_group("pool_region_2t");
+    group.bench_function("empty", |b| {
+        b.iter(|| {
+            pool.run(&|t| {
+                std::hint::black_box(t);
+            })
+        })
+    });
+    group.bench_function("claimed_18_by_3", |b| {
+        b.iter(|| {
+            pool.for_claimed_ranges(18, 3, &|r, t| {
+                std::hint::black_box((r, t));
+            })
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, projections, batched_decode, microkernel, attention_step, pool_regions);
 criterion_main!(benches);

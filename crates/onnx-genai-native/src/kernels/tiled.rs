@@ -407,7 +407,7 @@ fn gemm(t: &Tiled, packed: &mut Vec<f32>, x: &[f32], m: usize, y: &mut [f32], ct
 /// `batch_576x3072_1t/q4_int8_inputs`, one Intel Xeon run, µs VNNI / AMX:
 /// 4 rows 50.0 / 65.4, 5 65.9 / 71.5, 6 76.7 / 79.1, 7 95.7 / 82.2, 8 93.4
 /// / 84.9, 12 150.2 / 103.4 (VNNI takes 7 rows as calls of 4, 2 and 1).
-pub(crate) const AMX_MIN_ROWS: usize = 7;
+pub const AMX_MIN_ROWS: usize = 7;
 
 /// The kernel of `isa` over `tiles`.
 pub fn run(isa: Isa, t: &Tiled, rows: &Rows<'_>, tiles: std::ops::Range<usize>, y: &Disjoint<'_, f32>) {
