@@ -109,6 +109,8 @@ struct Row {
     mean_width: f64,
     /// Wall time per model step.
     step_ms: f64,
+    /// Of that, the time in the engine (the model's pass and sampling).
+    engine_ms: f64,
 }
 
 /// One client count, measured once: its clients stream their requests
@@ -143,6 +145,7 @@ fn measure(
         widest: after.widest_step,
         mean_width: after.stepped.saturating_sub(before.stepped) as f64 / steps,
         step_ms: wall * 1e3 / steps,
+        engine_ms: after.step_nanos.saturating_sub(before.step_nanos) as f64 / 1e6 / steps,
     })
 }
 
@@ -189,6 +192,7 @@ fn summarize(rounds: &[Vec<Row>]) -> Vec<Summary> {
                 widest: rounds.iter().map(|r| r[i].widest).max().unwrap_or(0),
                 mean_width: column(|r| r.mean_width),
                 step_ms: column(|r| r.step_ms),
+                engine_ms: column(|r| r.engine_ms),
             };
             let ratio_range = range(&ratios);
             Summary { row, aggregate_range: range(&aggregates), ratio: median(ratios), ratio_range }
@@ -263,9 +267,10 @@ pub fn run(opts: Options) -> Result<()> {
          tokens/s; the peak of the projections' arithmetic at {} thread(s): {} (% of peak: against the path a row's \
          mean step width runs). Mean \
          width: the turns a model step advanced on average (a newcomer's prompt chunk counts as one); ms/step: the \
-         wall time over the model steps run.\n\n\
-         | clients | aggregate tok/s | x one client | per-client tok/s | TTFT p50 ms | TTFT p95 ms | G op/s | % of peak | widest step | mean width | ms/step |\n\
-         |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+         wall time over the model steps run; engine ms/step: of that, the time in the engine's steps (the model's pass \
+         and sampling), the rest being the server's own work and waits.\n\n\
+         | clients | aggregate tok/s | x one client | per-client tok/s | TTFT p50 ms | TTFT p95 ms | G op/s | % of peak | widest step | mean width | ms/step | engine ms/step |\n\
+         |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         kind.name(),
         opts.threads,
         opts.max_tokens,
@@ -285,7 +290,7 @@ pub fn run(opts: Options) -> Result<()> {
         let r = &s.row;
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {:.1} | {:.0} | {:.0} | {:.1} | {:.0}% | {} | {:.1} | {:.2} |",
+            "| {} | {} | {} | {:.1} | {:.0} | {:.0} | {:.1} | {:.0}% | {} | {:.1} | {:.2} | {:.2} |",
             r.clients,
             spread(format!("{:.1}", r.tokens_per_s), s.aggregate_range, 1, ""),
             spread(format!("{:.2}x", s.ratio), s.ratio_range, 2, "x"),
@@ -296,7 +301,8 @@ pub fn run(opts: Options) -> Result<()> {
             100.0 * r.gflops / (2.0 * peaks.at_width(r.mean_width) / 1e9),
             r.widest,
             r.mean_width,
-            r.step_ms
+            r.step_ms,
+            r.engine_ms
         );
     }
     let _ = write!(
@@ -501,6 +507,7 @@ mod tests {
             widest,
             mean_width: clients as f64,
             step_ms: 1.0,
+            engine_ms: 0.9,
         }
     }
 

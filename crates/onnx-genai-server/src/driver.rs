@@ -144,6 +144,10 @@ pub struct Counters {
     /// The turns those steps advanced, summed: over `steps`, the mean
     /// batch width.
     pub stepped: AtomicU64,
+    /// Nanoseconds those steps spent in the engine (the model's pass and
+    /// sampling): over `steps`, what a step costs the engine; the rest of a
+    /// step's wall time is the driver's own work and its waits.
+    pub step_nanos: AtomicU64,
     /// Requests waiting in line for KV room.
     pub waiting: AtomicU64,
     /// KV bytes the model's idle sessions keep (what the budget reserves for
@@ -478,10 +482,15 @@ impl<'a> Loop<'a> {
             let stepped: Vec<usize> = (0..self.running.len()).filter(|&i| takes(&self.running[i])).collect();
             let mut turns: Vec<&mut Turn> = self.running.iter_mut().filter(|r| takes(r)).map(|r| &mut r.turn).collect();
             let mut deltas: Vec<(usize, String, Option<onnx_genai_engine::TokenLogprob>)> = Vec::new();
+            let stepping = Instant::now();
             self.engine.step(&mut turns, &mut |i, token| {
                 deltas.push((stepped[i], token.text_delta.to_string(), token.logprob.cloned()));
                 Flow::Continue
             });
+            if width > 0 {
+                let nanos = u64::try_from(stepping.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                self.counters.step_nanos.fetch_add(nanos, Ordering::SeqCst);
+            }
             drop(turns);
             for (i, delta, logprob) in deltas {
                 let r = &mut self.running[i];

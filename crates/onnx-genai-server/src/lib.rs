@@ -66,6 +66,7 @@ impl AppState {
             widest_step: 0,
             steps: 0,
             stepped: 0,
+            step_nanos: 0,
             waiting: 0,
             idle_kv_bytes: 0,
             models_down: 0,
@@ -80,6 +81,7 @@ impl AppState {
             g.widest_step = g.widest_step.max(d.counters.widest_step.load(Ordering::SeqCst));
             g.steps += d.counters.steps.load(Ordering::SeqCst);
             g.stepped += d.counters.stepped.load(Ordering::SeqCst);
+            g.step_nanos += d.counters.step_nanos.load(Ordering::SeqCst);
             g.waiting += d.counters.waiting.load(Ordering::SeqCst);
             g.idle_kv_bytes += d.counters.idle_kv_bytes.load(Ordering::SeqCst);
             g.models_down += usize::from(!d.alive());
@@ -133,6 +135,11 @@ pub struct Gauges {
     /// The turns those steps advanced, summed (a count): the mean batch
     /// width over an interval is its growth over that of `steps`.
     pub stepped: u64,
+    /// Nanoseconds those steps spent in the engine — the model's pass and
+    /// sampling — summed (a count): over an interval, its growth over that
+    /// of `steps` is what a step costs the engine, the rest of a step's
+    /// wall time the driver's own work and waits.
+    pub step_nanos: u64,
     /// Requests waiting in line for KV room.
     pub waiting: u64,
     /// KV bytes idle sessions keep (reserved for them at rest, B2).

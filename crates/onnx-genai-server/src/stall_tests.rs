@@ -46,6 +46,7 @@ fn a_client_that_stops_reading_parks_out_of_the_batch_then_is_cancelled() {
     let (admission, admitted) = Promise::new();
     let (events, mut silent) = mpsc::channel(1);
     let (released, _ended) = tokio::sync::oneshot::channel();
+    let sent = Instant::now();
     driver.send(Command::Generate { request: Box::new(request), lease: None, admission, events, released }).unwrap();
     let started = Instant::now();
     // Bounded, so a driver that never decides fails here instead of hanging.
@@ -70,7 +71,11 @@ fn a_client_that_stops_reading_parks_out_of_the_batch_then_is_cancelled() {
     let before = server.gauges();
     std::thread::sleep(Duration::from_millis(50));
     let after = server.gauges();
-    assert_eq!((after.steps, after.stepped), (before.steps, before.stepped), "an empty step was counted: {after:?}");
+    assert_eq!(
+        (after.steps, after.stepped, after.step_nanos),
+        (before.steps, before.stepped, before.step_nanos),
+        "an empty step was counted: {after:?}"
+    );
 
     let body = json!({"model": MODEL, "prompt": "A reader", "max_tokens": 40, "temperature": 0});
     let reply = call(server.addr, "POST", "/v1/completions", &[], &body.to_string()).unwrap();
@@ -86,6 +91,10 @@ fn a_client_that_stops_reading_parks_out_of_the_batch_then_is_cancelled() {
     // step so far advanced one turn, the reader's 40 tokens at least.
     assert_eq!(g.widest_step, 1, "{g:?}");
     assert!(g.steps >= 40 && g.stepped == g.steps, "steps and the turns they advanced: {g:?}");
+    // Their time in the engine was counted, and is no more than the wall
+    // time since the first of them could start.
+    let engine = g.step_nanos - baseline.step_nanos;
+    assert!(engine > 0 && u128::from(engine) <= sent.elapsed().as_nanos(), "engine time {engine} ns: {g:?}");
     // The gauge is a running maximum a measurement in phases starts over.
     server.reset_widest_step();
     assert_eq!(server.gauges().widest_step, 0);
