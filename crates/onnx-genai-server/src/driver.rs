@@ -472,7 +472,10 @@ impl<'a> Loop<'a> {
         self.counters.parked.store(parked, Ordering::SeqCst);
         let width = self.running.iter().filter(|r| r.turn.state() == TurnState::Running && !r.parked()).count() as u64;
         self.counters.widest_step.fetch_max(width, Ordering::SeqCst);
-        if width > 0 {
+        // Only a step that advanced a turn counts (an empty one, every turn
+        // parked, is the driver idling).
+        let advances = width > 0;
+        if advances {
             self.counters.steps.fetch_add(1, Ordering::SeqCst);
             self.counters.stepped.fetch_add(width, Ordering::SeqCst);
         }
@@ -487,7 +490,7 @@ impl<'a> Loop<'a> {
                 deltas.push((stepped[i], token.text_delta.to_string(), token.logprob.cloned()));
                 Flow::Continue
             });
-            if width > 0 {
+            if advances {
                 let nanos = u64::try_from(stepping.elapsed().as_nanos()).unwrap_or(u64::MAX);
                 self.counters.step_nanos.fetch_add(nanos, Ordering::SeqCst);
             }
