@@ -3,6 +3,7 @@
 mod bench;
 mod bench_peer;
 mod bench_real;
+mod bench_scaling;
 mod conformance;
 mod cuda_compile;
 mod fuzz;
@@ -112,6 +113,13 @@ enum Command {
         /// pip into target/llama-cpp on first use).
         #[arg(long, value_delimiter = ',', conflicts_with_all = ["package", "real", "backend"])]
         peer: Vec<String>,
+        /// Instead: native-cpu's decode and prefill at 1 thread and at
+        /// `--threads` (2 where that is less), on every export of the real
+        /// models, each round measuring 1 thread, N and 1 again (a control)
+        /// so its ratios compare measurements seconds apart (min / median
+        /// of each rate and of the paired ratios; target/bench/scaling.md).
+        #[arg(long, conflicts_with_all = ["package", "real", "backend", "peer"])]
+        scaling: bool,
         /// Instead: this backend's bench (native-cuda: decode at batch 1 and
         /// 16 and prefill of a SmolLM2-shaped package on the GPU, beside
         /// ONNX Runtime on this CPU and the HBM roofline).
@@ -260,6 +268,9 @@ fn main() -> ExitCode {
         Command::Bench { threads, rounds, steps, peer, .. } if !peer.is_empty() => {
             let peers = peer.iter().map(|p| bench_peer::Peer::parse(p)).collect::<anyhow::Result<Vec<_>>>();
             peers.and_then(|peers| bench_peer::run(&peers, threads, rounds.clamp(1, 5), steps.clamp(1, 32)))
+        }
+        Command::Bench { threads, rounds, steps, scaling: true, .. } => {
+            bench_scaling::run(threads.max(2), rounds.clamp(1, 9), steps.clamp(1, 32))
         }
         Command::Bench { threads, rounds, steps, real: true, .. } => {
             bench_real::run(threads, rounds.clamp(1, 5), steps.clamp(1, 32))

@@ -82,12 +82,7 @@ fn this_cpu() -> String {
 /// (`avx*`, `amx*`, `fma`, `f16c`, `bmi*`, `sse*`, `ssse3`), so guests of
 /// one CPU that differ in hypervisor or mitigation flags share a build.
 fn cpu_of(info: &str) -> String {
-    let field = |name: &str| {
-        info.lines()
-            .find(|l| l.split(':').next().is_some_and(|k| k.trim() == name))
-            .and_then(|l| l.split_once(':'))
-            .map_or("", |(_, v)| v.trim())
-    };
+    let field = |name: &str| crate::util::cpuinfo_field(info, name);
     let isa = ["avx", "amx", "fma", "f16c", "bmi", "sse", "ssse3"];
     let flags: Vec<&str> = field("flags").split_whitespace().filter(|f| isa.iter().any(|p| f.starts_with(p))).collect();
     format!("{} [{}]", field("model name"), flags.join(" "))

@@ -60,8 +60,19 @@ pub fn fetch(model: &RealModel) -> Result<()> {
 /// The exports' package directories under `target/packages/`, built when
 /// missing (`cargo xtask packages --real` rebuilds them).
 pub fn ensure_built(model: &RealModel) -> Result<Vec<(Export, PathBuf)>> {
+    ensure_built_of(model, &model.exports)
+}
+
+/// [`ensure_built`] for the exports and the bench-only ones
+/// (`bench_exports`: SmolLM2's genai-int8).
+pub fn ensure_built_with_bench(model: &RealModel) -> Result<Vec<(Export, PathBuf)>> {
+    let all: Vec<Export> = model.exports.iter().chain(&model.bench_exports).cloned().collect();
+    ensure_built_of(model, &all)
+}
+
+fn ensure_built_of(model: &RealModel, exports: &[Export]) -> Result<Vec<(Export, PathBuf)>> {
     let dirs: Vec<(Export, PathBuf)> =
-        model.exports.iter().map(|e| (e.clone(), util::target().join("packages").join(model.package(e)))).collect();
+        exports.iter().map(|e| (e.clone(), util::target().join("packages").join(model.package(e)))).collect();
     // A built export has its manifest: `package.yaml`, or `genai_config.json`
     // for ONNX Runtime GenAI's layout.
     let built = |d: &PathBuf| {

@@ -21,6 +21,15 @@ pub fn target() -> PathBuf {
     root().join("target")
 }
 
+/// Field `name` of a `/proc/cpuinfo` text (its first processor's), empty
+/// where it has none.
+pub fn cpuinfo_field<'a>(info: &'a str, name: &str) -> &'a str {
+    info.lines()
+        .find(|l| l.split(':').next().is_some_and(|k| k.trim() == name))
+        .and_then(|l| l.split_once(':'))
+        .map_or("", |(_, v)| v.trim())
+}
+
 /// The commit HEAD names (`unknown` outside a git checkout).
 /// HEAD's commit, marked `-dirty` when the tree differs from it (changed
 /// or untracked files): a report must not claim a commit it did not test.
