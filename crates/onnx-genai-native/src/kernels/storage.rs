@@ -77,6 +77,9 @@ pub struct HugeBuf<T: ZeroValid> {
     len: usize,
     layout: Layout,
     huge: bool,
+    /// Mapped fresh from the kernel ([`fresh_pages`]), given back with
+    /// `munmap`; otherwise from the global allocator.
+    mapped: bool,
 }
 
 // SAFETY: a `HugeBuf` owns its values like a `Box<[T]>` does; shared
@@ -95,26 +98,40 @@ impl<T: ZeroValid> HugeBuf<T> {
     /// `len` zeroed values (aborts on allocation failure, as `vec!` does).
     pub fn zeroed(len: usize) -> Self {
         let buf = Self::uninit(len);
-        // SAFETY: the allocation holds `len` values of `T`; all-zero bytes
-        // are a valid `T` (`ZeroValid`).
-        unsafe { std::ptr::write_bytes(buf.ptr.as_ptr(), 0, len) };
+        if !buf.mapped {
+            // SAFETY: the allocation holds `len` values of `T`; all-zero
+            // bytes are a valid `T` (`ZeroValid`). (Fresh pages are zero
+            // already, and writing them would fault every one in now.)
+            unsafe { std::ptr::write_bytes(buf.ptr.as_ptr(), 0, len) };
+        }
         buf
     }
 
-    /// `len` values, not yet written: every one must be written before the
-    /// buffer is read (`gather` does; `zeroed` does).
+    /// `len` values, not yet written (fresh pages read as zero): every one
+    /// must be written before the buffer is read (`gather` does; `zeroed`
+    /// does).
+    ///
+    /// The memory comes straight from the kernel where it can: an
+    /// allocator hands out memory it got back from earlier frees — a model
+    /// compile frees hundreds of MB just before its arena is made — whose
+    /// pages were faulted in small, and advising those pages changes
+    /// nothing (in one `cargo xtask bench --scaling` process, three
+    /// SmolLM2 models' arenas held 36 MB of huge pages between them).
     fn uninit(len: usize) -> Self {
         let bytes = len.checked_mul(std::mem::size_of::<T>()).expect("buffer size overflows");
         let layout = Layout::from_size_align(bytes, HUGE_PAGE).expect("buffer layout");
         if bytes == 0 {
-            return Self { ptr: NonNull::dangling(), len: 0, layout, huge: false };
+            return Self { ptr: NonNull::dangling(), len: 0, layout, huge: false, mapped: false };
         }
-        // SAFETY: the layout's size is non-zero.
-        let raw = unsafe { std::alloc::alloc(layout) };
+        let (raw, mapped) = match fresh_pages(bytes) {
+            Some(p) => (p, true),
+            // SAFETY: the layout's size is non-zero.
+            None => (unsafe { std::alloc::alloc(layout) }, false),
+        };
         let Some(ptr) = NonNull::new(raw.cast::<T>()) else { std::alloc::handle_alloc_error(layout) };
         let whole = bytes / HUGE_PAGE * HUGE_PAGE;
         let huge = whole > 0 && advise_huge_pages(raw, whole);
-        Self { ptr, len, layout, huge }
+        Self { ptr, len, layout, huge, mapped }
     }
 
     pub fn as_slice(&self) -> &[T] {
@@ -153,7 +170,11 @@ impl<T: ZeroValid> Clone for HugeBuf<T> {
 
 impl<T: ZeroValid> Drop for HugeBuf<T> {
     fn drop(&mut self) {
-        if self.layout.size() > 0 {
+        if self.mapped {
+            // SAFETY: mapped by `fresh_pages` for exactly this many bytes,
+            // and not used after this.
+            unsafe { unmap_pages(self.ptr.as_ptr().cast(), self.layout.size()) }
+        } else if self.layout.size() > 0 {
             // SAFETY: allocated in `uninit` with exactly this layout.
             unsafe { std::alloc::dealloc(self.ptr.as_ptr().cast(), self.layout) }
         }
@@ -194,6 +215,75 @@ pub fn gather(tiles: &mut [&mut Tiled]) -> Option<Arc<Arena>> {
     Some(arena)
 }
 
+/// `bytes` (> 0) of fresh, zero, never touched memory starting on a
+/// [`HUGE_PAGE`] boundary, mapped from the kernel (`None` where that
+/// fails, or off Linux: the caller uses the allocator instead). A mapping
+/// of a huge page more is trimmed to the aligned run.
+#[cfg(target_os = "linux")]
+fn fresh_pages(bytes: usize) -> Option<*mut u8> {
+    let len = bytes.checked_next_multiple_of(page_size())?;
+    let span = len.checked_add(HUGE_PAGE)?;
+    // SAFETY: an anonymous private mapping at an address the kernel picks
+    // touches no existing memory.
+    let raw = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            span,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if raw == libc::MAP_FAILED {
+        return None;
+    }
+    let raw = raw.cast::<u8>();
+    let head = (raw as usize).next_multiple_of(HUGE_PAGE) - raw as usize;
+    let tail = span - head - len;
+    // SAFETY: `head` and `tail` (multiples of the page size: the mapping
+    // and `HUGE_PAGE` are page-aligned, `len` is rounded up) cut the span
+    // into three page-aligned runs of our own fresh mapping; the ends are
+    // given back, the middle `len` bytes stay mapped.
+    unsafe {
+        let start = raw.add(head);
+        if head > 0 {
+            libc::munmap(raw.cast(), head);
+        }
+        if tail > 0 {
+            libc::munmap(start.add(len).cast(), tail);
+        }
+        Some(start)
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn fresh_pages(_bytes: usize) -> Option<*mut u8> {
+    None
+}
+
+/// Gives back what [`fresh_pages`] mapped for `bytes`.
+///
+/// # Safety
+/// `start` and `bytes` must be a mapping `fresh_pages` returned, not used
+/// after this.
+#[cfg(target_os = "linux")]
+unsafe fn unmap_pages(start: *mut u8, bytes: usize) {
+    // SAFETY: the caller's contract; `munmap` rounds `bytes` up to whole
+    // pages, as `fresh_pages` mapped them.
+    unsafe { libc::munmap(start.cast(), bytes) };
+}
+
+#[cfg(not(target_os = "linux"))]
+unsafe fn unmap_pages(_start: *mut u8, _bytes: usize) {}
+
+#[cfg(target_os = "linux")]
+fn page_size() -> usize {
+    // SAFETY: `sysconf` reads a configuration value.
+    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(size).ok().filter(|s| s.is_power_of_two()).unwrap_or(4096)
+}
+
 #[cfg(target_os = "linux")]
 fn advise_huge_pages(start: *mut u8, bytes: usize) -> bool {
     // SAFETY: `madvise` only changes how the kernel backs the pages of this
@@ -214,12 +304,26 @@ fn advise_huge_pages(_start: *mut u8, _bytes: usize) -> bool {
 /// module and of `kv`, which read `/proc/self/smaps`.
 #[cfg(test)]
 pub(crate) fn thp_eligible(at: *const u8) -> Option<bool> {
+    thp_on_madvise()?;
+    Some(smaps_field(at, "THPeligible:").trim() == "1")
+}
+
+/// The system's THP mode is `madvise` (`None`, said on stderr, otherwise).
+#[cfg(test)]
+fn thp_on_madvise() -> Option<()> {
     let mode = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").ok()?;
     if !mode.contains("[madvise]") {
         eprintln!("THP mode is not madvise ({}); nothing to observe", mode.trim());
         return None;
     }
-    let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+    Some(())
+}
+
+/// The value of `field` for the mapping holding `at`, in
+/// `/proc/self/smaps`.
+#[cfg(test)]
+fn smaps_field(at: *const u8, field: &str) -> String {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap_or_default();
     let mut inside = false;
     for line in smaps.lines() {
         let range = line.split_once(' ').and_then(|(r, _)| r.split_once('-'));
@@ -229,11 +333,11 @@ pub(crate) fn thp_eligible(at: *const u8) -> Option<bool> {
                 continue;
             }
         }
-        if let (true, Some(v)) = (inside, line.strip_prefix("THPeligible:")) {
-            return Some(v.trim() == "1");
+        if let (true, Some(v)) = (inside, line.strip_prefix(field)) {
+            return v.to_string();
         }
     }
-    panic!("no mapping in /proc/self/smaps holds {at:?}")
+    panic!("no mapping in /proc/self/smaps holds {at:?} with {field}")
 }
 
 #[cfg(test)]
@@ -291,5 +395,31 @@ mod tests {
             assert!(arena.huge_pages_asked(), "madvise refused");
             assert!(eligible, "the arena's mapping is not eligible for huge pages");
         }
+    }
+
+    /// Advising memory the allocator had handed out and taken back before
+    /// changes nothing: its pages were faulted in small. A buffer made
+    /// right after such a free (as a compile frees hundreds of MB just
+    /// before gathering its arena) still comes in huge pages, where THP is
+    /// on `madvise`: its memory is mapped fresh. (Taken from the allocator,
+    /// it was the freed run, handed straight back: no huge page.)
+    #[test]
+    fn a_buffer_made_after_a_free_still_comes_in_huge_pages() {
+        let bytes = 16 << 20;
+        // Blocks the allocator keeps in its own heap (below its threshold
+        // for mapping a block apart), touched, then freed together under a
+        // fence it cannot trim past: one free run of 24 MiB of small pages.
+        let chunks: Vec<Vec<u8>> = (0..384).map(|_| vec![1u8; 64 << 10]).collect();
+        let fence = vec![1u8; 64 << 10];
+        drop(chunks);
+        let mut buf = HugeBuf::<f32>::zeroed(bytes / 4);
+        buf.as_mut_slice().iter_mut().step_by(1024).for_each(|v| *v = 1.0);
+        if thp_on_madvise().is_none() {
+            return;
+        }
+        let kb: usize =
+            smaps_field(buf.start(), "AnonHugePages:").trim().trim_end_matches("kB").trim().parse().expect("kB");
+        assert!(kb >= bytes / 1024, "the buffer's mapping holds {kb} kB of huge pages, {} expected", bytes / 1024);
+        drop(fence);
     }
 }
