@@ -4,13 +4,15 @@
 //! Two runs minutes apart cannot measure what threads buy on these
 //! machines: a VM's neighbours move a memory-bound decode by 20–50 %
 //! between minutes (one afternoon: SmolLM2's genai-int8 export at one
-//! thread decoded 271 tok/s, half an hour later 144, while ONNX Runtime
+//! thread decoded 271 tok/s, ten minutes later 144, while ONNX Runtime
 //! GenAI stayed within 5 %), so a ratio of two such runs mostly measures
-//! the minutes. Here the model is loaded at both thread counts, and each
-//! round runs one, then the other (the order alternating, so neither always
-//! runs in the other's wake): a round's ratio compares two measurements
-//! seconds apart, and the report gives the min and median of those paired
-//! ratios beside each count's own rates.
+//! the minutes. Here the model is loaded three times — at 1 thread, at N,
+//! and at 1 again (the control) — and each round measures all three (the
+//! order rotating through all six, so none always runs first or in
+//! another's wake): a round's ratios compare measurements seconds apart,
+//! and the report gives their min and median beside each model's own
+//! rates. The control's ratio, ~1.0x where the method is sound, says how
+//! far a scaling ratio can be trusted.
 
 use std::fmt::Write as _;
 
