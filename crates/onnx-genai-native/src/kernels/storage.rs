@@ -123,13 +123,15 @@ impl<T: ZeroValid> HugeBuf<T> {
         if bytes == 0 {
             return Self { ptr: NonNull::dangling(), len: 0, layout, huge: false, mapped: false };
         }
-        let (raw, mapped) = match fresh_pages(bytes) {
+        // (A buffer of less than a huge page gets none: the allocator's
+        // memory serves it as well, without a mapping of its own.)
+        let whole = bytes / HUGE_PAGE * HUGE_PAGE;
+        let (raw, mapped) = match (whole > 0).then(|| fresh_pages(bytes)).flatten() {
             Some(p) => (p, true),
             // SAFETY: the layout's size is non-zero.
             None => (unsafe { std::alloc::alloc(layout) }, false),
         };
         let Some(ptr) = NonNull::new(raw.cast::<T>()) else { std::alloc::handle_alloc_error(layout) };
-        let whole = bytes / HUGE_PAGE * HUGE_PAGE;
         let huge = whole > 0 && advise_huge_pages(raw, whole);
         Self { ptr, len, layout, huge, mapped }
     }
