@@ -11,8 +11,11 @@
 //! order rotating through all six, so none always runs first or in
 //! another's wake): a round's ratios compare measurements seconds apart,
 //! and the report gives their min and median beside each model's own
-//! rates. The control's ratio, ~1.0x where the method is sound, says how
-//! far a scaling ratio can be trusted.
+//! rates. The control's ratio (~1.0x where the method is sound) shows
+//! drift within a round and any bias of order; what it cannot show is a
+//! slowdown that hits one thread harder than N (a core the host slows
+//! stalls a lone thread, while N threads claim its share of the work),
+//! which stays in the scaling ratio.
 
 use std::fmt::Write as _;
 
@@ -83,11 +86,12 @@ pub fn run(threads: usize, rounds: usize, steps: usize) -> Result<()> {
     let mut md = format!(
         "# Thread scaling of native-cpu\n\nOn `{cpu}` (kernels `{kernels}`), one run: each export loaded three \
          times — at 1 thread, at {threads}, and at 1 again (the control); {rounds} rounds, each measuring the three \
-         in turn (the order rotating through all six); a measurement is a prefill of {PREFILL} tokens and {steps} \
+         in turn (round by round through the six orders); a measurement is a prefill of {PREFILL} tokens and {steps} \
          decode steps after a {CONTEXT}-token context (its decode rate: one over the median step). Rates are min / \
          median tokens/s over the rounds; a ratio divides a rate by the first 1-thread model's in the same round \
          (min / median over the rounds). The control's ratio is what this method shows where there is nothing to \
-         find: read a scaling ratio against it.\n\n\
+         find (drift within a round, a bias of order); a slowdown that hits one thread harder than {threads} is \
+         not in it.\n\n\
          | export | decode 1T | decode {threads}T | decode {threads}T/1T | decode control | prefill 1T | \
          prefill {threads}T | prefill {threads}T/1T | prefill control |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     );

@@ -117,7 +117,8 @@ enum Command {
         /// `--threads` (2 where that is less), on every export of the real
         /// models, each round measuring 1 thread, N and 1 again (a control)
         /// so its ratios compare measurements seconds apart (min / median
-        /// of each rate and of the paired ratios; target/bench/scaling.md).
+        /// of each rate and of the paired ratios; at most 9 rounds;
+        /// target/bench/scaling.md).
         #[arg(long, conflicts_with_all = ["package", "real", "backend", "peer"])]
         scaling: bool,
         /// Instead: this backend's bench (native-cuda: decode at batch 1 and
