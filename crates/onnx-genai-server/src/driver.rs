@@ -485,12 +485,12 @@ impl<'a> Loop<'a> {
             let stepped: Vec<usize> = (0..self.running.len()).filter(|&i| takes(&self.running[i])).collect();
             let mut turns: Vec<&mut Turn> = self.running.iter_mut().filter(|r| takes(r)).map(|r| &mut r.turn).collect();
             let mut deltas: Vec<(usize, String, Option<onnx_genai_engine::TokenLogprob>)> = Vec::new();
-            let stepping = Instant::now();
+            let stepping = advances.then(Instant::now);
             self.engine.step(&mut turns, &mut |i, token| {
                 deltas.push((stepped[i], token.text_delta.to_string(), token.logprob.cloned()));
                 Flow::Continue
             });
-            if advances {
+            if let Some(stepping) = stepping {
                 let nanos = u64::try_from(stepping.elapsed().as_nanos()).unwrap_or(u64::MAX);
                 self.counters.step_nanos.fetch_add(nanos, Ordering::SeqCst);
             }
