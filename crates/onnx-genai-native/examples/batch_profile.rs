@@ -81,6 +81,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             b as f64 / per_step,
             profiled.as_secs_f64() * 1e3 / steps as f64
         );
+        // Every sequence's last logits, hashed: a change meant to be exact
+        // (a kernel, a narrowing) must leave this the same.
+        let hash = logits
+            .iter()
+            .flatten()
+            .fold(0xcbf2_9ce4_8422_2325u64, |h, v| (h ^ u64::from(v.to_bits())).wrapping_mul(0x0100_0000_01b3));
+        println!("    logits after {} steps: hash {hash:016x}", 4 + 2 * steps);
         let sorted = by_op_kind(&ops, &profile);
         for (op, d) in sorted.iter().take(10) {
             println!("    {op:<24} {:>8.3} ms/step", d.as_secs_f64() * 1e3 / steps as f64);

@@ -475,7 +475,7 @@ fn repack(g: &mut Graph) -> [(&'static str, usize); 3] {
         let Some(weight) = node.op.projection_weight_mut() else { continue };
         let w = (**weight).clone().narrowed();
         for (kind, count) in &mut narrowed {
-            *count += members * usize::from(w.kind() == *kind && weight.kind() == "f32");
+            *count += members * usize::from(w.kind() == *kind && weight.kind() != *kind);
         }
         *weight = Arc::new(w.into_tiled());
     }

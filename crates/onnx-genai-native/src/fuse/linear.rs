@@ -244,7 +244,7 @@ pub(crate) fn stack_siblings(g: &mut Graph, head: Vid) -> usize {
 /// The form a weight is stored in after repacking.
 fn stored_kind(w: &Weight) -> &'static str {
     match &w.packed {
-        Packed::F32(_) => w.clone().narrowed().kind(),
+        Packed::F32(_) | Packed::F16(_) => w.clone().narrowed().kind(),
         _ => w.kind(),
     }
 }

@@ -60,8 +60,11 @@ unsafe fn dispatch<const R: usize>(
         TileData::F32 => f32_cols::<R>(w, stride, t.k, x, rows.kp, ahead, &mut acc),
         TileData::F16 => f16_cols::<R>(w, stride, t.k, x, rows.kp, ahead, &mut acc),
         TileData::Q8 { blocks } => q8_cols::<R>(w, stride, blocks, x, rows.kp, ahead, &mut acc),
-        TileData::Q4 { blocks, int8: false, symmetric, half, .. } => {
-            q4_cols::<R>(w, stride, (blocks, symmetric, half), x, rows.kp, ahead, &mut acc)
+        TileData::Q4 { blocks, int8: false, symmetric, half, rounds_to_f16: false, .. } => {
+            q4_cols::<R, false>(w, stride, (blocks, symmetric, half), x, rows.kp, ahead, &mut acc)
+        }
+        TileData::Q4 { blocks, int8: false, symmetric, half, rounds_to_f16: true, .. } => {
+            q4_cols::<R, true>(w, stride, (blocks, symmetric, half), x, rows.kp, ahead, &mut acc)
         }
         TileData::Q4 { blocks, int8: true, x_block, symmetric, .. } => {
             let q = rows.q.as_ptr().add(r * rows.kp);
@@ -173,7 +176,7 @@ unsafe fn q8_cols<const R: usize>(
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_cols<const R: usize>(
+unsafe fn q4_cols<const R: usize, const F16: bool>(
     w: *const u8,
     stride: usize,
     (blocks, symmetric, half): (usize, bool, bool),
@@ -210,7 +213,13 @@ unsafe fn q4_cols<const R: usize>(
                     let c = b * QBLOCK + 8 * i + $col;
                     let wv: [__m256; 2] = std::array::from_fn(|h| {
                         let q = _mm256_and_si256(_mm256_srli_epi32::<$shift>(v[h]), nibble);
-                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), scale[h], aux[h])
+                        let wv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), scale[h], aux[h]);
+                        if F16 {
+                            // The weight an f16 export stored (see `TileData::Q4`).
+                            _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(wv))
+                        } else {
+                            wv
+                        }
                     });
                     for (r, row) in acc.iter_mut().enumerate() {
                         let xv = _mm256_set1_ps(*x.add(r * kp + c));

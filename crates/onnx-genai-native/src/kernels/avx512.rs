@@ -177,8 +177,11 @@ unsafe fn dispatch<const T: usize, const R: usize, const VNNI: bool>(
             let xsum = rows.xsum.as_ptr().add(r * blocks);
             q4_blocks::<T, R>(&w, stride, (blocks, symmetric, half), x, xsum, rows.kp, ahead, &mut acc)
         }
-        TileData::Q4 { blocks, int8: false, symmetric, half, .. } => {
-            q4_cols::<T, R>(&w, stride, (blocks, symmetric, half), x, rows.kp, ahead, &mut acc)
+        TileData::Q4 { blocks, int8: false, symmetric, half, rounds_to_f16: false, .. } => {
+            q4_cols::<T, R, false>(&w, stride, (blocks, symmetric, half), x, rows.kp, ahead, &mut acc)
+        }
+        TileData::Q4 { blocks, int8: false, symmetric, half, rounds_to_f16: true, .. } => {
+            q4_cols::<T, R, true>(&w, stride, (blocks, symmetric, half), x, rows.kp, ahead, &mut acc)
         }
         TileData::Q4 { blocks, int8: true, x_block, symmetric, .. } => {
             let q = rows.q.as_ptr().add(r * rows.kp);
@@ -356,12 +359,19 @@ unsafe fn q4_blocks<const T: usize, const R: usize>(
     }
 }
 
+/// `v` rounded to f16 (to nearest, ties to even) and widened back: the
+/// weight an f16 export stored, for a weight narrowed from it.
+#[inline(always)]
+unsafe fn to_f16_and_back(v: __m512) -> __m512 {
+    _mm512_cvtph_ps(_mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v))
+}
+
 /// 4-bit weights, f32 inputs, many rows (prefill, large batches): each
 /// weight is decoded once to `q * scale + aux` (its f32 value) and shared by
 /// every row.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn q4_cols<const T: usize, const R: usize>(
+unsafe fn q4_cols<const T: usize, const R: usize, const F16: bool>(
     w: &[*const u8; T],
     stride: usize,
     (blocks, symmetric, half): (usize, bool, bool),
@@ -389,7 +399,12 @@ unsafe fn q4_cols<const T: usize, const R: usize>(
                     let c = b * QBLOCK + 8 * i + $col;
                     let wv: [__m512; T] = std::array::from_fn(|j| {
                         let q = if $shift == 0 { v[j] } else { _mm512_srli_epi32::<$shift>(v[j]) };
-                        _mm512_fmadd_ps(_mm512_permutexvar_ps(q, lut), scale[j], aux[j])
+                        let wv = _mm512_fmadd_ps(_mm512_permutexvar_ps(q, lut), scale[j], aux[j]);
+                        if F16 {
+                            to_f16_and_back(wv)
+                        } else {
+                            wv
+                        }
                     });
                     for (r, row) in acc.iter_mut().enumerate() {
                         let xv = _mm512_set1_ps(*x.add(r * kp + c));
@@ -640,7 +655,7 @@ pub unsafe fn decode_pair(t: &Tiled, tile: usize, panel: &mut [f32]) {
                     }
                 }
             }
-            TileData::Q4 { blocks, symmetric, half, .. } => {
+            TileData::Q4 { blocks, symmetric, half, rounds_to_f16, .. } => {
                 for b in 0..blocks {
                     let rec = w.add(b * stride);
                     let (scale, aux) = scale_aux(rec, symmetric, half);
@@ -650,6 +665,7 @@ pub unsafe fn decode_pair(t: &Tiled, tile: usize, panel: &mut [f32]) {
                             let shift = _mm512_set1_epi32(((col % 4) * 8 + (col / 4) * 4) as i32);
                             let q = _mm512_and_si512(_mm512_srlv_epi32(v, shift), nibble);
                             let wv = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), scale, aux);
+                            let wv = if rounds_to_f16 { to_f16_and_back(wv) } else { wv };
                             _mm512_storeu_ps(p.add((b * QBLOCK + 8 * i + col) * 32 + 16 * j), wv);
                         }
                     }

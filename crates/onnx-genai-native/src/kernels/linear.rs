@@ -204,31 +204,11 @@ mod tests {
     fn narrowed_weights_compute_what_f32_computes() {
         // K = 80: two whole blocks of 32 and a partial one of 16.
         let (n, k): (usize, usize) = (40, 80);
-        let blocks = k.div_ceil(32);
         let halves: Vec<f32> =
             (0..n * k).map(|i| f16::from_f32(((i * 37 % 101) as f32 - 50.0) * 0.0123).to_f32()).collect();
         let grid: Vec<f32> =
             (0..n * k).map(|i| if i % k % 32 == 0 { 127.0 } else { (i * 7 % 255) as f32 - 127.0 } * 0.01).collect();
-        // GGUF Q4_1 dequantized: per block of 32 of a row, f16 `d` and `m`,
-        // levels 0..=15 (both ends present), `d * q + m` in f32.
-        let affine: Vec<f32> = (0..n * k)
-            .map(|i| {
-                let (r, c) = (i / k, i % k);
-                let (block, j) = (r * blocks + c / 32, c % 32);
-                let d = match block % 13 {
-                    3 => 0.0,
-                    5 => f16::from_bits(0x0011).to_f32(), // subnormal
-                    _ => f16::from_f32(0.003 + (block % 7) as f32 * 0.0011).to_f32(),
-                };
-                let m = f16::from_f32(-0.02 - (block % 5) as f32 * 0.004).to_f32();
-                let q = match j {
-                    0 => 0,
-                    1 => 15,
-                    _ => (i * 7 % 16) as u8,
-                };
-                d * f32::from(q) + m
-            })
-            .collect();
+        let affine = q4_1_dequantized(n, k);
         let mut off_grid = affine.clone();
         off_grid[77] = f32::from_bits(off_grid[77].to_bits() + 1);
         assert_eq!(Weight { n, k, packed: Packed::F32(off_grid) }.narrowed().kind(), "f32", "one value off stays f32");
@@ -256,6 +236,79 @@ mod tests {
                     let same = a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits());
                     assert!(same, "{kind} {isa} m={m}: the narrowed weight computes other values");
                 }
+            }
+        }
+    }
+
+    /// GGUF Q4_1 dequantized: per block of 32 of a row, f16 `d` and `m`,
+    /// levels 0..=15 (both ends present), `d * q + m` in f32; with blocks
+    /// of equal values (`d = 0`), a subnormal `d`, and (K = 80) a partial
+    /// last block.
+    fn q4_1_dequantized(n: usize, k: usize) -> Vec<f32> {
+        let blocks = k.div_ceil(32);
+        (0..n * k)
+            .map(|i| {
+                let (r, c) = (i / k, i % k);
+                let (block, j) = (r * blocks + c / 32, c % 32);
+                let d = match block % 13 {
+                    3 => 0.0,
+                    5 => f16::from_bits(0x0011).to_f32(), // subnormal
+                    _ => f16::from_f32(0.003 + (block % 7) as f32 * 0.0011).to_f32(),
+                };
+                let m = f16::from_f32(-0.02 - (block % 5) as f32 * 0.004).to_f32();
+                let q = match j {
+                    0 => 0,
+                    1 => 15,
+                    _ => (i * 7 % 16) as u8,
+                };
+                d * f32::from(q) + m
+            })
+            .collect()
+    }
+
+    /// Lossless narrowing of an f16 weight (issue 15's item 5): Q4_1's
+    /// dequantized values rounded to f16 (the f16 export's projections)
+    /// are stored as affine 4-bit blocks that round each computed weight
+    /// to f16, give back the f16 rows bit for bit and compute bit for bit
+    /// what the f16 weight computes, on every instruction-set path and at
+    /// every row count the kernels split differently; one value off the
+    /// grid keeps the weight f16.
+    #[test]
+    fn narrowed_f16_weights_compute_what_f16_computes() {
+        let (n, k): (usize, usize) = (40, 80);
+        let halves: Vec<f16> = q4_1_dequantized(n, k).iter().map(|v| f16::from_f32(*v)).collect();
+        // Rounding must matter, or this would test the f32 case again.
+        let rounded = q4_1_dequantized(n, k).iter().zip(&halves).filter(|(v, h)| h.to_f32() != **v).count();
+        assert!(rounded > n * k / 4, "only {rounded} values changed by rounding to f16");
+        let mut off_grid = halves.clone();
+        off_grid[77] = f16::from_bits(off_grid[77].to_bits() + 1);
+        assert_eq!(Weight { n, k, packed: Packed::F16(off_grid) }.narrowed().kind(), "f16", "one value off stays f16");
+        let wide = Weight { n, k, packed: Packed::F16(halves.clone()) };
+        let narrow = wide.clone().narrowed();
+        assert_eq!(narrow.kind(), "q4", "exact values narrow");
+        assert!(narrow.bytes() < wide.bytes());
+        let (wide, narrow) = (wide.into_tiled(), narrow.into_tiled());
+        assert!(matches!(
+            &narrow.packed,
+            Packed::Tiled(t) if matches!(t.data, TileData::Q4 { per_weight: true, rounds_to_f16: true, .. })
+        ));
+        let mut row = Vec::new();
+        for r in 0..n {
+            let back = narrow.row(r, &mut row);
+            let same = back.iter().zip(&halves[r * k..(r + 1) * k]).all(|(a, b)| a.to_bits() == b.to_f32().to_bits());
+            assert!(same, "row {r}: the narrowed weight holds other values");
+        }
+        for m in [1, 2, 3, 4, 5, 8, 13, 21, 40, 70] {
+            let x: Vec<f32> = (0..m * k).map(|i| ((i * 7 % 19) as f32 - 9.0) * 0.11).collect();
+            for isa in Isa::all_available() {
+                let rt = Runtime::new(2).unwrap();
+                let mut ctx = rt.ctx();
+                ctx.isa = isa;
+                let (mut a, mut b) = (Vec::new(), Vec::new());
+                linear(&x, m, &wide, None, &mut a, &ctx);
+                linear(&x, m, &narrow, None, &mut b, &ctx);
+                let same = a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits());
+                assert!(same, "{isa} m={m}: the narrowed weight computes other values");
             }
         }
     }

@@ -47,7 +47,7 @@ pub fn tiles(t: &Tiled, rows: &Rows<'_>, tiles: Range<usize>, y: &Disjoint<'_, f
                         }
                     }
                 }
-                TileData::Q4 { blocks, int8: false, symmetric, half, .. } => {
+                TileData::Q4 { blocks, int8: false, symmetric, half, rounds_to_f16, .. } => {
                     let x = &rows.x[r * rows.kp..(r + 1) * rows.kp];
                     for b in 0..blocks {
                         let rec = &base[b * stride..];
@@ -57,7 +57,10 @@ pub fn tiles(t: &Tiled, rows: &Rows<'_>, tiles: Range<usize>, y: &Disjoint<'_, f
                             for (j, xv) in xb.iter().enumerate() {
                                 let byte = rec[(j / 8) * 64 + lane * 4 + (j % 8) % 4];
                                 let q = if j % 8 < 4 { byte & 0x0f } else { byte >> 4 };
-                                *a += (f32::from(q) * scale + aux) * xv;
+                                let w = f32::from(q) * scale + aux;
+                                // The weight an f16 export stored (see `TileData::Q4`).
+                                let w = if rounds_to_f16 { half::f16::from_f32(w).to_f32() } else { w };
+                                *a += w * xv;
                             }
                         }
                     }

@@ -222,13 +222,27 @@ impl Weight {
     /// kernels' order. (One corner no real weight meets: a partial last
     /// 4-bit block's padding adds `m · 0`, which turns an accumulated -0.0
     /// into +0.0 — only when every product of the row underflowed.)
+    /// An f16 weight is stored as affine 4-bit blocks when every block's
+    /// values are `d * q + m` computed in f32 and rounded to f16 (GGUF's
+    /// Q4_1 dequantized, then stored as f16: the f16 export's
+    /// projections); the kernels compute each weight so, round it to f16
+    /// and multiply in the f16 kernels' order (which is the f32 kernels'),
+    /// so the results are the f16 weight's bit for bit — from 2.25 bytes a
+    /// weight instead of 2.
     /// Anything else stays as it is.
     pub fn narrowed(self) -> Self {
+        if let Packed::F16(halves) = &self.packed {
+            let wide: Vec<f32> = halves.iter().map(|h| h.to_f32()).collect();
+            return match narrowed_affine_q4(&wide, self.n, self.k, true) {
+                Some(q4) => Self { packed: q4, ..self },
+                None => self,
+            };
+        }
         let Packed::F32(rows) = &self.packed else { return self };
         if let Some(q8) = self.narrowed_q8() {
             return Self { packed: q8, ..self };
         }
-        if let Some(q4) = self.narrowed_affine_q4() {
+        if let Some(q4) = narrowed_affine_q4(rows, self.n, self.k, false) {
             return Self { packed: q4, ..self };
         }
         if rows.iter().all(|v| f16_exact(*v)) {
@@ -236,38 +250,6 @@ impl Weight {
             return Self { packed: Packed::F16(halves), ..self };
         }
         self
-    }
-
-    /// The affine 4-bit form of [`Weight::narrowed`] (already tiled), if
-    /// exact.
-    fn narrowed_affine_q4(&self) -> Option<Packed> {
-        let Packed::F32(rows) = &self.packed else { return None };
-        let (n, k) = (self.n, self.k);
-        let blocks = k.div_ceil(QBLOCK);
-        let mut data = vec![0u8; n * blocks * QBLOCK / 2];
-        let (mut scales, mut offsets) = (vec![0f32; n * blocks], vec![0f32; n * blocks]);
-        let mut q = [0u8; QBLOCK];
-        for r in 0..n {
-            for b in 0..blocks {
-                let span = b * QBLOCK..((b + 1) * QBLOCK).min(k);
-                let block = &rows[r * k + span.start..r * k + span.end];
-                let (d, m) = affine_block(block, &mut q[..block.len()])?;
-                scales[r * blocks + b] = d;
-                offsets[r * blocks + b] = m;
-                for (j, v) in q[..block.len()].iter().enumerate() {
-                    let at = (r * blocks + b) * QBLOCK + j;
-                    data[at / 2] |= if at.is_multiple_of(2) { *v } else { *v << 4 };
-                }
-            }
-        }
-        // Zero points of 0: `aux = -0 * d + m = m`, each weight `d * q + m`.
-        let zeros = Some(vec![0u8; n * blocks.div_ceil(2)]);
-        let q4 = Packed::Q4 { data, scales, zeros, offsets: Some(offsets), block: QBLOCK, blocks, int8: false };
-        let mut tiled = Tiled::from_rows(&Weight { n, k, packed: q4 })?;
-        if let TileData::Q4 { per_weight, .. } = &mut tiled.data {
-            *per_weight = true;
-        }
-        Some(Packed::Tiled(tiled))
     }
 
     /// The 8-bit form of [`Weight::narrowed`], if exact.
@@ -372,6 +354,12 @@ pub enum TileData {
         /// weight narrowed to this form ([`Weight::narrowed`]) then gives
         /// the f32 weight's results bit for bit.
         per_weight: bool,
+        /// Each weight, once computed (`per_weight`), rounded to f16 (to
+        /// nearest, ties to even) before it multiplies: an f16 weight
+        /// narrowed to this form ([`Weight::narrowed`]: GGUF's Q4_1
+        /// dequantized in f32, then stored as f16) then gives the f16
+        /// weight's results bit for bit.
+        rounds_to_f16: bool,
         /// The block the int8 inputs are quantized over (the weight's own
         /// `block`, a multiple of 32).
         x_block: usize,
@@ -546,8 +534,15 @@ impl Tiled {
                         }
                     }
                 }
-                let data =
-                    TileData::Q4 { blocks: qblocks, int8: *int8, symmetric, half, per_weight: false, x_block: *block };
+                let data = TileData::Q4 {
+                    blocks: qblocks,
+                    int8: *int8,
+                    symmetric,
+                    half,
+                    per_weight: false,
+                    rounds_to_f16: false,
+                    x_block: *block,
+                };
                 Some(Self { n, k, kp: qblocks * QBLOCK, tiles, data, lines: lines.into() })
             }
             Packed::Q8 { values, scales, blocks } => {
@@ -614,7 +609,7 @@ impl Tiled {
                     }
                 }
             }
-            TileData::Q4 { blocks, int8, symmetric, half, .. } => {
+            TileData::Q4 { blocks, int8, symmetric, half, rounds_to_f16, .. } => {
                 for b in 0..blocks {
                     let rec = &base[b * stride..];
                     let (scale, aux) = q4_scale_aux(rec, lane, int8, symmetric, half);
@@ -626,7 +621,11 @@ impl Tiled {
                         let (i, within) = (j / 8, j % 8);
                         let byte = rec[i * 64 + lane * 4 + within % 4];
                         let q = f32::from(if within < 4 { byte & 0x0f } else { byte >> 4 });
-                        out[c] = if int8 { (q - aux) * scale } else { q * scale + aux };
+                        out[c] = match (int8, rounds_to_f16) {
+                            (true, _) => (q - aux) * scale,
+                            (false, false) => q * scale + aux,
+                            (false, true) => f16::from_f32(q * scale + aux).to_f32(),
+                        };
                     }
                 }
             }
@@ -640,13 +639,47 @@ fn f16_exact(v: f32) -> bool {
     v.is_finite() && f16::from_f32(v).to_f32().to_bits() == v.to_bits()
 }
 
+/// The affine 4-bit form of [`Weight::narrowed`] of the `n x k` values
+/// `rows` (already tiled), if exact; `to_f16`: the values are f16, each
+/// `d * q + m` rounded.
+fn narrowed_affine_q4(rows: &[f32], n: usize, k: usize, to_f16: bool) -> Option<Packed> {
+    let blocks = k.div_ceil(QBLOCK);
+    let mut data = vec![0u8; n * blocks * QBLOCK / 2];
+    let (mut scales, mut offsets) = (vec![0f32; n * blocks], vec![0f32; n * blocks]);
+    let mut q = [0u8; QBLOCK];
+    for r in 0..n {
+        for b in 0..blocks {
+            let span = b * QBLOCK..((b + 1) * QBLOCK).min(k);
+            let block = &rows[r * k + span.start..r * k + span.end];
+            let (d, m) = affine_block(block, &mut q[..block.len()], to_f16)?;
+            scales[r * blocks + b] = d;
+            offsets[r * blocks + b] = m;
+            for (j, v) in q[..block.len()].iter().enumerate() {
+                let at = (r * blocks + b) * QBLOCK + j;
+                data[at / 2] |= if at.is_multiple_of(2) { *v } else { *v << 4 };
+            }
+        }
+    }
+    // Zero points of 0: `aux = -0 * d + m = m`, each weight `d * q + m`.
+    let zeros = Some(vec![0u8; n * blocks.div_ceil(2)]);
+    let q4 = Packed::Q4 { data, scales, zeros, offsets: Some(offsets), block: QBLOCK, blocks, int8: false };
+    let mut tiled = Tiled::from_rows(&Weight { n, k, packed: q4 })?;
+    if let TileData::Q4 { per_weight, rounds_to_f16, .. } = &mut tiled.data {
+        (*per_weight, *rounds_to_f16) = (true, to_f16);
+    }
+    Some(Packed::Tiled(tiled))
+}
+
 /// `(d, m)` with `block[j] == d * q[j] + m` bit for bit in f32 for every
 /// `j`, `d` and `m` f16 values, `q[j]` in 0..=15 (written to `q`), if the
 /// block has that form. A Q4_1 block's smallest value is its `m` (q = 0)
 /// and its largest `15 d + m`, so `d` is the f16 nearest `(max - m) / 15`
 /// or a neighbour; `d * q` is exact in f32 (11 + 4 significant bits), so
-/// one rounding makes each value, as in a fused multiply-add.
-fn affine_block(block: &[f32], q: &mut [u8]) -> Option<(f32, f32)> {
+/// one rounding makes each value, as in a fused multiply-add. With
+/// `to_f16` each value is `d * q + m` rounded again, to f16: the largest
+/// then sits up to half an f16 step off `15 d + m`, so `d` is searched a
+/// few f16 steps either side.
+fn affine_block(block: &[f32], q: &mut [u8], to_f16: bool) -> Option<(f32, f32)> {
     if block.iter().any(|v| !v.is_finite()) {
         return None;
     }
@@ -656,15 +689,23 @@ fn affine_block(block: &[f32], q: &mut [u8]) -> Option<(f32, f32)> {
         return None;
     }
     let near = f16::from_f32((max - m) / 15.0).to_bits();
-    let candidates = [near, near.wrapping_add(1), near.wrapping_sub(1)];
-    'next: for bits in candidates {
-        let d = f16::from_bits(bits).to_f32();
+    let steps: &[i16] = if to_f16 { &[0, 1, -1, 2, -2, 3, -3, 4, -4] } else { &[0, 1, -1] };
+    let value = |d: f32, level: f32| {
+        let v = d * level + m;
+        if to_f16 {
+            f16::from_f32(v).to_f32()
+        } else {
+            v
+        }
+    };
+    'next: for step in steps {
+        let d = f16::from_bits(near.wrapping_add_signed(*step)).to_f32();
         if !(d.is_finite() && d >= 0.0) {
             continue;
         }
         for (v, qj) in block.iter().zip(q.iter_mut()) {
             let level = if d > 0.0 { ((v - m) / d).round() } else { 0.0 };
-            if !(0.0..=15.0).contains(&level) || (d * level + m).to_bits() != v.to_bits() {
+            if !(0.0..=15.0).contains(&level) || value(d, level).to_bits() != v.to_bits() {
                 continue 'next;
             }
             *qj = level as u8;
