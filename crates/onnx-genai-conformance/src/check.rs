@@ -220,7 +220,8 @@ pub fn native_compile_stage(dir: &Path, name: &str) -> (CheckResult, Option<Tier
 
 /// The tier a package's arithmetic calls for: int8 activations (4-bit
 /// weights at `accuracy_level` 4), 4-bit or 8-bit weights, f16 KV (deep
-/// models drift further), else f32.
+/// models drift further), else f32. A weight narrowed losslessly (a step
+/// named `Linear[f16 as q4]`) counts as what it reproduces, the f16.
 pub fn tier_of(step_ops: &[String], package: &Package) -> Tier {
     let any = |kind: &str| step_ops.iter().any(|op| op.contains(&format!("[{kind}")));
     let layers = package.manifest.architecture.num_layers;

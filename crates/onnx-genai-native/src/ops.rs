@@ -267,9 +267,9 @@ impl Op {
             Op::SkipRmsNorm { .. } => "SkipRmsNorm".into(),
             Op::LayerNorm { .. } => "LayerNorm".into(),
             Op::Linear { weight, bias } => {
-                format!("Linear[{}{}]", weight.kind(), if bias.is_some() { "+bias" } else { "" })
+                format!("Linear[{}{}]", weight.label(), if bias.is_some() { "+bias" } else { "" })
             }
-            Op::SplitLinear { weight, .. } => format!("SplitLinear[{}]", weight.kind()),
+            Op::SplitLinear { weight, .. } => format!("SplitLinear[{}]", weight.label()),
             Op::GatedMlp { .. } => "GatedMlp".into(),
             Op::MatMulNBits { .. } => "MatMulNBits".into(),
             Op::GatherQ4 { .. } => "GatherQ4".into(),

@@ -59,7 +59,12 @@ unsafe fn dispatch<const R: usize>(
     match t.data {
         TileData::F32 => f32_cols::<R>(w, stride, t.k, x, rows.kp, ahead, &mut acc),
         TileData::F16 => f16_cols::<R>(w, stride, t.k, x, rows.kp, ahead, &mut acc),
-        TileData::Q8 { blocks } => q8_cols::<R>(w, stride, blocks, x, rows.kp, ahead, &mut acc),
+        TileData::Q8 { blocks, rounds_to_f16: false } => {
+            q8_cols::<R, false>(w, stride, blocks, x, rows.kp, ahead, &mut acc)
+        }
+        TileData::Q8 { blocks, rounds_to_f16: true } => {
+            q8_cols::<R, true>(w, stride, blocks, x, rows.kp, ahead, &mut acc)
+        }
         TileData::Q4 { blocks, int8: false, symmetric, half, rounds_to_f16: false, .. } => {
             q4_cols::<R, false>(w, stride, (blocks, symmetric, half), x, rows.kp, ahead, &mut acc)
         }
@@ -142,9 +147,17 @@ unsafe fn f16_cols<const R: usize>(
     }
 }
 
+/// `v` rounded to f16 (to nearest, ties to even) and widened back: the
+/// weight an f16 export stored, for a weight narrowed from it
+/// (`TileData::Q4::rounds_to_f16`, `TileData::Q8::rounds_to_f16`).
+#[inline(always)]
+unsafe fn to_f16_and_back(v: __m256) -> __m256 {
+    _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v))
+}
+
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8_cols<const R: usize>(
+unsafe fn q8_cols<const R: usize, const F16: bool>(
     w: *const u8,
     stride: usize,
     blocks: usize,
@@ -163,7 +176,12 @@ unsafe fn q8_cols<const R: usize>(
             let c = b * QBLOCK + col;
             let wv: [__m256; 2] = std::array::from_fn(|h| {
                 let q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(rec.add(16 * col + 8 * h).cast()));
-                _mm256_mul_ps(_mm256_cvtepi32_ps(q), scale[h])
+                let wv = _mm256_mul_ps(_mm256_cvtepi32_ps(q), scale[h]);
+                if F16 {
+                    to_f16_and_back(wv)
+                } else {
+                    wv
+                }
             });
             for (r, row) in acc.iter_mut().enumerate() {
                 let xv = _mm256_set1_ps(*x.add(r * kp + c));
@@ -215,8 +233,7 @@ unsafe fn q4_cols<const R: usize, const F16: bool>(
                         let q = _mm256_and_si256(_mm256_srli_epi32::<$shift>(v[h]), nibble);
                         let wv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), scale[h], aux[h]);
                         if F16 {
-                            // The weight an f16 export stored (see `TileData::Q4`).
-                            _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(wv))
+                            to_f16_and_back(wv)
                         } else {
                             wv
                         }

@@ -151,7 +151,12 @@ unsafe fn dispatch<const T: usize, const R: usize, const VNNI: bool>(
     match t.data {
         TileData::F32 => f32_cols::<T, R>(&w, stride, t.k, x, rows.kp, ahead, &mut acc),
         TileData::F16 => f16_cols::<T, R>(&w, stride, t.k, x, rows.kp, ahead, &mut acc),
-        TileData::Q8 { blocks } => q8_cols::<T, R>(&w, stride, blocks, x, rows.kp, ahead, &mut acc),
+        TileData::Q8 { blocks, rounds_to_f16: false } => {
+            q8_cols::<T, R, false>(&w, stride, blocks, x, rows.kp, ahead, &mut acc)
+        }
+        TileData::Q8 { blocks, rounds_to_f16: true } => {
+            q8_cols::<T, R, true>(&w, stride, blocks, x, rows.kp, ahead, &mut acc)
+        }
         TileData::Q4 { blocks, int8: false, symmetric, half, per_weight: false, .. } if VNNI && R <= 2 => {
             let limbs = &rows.limbs;
             debug_assert_eq!(blocks, rows.kp / QBLOCK, "one record per 32 inputs");
@@ -261,7 +266,7 @@ unsafe fn f16_cols<const T: usize, const R: usize>(
 /// shared by every row.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn q8_cols<const T: usize, const R: usize>(
+unsafe fn q8_cols<const T: usize, const R: usize, const F16: bool>(
     w: &[*const u8; T],
     stride: usize,
     blocks: usize,
@@ -280,7 +285,12 @@ unsafe fn q8_cols<const T: usize, const R: usize>(
             let c = b * QBLOCK + col;
             let wv: [__m512; T] = std::array::from_fn(|j| {
                 let q = _mm512_cvtepi8_epi32(_mm_loadu_si128(rec[j].add(16 * col).cast()));
-                _mm512_mul_ps(_mm512_cvtepi32_ps(q), scale[j])
+                let wv = _mm512_mul_ps(_mm512_cvtepi32_ps(q), scale[j]);
+                if F16 {
+                    to_f16_and_back(wv)
+                } else {
+                    wv
+                }
             });
             for (r, row) in acc.iter_mut().enumerate() {
                 let xv = _mm512_set1_ps(*x.add(r * kp + c));
@@ -360,7 +370,8 @@ unsafe fn q4_blocks<const T: usize, const R: usize>(
 }
 
 /// `v` rounded to f16 (to nearest, ties to even) and widened back: the
-/// weight an f16 export stored, for a weight narrowed from it.
+/// weight an f16 export stored, for a weight narrowed from it
+/// (`TileData::Q4::rounds_to_f16`, `TileData::Q8::rounds_to_f16`).
 #[inline(always)]
 unsafe fn to_f16_and_back(v: __m512) -> __m512 {
     _mm512_cvtph_ps(_mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v))
@@ -644,13 +655,14 @@ pub unsafe fn decode_pair(t: &Tiled, tile: usize, panel: &mut [f32]) {
                     _mm512_storeu_ps(p.add(c * 32 + 16 * j), v);
                 }
             }
-            TileData::Q8 { blocks } => {
+            TileData::Q8 { blocks, rounds_to_f16 } => {
                 for b in 0..blocks {
                     let rec = w.add(b * stride);
                     let scale = _mm512_loadu_ps(rec.add(512).cast());
                     for col in 0..QBLOCK {
                         let q = _mm512_cvtepi8_epi32(_mm_loadu_si128(rec.add(16 * col).cast()));
                         let v = _mm512_mul_ps(_mm512_cvtepi32_ps(q), scale);
+                        let v = if rounds_to_f16 { to_f16_and_back(v) } else { v };
                         _mm512_storeu_ps(p.add((b * QBLOCK + col) * 32 + 16 * j), v);
                     }
                 }

@@ -218,6 +218,8 @@ mod tests {
             assert_eq!(narrow.kind(), kind, "exact values narrow");
             assert!(narrow.bytes() < wide.bytes());
             let (wide, narrow) = (wide.into_tiled(), narrow.into_tiled());
+            let label = if kind == "f16" { "f16".to_string() } else { format!("f32 as {kind}") };
+            assert_eq!(narrow.label(), label, "named for what it computes");
             let mut row = Vec::new();
             for r in 0..n {
                 let back = narrow.row(r, &mut row);
@@ -266,49 +268,96 @@ mod tests {
             .collect()
     }
 
+    /// GGUF Q8_0 dequantized: per block of 32 of a row, an f16 scale `d`
+    /// and levels in -127..=127 (the largest magnitude 127, or 126 where
+    /// the block's f16 scale was rounded up), `d * q` in f32; a block of
+    /// zeros (`d = 0`: Q8_0 then stores levels of 0, so every value is
+    /// +0.0) and a subnormal `d` among them.
+    fn q8_0_dequantized(n: usize, k: usize) -> Vec<f32> {
+        let blocks = k.div_ceil(32);
+        (0..n * k)
+            .map(|i| {
+                let (r, c) = (i / k, i % k);
+                let (block, j) = (r * blocks + c / 32, c % 32);
+                let d = match block % 11 {
+                    4 => 0.0,
+                    6 => f16::from_bits(0x0023).to_f32(), // subnormal
+                    _ => f16::from_f32(0.0007 + (block % 9) as f32 * 0.00013).to_f32(),
+                };
+                let top = if block % 3 == 0 { 126 } else { 127 };
+                let q = match j {
+                    0 => top,
+                    1 => -top + 1,
+                    _ => (i * 37 % 253) as i32 - 126,
+                };
+                if d == 0.0 {
+                    0.0
+                } else {
+                    d * q as f32
+                }
+            })
+            .collect()
+    }
+
     /// Lossless narrowing of an f16 weight (issue 15's item 5): Q4_1's
-    /// dequantized values rounded to f16 (the f16 export's projections)
-    /// are stored as affine 4-bit blocks that round each computed weight
-    /// to f16, give back the f16 rows bit for bit and compute bit for bit
-    /// what the f16 weight computes, on every instruction-set path and at
-    /// every row count the kernels split differently; one value off the
+    /// and Q8_0's dequantized values rounded to f16 (the f16 export's
+    /// projections and its tied output projection) are stored as those
+    /// blocks, each computed weight rounded to f16, give back the f16 rows
+    /// bit for bit and compute bit for bit what the f16 weight computes,
+    /// on every instruction-set path and at every row count the kernels
+    /// split differently; the same values widened to f32 (as constant
+    /// folding widens a tied table) narrow the same way; one value off the
     /// grid keeps the weight f16.
     #[test]
     fn narrowed_f16_weights_compute_what_f16_computes() {
         let (n, k): (usize, usize) = (40, 80);
-        let halves: Vec<f16> = q4_1_dequantized(n, k).iter().map(|v| f16::from_f32(*v)).collect();
-        // Rounding must matter, or this would test the f32 case again.
-        let rounded = q4_1_dequantized(n, k).iter().zip(&halves).filter(|(v, h)| h.to_f32() != **v).count();
-        assert!(rounded > n * k / 4, "only {rounded} values changed by rounding to f16");
-        let mut off_grid = halves.clone();
-        off_grid[77] = f16::from_bits(off_grid[77].to_bits() + 1);
-        assert_eq!(Weight { n, k, packed: Packed::F16(off_grid) }.narrowed().kind(), "f16", "one value off stays f16");
-        let wide = Weight { n, k, packed: Packed::F16(halves.clone()) };
-        let narrow = wide.clone().narrowed();
-        assert_eq!(narrow.kind(), "q4", "exact values narrow");
-        assert!(narrow.bytes() < wide.bytes());
-        let (wide, narrow) = (wide.into_tiled(), narrow.into_tiled());
-        assert!(matches!(
-            &narrow.packed,
-            Packed::Tiled(t) if matches!(t.data, TileData::Q4 { per_weight: true, rounds_to_f16: true, .. })
-        ));
-        let mut row = Vec::new();
-        for r in 0..n {
-            let back = narrow.row(r, &mut row);
-            let same = back.iter().zip(&halves[r * k..(r + 1) * k]).all(|(a, b)| a.to_bits() == b.to_f32().to_bits());
-            assert!(same, "row {r}: the narrowed weight holds other values");
-        }
-        for m in [1, 2, 3, 4, 5, 8, 13, 21, 40, 70] {
-            let x: Vec<f32> = (0..m * k).map(|i| ((i * 7 % 19) as f32 - 9.0) * 0.11).collect();
-            for isa in Isa::all_available() {
-                let rt = Runtime::new(2).unwrap();
-                let mut ctx = rt.ctx();
-                ctx.isa = isa;
-                let (mut a, mut b) = (Vec::new(), Vec::new());
-                linear(&x, m, &wide, None, &mut a, &ctx);
-                linear(&x, m, &narrow, None, &mut b, &ctx);
-                let same = a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits());
-                assert!(same, "{isa} m={m}: the narrowed weight computes other values");
+        for (values, kind) in [(q4_1_dequantized(n, k), "q4"), (q8_0_dequantized(n, k), "q8")] {
+            let halves: Vec<f16> = values.iter().map(|v| f16::from_f32(*v)).collect();
+            // Rounding must matter, or this would test the f32 case again.
+            let rounded = values.iter().zip(&halves).filter(|(v, h)| h.to_f32() != **v).count();
+            assert!(rounded > n * k / 4, "{kind}: only {rounded} values changed by rounding to f16");
+            let mut off_grid = halves.clone();
+            off_grid[77] = f16::from_bits(off_grid[77].to_bits() + 1);
+            let off = Weight { n, k, packed: Packed::F16(off_grid) }.narrowed();
+            assert_eq!(off.kind(), "f16", "{kind}: one value off stays f16");
+            let widened: Vec<f32> = halves.iter().map(|h| h.to_f32()).collect();
+            let from_f32 = Weight { n, k, packed: Packed::F32(widened) }.narrowed();
+            assert_eq!(from_f32.kind(), kind, "f16 values widened to f32 narrow alike");
+            let wide = Weight { n, k, packed: Packed::F16(halves.clone()) };
+            let narrow = wide.clone().narrowed();
+            assert_eq!(narrow.kind(), kind, "exact values narrow");
+            assert!(narrow.bytes() < wide.bytes());
+            let (wide, narrow) = (wide.into_tiled(), narrow.into_tiled());
+            // Named for what it computes, so a tier is chosen by the f16.
+            assert_eq!(narrow.label(), format!("f16 as {kind}"));
+            let rounds = match &narrow.packed {
+                Packed::Tiled(t) => matches!(
+                    t.data,
+                    TileData::Q4 { per_weight: true, rounds_to_f16: true, .. }
+                        | TileData::Q8 { rounds_to_f16: true, .. }
+                ),
+                _ => false,
+            };
+            assert!(rounds, "{kind}: narrowed from f16, the weight must round to f16");
+            let mut row = Vec::new();
+            for r in 0..n {
+                let back = narrow.row(r, &mut row);
+                let same =
+                    back.iter().zip(&halves[r * k..(r + 1) * k]).all(|(a, b)| a.to_bits() == b.to_f32().to_bits());
+                assert!(same, "{kind} row {r}: the narrowed weight holds other values");
+            }
+            for m in [1, 2, 3, 4, 5, 8, 13, 21, 40, 70] {
+                let x: Vec<f32> = (0..m * k).map(|i| ((i * 7 % 19) as f32 - 9.0) * 0.11).collect();
+                for isa in Isa::all_available() {
+                    let rt = Runtime::new(2).unwrap();
+                    let mut ctx = rt.ctx();
+                    ctx.isa = isa;
+                    let (mut a, mut b) = (Vec::new(), Vec::new());
+                    linear(&x, m, &wide, None, &mut a, &ctx);
+                    linear(&x, m, &narrow, None, &mut b, &ctx);
+                    let same = a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits());
+                    assert!(same, "{kind} {isa} m={m}: the narrowed weight computes other values");
+                }
             }
         }
     }

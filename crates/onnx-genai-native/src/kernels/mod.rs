@@ -16,6 +16,7 @@ pub mod limbs;
 pub mod linear;
 pub mod linear_int8;
 pub mod math;
+mod narrow;
 mod portable;
 pub mod rotary;
 pub mod select;

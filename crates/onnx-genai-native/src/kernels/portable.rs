@@ -35,14 +35,14 @@ pub fn tiles(t: &Tiled, rows: &Rows<'_>, tiles: Range<usize>, y: &Disjoint<'_, f
                         }
                     }
                 }
-                TileData::Q8 { blocks } => {
+                TileData::Q8 { blocks, rounds_to_f16 } => {
                     let x = &rows.x[r * rows.kp..(r + 1) * rows.kp];
                     for b in 0..blocks {
                         let rec = &base[b * stride..b * stride + Q8_RECORD_LINES * 64];
                         for (lane, a) in acc.iter_mut().enumerate() {
                             let scale = lane_f32(rec, 512 + lane * 4);
                             for (j, xv) in x[b * QBLOCK..(b + 1) * QBLOCK].iter().enumerate() {
-                                *a += f32::from(rec[16 * j + lane] as i8) * scale * xv;
+                                *a += super::weights::q8_weight(rec[16 * j + lane] as i8, scale, rounds_to_f16) * xv;
                             }
                         }
                     }

@@ -37,12 +37,14 @@ pub enum Packed {
         blocks: usize,
         int8: bool,
     },
-    /// 8-bit blocks of 32 with one f32 scale each (`w = q * scale`): an f32
-    /// weight that round-trips exactly ([`Weight::narrowed`]).
+    /// 8-bit blocks of 32 with one f32 scale each (`w = q * scale`, or
+    /// that rounded to f16 where `rounds_to_f16`): an f32 or f16 weight
+    /// that round-trips exactly ([`Weight::narrowed`]).
     Q8 {
         values: Vec<i8>,
         scales: Vec<f32>,
         blocks: usize,
+        rounds_to_f16: bool,
     },
     /// Repacked for the kernels.
     Tiled(Tiled),
@@ -148,6 +150,33 @@ impl Weight {
         }
     }
 
+    /// The storage and, for a weight narrowed losslessly, the arithmetic
+    /// it reproduces: `q4`, or `f16 as q4` (an f16 weight stored as 4-bit
+    /// blocks, computing the f16 weight's results bit for bit). What a
+    /// plan's step names show, and what a tolerance tier is chosen by.
+    pub fn label(&self) -> String {
+        let stored = self.kind();
+        match self.narrowed_from() {
+            Some(origin) => format!("{origin} as {stored}"),
+            None => stored.to_string(),
+        }
+    }
+
+    /// The form a weight narrowed by [`Weight::narrowed`] into 8-bit or
+    /// affine 4-bit blocks came from (`f32` or `f16`); `None` otherwise.
+    fn narrowed_from(&self) -> Option<&'static str> {
+        let to_f16 = match &self.packed {
+            Packed::Q8 { rounds_to_f16, .. } => *rounds_to_f16,
+            Packed::Tiled(t) => match t.data {
+                TileData::Q8 { rounds_to_f16, .. } => rounds_to_f16,
+                TileData::Q4 { per_weight: true, rounds_to_f16, .. } => rounds_to_f16,
+                _ => return None,
+            },
+            _ => return None,
+        };
+        Some(if to_f16 { "f16" } else { "f32" })
+    }
+
     /// A short name of the storage (`f32`, `f16`, `q4`, `q4i8`).
     pub fn kind(&self) -> &'static str {
         match &self.packed {
@@ -194,10 +223,10 @@ impl Weight {
                 }
                 scratch
             }
-            Packed::Q8 { values, scales, blocks } => {
+            Packed::Q8 { values, scales, blocks, rounds_to_f16 } => {
                 scratch.resize(k, 0.0);
                 for (c, v) in scratch.iter_mut().enumerate() {
-                    *v = f32::from(values[r * k + c]) * scales[r * blocks + c / QBLOCK];
+                    *v = q8_weight(values[r * k + c], scales[r * blocks + c / QBLOCK], *rounds_to_f16);
                 }
                 scratch
             }
@@ -207,75 +236,6 @@ impl Weight {
                 scratch
             }
         }
-    }
-
-    /// An f32 weight stored narrower when a round trip proves it exact:
-    /// as 8-bit blocks of 32 with an f32 scale when every block's values
-    /// are integer multiples of `max|w| / 127` (what an 8-bit export such
-    /// as GGUF's Q8_0 dequantizes to) and reproduce bit for bit; else as
-    /// affine 4-bit blocks of 32 when every block's values are `d * q + m`
-    /// for f16 `d` and `m` and `q` in 0..=15, computed in f32 (GGUF's Q4_1
-    /// dequantized: the f32 export's projections), tiled and computed
-    /// weight by weight; else as f16 when every value is an f16 (an f16
-    /// table that constant folding widened: the f16 export's tied output
-    /// projection). The kernels compute with the same f32s, in the f32
-    /// kernels' order. (One corner no real weight meets: a partial last
-    /// 4-bit block's padding adds `m · 0`, which turns an accumulated -0.0
-    /// into +0.0 — only when every product of the row underflowed.)
-    /// An f16 weight is stored as affine 4-bit blocks when every block's
-    /// values are `d * q + m` computed in f32 and rounded to f16 (GGUF's
-    /// Q4_1 dequantized, then stored as f16: the f16 export's
-    /// projections); the kernels compute each weight so, round it to f16
-    /// and multiply in the f16 kernels' order (which is the f32 kernels'),
-    /// so the results are the f16 weight's bit for bit — from 2.25 bytes a
-    /// weight instead of 2.
-    /// Anything else stays as it is.
-    pub fn narrowed(self) -> Self {
-        if let Packed::F16(halves) = &self.packed {
-            let wide: Vec<f32> = halves.iter().map(|h| h.to_f32()).collect();
-            return match narrowed_affine_q4(&wide, self.n, self.k, true) {
-                Some(q4) => Self { packed: q4, ..self },
-                None => self,
-            };
-        }
-        let Packed::F32(rows) = &self.packed else { return self };
-        if let Some(q8) = self.narrowed_q8() {
-            return Self { packed: q8, ..self };
-        }
-        if let Some(q4) = narrowed_affine_q4(rows, self.n, self.k, false) {
-            return Self { packed: q4, ..self };
-        }
-        if rows.iter().all(|v| f16_exact(*v)) {
-            let halves = rows.iter().map(|v| f16::from_f32(*v)).collect();
-            return Self { packed: Packed::F16(halves), ..self };
-        }
-        self
-    }
-
-    /// The 8-bit form of [`Weight::narrowed`], if exact.
-    fn narrowed_q8(&self) -> Option<Packed> {
-        let Packed::F32(rows) = &self.packed else { return None };
-        let (n, k) = (self.n, self.k);
-        let blocks = k.div_ceil(QBLOCK);
-        let mut values = vec![0i8; n * k];
-        let mut scales = vec![0f32; n * blocks];
-        for r in 0..n {
-            for b in 0..blocks {
-                let span = b * QBLOCK..((b + 1) * QBLOCK).min(k);
-                let block = &rows[r * k + span.start..r * k + span.end];
-                let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
-                let scale = amax / 127.0;
-                for (j, w) in block.iter().enumerate() {
-                    let q = if scale > 0.0 { (w / scale).round() } else { 0.0 };
-                    if q.abs() > 127.0 || q * scale != *w || !w.is_finite() {
-                        return None;
-                    }
-                    values[r * k + span.start + j] = q as i8;
-                }
-                scales[r * blocks + b] = scale;
-            }
-        }
-        Some(Packed::Q8 { values, scales, blocks })
     }
 
     /// Bytes the packed weight occupies.
@@ -366,8 +326,10 @@ pub enum TileData {
     },
     /// Per block of 32 inputs, one 9-line record: 8 lines of int8 weights
     /// (input `j` of the block: the 16 rows' values at bytes `16j..16j+16`)
-    /// and a line of 16 f32 scales (`w = q * scale`).
-    Q8 { blocks: usize },
+    /// and a line of 16 f32 scales (`w = q * scale`; where `rounds_to_f16`,
+    /// that rounded to f16: an f16 weight narrowed to this form gives the
+    /// f16 weight's results bit for bit).
+    Q8 { blocks: usize, rounds_to_f16: bool },
 }
 
 /// A weight repacked for the kernels: output rows in tiles of [`TILE`]
@@ -418,7 +380,7 @@ fn record_and_steps(data: &TileData, k: usize) -> (usize, usize) {
         TileData::Q4 { blocks, symmetric, half, .. } => {
             (if *symmetric || *half { Q4_SHORT_RECORD_LINES } else { Q4_RECORD_LINES } * 64, *blocks)
         }
-        TileData::Q8 { blocks } => (Q8_RECORD_LINES * 64, *blocks),
+        TileData::Q8 { blocks, .. } => (Q8_RECORD_LINES * 64, *blocks),
     }
 }
 
@@ -545,7 +507,7 @@ impl Tiled {
                 };
                 Some(Self { n, k, kp: qblocks * QBLOCK, tiles, data, lines: lines.into() })
             }
-            Packed::Q8 { values, scales, blocks } => {
+            Packed::Q8 { values, scales, blocks, rounds_to_f16 } => {
                 let mut lines = vec![Line([0; 64]); tiles * blocks * Q8_RECORD_LINES];
                 for r in 0..n {
                     let (t, lane) = (r / TILE, r % TILE);
@@ -560,7 +522,7 @@ impl Tiled {
                         lines[rec + 8].0[lane * 4..lane * 4 + 4].copy_from_slice(&scale.to_le_bytes());
                     }
                 }
-                let data = TileData::Q8 { blocks: *blocks };
+                let data = TileData::Q8 { blocks: *blocks, rounds_to_f16: *rounds_to_f16 };
                 Some(Self { n, k, kp: blocks * QBLOCK, tiles, data, lines: lines.into() })
             }
             Packed::Tiled(t) => Some(t.clone()),
@@ -600,12 +562,12 @@ impl Tiled {
                     *o = f16::from_le_bytes([base[at], base[at + 1]]).to_f32();
                 }
             }
-            TileData::Q8 { blocks } => {
+            TileData::Q8 { blocks, rounds_to_f16 } => {
                 for b in 0..blocks {
                     let rec = &base[b * stride..b * stride + Q8_RECORD_LINES * 64];
                     let scale = f32_at(rec, 512 + lane * 4);
                     for j in 0..QBLOCK.min(self.k.saturating_sub(b * QBLOCK)) {
-                        out[b * QBLOCK + j] = f32::from(rec[16 * j + lane] as i8) * scale;
+                        out[b * QBLOCK + j] = q8_weight(rec[16 * j + lane] as i8, scale, rounds_to_f16);
                     }
                 }
             }
@@ -633,86 +595,21 @@ impl Tiled {
     }
 }
 
+/// An 8-bit weight's value: `q * scale`, rounded to f16 where the weight
+/// was narrowed from f16 (the portable kernel computes the same).
+pub(crate) fn q8_weight(q: i8, scale: f32, rounds_to_f16: bool) -> f32 {
+    let w = f32::from(q) * scale;
+    if rounds_to_f16 {
+        f16::from_f32(w).to_f32()
+    } else {
+        w
+    }
+}
+
 /// Whether `v` is an f16 value: its round trip through f16 gives the same
 /// bits (so NaN and infinities never count, nor a value f16 rounds).
-fn f16_exact(v: f32) -> bool {
+pub(crate) fn f16_exact(v: f32) -> bool {
     v.is_finite() && f16::from_f32(v).to_f32().to_bits() == v.to_bits()
-}
-
-/// The affine 4-bit form of [`Weight::narrowed`] of the `n x k` values
-/// `rows` (already tiled), if exact; `to_f16`: the values are f16, each
-/// `d * q + m` rounded.
-fn narrowed_affine_q4(rows: &[f32], n: usize, k: usize, to_f16: bool) -> Option<Packed> {
-    let blocks = k.div_ceil(QBLOCK);
-    let mut data = vec![0u8; n * blocks * QBLOCK / 2];
-    let (mut scales, mut offsets) = (vec![0f32; n * blocks], vec![0f32; n * blocks]);
-    let mut q = [0u8; QBLOCK];
-    for r in 0..n {
-        for b in 0..blocks {
-            let span = b * QBLOCK..((b + 1) * QBLOCK).min(k);
-            let block = &rows[r * k + span.start..r * k + span.end];
-            let (d, m) = affine_block(block, &mut q[..block.len()], to_f16)?;
-            scales[r * blocks + b] = d;
-            offsets[r * blocks + b] = m;
-            for (j, v) in q[..block.len()].iter().enumerate() {
-                let at = (r * blocks + b) * QBLOCK + j;
-                data[at / 2] |= if at.is_multiple_of(2) { *v } else { *v << 4 };
-            }
-        }
-    }
-    // Zero points of 0: `aux = -0 * d + m = m`, each weight `d * q + m`.
-    let zeros = Some(vec![0u8; n * blocks.div_ceil(2)]);
-    let q4 = Packed::Q4 { data, scales, zeros, offsets: Some(offsets), block: QBLOCK, blocks, int8: false };
-    let mut tiled = Tiled::from_rows(&Weight { n, k, packed: q4 })?;
-    if let TileData::Q4 { per_weight, rounds_to_f16, .. } = &mut tiled.data {
-        (*per_weight, *rounds_to_f16) = (true, to_f16);
-    }
-    Some(Packed::Tiled(tiled))
-}
-
-/// `(d, m)` with `block[j] == d * q[j] + m` bit for bit in f32 for every
-/// `j`, `d` and `m` f16 values, `q[j]` in 0..=15 (written to `q`), if the
-/// block has that form. A Q4_1 block's smallest value is its `m` (q = 0)
-/// and its largest `15 d + m`, so `d` is the f16 nearest `(max - m) / 15`
-/// or a neighbour; `d * q` is exact in f32 (11 + 4 significant bits), so
-/// one rounding makes each value, as in a fused multiply-add. With
-/// `to_f16` each value is `d * q + m` rounded again, to f16: the largest
-/// then sits up to half an f16 step off `15 d + m`, so `d` is searched a
-/// few f16 steps either side.
-fn affine_block(block: &[f32], q: &mut [u8], to_f16: bool) -> Option<(f32, f32)> {
-    if block.iter().any(|v| !v.is_finite()) {
-        return None;
-    }
-    let m = block.iter().copied().fold(f32::INFINITY, f32::min);
-    let max = block.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    if !f16_exact(m) {
-        return None;
-    }
-    let near = f16::from_f32((max - m) / 15.0).to_bits();
-    let steps: &[i16] = if to_f16 { &[0, 1, -1, 2, -2, 3, -3, 4, -4] } else { &[0, 1, -1] };
-    let value = |d: f32, level: f32| {
-        let v = d * level + m;
-        if to_f16 {
-            f16::from_f32(v).to_f32()
-        } else {
-            v
-        }
-    };
-    'next: for step in steps {
-        let d = f16::from_bits(near.wrapping_add_signed(*step)).to_f32();
-        if !(d.is_finite() && d >= 0.0) {
-            continue;
-        }
-        for (v, qj) in block.iter().zip(q.iter_mut()) {
-            let level = if d > 0.0 { ((v - m) / d).round() } else { 0.0 };
-            if !(0.0..=15.0).contains(&level) || value(d, level).to_bits() != v.to_bits() {
-                continue 'next;
-            }
-            *qj = level as u8;
-        }
-        return Some((d, m));
-    }
-    None
 }
 
 /// A 4-bit weight with offsets as GGUF's Q4_1 blocks give (tests):

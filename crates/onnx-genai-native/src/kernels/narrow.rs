@@ -1,0 +1,180 @@
+//! Lossless narrowing: a projection weight stored in a narrower form
+//! only where a round trip proves every value exact, so the kernels
+//! compute the same values (and, in the wide form's order, the same
+//! results bit for bit) from fewer bytes.
+
+use half::f16;
+
+use super::weights::{f16_exact, Packed, TileData, Tiled, Weight, QBLOCK};
+
+impl Weight {
+    /// An f32 weight stored narrower when a round trip proves it exact:
+    /// as 8-bit blocks of 32 with an f32 scale when every block's values
+    /// are integer multiples of `max|w| / 127` (what an 8-bit export such
+    /// as GGUF's Q8_0 dequantizes to) and reproduce bit for bit; else as
+    /// affine 4-bit blocks of 32 when every block's values are `d * q + m`
+    /// for f16 `d` and `m` and `q` in 0..=15, computed in f32 (GGUF's Q4_1
+    /// dequantized: the f32 export's projections), tiled and computed
+    /// weight by weight; else as f16 when every value is an f16 (an f16
+    /// table that constant folding widened: the f16 export's tied output
+    /// projection). The kernels compute with the same f32s, in the f32
+    /// kernels' order. (One corner no real weight meets: a partial last
+    /// 4-bit block's padding adds `m · 0`, which turns an accumulated -0.0
+    /// into +0.0 — only when every product of the row underflowed.)
+    /// An f16 weight (or an f32 one whose values are all f16) is stored as
+    /// 8-bit blocks when every block's values are `d * q` computed in f32
+    /// and rounded to f16 (GGUF's Q8_0 dequantized, then stored as f16:
+    /// the f16 export's tied output projection), else as affine 4-bit
+    /// blocks when they are `d * q + m` so rounded (Q4_1: its other
+    /// projections); the kernels compute each weight so, round it to f16
+    /// and multiply in the f16 kernels' order (which is the f32 kernels'),
+    /// so the results are the f16 weight's bit for bit — from 1.125 or
+    /// 0.5625 bytes a weight instead of 2.
+    /// Anything else stays as it is.
+    pub fn narrowed(self) -> Self {
+        let (n, k) = (self.n, self.k);
+        let packed = match &self.packed {
+            Packed::F16(halves) => {
+                let wide: Vec<f32> = halves.iter().map(|h| h.to_f32()).collect();
+                narrowed_q8(&wide, n, k, true).or_else(|| narrowed_affine_q4(&wide, n, k, true))
+            }
+            Packed::F32(rows) => {
+                narrowed_q8(rows, n, k, false).or_else(|| narrowed_affine_q4(rows, n, k, false)).or_else(|| {
+                    rows.iter().all(|v| f16_exact(*v)).then(|| {
+                        narrowed_q8(rows, n, k, true)
+                            .or_else(|| narrowed_affine_q4(rows, n, k, true))
+                            .unwrap_or_else(|| Packed::F16(rows.iter().map(|v| f16::from_f32(*v)).collect()))
+                    })
+                })
+            }
+            _ => None,
+        };
+        match packed {
+            Some(packed) => Self { packed, ..self },
+            None => self,
+        }
+    }
+}
+
+/// The 8-bit form of [`Weight::narrowed`] of the `n x k` values `rows`,
+/// if exact: per block of 32 a scale and levels in -127..=127 with
+/// `level * scale` the value — with `to_f16`, that product rounded to f16
+/// (GGUF's Q8_0 dequantized, then stored as f16), for an f16 `scale` a few
+/// f16 steps from the largest magnitude over 127 (or 126, 125: a block
+/// whose f16 scale was rounded up has no level of 127).
+fn narrowed_q8(rows: &[f32], n: usize, k: usize, to_f16: bool) -> Option<Packed> {
+    let blocks = k.div_ceil(QBLOCK);
+    let mut values = vec![0i8; n * k];
+    let mut scales = vec![0f32; n * blocks];
+    let fits = |block: &[f32], scale: f32, q: &mut [i8]| -> bool {
+        for (w, qj) in block.iter().zip(q.iter_mut()) {
+            let level = if scale > 0.0 { (w / scale).round() } else { 0.0 };
+            let value = if to_f16 { f16::from_f32(level * scale).to_f32() } else { level * scale };
+            // Bits, not values: a -0.0 has no 8-bit level.
+            if level.abs() > 127.0 || value.to_bits() != w.to_bits() || !w.is_finite() {
+                return false;
+            }
+            *qj = level as i8;
+        }
+        true
+    };
+    for r in 0..n {
+        for b in 0..blocks {
+            let span = b * QBLOCK..((b + 1) * QBLOCK).min(k);
+            let block = &rows[r * k + span.start..r * k + span.end];
+            let q = &mut values[r * k + span.start..r * k + span.end];
+            let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let scale = if to_f16 {
+                let candidates = [127.0f32, 126.0, 125.0].into_iter().flat_map(|top| {
+                    let near = f16::from_f32(amax / top).to_bits();
+                    [0i16, 1, -1, 2, -2, 3, -3].map(|step| f16::from_bits(near.wrapping_add_signed(step)).to_f32())
+                });
+                candidates.filter(|d| d.is_finite() && *d >= 0.0).find(|d| fits(block, *d, q))?
+            } else {
+                let scale = amax / 127.0;
+                if !fits(block, scale, q) {
+                    return None;
+                }
+                scale
+            };
+            scales[r * blocks + b] = scale;
+        }
+    }
+    Some(Packed::Q8 { values, scales, blocks, rounds_to_f16: to_f16 })
+}
+
+/// The affine 4-bit form of [`Weight::narrowed`] of the `n x k` values
+/// `rows` (already tiled), if exact; `to_f16`: the values are f16, each
+/// `d * q + m` rounded.
+fn narrowed_affine_q4(rows: &[f32], n: usize, k: usize, to_f16: bool) -> Option<Packed> {
+    let blocks = k.div_ceil(QBLOCK);
+    let mut data = vec![0u8; n * blocks * QBLOCK / 2];
+    let (mut scales, mut offsets) = (vec![0f32; n * blocks], vec![0f32; n * blocks]);
+    let mut q = [0u8; QBLOCK];
+    for r in 0..n {
+        for b in 0..blocks {
+            let span = b * QBLOCK..((b + 1) * QBLOCK).min(k);
+            let block = &rows[r * k + span.start..r * k + span.end];
+            let (d, m) = affine_block(block, &mut q[..block.len()], to_f16)?;
+            scales[r * blocks + b] = d;
+            offsets[r * blocks + b] = m;
+            for (j, v) in q[..block.len()].iter().enumerate() {
+                let at = (r * blocks + b) * QBLOCK + j;
+                data[at / 2] |= if at.is_multiple_of(2) { *v } else { *v << 4 };
+            }
+        }
+    }
+    // Zero points of 0: `aux = -0 * d + m = m`, each weight `d * q + m`.
+    let zeros = Some(vec![0u8; n * blocks.div_ceil(2)]);
+    let q4 = Packed::Q4 { data, scales, zeros, offsets: Some(offsets), block: QBLOCK, blocks, int8: false };
+    let mut tiled = Tiled::from_rows(&Weight { n, k, packed: q4 })?;
+    if let TileData::Q4 { per_weight, rounds_to_f16, .. } = &mut tiled.data {
+        (*per_weight, *rounds_to_f16) = (true, to_f16);
+    }
+    Some(Packed::Tiled(tiled))
+}
+
+/// `(d, m)` with `block[j] == d * q[j] + m` bit for bit in f32 for every
+/// `j`, `d` and `m` f16 values, `q[j]` in 0..=15 (written to `q`), if the
+/// block has that form. A Q4_1 block's smallest value is its `m` (q = 0)
+/// and its largest `15 d + m`, so `d` is the f16 nearest `(max - m) / 15`
+/// or a neighbour; `d * q` is exact in f32 (11 + 4 significant bits), so
+/// one rounding makes each value, as in a fused multiply-add. With
+/// `to_f16` each value is `d * q + m` rounded again, to f16: the largest
+/// then sits up to half an f16 step off `15 d + m`, so `d` is searched a
+/// few f16 steps either side.
+fn affine_block(block: &[f32], q: &mut [u8], to_f16: bool) -> Option<(f32, f32)> {
+    if block.iter().any(|v| !v.is_finite()) {
+        return None;
+    }
+    let m = block.iter().copied().fold(f32::INFINITY, f32::min);
+    let max = block.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if !f16_exact(m) {
+        return None;
+    }
+    let near = f16::from_f32((max - m) / 15.0).to_bits();
+    let steps: &[i16] = if to_f16 { &[0, 1, -1, 2, -2, 3, -3, 4, -4] } else { &[0, 1, -1] };
+    let value = |d: f32, level: f32| {
+        let v = d * level + m;
+        if to_f16 {
+            f16::from_f32(v).to_f32()
+        } else {
+            v
+        }
+    };
+    'next: for step in steps {
+        let d = f16::from_bits(near.wrapping_add_signed(*step)).to_f32();
+        if !(d.is_finite() && d >= 0.0) {
+            continue;
+        }
+        for (v, qj) in block.iter().zip(q.iter_mut()) {
+            let level = if d > 0.0 { ((v - m) / d).round() } else { 0.0 };
+            if !(0.0..=15.0).contains(&level) || value(d, level).to_bits() != v.to_bits() {
+                continue 'next;
+            }
+            *qj = level as u8;
+        }
+        return Some((d, m));
+    }
+    None
+}
