@@ -86,8 +86,8 @@ impl CompileStats {
 /// The form projection weights take in a plan.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WeightForm {
-    /// Repacked into the CPU kernels' tiles (f32 weights narrowed to 8-bit
-    /// blocks, Q4_1's affine 4-bit blocks or f16 where exact:
+    /// Repacked into the CPU kernels' tiles (f32 and f16 weights narrowed
+    /// to 8-bit blocks, Q4_1's affine 4-bit blocks or f16 where exact:
     /// [`crate::kernels::weights::Weight::narrowed`]): what native-cpu runs.
     Tiled,
     /// Left as output rows (`[N, K]` f32, f16 or 4-bit blocks): for a
@@ -464,9 +464,9 @@ fn causal_attention(g: &mut Graph) {
 }
 
 /// Every projection weight in the kernels' tiled layout (the last pass:
-/// fusion stacks row-form weights), f32 weights first narrowed to 8-bit
-/// blocks, affine 4-bit blocks or f16 where that is exact. Returns how
-/// many were narrowed to each (`q8`, `q4`, `f16`).
+/// fusion stacks row-form weights), f32 and f16 weights first narrowed to
+/// 8-bit blocks, affine 4-bit blocks or f16 where that is exact. Returns
+/// how many were narrowed to each (`q8`, `q4`, `f16`).
 fn repack(g: &mut Graph) -> [(&'static str, usize); 3] {
     let mut narrowed = [("q8", 0), ("q4", 0), ("f16", 0)];
     for node in g.nodes.iter_mut().flatten() {

@@ -224,11 +224,11 @@ pub(crate) fn stack_siblings(g: &mut Graph, head: Vid) -> usize {
         if members.len() < 2 {
             continue;
         }
-        // (Narrowing an f32 weight to learn its form is costly: only here.)
-        let mut members: Vec<(usize, &'static str)> = members.into_iter().map(|(i, w)| (i, stored_kind(w))).collect();
+        // (Narrowing a weight to learn its form is costly: only here.)
+        let mut members: Vec<(usize, String)> = members.into_iter().map(|(i, w)| (i, stored_kind(w))).collect();
         // Kinds in order of first appearance; a group keeps plan order,
         // and more than `MAX_STACKED` members make several stacks.
-        while let Some(&(_, kind)) = members.first() {
+        while let Some(kind) = members.first().map(|m| m.1.clone()) {
             let group: Vec<usize> = members.iter().filter(|m| m.1 == kind).map(|m| m.0).collect();
             for part in group.chunks(MAX_STACKED) {
                 if part.len() >= 2 && stack_group(g, x, part) {
@@ -241,11 +241,13 @@ pub(crate) fn stack_siblings(g: &mut Graph, head: Vid) -> usize {
     stacks
 }
 
-/// The form a weight is stored in after repacking.
-fn stored_kind(w: &Weight) -> &'static str {
+/// The form a weight is stored in after repacking, with what it computes
+/// (`f16 as q4`): members narrowed from different forms would not narrow
+/// as one stack.
+fn stored_kind(w: &Weight) -> String {
     match &w.packed {
-        Packed::F32(_) | Packed::F16(_) => w.clone().narrowed().kind(),
-        _ => w.kind(),
+        Packed::F32(_) | Packed::F16(_) => w.clone().narrowed().label(),
+        _ => w.label(),
     }
 }
 

@@ -211,6 +211,10 @@ mod tests {
         let affine = q4_1_dequantized(n, k);
         let mut off_grid = affine.clone();
         off_grid[77] = f32::from_bits(off_grid[77].to_bits() + 1);
+        // A -0.0 has no 8-bit level (level 0 computes +0.0).
+        let mut negative_zero = grid.clone();
+        negative_zero[5] = -0.0;
+        assert_eq!(Weight { n, k, packed: Packed::F32(negative_zero) }.narrowed().kind(), "f32", "-0.0 stays f32");
         assert_eq!(Weight { n, k, packed: Packed::F32(off_grid) }.narrowed().kind(), "f32", "one value off stays f32");
         for (values, kind) in [(halves, "f16"), (grid, "q8"), (affine, "q4")] {
             let wide = Weight { n, k, packed: Packed::F32(values.clone()) };

@@ -5,7 +5,7 @@
 
 use half::f16;
 
-use super::weights::{f16_exact, Packed, TileData, Tiled, Weight, QBLOCK};
+use super::weights::{f16_exact, q8_weight, Packed, TileData, Tiled, Weight, QBLOCK};
 
 impl Weight {
     /// An f32 weight stored narrower when a round trip proves it exact:
@@ -19,8 +19,9 @@ impl Weight {
     /// table that constant folding widened: the f16 export's tied output
     /// projection). The kernels compute with the same f32s, in the f32
     /// kernels' order. (One corner no real weight meets: a partial last
-    /// 4-bit block's padding adds `m · 0`, which turns an accumulated -0.0
-    /// into +0.0 — only when every product of the row underflowed.)
+    /// block's padding adds `m · 0` or `0 · 0`, which turns an accumulated
+    /// -0.0 into +0.0 — only when every product of the row underflowed;
+    /// the same holds for the f16 forms below.)
     /// An f16 weight (or an f32 one whose values are all f16) is stored as
     /// 8-bit blocks when every block's values are `d * q` computed in f32
     /// and rounded to f16 (GGUF's Q8_0 dequantized, then stored as f16:
@@ -29,7 +30,7 @@ impl Weight {
     /// projections); the kernels compute each weight so, round it to f16
     /// and multiply in the f16 kernels' order (which is the f32 kernels'),
     /// so the results are the f16 weight's bit for bit — from 1.125 or
-    /// 0.5625 bytes a weight instead of 2.
+    /// 0.625 bytes a weight instead of 2.
     /// Anything else stays as it is.
     pub fn narrowed(self) -> Self {
         let (n, k) = (self.n, self.k);
@@ -69,12 +70,15 @@ fn narrowed_q8(rows: &[f32], n: usize, k: usize, to_f16: bool) -> Option<Packed>
     let fits = |block: &[f32], scale: f32, q: &mut [i8]| -> bool {
         for (w, qj) in block.iter().zip(q.iter_mut()) {
             let level = if scale > 0.0 { (w / scale).round() } else { 0.0 };
-            let value = if to_f16 { f16::from_f32(level * scale).to_f32() } else { level * scale };
-            // Bits, not values: a -0.0 has no 8-bit level.
-            if level.abs() > 127.0 || value.to_bits() != w.to_bits() || !w.is_finite() {
+            if !w.is_finite() || level.abs() > 127.0 {
                 return false;
             }
+            // The stored level through the kernels' own formula, compared
+            // by bits: a -0.0 (stored as level 0, computed as +0.0) fails.
             *qj = level as i8;
+            if q8_weight(*qj, scale, to_f16).to_bits() != w.to_bits() {
+                return false;
+            }
         }
         true
     };
