@@ -303,6 +303,14 @@ mod tests {
             .collect()
     }
 
+    /// `values` rounded to f16 and narrowed, which must give `kind`.
+    fn f16_narrowed(values: Vec<f32>, n: usize, k: usize, kind: &str) -> Weight {
+        let halves = values.iter().map(|v| f16::from_f32(*v)).collect();
+        let w = Weight { n, k, packed: Packed::F16(halves) }.narrowed();
+        assert_eq!(w.label(), format!("f16 as {kind}"));
+        w
+    }
+
     /// Lossless narrowing of an f16 weight (issue 15's item 5): Q4_1's
     /// and Q8_0's dequantized values rounded to f16 (the f16 export's
     /// projections and its tied output projection) are stored as those
@@ -368,8 +376,8 @@ mod tests {
 
     /// A split projection (Q, K and V stacked, `Op::SplitLinear`) gives
     /// each member exactly the bits its own projection gives, on every
-    /// instruction-set path, storage (f32, f32 narrowed to affine 4-bit
-    /// blocks, f16, 4-bit with and without zero points, int8 inputs), row
+    /// instruction-set path, storage (f32, f32 and f16 narrowed to affine
+    /// 4-bit blocks, f16, 4-bit with and without zero points, int8 inputs), row
     /// count (decode, batches, AMX-sized and GEMM-sized) and thread count,
     /// with member boundaries inside a tile (40 + 24 + 24 outputs) and on
     /// tile edges (64 + 16 + 16).
@@ -392,9 +400,14 @@ mod tests {
                 .collect()
         };
         type Make<'a> = &'a dyn Fn(usize, usize) -> Weight;
-        let storages: [(&str, Make); 7] = [
+        let storages: [(&str, Make); 8] = [
             ("f32", &|n, s| Weight { n, k, packed: Packed::F32(f32_rows(n, s)) }),
             ("affine", &|n, s| Weight { n, k, packed: Packed::F32(affine(n, s)) }),
+            ("affine f16", &|n, s| Weight {
+                n,
+                k,
+                packed: Packed::F16(affine(n, s).iter().map(|v| f16::from_f32(*v)).collect()),
+            }),
             ("f16", &|n, s| Weight {
                 n,
                 k,
@@ -412,7 +425,13 @@ mod tests {
                     members.iter().skip(1).fold(members[0].clone(), |s, w| Weight::stack(s, w.clone()).unwrap());
                 let stacked = stacked.narrowed().into_tiled();
                 let members: Vec<Weight> = members.into_iter().map(|w| w.narrowed().into_tiled()).collect();
-                assert_eq!(stacked.kind(), members[0].kind(), "{name}: the stack is stored as its members");
+                assert_eq!(stacked.label(), members[0].label(), "{name}: the stack is stored as its members");
+                let narrowed_as = match name {
+                    "affine" => "f32 as q4",
+                    "affine f16" => "f16 as q4",
+                    _ => members[0].kind(),
+                };
+                assert_eq!(stacked.label(), narrowed_as, "{name}: narrowed as it should be");
                 for threads in [1, 2] {
                     let rt = Runtime::new(threads).unwrap();
                     for isa in Isa::all_available() {
@@ -472,6 +491,10 @@ mod tests {
                 // GGUF Q4_1-like blocks: f16 scales and `aux` (one f16 line).
                 crate::kernels::weights::affine_q4(n, k, false, true),
                 crate::kernels::weights::affine_q4(n, 80, true, true),
+                // Q4_1's and Q8_0's values rounded to f16, narrowed (each
+                // computed weight rounded to f16 again).
+                f16_narrowed(q4_1_dequantized(n, 80), n, 80, "q4"),
+                f16_narrowed(q8_0_dequantized(n, 96), n, 96, "q8"),
             ];
             for w in &weights {
                 every_isa_matches_the_reference_on(w);
