@@ -224,25 +224,7 @@ mod tests {
             let (wide, narrow) = (wide.into_tiled(), narrow.into_tiled());
             let label = if kind == "f16" { "f16".to_string() } else { format!("f32 as {kind}") };
             assert_eq!(narrow.label(), label, "named for what it computes");
-            let mut row = Vec::new();
-            for r in 0..n {
-                let back = narrow.row(r, &mut row);
-                let same = back.iter().zip(&values[r * k..(r + 1) * k]).all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same, "{kind} row {r}: the narrowed weight holds other values");
-            }
-            for m in [1, 2, 3, 4, 5, 8, 13, 21, 40, 70] {
-                let x: Vec<f32> = (0..m * k).map(|i| ((i * 7 % 19) as f32 - 9.0) * 0.11).collect();
-                for isa in Isa::all_available() {
-                    let rt = Runtime::new(2).unwrap();
-                    let mut ctx = rt.ctx();
-                    ctx.isa = isa;
-                    let (mut a, mut b) = (Vec::new(), Vec::new());
-                    linear(&x, m, &wide, None, &mut a, &ctx);
-                    linear(&x, m, &narrow, None, &mut b, &ctx);
-                    let same = a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits());
-                    assert!(same, "{kind} {isa} m={m}: the narrowed weight computes other values");
-                }
-            }
+            assert_reproduces(&wide, &narrow, &values, kind);
         }
     }
 
@@ -351,25 +333,34 @@ mod tests {
                 _ => false,
             };
             assert!(rounds, "{kind}: narrowed from f16, the weight must round to f16");
-            let mut row = Vec::new();
-            for r in 0..n {
-                let back = narrow.row(r, &mut row);
-                let same =
-                    back.iter().zip(&halves[r * k..(r + 1) * k]).all(|(a, b)| a.to_bits() == b.to_f32().to_bits());
-                assert!(same, "{kind} row {r}: the narrowed weight holds other values");
-            }
-            for m in [1, 2, 3, 4, 5, 8, 13, 21, 40, 70] {
-                let x: Vec<f32> = (0..m * k).map(|i| ((i * 7 % 19) as f32 - 9.0) * 0.11).collect();
-                for isa in Isa::all_available() {
-                    let rt = Runtime::new(2).unwrap();
-                    let mut ctx = rt.ctx();
-                    ctx.isa = isa;
-                    let (mut a, mut b) = (Vec::new(), Vec::new());
-                    linear(&x, m, &wide, None, &mut a, &ctx);
-                    linear(&x, m, &narrow, None, &mut b, &ctx);
-                    let same = a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits());
-                    assert!(same, "{kind} {isa} m={m}: the narrowed weight computes other values");
-                }
+            let widened: Vec<f32> = halves.iter().map(|h| h.to_f32()).collect();
+            assert_reproduces(&wide, &narrow, &widened, kind);
+        }
+    }
+
+    /// `narrow` (tiled) holds `values` (the rows of `wide`) bit for bit and
+    /// computes bit for bit what `wide` computes, on every instruction-set
+    /// path, at every row count the kernels split differently (decode,
+    /// batches, prefill).
+    fn assert_reproduces(wide: &Weight, narrow: &Weight, values: &[f32], kind: &str) {
+        let (n, k) = (wide.n, wide.k);
+        let mut row = Vec::new();
+        for r in 0..n {
+            let back = narrow.row(r, &mut row);
+            let same = back.iter().zip(&values[r * k..(r + 1) * k]).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{kind} row {r}: the narrowed weight holds other values");
+        }
+        for m in [1, 2, 3, 4, 5, 8, 13, 21, 40, 70] {
+            let x: Vec<f32> = (0..m * k).map(|i| ((i * 7 % 19) as f32 - 9.0) * 0.11).collect();
+            for isa in Isa::all_available() {
+                let rt = Runtime::new(2).unwrap();
+                let mut ctx = rt.ctx();
+                ctx.isa = isa;
+                let (mut a, mut b) = (Vec::new(), Vec::new());
+                linear(&x, m, wide, None, &mut a, &ctx);
+                linear(&x, m, narrow, None, &mut b, &ctx);
+                let same = a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits());
+                assert!(same, "{kind} {isa} m={m}: the narrowed weight computes other values");
             }
         }
     }
