@@ -302,6 +302,73 @@ mod tests {
         g.nodes.len() - 1
     }
 
+    /// GGUF Q4_1 values (`d * q + m`, f16 `d` and `m`) as f32 rows, or
+    /// (`to_f16`) rounded to f16 as an f16 export stores them.
+    fn q4_1_rows(n: usize, k: usize, seed: usize, to_f16: bool) -> Vec<f32> {
+        (0..n * k)
+            .map(|i| {
+                let block = i / 32 + seed;
+                let d = half::f16::from_f32(0.003 + (block % 7) as f32 * 0.0011).to_f32();
+                let m = half::f16::from_f32(-0.02 - (block % 5) as f32 * 0.004).to_f32();
+                let q = match i % 32 {
+                    0 => 0,
+                    1 => 15,
+                    _ => i * 7 % 16,
+                };
+                let v = d * q as f32 + m;
+                if to_f16 {
+                    half::f16::from_f32(v).to_f32()
+                } else {
+                    v
+                }
+            })
+            .collect()
+    }
+
+    /// Members stack only when they narrow to the same form from the same
+    /// one (`Weight::label`): two f32 projections of Q4_1 values stack, a
+    /// third of the same blocks rounded to f16 (also 4-bit once narrowed,
+    /// but `f16 as q4`) stays alone — stacked with them it would narrow to
+    /// nothing and stay f32, four bytes a weight.
+    #[test]
+    fn siblings_narrowed_from_other_forms_do_not_stack() {
+        let (n, k) = (16, 64);
+        let mut g = Graph::default();
+        let x = g.value("x");
+        let mut add = |name: &str, rows: Vec<f32>| {
+            let out = g.value(name);
+            let weight = Arc::new(Weight { n, k, packed: Packed::F32(rows) });
+            g.nodes.push(Some(Node {
+                name: name.into(),
+                origin: "MatMul".into(),
+                op: Op::Linear { weight, bias: None },
+                inputs: vec![Some(x)],
+                outputs: vec![out],
+            }));
+            g.nodes.len() - 1
+        };
+        let (a, rounded, b) = (
+            add("a", q4_1_rows(n, k, 0, false)),
+            add("r", q4_1_rows(n, k, 1, true)),
+            add("b", q4_1_rows(n, k, 2, false)),
+        );
+        let label = |i: usize| match &g.nodes[i].as_ref().unwrap().op {
+            Op::Linear { weight, .. } => (**weight).clone().narrowed().label(),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!((label(a), label(rounded), label(b)), ("f32 as q4".into(), "f16 as q4".into(), "f32 as q4".into()));
+        let head = linear(&mut g, x, "logits", 16, true);
+        let head_out = g.nodes[head].as_ref().unwrap().outputs[0];
+        assert_eq!(stack_siblings(&mut g, head_out), 1);
+        let Some(Node { op: Op::SplitLinear { widths, weight }, .. }) = &g.nodes[a] else {
+            panic!("a and b did not stack: {:?}", g.nodes[a]);
+        };
+        assert_eq!(widths, &[16, 16]);
+        assert_eq!((**weight).clone().narrowed().label(), "f32 as q4");
+        assert!(g.nodes[b].is_none());
+        assert!(matches!(g.nodes[rounded].as_ref().map(|n| &n.op), Some(Op::Linear { .. })), "the f16 values stacked");
+    }
+
     /// Stacking is bounded and keeps order: five f16 projections of one
     /// input make one stack of `MAX_STACKED` (at the first one's place,
     /// outputs in member order) and leave the fifth alone; a projection of
