@@ -5,7 +5,7 @@
 
 use half::f16;
 
-use super::weights::{f16_exact, q8_weight, Packed, TileData, Tiled, Weight, QBLOCK};
+use super::weights::{f16_exact, q4_weight, q8_weight, Packed, TileData, Tiled, Weight, QBLOCK};
 
 impl Weight {
     /// An f32 weight stored narrower when a round trip proves it exact:
@@ -158,14 +158,6 @@ fn affine_block(block: &[f32], q: &mut [u8], to_f16: bool) -> Option<(f32, f32)>
     }
     let near = f16::from_f32((max - m) / 15.0).to_bits();
     let steps: &[i16] = if to_f16 { &[0, 1, -1, 2, -2, 3, -3, 4, -4] } else { &[0, 1, -1] };
-    let value = |d: f32, level: f32| {
-        let v = d * level + m;
-        if to_f16 {
-            f16::from_f32(v).to_f32()
-        } else {
-            v
-        }
-    };
     'next: for step in steps {
         let d = f16::from_bits(near.wrapping_add_signed(*step)).to_f32();
         if !(d.is_finite() && d >= 0.0) {
@@ -173,7 +165,7 @@ fn affine_block(block: &[f32], q: &mut [u8], to_f16: bool) -> Option<(f32, f32)>
         }
         for (v, qj) in block.iter().zip(q.iter_mut()) {
             let level = if d > 0.0 { ((v - m) / d).round() } else { 0.0 };
-            if !(0.0..=15.0).contains(&level) || value(d, level).to_bits() != v.to_bits() {
+            if !(0.0..=15.0).contains(&level) || q4_weight(level, d, m, to_f16).to_bits() != v.to_bits() {
                 continue 'next;
             }
             *qj = level as u8;

@@ -57,10 +57,7 @@ pub fn tiles(t: &Tiled, rows: &Rows<'_>, tiles: Range<usize>, y: &Disjoint<'_, f
                             for (j, xv) in xb.iter().enumerate() {
                                 let byte = rec[(j / 8) * 64 + lane * 4 + (j % 8) % 4];
                                 let q = if j % 8 < 4 { byte & 0x0f } else { byte >> 4 };
-                                let w = f32::from(q) * scale + aux;
-                                // The weight an f16 export stored (see `TileData::Q4`).
-                                let w = if rounds_to_f16 { half::f16::from_f32(w).to_f32() } else { w };
-                                *a += w * xv;
+                                *a += super::weights::q4_weight(f32::from(q), scale, aux, rounds_to_f16) * xv;
                             }
                         }
                     }

@@ -583,11 +583,7 @@ impl Tiled {
                         let (i, within) = (j / 8, j % 8);
                         let byte = rec[i * 64 + lane * 4 + within % 4];
                         let q = f32::from(if within < 4 { byte & 0x0f } else { byte >> 4 });
-                        out[c] = match (int8, rounds_to_f16) {
-                            (true, _) => (q - aux) * scale,
-                            (false, false) => q * scale + aux,
-                            (false, true) => f16::from_f32(q * scale + aux).to_f32(),
-                        };
+                        out[c] = if int8 { (q - aux) * scale } else { q4_weight(q, scale, aux, rounds_to_f16) };
                     }
                 }
             }
@@ -598,7 +594,18 @@ impl Tiled {
 /// An 8-bit weight's value: `q * scale`, rounded to f16 where the weight
 /// was narrowed from f16 (the portable kernel computes the same).
 pub(crate) fn q8_weight(q: i8, scale: f32, rounds_to_f16: bool) -> f32 {
-    let w = f32::from(q) * scale;
+    as_stored(f32::from(q) * scale, rounds_to_f16)
+}
+
+/// An f32-input 4-bit weight's value: `q * scale + aux` (one rounding:
+/// the product is exact), rounded to f16 where the weight was narrowed
+/// from f16 (the portable kernel computes the same).
+pub(crate) fn q4_weight(q: f32, scale: f32, aux: f32, rounds_to_f16: bool) -> f32 {
+    as_stored(q * scale + aux, rounds_to_f16)
+}
+
+/// `w`, or (`rounds_to_f16`) `w` rounded to f16 as an f16 export stored it.
+fn as_stored(w: f32, rounds_to_f16: bool) -> f32 {
     if rounds_to_f16 {
         f16::from_f32(w).to_f32()
     } else {
