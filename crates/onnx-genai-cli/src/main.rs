@@ -385,8 +385,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
             let scheduler = onnx_genai_engine::Scheduler::new(budget);
             let mut engines = Vec::new();
             for p in &packages {
+                let started = std::time::Instant::now();
                 let engine = Engine::open_with(p, backend, threads, kv_cache)
                     .with_context(|| format!("opening {}", p.display()))?;
+                eprintln!("loaded {} in {:.2} s", p.display(), started.elapsed().as_secs_f64());
                 engines.push(engine.with_scheduler(scheduler.clone()).with_prefill_chunk(prefill_chunk));
             }
             let driver = onnx_genai_server::DriverOptions {

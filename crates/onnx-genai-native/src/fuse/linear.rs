@@ -245,9 +245,9 @@ pub(crate) fn stack_siblings(g: &mut Graph, head: Vid) -> usize {
 /// (`f16 as q4`): members narrowed from different forms would not narrow
 /// as one stack.
 fn stored_kind(w: &Weight) -> String {
-    match &w.packed {
-        Packed::F32(_) | Packed::F16(_) => w.clone().narrowed().label(),
-        _ => w.label(),
+    match w.narrower() {
+        Some(packed) => Weight { packed, ..*w }.label(),
+        None => w.label(),
     }
 }
 

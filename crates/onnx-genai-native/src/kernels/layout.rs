@@ -193,11 +193,84 @@ pub fn transpose(src: &Value, perm: &[usize], out: &mut Value) -> Result<(), Str
         let shape: Shape = perm.iter().map(|p| src.shape[*p]).collect();
         return reshaped(src, &shape, out);
     }
-    let s = strides(&src.shape);
     let shape: Vec<usize> = perm.iter().map(|p| src.shape[*p]).collect();
+    if let Some((batch, rows, cols)) = as_batched_swap(&src.shape, perm) {
+        fn swap<T: Copy>(v: &[T], (batch, rows, cols): (usize, usize, usize), mut o: Vec<T>) -> Vec<T> {
+            transpose_into(v, batch, rows, cols, &mut o);
+            o
+        }
+        let dims = (batch, rows, cols);
+        let n = src.len();
+        *out = match &src.data {
+            Data::F32(v) => Value::f32(&shape, swap(v, dims, out.recycle_f32(n))),
+            Data::I64(v) => Value::i64(&shape, swap(v, dims, out.recycle_i64(n))),
+            Data::Bool(v) => Value::bool(&shape, swap(v, dims, out.recycle_bool(n))),
+            Data::F16(v) => Value::f16(&shape, swap(v, dims, out.recycle_f16(n))),
+            Data::U8(v) => Value::u8(&shape, swap(v, dims, out.recycle_u8(n))),
+            Data::F64(v) => Value::f64(&shape, swap(v, dims, out.recycle_f64(n))),
+            Data::I32(v) => Value::i32(&shape, swap(v, dims, out.recycle_i32(n))),
+        };
+        return Ok(());
+    }
+    let s = strides(&src.shape);
     let steps: Vec<isize> = perm.iter().map(|p| s[*p] as isize).collect();
     select(src, &strided_index(0, &shape, &steps), &shape, out);
     Ok(())
+}
+
+/// A permutation of `shape` that, once its size-1 axes are dropped and the
+/// source axes that stay neighbours are merged, swaps the last two of at
+/// most three axes: `(batch, rows, cols)`, each output matrix the
+/// transpose of a `rows x cols` source one. (A weight `[K, N]` turned
+/// `[N, K]`, the tied embedding table folded into the logits projection:
+/// written through an index of every element, that took a second of a
+/// SmolLM2 load.)
+fn as_batched_swap(shape: &[usize], perm: &[usize]) -> Option<(usize, usize, usize)> {
+    // Source axes in output order, size-1 axes dropped.
+    let kept: Vec<usize> = perm.iter().copied().filter(|p| shape[*p] != 1).collect();
+    // Runs of consecutive source axes, in output order.
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for &axis in &kept {
+        match runs.last_mut() {
+            Some((_, last)) if *last + 1 == axis || kept_between(shape, *last, axis) => *last = axis,
+            _ => runs.push((axis, axis)),
+        }
+    }
+    let size = |&(first, last): &(usize, usize)| shape[first..=last].iter().product::<usize>();
+    match runs.as_slice() {
+        [a, b] if a.0 > b.1 => Some((1, size(b), size(a))),
+        [batch, a, b] if batch.1 < b.0 && a.0 > b.1 => Some((size(batch), size(b), size(a))),
+        _ => None,
+    }
+}
+
+/// Whether every source axis strictly between `last` and `axis` has size
+/// 1 (dropped): then `axis` continues the run that ends at `last`.
+fn kept_between(shape: &[usize], last: usize, axis: usize) -> bool {
+    axis > last && shape[last + 1..axis].iter().all(|d| *d == 1)
+}
+
+/// `dst` = each of `batch` row-major `rows x cols` matrices of `src`
+/// transposed (`cols x rows`), in tiles that keep both the rows read and
+/// the rows written in cache.
+pub(crate) fn transpose_into<T: Copy>(src: &[T], batch: usize, rows: usize, cols: usize, dst: &mut Vec<T>) {
+    const TILE: usize = 32;
+    let size = rows * cols;
+    dst.clear();
+    let Some(first) = src.first() else { return };
+    dst.resize(batch * size, *first);
+    for (s, d) in src.chunks_exact(size).zip(dst.chunks_exact_mut(size)).take(batch) {
+        for r0 in (0..rows).step_by(TILE) {
+            for c0 in (0..cols).step_by(TILE) {
+                for r in r0..(r0 + TILE).min(rows) {
+                    let row = &s[r * cols..(r + 1) * cols];
+                    for c in c0..(c0 + TILE).min(cols) {
+                        d[c * rows + r] = row[c];
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// ONNX Slice with resolved per-axis `(start, end, step)` clamping.
@@ -442,5 +515,59 @@ mod tests {
         assert!(err.contains("more than"), "{err}");
         assert!(reshape_target(&[2, 3], &[1 << 40, 1 << 40]).is_err());
         assert_eq!(reshape_target(&[2, 3, 4], &[0, -1]).unwrap().as_slice(), &[2, 12]);
+    }
+
+    /// Transpose: the tiled path for permutations that reduce to a
+    /// (batched) swap of two axes writes what the index of every element
+    /// writes, for every permutation of up to four axes over shapes with
+    /// size-1 axes, sizes off the tile and empty tensors; a size-1 axis
+    /// between two that move together does not keep them off the tiled
+    /// path. Watched red with the tiled writes' index transposed
+    /// (`d[r * cols + c]`) and with runs never merged across a size-1 axis.
+    #[test]
+    fn tiled_transposes_equal_the_indexed_copy() {
+        let shapes: [&[usize]; 7] =
+            [&[37, 70], &[3, 33, 5], &[1, 40, 1, 3], &[2, 1, 35, 34], &[4, 3, 2, 5], &[0, 3], &[1, 1]];
+        let (mut swapped, mut total) = (0, 0);
+        for shape in shapes {
+            let n: usize = shape.iter().product();
+            let src = Value::f32(shape, (0..n).map(|i| i as f32).collect());
+            for perm in permutations(shape.len()) {
+                let mut fast = Value::default();
+                transpose(&src, &perm, &mut fast).unwrap();
+                let out_shape: Vec<usize> = perm.iter().map(|p| shape[*p]).collect();
+                let s = strides(shape);
+                let steps: Vec<isize> = perm.iter().map(|p| s[*p] as isize).collect();
+                let mut slow = Value::default();
+                select(&src, &strided_index(0, &out_shape, &steps), &out_shape, &mut slow);
+                assert_eq!(fast, slow, "shape {shape:?} perm {perm:?}");
+                swapped += usize::from(as_batched_swap(shape, &perm).is_some());
+                total += 1;
+            }
+        }
+        // [2, 1, 35, 34] -> [34, 2, 1, 35] is a 70 x 34 matrix transposed.
+        assert_eq!(as_batched_swap(&[2, 1, 35, 34], &[3, 0, 1, 2]), Some((1, 70, 34)));
+        // Both paths ran: some permutations are swaps, some are not.
+        assert!(swapped > 10 && swapped < total, "{swapped} of {total} took the tiled path");
+        // Other element types take the same path.
+        let ints = Value::i64([2, 3], vec![1, 2, 3, 4, 5, 6]);
+        let mut t = Value::default();
+        transpose(&ints, &[1, 0], &mut t).unwrap();
+        assert_eq!(t, Value::i64([3, 2], vec![1, 4, 2, 5, 3, 6]));
+    }
+
+    fn permutations(n: usize) -> Vec<Vec<usize>> {
+        if n == 0 {
+            return vec![Vec::new()];
+        }
+        let mut all = Vec::new();
+        for p in permutations(n - 1) {
+            for at in 0..=p.len() {
+                let mut q = p.clone();
+                q.insert(at, n - 1);
+                all.push(q);
+            }
+        }
+        all
     }
 }

@@ -228,6 +228,48 @@ mod tests {
         }
     }
 
+    /// Narrowing proves a large weight's rows in parallel ranges: split in
+    /// 1, 2 or 3 ranges, Q4_1's values (f32 and f16), Q8_0's (f16) and an
+    /// 8-bit grid of max/127 steps (f32), a partial last block included,
+    /// narrow to the same bytes; and one value off the grid in the last
+    /// range keeps the whole weight wide (no range's success covers for
+    /// another's failure). Watched red with a range's rows written one
+    /// range too far down and with later ranges' results ignored.
+    #[test]
+    fn narrowing_in_parallel_ranges_is_narrowing_in_one() {
+        let (n, k) = (96, 1050);
+        let halves = |v: &[f32]| -> Vec<f16> { v.iter().map(|v| f16::from_f32(*v)).collect() };
+        let grid: Vec<f32> =
+            (0..n * k).map(|i| if i % k % 32 == 0 { 127.0 } else { (i * 17 % 255) as f32 - 127.0 } * 0.0625).collect();
+        let (q4_1, q8_0) = (q4_1_dequantized(n, k), q8_0_dequantized(n, k));
+        let cases = [
+            (Packed::F32(q4_1.clone()), "q4"),
+            (Packed::F16(halves(&q4_1)), "q4"),
+            (Packed::F16(halves(&q8_0)), "q8"),
+            (Packed::F32(grid.clone()), "q8"),
+        ];
+        for (packed, kind) in cases {
+            let w = Weight { n, k, packed };
+            let one = w.narrower_in(1).map(|p| Weight { n, k, packed: p });
+            let one = one.unwrap_or_else(|| panic!("{} {kind} values narrow", w.kind()));
+            assert_eq!(one.kind(), kind);
+            for parts in [2, 3] {
+                let split = w.narrower_in(parts).map(|p| format!("{p:?}"));
+                assert_eq!(split, Some(format!("{:?}", one.packed)), "{} {kind} in {parts} ranges", w.kind());
+            }
+        }
+        // Off every grid, and not an f16 either (an f32 weight of f16
+        // values would narrow to f16).
+        for values in [q4_1, grid] {
+            let mut off = values;
+            off[(n - 1) * k + 5] += 1e-6;
+            let off = Weight { n, k, packed: Packed::F32(off) };
+            for parts in [1, 2, 3] {
+                assert!(off.narrower_in(parts).is_none(), "one value off the grid in {parts} ranges");
+            }
+        }
+    }
+
     /// GGUF Q4_1 dequantized: per block of 32 of a row, f16 `d` and `m`,
     /// levels 0..=15 (both ends present), `d * q + m` in f32; with blocks
     /// of equal values (`d = 0`), a subnormal `d`, and (K = 80) a partial

@@ -33,26 +33,67 @@ impl Weight {
     /// 0.625 bytes a weight instead of 2.
     /// Anything else stays as it is.
     pub fn narrowed(self) -> Self {
-        let (n, k) = (self.n, self.k);
-        let packed = match &self.packed {
-            Packed::F16(halves) => {
-                let wide: Vec<f32> = halves.iter().map(|h| h.to_f32()).collect();
-                narrowed_q8(&wide, n, k, true).or_else(|| narrowed_affine_q4(&wide, n, k, true))
-            }
-            Packed::F32(rows) => {
-                narrowed_q8(rows, n, k, false).or_else(|| narrowed_affine_q4(rows, n, k, false)).or_else(|| {
-                    rows.iter().all(|v| f16_exact(*v)).then(|| {
-                        narrowed_q8(rows, n, k, true)
-                            .or_else(|| narrowed_affine_q4(rows, n, k, true))
-                            .unwrap_or_else(|| Packed::F16(rows.iter().map(|v| f16::from_f32(*v)).collect()))
-                    })
-                })
-            }
-            _ => None,
-        };
-        match packed {
+        match self.narrower() {
             Some(packed) => Self { packed, ..self },
             None => self,
+        }
+    }
+
+    /// What [`Weight::narrowed`] stores this weight as, where that is
+    /// narrower (read in place: a compile that only asks which form a
+    /// weight narrows to, or that owns it shared, copies nothing).
+    pub fn narrower(&self) -> Option<Packed> {
+        self.narrower_in(row_parts(self.n, self.k))
+    }
+
+    /// [`Weight::narrower`] with the rows split into `parts` ranges, each
+    /// proved on a thread of its own.
+    pub(crate) fn narrower_in(&self, parts: usize) -> Option<Packed> {
+        let (n, k) = (self.n, self.k);
+        match &self.packed {
+            Packed::F16(halves) => {
+                let values = Values::F16(halves);
+                narrowed_q8(values, n, k, true, parts).or_else(|| narrowed_affine_q4(values, n, k, true, parts))
+            }
+            Packed::F32(rows) => {
+                let values = Values::F32(rows);
+                narrowed_q8(values, n, k, false, parts)
+                    .or_else(|| narrowed_affine_q4(values, n, k, false, parts))
+                    .or_else(|| {
+                        rows.iter().all(|v| f16_exact(*v)).then(|| {
+                            narrowed_q8(values, n, k, true, parts)
+                                .or_else(|| narrowed_affine_q4(values, n, k, true, parts))
+                                .unwrap_or_else(|| Packed::F16(rows.iter().map(|v| f16::from_f32(*v)).collect()))
+                        })
+                    })
+            }
+            _ => None,
+        }
+    }
+}
+
+/// A weight's values as stored, read a row at a time in f32.
+#[derive(Clone, Copy)]
+enum Values<'a> {
+    F32(&'a [f32]),
+    /// Widened a row at a time (a whole widened copy of the f16 export's
+    /// weights was 540 MB of a load).
+    F16(&'a [f16]),
+}
+
+impl<'a> Values<'a> {
+    /// Row `r` of `k` values, widened into `wide` where stored as f16.
+    fn row<'s>(self, r: usize, k: usize, wide: &'s mut Vec<f32>) -> &'s [f32]
+    where
+        'a: 's,
+    {
+        match self {
+            Values::F32(v) => &v[r * k..(r + 1) * k],
+            Values::F16(v) => {
+                wide.clear();
+                wide.extend(v[r * k..(r + 1) * k].iter().map(|h| h.to_f32()));
+                wide
+            }
         }
     }
 }
@@ -63,7 +104,10 @@ impl Weight {
 /// (GGUF's Q8_0 dequantized, then stored as f16), for an f16 `scale` a few
 /// f16 steps from the largest magnitude over 127 (or 126, 125: a block
 /// whose f16 scale was rounded up has no level of 127).
-fn narrowed_q8(rows: &[f32], n: usize, k: usize, to_f16: bool) -> Option<Packed> {
+fn narrowed_q8(rows: Values<'_>, n: usize, k: usize, to_f16: bool, parts: usize) -> Option<Packed> {
+    if k == 0 {
+        return None;
+    }
     let blocks = k.div_ceil(QBLOCK);
     let mut values = vec![0i8; n * k];
     let mut scales = vec![0f32; n * blocks];
@@ -82,51 +126,63 @@ fn narrowed_q8(rows: &[f32], n: usize, k: usize, to_f16: bool) -> Option<Packed>
         }
         true
     };
-    for r in 0..n {
-        for b in 0..blocks {
-            let span = b * QBLOCK..((b + 1) * QBLOCK).min(k);
-            let block = &rows[r * k + span.start..r * k + span.end];
-            let q = &mut values[r * k + span.start..r * k + span.end];
-            let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let scale = if to_f16 {
-                let candidates = [127.0f32, 126.0, 125.0].into_iter().flat_map(|top| {
-                    let near = f16::from_f32(amax / top).to_bits();
-                    [0i16, 1, -1, 2, -2, 3, -3].map(|step| f16::from_bits(near.wrapping_add_signed(step)).to_f32())
-                });
-                candidates.filter(|d| d.is_finite() && *d >= 0.0).find(|d| fits(block, *d, q))?
-            } else {
-                let scale = amax / 127.0;
-                if !fits(block, scale, q) {
-                    return None;
-                }
-                scale
-            };
-            scales[r * blocks + b] = scale;
+    // Rows `first..` of the weight into their own part of the outputs.
+    let fill = |first: usize, values: &mut [i8], scales: &mut [f32]| -> Option<()> {
+        let mut wide = Vec::new();
+        for (i, (q_row, scale_row)) in values.chunks_exact_mut(k).zip(scales.chunks_exact_mut(blocks)).enumerate() {
+            let row = rows.row(first + i, k, &mut wide);
+            for ((block, q), scale_at) in row.chunks(QBLOCK).zip(q_row.chunks_mut(QBLOCK)).zip(scale_row) {
+                let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+                *scale_at = if to_f16 {
+                    let candidates = [127.0f32, 126.0, 125.0].into_iter().flat_map(|top| {
+                        let near = f16::from_f32(amax / top).to_bits();
+                        [0i16, 1, -1, 2, -2, 3, -3].map(|step| f16::from_bits(near.wrapping_add_signed(step)).to_f32())
+                    });
+                    candidates.filter(|d| d.is_finite() && *d >= 0.0).find(|d| fits(block, *d, q))?
+                } else {
+                    let scale = amax / 127.0;
+                    fits(block, scale, q).then_some(scale)?
+                };
+            }
         }
-    }
+        Some(())
+    };
+    in_row_parts(n, parts, (&mut values, k), (&mut scales, blocks), fill)?;
     Some(Packed::Q8 { values, scales, blocks, rounds_to_f16: to_f16 })
 }
 
 /// The affine 4-bit form of [`Weight::narrowed`] of the `n x k` values
 /// `rows` (already tiled), if exact; `to_f16`: the values are f16, each
 /// `d * q + m` rounded.
-fn narrowed_affine_q4(rows: &[f32], n: usize, k: usize, to_f16: bool) -> Option<Packed> {
+fn narrowed_affine_q4(rows: Values<'_>, n: usize, k: usize, to_f16: bool, parts: usize) -> Option<Packed> {
+    if k == 0 {
+        return None;
+    }
     let blocks = k.div_ceil(QBLOCK);
     let mut data = vec![0u8; n * blocks * QBLOCK / 2];
     let (mut scales, mut offsets) = (vec![0f32; n * blocks], vec![0f32; n * blocks]);
-    let mut q = [0u8; QBLOCK];
-    for r in 0..n {
-        for b in 0..blocks {
-            let span = b * QBLOCK..((b + 1) * QBLOCK).min(k);
-            let block = &rows[r * k + span.start..r * k + span.end];
-            let (d, m) = affine_block(block, &mut q[..block.len()], to_f16)?;
-            scales[r * blocks + b] = d;
-            offsets[r * blocks + b] = m;
-            for (j, v) in q[..block.len()].iter().enumerate() {
-                let at = (r * blocks + b) * QBLOCK + j;
-                data[at / 2] |= if at.is_multiple_of(2) { *v } else { *v << 4 };
+    // A row's nibbles take whole bytes (blocks of 32 levels).
+    let row_bytes = blocks * QBLOCK / 2;
+    let fill = |first: usize, data: &mut [u8], params: &mut [(f32, f32)]| -> Option<()> {
+        let (mut q, mut wide) = ([0u8; QBLOCK], Vec::new());
+        for (i, (bytes, param_row)) in data.chunks_exact_mut(row_bytes).zip(params.chunks_exact_mut(blocks)).enumerate()
+        {
+            let row = rows.row(first + i, k, &mut wide);
+            for ((block, packed), param) in row.chunks(QBLOCK).zip(bytes.chunks_exact_mut(QBLOCK / 2)).zip(param_row) {
+                *param = affine_block(block, &mut q[..block.len()], to_f16)?;
+                // Level j in the low nibble of byte j/2 for even j, the
+                // high for odd; a partial block's padding stays level 0.
+                for (j, v) in q[..block.len()].iter().enumerate() {
+                    packed[j / 2] |= if j % 2 == 0 { *v } else { *v << 4 };
+                }
             }
         }
+        Some(())
+    };
+    let mut params = vec![(0f32, 0f32); n * blocks];
+    in_row_parts(n, parts, (&mut data, row_bytes), (&mut params, blocks), fill)?;
+    for ((d, m), (scale, offset)) in params.into_iter().zip(scales.iter_mut().zip(offsets.iter_mut())) {
+        (*scale, *offset) = (d, m);
     }
     // Zero points of 0: `aux = -0 * d + m = m`, each weight `d * q + m`.
     let zeros = Some(vec![0u8; n * blocks.div_ceil(2)]);
@@ -136,6 +192,50 @@ fn narrowed_affine_q4(rows: &[f32], n: usize, k: usize, to_f16: bool) -> Option<
         (*per_weight, *rounds_to_f16) = (true, to_f16);
     }
     Some(Packed::Tiled(tiled))
+}
+
+/// Weights with fewer values than this narrow on the calling thread alone
+/// (spawning threads costs more than they would save).
+const PARALLEL_MIN_VALUES: usize = 1 << 16;
+
+/// How many row ranges an `n x k` weight narrows in: one per core (at most
+/// one per row), one for a small weight. Narrowing a SmolLM2 export's
+/// weights took a second of its load on one core.
+fn row_parts(n: usize, k: usize) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    if n * k < PARALLEL_MIN_VALUES {
+        1
+    } else {
+        cores.min(n).max(1)
+    }
+}
+
+/// Runs `fill(first_row, rows' part of a, rows' part of b)` over the `n`
+/// rows split into `parts` ranges, each on its own thread (the first on
+/// the calling one) with its own disjoint parts of the outputs `a` and `b`
+/// (`a_row` and `b_row` elements a row); `None` if any range is.
+fn in_row_parts<A: Send, B: Send>(
+    n: usize,
+    parts: usize,
+    (a, a_row): (&mut [A], usize),
+    (b, b_row): (&mut [B], usize),
+    fill: impl Fn(usize, &mut [A], &mut [B]) -> Option<()> + Sync,
+) -> Option<()> {
+    let per_part = n.div_ceil(parts).max(1);
+    let fill = &fill;
+    std::thread::scope(|scope| {
+        let mut pieces = a.chunks_mut(per_part * a_row.max(1)).zip(b.chunks_mut(per_part * b_row.max(1))).enumerate();
+        // The first range runs here, the others on threads of their own.
+        let first = pieces.next();
+        let spawned: Vec<_> = pieces.map(|(p, (a, b))| scope.spawn(move || fill(p * per_part, a, b))).collect();
+        let here = first.map_or(Some(()), |(_, (a, b))| fill(0, a, b));
+        let mut all = here;
+        for handle in spawned {
+            let part = handle.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            all = all.and(part);
+        }
+        all
+    })
 }
 
 /// `(d, m)` with `block[j] == d * q[j] + m` bit for bit in f32 for every

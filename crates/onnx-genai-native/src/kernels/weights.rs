@@ -66,6 +66,24 @@ pub struct Weight {
     pub packed: Packed,
 }
 
+/// The `k x n` values `w` (a MatMul's `[K, N]` weight) as `n` output rows
+/// of `k`; zero where `w` is short of whole input rows (a weight still has
+/// its declared size).
+fn output_rows<T: Copy>(w: &[T], k: usize, n: usize, zero: T) -> Vec<T> {
+    let mut t = Vec::new();
+    if let Some(w) = w.get(..k * n) {
+        super::layout::transpose_into(w, 1, k, n, &mut t);
+        return t;
+    }
+    t.resize(k * n, zero);
+    for (ki, row) in w.chunks_exact(n.max(1)).enumerate() {
+        for (ni, v) in row.iter().enumerate() {
+            t[ni * k + ki] = *v;
+        }
+    }
+    t
+}
+
 /// The 4-bit zero point of block `b` of `row`: packed two per byte, low
 /// nibble first, `ceil(blocks / 2)` bytes per row (`MatMulNBits` and
 /// `GatherBlockQuantized` alike); 8 when the weight has none.
@@ -79,23 +97,11 @@ pub(crate) fn zero_point(zeros: Option<&[u8]>, row: usize, blocks: usize, b: usi
 impl Weight {
     /// Packs an ONNX MatMul weight given as `[K, N]`.
     pub fn from_kn_f32(w: &[f32], k: usize, n: usize) -> Self {
-        let mut t = vec![0.0; k * n];
-        for (ki, row) in w.chunks_exact(n).enumerate() {
-            for (ni, v) in row.iter().enumerate() {
-                t[ni * k + ki] = *v;
-            }
-        }
-        Self { n, k, packed: Packed::F32(t) }
+        Self { n, k, packed: Packed::F32(output_rows(w, k, n, 0.0)) }
     }
 
     pub fn from_kn_f16(w: &[f16], k: usize, n: usize) -> Self {
-        let mut t = vec![f16::ZERO; k * n];
-        for (ki, row) in w.chunks_exact(n).enumerate() {
-            for (ni, v) in row.iter().enumerate() {
-                t[ni * k + ki] = *v;
-            }
-        }
-        Self { n, k, packed: Packed::F16(t) }
+        Self { n, k, packed: Packed::F16(output_rows(w, k, n, f16::ZERO)) }
     }
 
     /// Stacks weights with the same K and storage: outputs of `a` come
