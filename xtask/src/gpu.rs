@@ -99,7 +99,7 @@ pub fn trace() -> Result<()> {
 
 fn trace_one(dir: &Path) -> Result<String> {
     let package = Package::open(dir)?;
-    let plan = Arc::new(compile_package_with(&package, WeightForm::Rows)?);
+    let plan = Arc::new(compile_package_with(&package, WeightForm::Rows, 0)?);
     let cpu = NativeModel::from_plan(plan.clone(), 1)?;
     let gpu = CudaModel::from_plan(plan.clone())?;
     cpu.set_tracing(true);

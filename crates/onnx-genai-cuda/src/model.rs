@@ -35,7 +35,7 @@ impl CudaModel {
         // Probe first: on a machine without CUDA the answer should say so,
         // not that compiling the package took time for nothing.
         crate::device::probe().map_err(|e| e.into_backend("the device"))?;
-        let plan = Arc::new(compile_package_with(package, WeightForm::Rows).map_err(|e| match e {
+        let plan = Arc::new(compile_package_with(package, WeightForm::Rows, 0).map_err(|e| match e {
             BackendError::Load { what, reason, .. } => BackendError::Load { backend: NAME, what, reason },
             other => other,
         })?);

@@ -97,11 +97,12 @@ pub enum WeightForm {
 }
 
 pub fn compile(model: &Model, binding: &Binding) -> Result<Plan, CompileError> {
-    compile_with(model, binding, WeightForm::Tiled)
+    compile_with(model, binding, WeightForm::Tiled, 0)
 }
 
-/// [`compile`] with the projection weights in `form`.
-pub fn compile_with(model: &Model, binding: &Binding, form: WeightForm) -> Result<Plan, CompileError> {
+/// [`compile`] with the projection weights in `form`, narrowing them on at
+/// most `threads` threads (0: one per core).
+pub fn compile_with(model: &Model, binding: &Binding, form: WeightForm, threads: usize) -> Result<Plan, CompileError> {
     let opset =
         model.opset("").ok_or_else(|| CompileError::Graph("the model imports no default-domain opset".into()))?;
     let mut stats = CompileStats::default();
@@ -117,11 +118,11 @@ pub fn compile_with(model: &Model, binding: &Binding, form: WeightForm) -> Resul
     forward_identities(&mut g, &[logits], &mut stats);
     check_kv_is_owned(&g, binding)?;
     if form == WeightForm::Tiled {
-        let stacks = crate::fuse::stack_siblings(&mut g, logits);
+        let stacks = crate::fuse::stack_siblings(&mut g, logits, threads);
         if stacks > 0 {
             stats.fusions.push(("stack_projections".into(), stacks));
         }
-        for (kind, count) in repack(&mut g) {
+        for (kind, count) in repack(&mut g, threads) {
             if count > 0 {
                 stats.fusions.push((format!("narrow_{kind}"), count));
             }
@@ -171,7 +172,7 @@ pub fn compile_graph(model: &Model) -> Result<Plan, CompileError> {
     }
     eliminate_dead(&mut g, &outputs);
     forward_identities(&mut g, &outputs, &mut stats);
-    repack(&mut g);
+    repack(&mut g, 0);
     let inputs: Vec<String> = ir.inputs.iter().map(|i| i.name.clone()).collect();
     Plan::build(g, &Binding::default(), &inputs, &outputs, stats)
 }
@@ -469,19 +470,24 @@ fn causal_attention(g: &mut Graph) {
 /// fusion stacks row-form weights), f32 and f16 weights first narrowed to
 /// 8-bit blocks, affine 4-bit blocks or f16 where that is exact. Returns
 /// how many were narrowed to each (`q8`, `q4`, `f16`).
-fn repack(g: &mut Graph) -> [(&'static str, usize); 3] {
+fn repack(g: &mut Graph, threads: usize) -> [(&'static str, usize); 3] {
     let mut narrowed = [("q8", 0), ("q4", 0), ("f16", 0)];
     for node in g.nodes.iter_mut().flatten() {
         // A split projection's members count one by one.
         let members = node.op.projection_widths().len();
         let Some(weight) = node.op.projection_weight_mut() else { continue };
         let before = weight.kind();
-        // Narrowed in place where nothing else holds the weight (copying a
-        // SmolLM2 f32 export's weights to narrow them was 540 MB).
+        // Narrowed without copying the weight (copying a SmolLM2 f32
+        // export's weights to narrow them was 540 MB); one that stays as it
+        // is is copied only where something else still holds it.
         let empty = Weight { n: 0, k: 0, packed: Packed::F32(Vec::new()) };
-        let owned =
-            Arc::try_unwrap(std::mem::replace(weight, Arc::new(empty))).unwrap_or_else(|shared| (*shared).clone());
-        let w = owned.narrowed();
+        let w = match Arc::try_unwrap(std::mem::replace(weight, Arc::new(empty))) {
+            Ok(owned) => owned.narrowed_on(threads),
+            Err(shared) => match shared.narrower_on(threads) {
+                Some(packed) => Weight { n: shared.n, k: shared.k, packed },
+                None => (*shared).clone(),
+            },
+        };
         for (kind, count) in &mut narrowed {
             *count += members * usize::from(w.kind() == *kind && before != *kind);
         }

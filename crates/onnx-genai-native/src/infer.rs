@@ -233,7 +233,9 @@ pub fn infer(op: &Op, inputs: &[Option<&Meta>], outputs: usize) -> Result<Vec<Ou
                     if p.len() != x.len() {
                         return Err(format!("perm {p:?} does not match rank {}", x.len()));
                     }
-                    Some(p.iter().map(|a| ly::axis(*a, x.len()).map(|a| x[a])).collect::<Result<_, _>>()?)
+                    let axes: Vec<usize> = p.iter().map(|a| ly::axis(*a, x.len())).collect::<Result<_, _>>()?;
+                    ly::check_permutation(&axes, x.len())?;
+                    Some(axes.iter().map(|a| x[*a]).collect())
                 }
                 _ => None,
             };

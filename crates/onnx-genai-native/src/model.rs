@@ -38,15 +38,16 @@ pub struct NativeModel {
 
 /// Reads the package's decoder and compiles it.
 pub fn compile_package(package: &Package) -> Result<Plan, BackendError> {
-    compile_package_with(package, WeightForm::Tiled)
+    compile_package_with(package, WeightForm::Tiled, 0)
 }
 
-/// [`compile_package`] with the projection weights in `form`.
-pub fn compile_package_with(package: &Package, form: WeightForm) -> Result<Plan, BackendError> {
+/// [`compile_package`] with the projection weights in `form`, narrowing
+/// them on at most `threads` threads (0: one per core).
+pub fn compile_package_with(package: &Package, form: WeightForm, threads: usize) -> Result<Plan, BackendError> {
     let load = |what: String, reason: String| BackendError::Load { backend: NAME, what, reason };
     let (binding, path) = Binding::from_package(package).map_err(|e| load("the decoder".into(), e.to_string()))?;
     let model = onnx_genai_onnx::read_model(&path).map_err(|e| load(path.display().to_string(), e.to_string()))?;
-    compile_with(&model, &binding, form).map_err(|e| load(path.display().to_string(), e.to_string()))
+    compile_with(&model, &binding, form, threads).map_err(|e| load(path.display().to_string(), e.to_string()))
 }
 
 impl NativeModel {
@@ -58,7 +59,7 @@ impl NativeModel {
 
     /// [`NativeModel::load`], its KV cache stored as `kv` says.
     pub fn load_with(package: &Package, threads: usize, kv: KvCache) -> Result<Self, BackendError> {
-        Self::from_plan_with(Arc::new(compile_package(package)?), threads, kv)
+        Self::from_plan_with(Arc::new(compile_package_with(package, WeightForm::Tiled, threads)?), threads, kv)
     }
 
     /// A model over an already compiled plan.

@@ -183,10 +183,24 @@ fn strided_index(base: usize, counts: &[usize], steps: &[isize]) -> Vec<usize> {
     index
 }
 
-pub fn transpose(src: &Value, perm: &[usize], out: &mut Value) -> Result<(), String> {
-    if perm.len() != src.shape.len() {
-        return Err(format!("perm {perm:?} does not match rank {}", src.shape.len()));
+/// `Ok` when `perm` names each of `rank` axes once (a malformed Transpose
+/// would otherwise read the wrong elements, or past its input's end).
+pub fn check_permutation(perm: &[usize], rank: usize) -> Result<(), String> {
+    let mut seen = vec![false; rank];
+    for &axis in perm {
+        match seen.get_mut(axis) {
+            Some(s) if !*s => *s = true,
+            _ => return Err(format!("perm {perm:?} does not name each of the {rank} axes once")),
+        }
     }
+    if perm.len() != rank {
+        return Err(format!("perm {perm:?} does not match rank {rank}"));
+    }
+    Ok(())
+}
+
+pub fn transpose(src: &Value, perm: &[usize], out: &mut Value) -> Result<(), String> {
+    check_permutation(perm, src.shape.len())?;
     // Moving only size-1 axes keeps the element order: a copy.
     let moved: Vec<usize> = perm.iter().copied().filter(|p| src.shape[*p] != 1).collect();
     if moved.windows(2).all(|w| w[0] < w[1]) {
@@ -522,8 +536,10 @@ mod tests {
     /// writes, for every permutation of up to four axes over shapes with
     /// size-1 axes, sizes off the tile and empty tensors; a size-1 axis
     /// between two that move together does not keep them off the tiled
-    /// path. Watched red with the tiled writes' index transposed
-    /// (`d[r * cols + c]`) and with runs never merged across a size-1 axis.
+    /// path; a perm that does not name each axis once is an error. Watched
+    /// red with the tiled writes' index transposed (`d[r * cols + c]`), with
+    /// runs never merged across a size-1 axis and with only the perm's
+    /// length checked.
     #[test]
     fn tiled_transposes_equal_the_indexed_copy() {
         let shapes: [&[usize]; 7] =
@@ -549,6 +565,12 @@ mod tests {
         assert_eq!(as_batched_swap(&[2, 1, 35, 34], &[3, 0, 1, 2]), Some((1, 70, 34)));
         // Both paths ran: some permutations are swaps, some are not.
         assert!(swapped > 10 && swapped < total, "{swapped} of {total} took the tiled path");
+        // A perm that is not a permutation is an error, not a wrong copy.
+        let small = Value::f32([2, 1, 3], vec![0.0; 6]);
+        for bad in [&[0, 0, 2][..], &[2, 1, 1], &[0, 3, 1], &[0, 1]] {
+            let err = transpose(&small, bad, &mut Value::default()).unwrap_err();
+            assert!(err.contains("perm"), "{bad:?}: {err}");
+        }
         // Other element types take the same path.
         let ints = Value::i64([2, 3], vec![1, 2, 3, 4, 5, 6]);
         let mut t = Value::default();

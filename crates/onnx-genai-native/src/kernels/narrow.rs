@@ -33,7 +33,12 @@ impl Weight {
     /// 0.625 bytes a weight instead of 2.
     /// Anything else stays as it is.
     pub fn narrowed(self) -> Self {
-        match self.narrower() {
+        self.narrowed_on(0)
+    }
+
+    /// [`Weight::narrowed`] on at most `threads` threads (0: one per core).
+    pub(crate) fn narrowed_on(self, threads: usize) -> Self {
+        match self.narrower_on(threads) {
             Some(packed) => Self { packed, ..self },
             None => self,
         }
@@ -43,7 +48,12 @@ impl Weight {
     /// narrower (read in place: a compile that only asks which form a
     /// weight narrows to, or that owns it shared, copies nothing).
     pub fn narrower(&self) -> Option<Packed> {
-        self.narrower_in(row_parts(self.n, self.k))
+        self.narrower_on(0)
+    }
+
+    /// [`Weight::narrower`] on at most `threads` threads (0: one per core).
+    pub(crate) fn narrower_on(&self, threads: usize) -> Option<Packed> {
+        self.narrower_in(row_parts(self.n, self.k, threads))
     }
 
     /// [`Weight::narrower`] with the rows split into `parts` ranges, each
@@ -106,7 +116,8 @@ impl<'a> Values<'a> {
 /// whose f16 scale was rounded up has no level of 127).
 fn narrowed_q8(rows: Values<'_>, n: usize, k: usize, to_f16: bool, parts: usize) -> Option<Packed> {
     if k == 0 {
-        return None;
+        // No values: the empty 8-bit form.
+        return Some(Packed::Q8 { values: Vec::new(), scales: Vec::new(), blocks: 0, rounds_to_f16: to_f16 });
     }
     let blocks = k.div_ceil(QBLOCK);
     let mut values = vec![0i8; n * k];
@@ -198,22 +209,33 @@ fn narrowed_affine_q4(rows: Values<'_>, n: usize, k: usize, to_f16: bool, parts:
 /// (spawning threads costs more than they would save).
 const PARALLEL_MIN_VALUES: usize = 1 << 16;
 
-/// How many row ranges an `n x k` weight narrows in: one per core (at most
-/// one per row), one for a small weight. Narrowing a SmolLM2 export's
-/// weights took a second of its load on one core.
-fn row_parts(n: usize, k: usize) -> usize {
-    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
-    if n * k < PARALLEL_MIN_VALUES {
+/// How many row ranges an `n x k` weight narrows in: one per thread of
+/// `threads` (0: one per core), at most one per row; one for a small
+/// weight. Narrowing a SmolLM2 export's weights took a second of its load
+/// on one core.
+fn row_parts(n: usize, k: usize, threads: usize) -> usize {
+    let threads = match threads {
+        0 => std::thread::available_parallelism().map_or(1, |c| c.get()),
+        t => t,
+    };
+    if n.saturating_mul(k) < PARALLEL_MIN_VALUES {
         1
     } else {
-        cores.min(n).max(1)
+        threads.min(n).max(1)
     }
 }
 
+/// One row range's share of the outputs: its index and its parts of `a`
+/// and `b`, taken by whichever thread runs it first.
+type RangeSlot<'s, A, B> = std::sync::Mutex<Option<(usize, &'s mut [A], &'s mut [B])>>;
+
 /// Runs `fill(first_row, rows' part of a, rows' part of b)` over the `n`
-/// rows split into `parts` ranges, each on its own thread (the first on
-/// the calling one) with its own disjoint parts of the outputs `a` and `b`
-/// (`a_row` and `b_row` elements a row); `None` if any range is.
+/// rows split into `parts` ranges with their own disjoint parts of the
+/// outputs `a` and `b` (`a_row` and `b_row` elements a row); `None` if any
+/// range is. The calling thread runs the first range, a thread of its own
+/// each other one; a range whose thread the OS refuses (or has not started
+/// yet) the calling thread runs after its own, so a process at its thread
+/// limit still loads.
 fn in_row_parts<A: Send, B: Send>(
     n: usize,
     parts: usize,
@@ -221,15 +243,28 @@ fn in_row_parts<A: Send, B: Send>(
     (b, b_row): (&mut [B], usize),
     fill: impl Fn(usize, &mut [A], &mut [B]) -> Option<()> + Sync,
 ) -> Option<()> {
-    let per_part = n.div_ceil(parts).max(1);
-    let fill = &fill;
+    let per_part = n.div_ceil(parts.max(1)).max(1);
+    let slots: Vec<RangeSlot<'_, A, B>> = a
+        .chunks_mut(per_part * a_row.max(1))
+        .zip(b.chunks_mut(per_part * b_row.max(1)))
+        .enumerate()
+        .map(|(p, (a, b))| std::sync::Mutex::new(Some((p, a, b))))
+        .collect();
+    let run = |slot: &RangeSlot<'_, A, B>| -> Option<()> {
+        let taken = slot.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
+        match taken {
+            Some((p, a, b)) => fill(p * per_part, a, b),
+            None => Some(()),
+        }
+    };
+    let run = &run;
     std::thread::scope(|scope| {
-        let mut pieces = a.chunks_mut(per_part * a_row.max(1)).zip(b.chunks_mut(per_part * b_row.max(1))).enumerate();
-        // The first range runs here, the others on threads of their own.
-        let first = pieces.next();
-        let spawned: Vec<_> = pieces.map(|(p, (a, b))| scope.spawn(move || fill(p * per_part, a, b))).collect();
-        let here = first.map_or(Some(()), |(_, (a, b))| fill(0, a, b));
-        let mut all = here;
+        let spawned: Vec<_> = slots
+            .iter()
+            .skip(1)
+            .filter_map(|slot| std::thread::Builder::new().spawn_scoped(scope, move || run(slot)).ok())
+            .collect();
+        let mut all = slots.iter().map(run).fold(Some(()), Option::and);
         for handle in spawned {
             let part = handle.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic));
             all = all.and(part);
