@@ -362,22 +362,29 @@ fn run(cli: Cli) -> Result<ExitCode> {
             log_format,
         } => {
             init_logs(log_format);
+            // What the server says as it starts: plain lines, or under
+            // `--log-format json` events like every other line it writes
+            // (a log shipper reads one JSON object per line).
+            let say = |text: String| match log_format {
+                Format::Text => eprintln!("{text}"),
+                Format::Json => tracing::info!("{text}"),
+            };
             let budget = match kv_budget_bytes {
                 Some(b) => {
-                    eprintln!("KV budget: {} MiB (--kv-budget-bytes)", b >> 20);
+                    say(format!("KV budget: {} MiB (--kv-budget-bytes)", b >> 20));
                     b
                 }
                 None => match available_memory() {
                     Some(avail) => {
-                        eprintln!(
+                        say(format!(
                             "KV budget: {} MiB, half of the {} MiB available now (--kv-budget-bytes sets it)",
                             (avail / 2) >> 20,
                             avail >> 20
-                        );
+                        ));
                         avail / 2
                     }
                     None => {
-                        eprintln!("KV budget: unlimited (available memory unknown; --kv-budget-bytes sets it)");
+                        say("KV budget: unlimited (available memory unknown; --kv-budget-bytes sets it)".into());
                         u64::MAX
                     }
                 },
@@ -388,7 +395,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 let started = std::time::Instant::now();
                 let engine = Engine::open_with(p, backend, threads, kv_cache)
                     .with_context(|| format!("opening {}", p.display()))?;
-                eprintln!("loaded {} in {:.2} s", p.display(), started.elapsed().as_secs_f64());
+                say(format!("loaded {} in {:.2} s", p.display(), started.elapsed().as_secs_f64()));
                 engines.push(engine.with_scheduler(scheduler.clone()).with_prefill_chunk(prefill_chunk));
             }
             let driver = onnx_genai_server::DriverOptions {
@@ -405,7 +412,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             };
             let options = onnx_genai_server::ServerOptions { max_sessions, max_choices, driver, http };
             let server = onnx_genai_server::start_with(engines, &format!("{host}:{port}"), options)?;
-            eprintln!("serving on http://{} (Ctrl-C stops)", server.addr);
+            say(format!("serving on http://{} (Ctrl-C stops)", server.addr));
             server.wait();
             Ok(ExitCode::SUCCESS)
         }

@@ -173,31 +173,50 @@ fn bad_input_fails_cleanly() {
     }
 }
 
-/// `serve --log-format json` writes one JSON object per line, and the line
-/// that records an answer carries the request id the client got back in
+/// `serve --log-format json` writes one JSON object per line — its start-up
+/// lines (KV budget, load time, address) included — and the line that
+/// records an answer carries the request id the client got back in
 /// `x-request-id` and the status it got (issue 20: structured logs).
+/// Watched red with the start-up lines printed as plain text.
 #[test]
 fn serve_logs_json_lines_with_request_ids() {
     use std::io::{BufRead, BufReader, Read, Write};
     let dir = built("tiny-llama-gqa");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_onnx-genai"))
+    let child = Command::new(env!("CARGO_BIN_EXE_onnx-genai"))
         .args(["serve", dir.path().to_str().unwrap(), "--port", "0", "--log-format", "json"])
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    // Killed however the test ends: a server left running keeps the test
+    // harness's output pipe open, and the run never finishes.
+    struct Server(std::process::Child);
+    impl Drop for Server {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut child = Server(child);
+    let mut stderr = BufReader::new(child.0.stderr.take().unwrap());
     let mut addr = None;
+    let mut startup = Vec::new();
     for _ in 0..50 {
         let mut line = String::new();
         if stderr.read_line(&mut line).unwrap() == 0 {
             break;
         }
-        if let Some(a) = line.trim().strip_prefix("serving on http://") {
+        let event: serde_json::Value =
+            serde_json::from_str(&line).unwrap_or_else(|e| panic!("not a JSON line ({e}): {line}"));
+        let message = event["fields"]["message"].as_str().unwrap_or_default().to_string();
+        startup.push(message.clone());
+        if let Some(a) = message.strip_prefix("serving on http://") {
             addr = Some(a.split_whitespace().next().unwrap().to_string());
             break;
         }
     }
-    let addr = addr.expect("serve printed no address");
+    let addr = addr.unwrap_or_else(|| panic!("serve printed no address: {startup:?}"));
+    assert!(startup.iter().any(|m| m.starts_with("KV budget: ")), "{startup:?}");
+    assert!(startup.iter().any(|m| m.starts_with("loaded ") && m.ends_with(" s")), "{startup:?}");
     let mut s = std::net::TcpStream::connect(&addr).unwrap();
     write!(s, "GET /v1/models HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n\r\n").unwrap();
     let mut answer = String::new();
@@ -205,13 +224,17 @@ fn serve_logs_json_lines_with_request_ids() {
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     let id = answer.lines().find_map(|l| l.strip_prefix("x-request-id: ")).expect("no x-request-id").trim().to_string();
     // The log line is written before the answer leaves; stop the server.
-    child.kill().unwrap();
-    let _ = child.wait();
+    drop(child);
     let mut rest = String::new();
     stderr.read_to_string(&mut rest).unwrap();
-    let answered = rest
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+    // Every whole line (the kill may cut the last one short).
+    let events: Vec<serde_json::Value> = rest
+        .split_inclusive('\n')
+        .filter(|l| l.ends_with('\n'))
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not a JSON line ({e}): {l}")))
+        .collect();
+    let answered = events
+        .iter()
         .find(|v| v["fields"]["message"] == "answered")
         .unwrap_or_else(|| panic!("no JSON `answered` line in {rest}"));
     assert_eq!(answered["span"]["request_id"], id.as_str(), "{answered}");
