@@ -595,10 +595,11 @@ fn check_kv_is_owned(g: &Graph, binding: &Binding) -> Result<(), CompileError> {
 
 #[cfg(test)]
 mod tests {
-    use super::{forward_identities, CompileStats};
+    use super::{forward_identities, release_unread_constants, CompileStats};
     use crate::graph::{Graph, Node, Vid};
     use crate::kernels::elementwise::UnOp;
     use crate::ops::Op;
+    use crate::value::Value;
 
     fn node(g: &mut Graph, op: Op, input: &str, output: &str) -> Vid {
         let (i, o) = (g.value(input), g.value(output));
@@ -610,6 +611,25 @@ mod tests {
             outputs: vec![o],
         }));
         o
+    }
+
+    /// The compile keeps a constant only while something needs it: one no
+    /// node reads (an initializer a fused projection was packed from) is
+    /// dropped, one a node reads and one that is a root stay. Watched red
+    /// with the root not exempted and with read constants dropped too.
+    #[test]
+    fn only_unread_constants_are_released() {
+        let mut g = Graph::default();
+        let [read, unread, root] = ["read", "unread", "root"].map(|name| {
+            let v = g.value(name);
+            g.values[v].konst = Some(std::sync::Arc::new(Value::f32([1], vec![1.0])));
+            v
+        });
+        let _ = node(&mut g, Op::Unary(UnOp::Neg), "read", "out");
+        release_unread_constants(&mut g, &[root]);
+        assert!(g.values[read].konst.is_some(), "a constant a node reads stays");
+        assert!(g.values[unread].konst.is_none(), "a constant no node reads goes");
+        assert!(g.values[root].konst.is_some(), "a root stays");
     }
 
     /// The logits copy is removed only where no one else can see it: an

@@ -186,15 +186,12 @@ fn strided_index(base: usize, counts: &[usize], steps: &[isize]) -> Vec<usize> {
 /// `Ok` when `perm` names each of `rank` axes once (a malformed Transpose
 /// would otherwise read the wrong elements, or past its input's end).
 pub fn check_permutation(perm: &[usize], rank: usize) -> Result<(), String> {
-    let mut seen = vec![false; rank];
-    for &axis in perm {
-        match seen.get_mut(axis) {
-            Some(s) if !*s => *s = true,
-            _ => return Err(format!("perm {perm:?} does not name each of the {rank} axes once")),
-        }
-    }
     if perm.len() != rank {
         return Err(format!("perm {perm:?} does not match rank {rank}"));
+    }
+    // (Ranks are a handful of axes: a quadratic scan allocates nothing.)
+    if perm.iter().enumerate().any(|(i, a)| *a >= rank || perm[..i].contains(a)) {
+        return Err(format!("perm {perm:?} does not name each of the {rank} axes once"));
     }
     Ok(())
 }
@@ -246,7 +243,7 @@ fn as_batched_swap(shape: &[usize], perm: &[usize]) -> Option<(usize, usize, usi
     let mut runs: Vec<(usize, usize)> = Vec::new();
     for &axis in &kept {
         match runs.last_mut() {
-            Some((_, last)) if *last + 1 == axis || kept_between(shape, *last, axis) => *last = axis,
+            Some((_, last)) if continues_run(shape, *last, axis) => *last = axis,
             _ => runs.push((axis, axis)),
         }
     }
@@ -258,9 +255,10 @@ fn as_batched_swap(shape: &[usize], perm: &[usize]) -> Option<(usize, usize, usi
     }
 }
 
-/// Whether every source axis strictly between `last` and `axis` has size
-/// 1 (dropped): then `axis` continues the run that ends at `last`.
-fn kept_between(shape: &[usize], last: usize, axis: usize) -> bool {
+/// Whether `axis` continues the run of source axes that ends at `last`:
+/// it comes after it, and every axis between them has size 1 (dropped) —
+/// none, for the next axis.
+fn continues_run(shape: &[usize], last: usize, axis: usize) -> bool {
     axis > last && shape[last + 1..axis].iter().all(|d| *d == 1)
 }
 

@@ -45,18 +45,14 @@ impl Weight {
     }
 
     /// What [`Weight::narrowed`] stores this weight as, where that is
-    /// narrower (read in place: a compile that only asks which form a
-    /// weight narrows to, or that owns it shared, copies nothing).
-    pub fn narrower(&self) -> Option<Packed> {
-        self.narrower_on(0)
-    }
-
-    /// [`Weight::narrower`] on at most `threads` threads (0: one per core).
+    /// narrower, proved on at most `threads` threads (0: one per core) and
+    /// read in place: a compile that only asks which form a weight narrows
+    /// to, or that holds it shared, copies nothing.
     pub(crate) fn narrower_on(&self, threads: usize) -> Option<Packed> {
         self.narrower_in(row_parts(self.n, self.k, threads))
     }
 
-    /// [`Weight::narrower`] with the rows split into `parts` ranges, each
+    /// [`Weight::narrower_on`] with the rows split into `parts` ranges, each
     /// proved on a thread of its own.
     pub(crate) fn narrower_in(&self, parts: usize) -> Option<Packed> {
         let (n, k) = (self.n, self.k);
