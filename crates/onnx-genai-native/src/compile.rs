@@ -15,6 +15,7 @@ use crate::kernels::weights::{Packed, Weight};
 use crate::lower::{constant_value, lower};
 use crate::ops::Op;
 use crate::plan::Plan;
+use crate::pool::ThreadPool;
 use crate::value::{DType, Value};
 
 /// One layer's KV ports and geometry.
@@ -96,13 +97,19 @@ pub enum WeightForm {
     Rows,
 }
 
+/// Compiles on the calling thread alone (tests, the fuzzer: small models).
 pub fn compile(model: &Model, binding: &Binding) -> Result<Plan, CompileError> {
-    compile_with(model, binding, WeightForm::Tiled, 0)
+    compile_with(model, binding, WeightForm::Tiled, &ThreadPool::serial())
 }
 
-/// [`compile`] with the projection weights in `form`, narrowing them on at
-/// most `threads` threads (0: one per core).
-pub fn compile_with(model: &Model, binding: &Binding, form: WeightForm, threads: usize) -> Result<Plan, CompileError> {
+/// [`compile`] with the projection weights in `form`, narrowing them on
+/// `pool`'s threads (a model compiles on the pool it will run on).
+pub fn compile_with(
+    model: &Model,
+    binding: &Binding,
+    form: WeightForm,
+    pool: &ThreadPool,
+) -> Result<Plan, CompileError> {
     let opset =
         model.opset("").ok_or_else(|| CompileError::Graph("the model imports no default-domain opset".into()))?;
     let mut stats = CompileStats::default();
@@ -118,11 +125,11 @@ pub fn compile_with(model: &Model, binding: &Binding, form: WeightForm, threads:
     forward_identities(&mut g, &[logits], &mut stats);
     check_kv_is_owned(&g, binding)?;
     if form == WeightForm::Tiled {
-        let stacks = crate::fuse::stack_siblings(&mut g, logits, threads);
+        let stacks = crate::fuse::stack_siblings(&mut g, logits, pool);
         if stacks > 0 {
             stats.fusions.push(("stack_projections".into(), stacks));
         }
-        for (kind, count) in repack(&mut g, threads) {
+        for (kind, count) in repack(&mut g, pool) {
             if count > 0 {
                 stats.fusions.push((format!("narrow_{kind}"), count));
             }
@@ -172,7 +179,7 @@ pub fn compile_graph(model: &Model) -> Result<Plan, CompileError> {
     }
     eliminate_dead(&mut g, &outputs);
     forward_identities(&mut g, &outputs, &mut stats);
-    repack(&mut g, 0);
+    repack(&mut g, &ThreadPool::serial());
     let inputs: Vec<String> = ir.inputs.iter().map(|i| i.name.clone()).collect();
     Plan::build(g, &Binding::default(), &inputs, &outputs, stats)
 }
@@ -470,7 +477,7 @@ fn causal_attention(g: &mut Graph) {
 /// fusion stacks row-form weights), f32 and f16 weights first narrowed to
 /// 8-bit blocks, affine 4-bit blocks or f16 where that is exact. Returns
 /// how many were narrowed to each (`q8`, `q4`, `f16`).
-fn repack(g: &mut Graph, threads: usize) -> [(&'static str, usize); 3] {
+fn repack(g: &mut Graph, pool: &ThreadPool) -> [(&'static str, usize); 3] {
     let mut narrowed = [("q8", 0), ("q4", 0), ("f16", 0)];
     for node in g.nodes.iter_mut().flatten() {
         // A split projection's members count one by one.
@@ -482,8 +489,8 @@ fn repack(g: &mut Graph, threads: usize) -> [(&'static str, usize); 3] {
         // is is copied only where something else still holds it.
         let empty = Weight { n: 0, k: 0, packed: Packed::F32(Vec::new()) };
         let w = match Arc::try_unwrap(std::mem::replace(weight, Arc::new(empty))) {
-            Ok(owned) => owned.narrowed_on(threads),
-            Err(shared) => match shared.narrower_on(threads) {
+            Ok(owned) => owned.narrowed_on(pool),
+            Err(shared) => match shared.narrower_on(pool) {
                 Some(packed) => Weight { n: shared.n, k: shared.k, packed },
                 None => (*shared).clone(),
             },

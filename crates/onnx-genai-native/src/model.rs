@@ -3,6 +3,7 @@
 //! blocks; a [`NativeSequence`] is one conversation's blocks and length.
 
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use onnx_genai_backend::{downcast, BackendError, DecodeModel, Entry, Input, KvCache, Sequence};
 use onnx_genai_package::{ElementType, KvGeometry, Package};
@@ -12,6 +13,7 @@ use crate::compile::{compile_with, Binding, WeightForm};
 use crate::kernels::Runtime;
 use crate::kv::{KvLayout, KvPool, SeqKv};
 use crate::plan::{Plan, Workspace};
+use crate::pool::{threads_or_cores, ThreadPool};
 
 pub const NAME: &str = "native-cpu";
 
@@ -36,18 +38,29 @@ pub struct NativeModel {
     kv_geometry: KvGeometry,
 }
 
-/// Reads the package's decoder and compiles it.
+/// Reads the package's decoder and compiles it, one thread per core.
 pub fn compile_package(package: &Package) -> Result<Plan, BackendError> {
     compile_package_with(package, WeightForm::Tiled, 0)
 }
 
 /// [`compile_package`] with the projection weights in `form`, narrowing
-/// them on at most `threads` threads (0: one per core).
+/// them on `threads` threads (0: one per core) of a pool made for the
+/// compile.
 pub fn compile_package_with(package: &Package, form: WeightForm, threads: usize) -> Result<Plan, BackendError> {
+    let pool = ThreadPool::new(threads_or_cores(threads), Duration::ZERO).map_err(pool_error)?;
+    compile_on(package, form, &pool)
+}
+
+/// [`compile_package_with`] on an existing pool.
+fn compile_on(package: &Package, form: WeightForm, pool: &ThreadPool) -> Result<Plan, BackendError> {
     let load = |what: String, reason: String| BackendError::Load { backend: NAME, what, reason };
     let (binding, path) = Binding::from_package(package).map_err(|e| load("the decoder".into(), e.to_string()))?;
     let model = onnx_genai_onnx::read_model(&path).map_err(|e| load(path.display().to_string(), e.to_string()))?;
-    compile_with(&model, &binding, form, threads).map_err(|e| load(path.display().to_string(), e.to_string()))
+    compile_with(&model, &binding, form, pool).map_err(|e| load(path.display().to_string(), e.to_string()))
+}
+
+fn pool_error(e: std::io::Error) -> BackendError {
+    BackendError::Load { backend: NAME, what: "the thread pool".into(), reason: e.to_string() }
 }
 
 impl NativeModel {
@@ -57,9 +70,12 @@ impl NativeModel {
         Self::load_with(package, threads, KvCache::Model)
     }
 
-    /// [`NativeModel::load`], its KV cache stored as `kv` says.
+    /// [`NativeModel::load`], its KV cache stored as `kv` says. The
+    /// compile narrows the weights on the pool the model then runs on.
     pub fn load_with(package: &Package, threads: usize, kv: KvCache) -> Result<Self, BackendError> {
-        Self::from_plan_with(Arc::new(compile_package_with(package, WeightForm::Tiled, threads)?), threads, kv)
+        let runtime = Runtime::new(threads_or_cores(threads)).map_err(pool_error)?;
+        let plan = Arc::new(compile_on(package, WeightForm::Tiled, &runtime.pool)?);
+        Self::with_runtime(plan, runtime, kv)
     }
 
     /// A model over an already compiled plan.
@@ -70,15 +86,11 @@ impl NativeModel {
     /// [`NativeModel::from_plan`], its KV cache stored as `kv` says. (The
     /// plan is the same either way: attention reads either element type.)
     pub fn from_plan_with(plan: Arc<Plan>, threads: usize, kv: KvCache) -> Result<Self, BackendError> {
-        let threads = match threads {
-            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
-            t => t,
-        };
-        let mut runtime = Runtime::new(threads).map_err(|e| BackendError::Load {
-            backend: NAME,
-            what: "the thread pool".into(),
-            reason: e.to_string(),
-        })?;
+        let runtime = Runtime::new(threads_or_cores(threads)).map_err(pool_error)?;
+        Self::with_runtime(plan, runtime, kv)
+    }
+
+    fn with_runtime(plan: Arc<Plan>, mut runtime: Runtime, kv: KvCache) -> Result<Self, BackendError> {
         // Attention keeps a score row per query head of a KV group (of at
         // most one part's positions) and the results of a row's parts;
         // sized for the whole context now, so no decode step grows them.

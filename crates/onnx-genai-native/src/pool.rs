@@ -322,6 +322,15 @@ fn unpack(word: u64) -> (usize, usize) {
     ((word >> 32) as usize, (word & u64::from(u32::MAX)) as usize)
 }
 
+/// Threads a pool asked for `threads` runs on: `threads`, or for 0 one per
+/// core.
+pub fn threads_or_cores(threads: usize) -> usize {
+    match threads {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        t => t,
+    }
+}
+
 /// The `t`-th of `threads` ranges over `0..n`, in units of `align`.
 pub fn split(n: usize, align: usize, threads: usize, t: usize) -> std::ops::Range<usize> {
     let align = align.max(1);

@@ -11,6 +11,7 @@ use crate::kernels::elementwise::BinOp;
 use crate::kernels::linear::MAX_STACKED;
 use crate::kernels::weights::{Packed, Weight};
 use crate::ops::Op;
+use crate::pool::ThreadPool;
 use crate::value::DType;
 
 /// `MatMul(x, W)` with a constant 2-D weight (or an f16 weight behind a
@@ -205,7 +206,7 @@ pub(super) fn q4_offsets(g: &Graph, u: &Uses, i: usize) -> Result<Option<Rewrite
 /// to it as well and no member ends up stored wider than alone). The
 /// logits projection `head` (run on the last rows alone) is never
 /// stacked. Returns how many stacks were made.
-pub(crate) fn stack_siblings(g: &mut Graph, head: Vid, threads: usize) -> usize {
+pub(crate) fn stack_siblings(g: &mut Graph, head: Vid, pool: &ThreadPool) -> usize {
     let uses = Uses::of(g);
     let mut stacks = 0;
     for x in 0..g.values.len() {
@@ -225,8 +226,7 @@ pub(crate) fn stack_siblings(g: &mut Graph, head: Vid, threads: usize) -> usize 
             continue;
         }
         // (Narrowing a weight to learn its form is costly: only here.)
-        let mut members: Vec<(usize, String)> =
-            members.into_iter().map(|(i, w)| (i, stored_kind(w, threads))).collect();
+        let mut members: Vec<(usize, String)> = members.into_iter().map(|(i, w)| (i, stored_kind(w, pool))).collect();
         // Kinds in order of first appearance; a group keeps plan order,
         // and more than `MAX_STACKED` members make several stacks.
         while let Some(kind) = members.first().map(|m| m.1.clone()) {
@@ -245,8 +245,8 @@ pub(crate) fn stack_siblings(g: &mut Graph, head: Vid, threads: usize) -> usize 
 /// The form a weight is stored in after repacking, with what it computes
 /// (`f16 as q4`): members narrowed from different forms would not narrow
 /// as one stack.
-fn stored_kind(w: &Weight, threads: usize) -> String {
-    match w.narrower_on(threads) {
+fn stored_kind(w: &Weight, pool: &ThreadPool) -> String {
+    match w.narrower_on(pool) {
         Some(packed) => Weight { packed, ..*w }.label(),
         None => w.label(),
     }
@@ -360,7 +360,7 @@ mod tests {
         assert_eq!((label(a), label(rounded), label(b)), ("f32 as q4".into(), "f16 as q4".into(), "f32 as q4".into()));
         let head = linear(&mut g, x, "logits", 16, true);
         let head_out = g.nodes[head].as_ref().unwrap().outputs[0];
-        assert_eq!(stack_siblings(&mut g, head_out, 0), 1);
+        assert_eq!(stack_siblings(&mut g, head_out, &ThreadPool::serial()), 1);
         let Some(Node { op: Op::SplitLinear { widths, weight }, .. }) = &g.nodes[a] else {
             panic!("a and b did not stack: {:?}", g.nodes[a]);
         };
@@ -383,7 +383,7 @@ mod tests {
         let head = linear(&mut g, x, "logits", 16, true);
         let head_out = g.nodes[head].as_ref().unwrap().outputs[0];
         let want: Vec<Vid> = members[..4].iter().map(|i| g.nodes[*i].as_ref().unwrap().outputs[0]).collect();
-        assert_eq!(stack_siblings(&mut g, head_out, 0), 1);
+        assert_eq!(stack_siblings(&mut g, head_out, &ThreadPool::serial()), 1);
         let Some(Node { op: Op::SplitLinear { widths, weight }, outputs, .. }) = &g.nodes[members[0]] else {
             panic!("no stack at the first member's place: {:?}", g.nodes[members[0]]);
         };

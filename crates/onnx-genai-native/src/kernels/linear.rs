@@ -151,6 +151,8 @@ mod tests {
     use super::super::weights::TileData;
     use super::super::Runtime;
     use super::*;
+    use crate::pool::ThreadPool;
+    use std::time::Duration;
 
     fn naive(x: &[f32], m: usize, w_kn: &[f32], k: usize, n: usize) -> Vec<f32> {
         let mut y = vec![0.0; m * n];
@@ -228,8 +230,8 @@ mod tests {
         }
     }
 
-    /// Narrowing proves a large weight's rows in parallel ranges: split in
-    /// 1, 2 or 3 ranges, Q4_1's values (f32 and f16), Q8_0's (f16) and an
+    /// Narrowing proves a weight's rows in parallel ranges, one per thread
+    /// of the pool it runs on: on 1, 2 or 3 threads, Q4_1's values (f32 and f16), Q8_0's (f16) and an
     /// 8-bit grid of max/127 steps (f32), a partial last block included,
     /// narrow to the same bytes; and one value off the grid in the last
     /// range keeps the whole weight wide (no range's success covers for
@@ -248,14 +250,16 @@ mod tests {
             (Packed::F16(halves(&q8_0)), "q8"),
             (Packed::F32(grid.clone()), "q8"),
         ];
+        let pools: Vec<ThreadPool> =
+            [2, 3].into_iter().map(|t| ThreadPool::new(t, Duration::ZERO).expect("test threads")).collect();
         for (packed, kind) in cases {
             let w = Weight { n, k, packed };
-            let one = w.narrower_in(1).map(|p| Weight { n, k, packed: p });
+            let one = w.narrower_on(&ThreadPool::serial()).map(|p| Weight { n, k, packed: p });
             let one = one.unwrap_or_else(|| panic!("{} {kind} values narrow", w.kind()));
             assert_eq!(one.kind(), kind);
-            for parts in [2, 3] {
-                let split = w.narrower_in(parts).map(|p| format!("{p:?}"));
-                assert_eq!(split, Some(format!("{:?}", one.packed)), "{} {kind} in {parts} ranges", w.kind());
+            for pool in &pools {
+                let split = w.narrower_on(pool).map(|p| format!("{p:?}"));
+                assert_eq!(split, Some(format!("{:?}", one.packed)), "{} {kind} on {pool:?}", w.kind());
             }
         }
         // Off every grid, and not an f16 either (an f32 weight of f16
@@ -264,8 +268,9 @@ mod tests {
             let mut off = values;
             off[(n - 1) * k + 5] += 1e-6;
             let off = Weight { n, k, packed: Packed::F32(off) };
-            for parts in [1, 2, 3] {
-                assert!(off.narrower_in(parts).is_none(), "one value off the grid in {parts} ranges");
+            assert!(off.narrower_on(&ThreadPool::serial()).is_none(), "one value off the grid on one thread");
+            for pool in &pools {
+                assert!(off.narrower_on(pool).is_none(), "one value off the grid on {pool:?}");
             }
         }
     }

@@ -3,9 +3,12 @@
 //! compute the same values (and, in the wide form's order, the same
 //! results bit for bit) from fewer bytes.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use half::f16;
 
 use super::weights::{f16_exact, q4_weight, q8_weight, Packed, TileData, Tiled, Weight, QBLOCK};
+use crate::pool::{Disjoint, ThreadPool};
 
 impl Weight {
     /// An f32 weight stored narrower when a round trip proves it exact:
@@ -33,42 +36,36 @@ impl Weight {
     /// 0.625 bytes a weight instead of 2.
     /// Anything else stays as it is.
     pub fn narrowed(self) -> Self {
-        self.narrowed_on(0)
+        self.narrowed_on(&ThreadPool::serial())
     }
 
-    /// [`Weight::narrowed`] on at most `threads` threads (0: one per core).
-    pub(crate) fn narrowed_on(self, threads: usize) -> Self {
-        match self.narrower_on(threads) {
+    /// [`Weight::narrowed`], proved on `pool`'s threads.
+    pub(crate) fn narrowed_on(self, pool: &ThreadPool) -> Self {
+        match self.narrower_on(pool) {
             Some(packed) => Self { packed, ..self },
             None => self,
         }
     }
 
     /// What [`Weight::narrowed`] stores this weight as, where that is
-    /// narrower, proved on at most `threads` threads (0: one per core) and
-    /// read in place: a compile that only asks which form a weight narrows
-    /// to, or that holds it shared, copies nothing.
-    pub(crate) fn narrower_on(&self, threads: usize) -> Option<Packed> {
-        self.narrower_in(row_parts(self.n, self.k, threads))
-    }
-
-    /// [`Weight::narrower_on`] with the rows split into `parts` ranges, each
-    /// proved on a thread of its own.
-    pub(crate) fn narrower_in(&self, parts: usize) -> Option<Packed> {
+    /// narrower, proved on `pool`'s threads (one row range each) and read
+    /// in place: a compile that only asks which form a weight narrows to,
+    /// or that holds it shared, copies nothing.
+    pub(crate) fn narrower_on(&self, pool: &ThreadPool) -> Option<Packed> {
         let (n, k) = (self.n, self.k);
         match &self.packed {
             Packed::F16(halves) => {
                 let values = Values::F16(halves);
-                narrowed_q8(values, n, k, true, parts).or_else(|| narrowed_affine_q4(values, n, k, true, parts))
+                narrowed_q8(values, n, k, true, pool).or_else(|| narrowed_affine_q4(values, n, k, true, pool))
             }
             Packed::F32(rows) => {
                 let values = Values::F32(rows);
-                narrowed_q8(values, n, k, false, parts)
-                    .or_else(|| narrowed_affine_q4(values, n, k, false, parts))
+                narrowed_q8(values, n, k, false, pool)
+                    .or_else(|| narrowed_affine_q4(values, n, k, false, pool))
                     .or_else(|| {
                         rows.iter().all(|v| f16_exact(*v)).then(|| {
-                            narrowed_q8(values, n, k, true, parts)
-                                .or_else(|| narrowed_affine_q4(values, n, k, true, parts))
+                            narrowed_q8(values, n, k, true, pool)
+                                .or_else(|| narrowed_affine_q4(values, n, k, true, pool))
                                 .unwrap_or_else(|| Packed::F16(rows.iter().map(|v| f16::from_f32(*v)).collect()))
                         })
                     })
@@ -110,7 +107,7 @@ impl<'a> Values<'a> {
 /// (GGUF's Q8_0 dequantized, then stored as f16), for an f16 `scale` a few
 /// f16 steps from the largest magnitude over 127 (or 126, 125: a block
 /// whose f16 scale was rounded up has no level of 127).
-fn narrowed_q8(rows: Values<'_>, n: usize, k: usize, to_f16: bool, parts: usize) -> Option<Packed> {
+fn narrowed_q8(rows: Values<'_>, n: usize, k: usize, to_f16: bool, pool: &ThreadPool) -> Option<Packed> {
     if k == 0 {
         // No values: the empty 8-bit form.
         return Some(Packed::Q8 { values: Vec::new(), scales: Vec::new(), blocks: 0, rounds_to_f16: to_f16 });
@@ -154,14 +151,14 @@ fn narrowed_q8(rows: Values<'_>, n: usize, k: usize, to_f16: bool, parts: usize)
         }
         Some(())
     };
-    in_row_parts(n, parts, (&mut values, k), (&mut scales, blocks), fill)?;
+    in_row_ranges(pool, n, (&mut values, k), (&mut scales, blocks), fill)?;
     Some(Packed::Q8 { values, scales, blocks, rounds_to_f16: to_f16 })
 }
 
 /// The affine 4-bit form of [`Weight::narrowed`] of the `n x k` values
 /// `rows` (already tiled), if exact; `to_f16`: the values are f16, each
 /// `d * q + m` rounded.
-fn narrowed_affine_q4(rows: Values<'_>, n: usize, k: usize, to_f16: bool, parts: usize) -> Option<Packed> {
+fn narrowed_affine_q4(rows: Values<'_>, n: usize, k: usize, to_f16: bool, pool: &ThreadPool) -> Option<Packed> {
     if k == 0 {
         return None;
     }
@@ -187,7 +184,7 @@ fn narrowed_affine_q4(rows: Values<'_>, n: usize, k: usize, to_f16: bool, parts:
         Some(())
     };
     let mut params = vec![(0f32, 0f32); n * blocks];
-    in_row_parts(n, parts, (&mut data, row_bytes), (&mut params, blocks), fill)?;
+    in_row_ranges(pool, n, (&mut data, row_bytes), (&mut params, blocks), fill)?;
     for ((d, m), (scale, offset)) in params.into_iter().zip(scales.iter_mut().zip(offsets.iter_mut())) {
         (*scale, *offset) = (d, m);
     }
@@ -201,72 +198,34 @@ fn narrowed_affine_q4(rows: Values<'_>, n: usize, k: usize, to_f16: bool, parts:
     Some(Packed::Tiled(tiled))
 }
 
-/// Weights with fewer values than this narrow on the calling thread alone
-/// (spawning threads costs more than they would save).
-const PARALLEL_MIN_VALUES: usize = 1 << 16;
-
-/// How many row ranges an `n x k` weight narrows in: one per thread of
-/// `threads` (0: one per core), at most one per row; one for a small
-/// weight. Narrowing a SmolLM2 export's weights took a second of its load
-/// on one core.
-fn row_parts(n: usize, k: usize, threads: usize) -> usize {
-    let threads = match threads {
-        0 => std::thread::available_parallelism().map_or(1, |c| c.get()),
-        t => t,
-    };
-    if n.saturating_mul(k) < PARALLEL_MIN_VALUES {
-        1
-    } else {
-        threads.min(n).max(1)
-    }
-}
-
-/// One row range's share of the outputs: its index and its parts of `a`
-/// and `b`, taken by whichever thread runs it first.
-type RangeSlot<'s, A, B> = std::sync::Mutex<Option<(usize, &'s mut [A], &'s mut [B])>>;
-
 /// Runs `fill(first_row, rows' part of a, rows' part of b)` over the `n`
-/// rows split into `parts` ranges with their own disjoint parts of the
-/// outputs `a` and `b` (`a_row` and `b_row` elements a row); `None` if any
-/// range is. The calling thread runs the first range, a thread of its own
-/// each other one; a range whose thread the OS refuses (or has not started
-/// yet) the calling thread runs after its own, so a process at its thread
-/// limit still loads.
-fn in_row_parts<A: Send, B: Send>(
+/// rows in one range per thread of `pool`, each with its own disjoint
+/// parts of the outputs `a` and `b` (`a_row` and `b_row` elements a row);
+/// `None` if any range is. (Narrowing a SmolLM2 export's weights took a
+/// second of its load on one core.)
+fn in_row_ranges<A: Send, B: Send>(
+    pool: &ThreadPool,
     n: usize,
-    parts: usize,
     (a, a_row): (&mut [A], usize),
     (b, b_row): (&mut [B], usize),
     fill: impl Fn(usize, &mut [A], &mut [B]) -> Option<()> + Sync,
 ) -> Option<()> {
-    let per_part = n.div_ceil(parts.max(1)).max(1);
-    let slots: Vec<RangeSlot<'_, A, B>> = a
-        .chunks_mut(per_part * a_row.max(1))
-        .zip(b.chunks_mut(per_part * b_row.max(1)))
-        .enumerate()
-        .map(|(p, (a, b))| std::sync::Mutex::new(Some((p, a, b))))
-        .collect();
-    let run = |slot: &RangeSlot<'_, A, B>| -> Option<()> {
-        let taken = slot.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
-        match taken {
-            Some((p, a, b)) => fill(p * per_part, a, b),
-            None => Some(()),
+    let (a, b) = (Disjoint::new(a), Disjoint::new(b));
+    let failed = AtomicBool::new(false);
+    pool.for_ranges(n, 1, &|rows, _| {
+        if failed.load(Ordering::Relaxed) {
+            return;
         }
-    };
-    let run = &run;
-    std::thread::scope(|scope| {
-        let spawned: Vec<_> = slots
-            .iter()
-            .skip(1)
-            .filter_map(|slot| std::thread::Builder::new().spawn_scoped(scope, move || run(slot)).ok())
-            .collect();
-        let mut all = slots.iter().map(run).fold(Some(()), Option::and);
-        for handle in spawned {
-            let part = handle.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-            all = all.and(part);
+        // SAFETY: `for_ranges` hands each thread its own rows, so the
+        // parts of `a` and `b` they cover are disjoint.
+        let (a, b) = unsafe {
+            (a.slice(rows.start * a_row, rows.len() * a_row), b.slice(rows.start * b_row, rows.len() * b_row))
+        };
+        if fill(rows.start, a, b).is_none() {
+            failed.store(true, Ordering::Relaxed);
         }
-        all
-    })
+    });
+    (!failed.into_inner()).then_some(())
 }
 
 /// `(d, m)` with `block[j] == d * q[j] + m` bit for bit in f32 for every
