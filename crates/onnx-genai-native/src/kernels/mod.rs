@@ -68,10 +68,12 @@ impl Scratch {
         ]
     }
 
-    /// Grows every buffer to at least the matching capacity in `caps`.
+    /// Grows every buffer to at least the matching capacity in `caps`:
+    /// exactly that where it grows (`reserve`'s amortized doubling made two
+    /// threads' capacities leapfrog each other on every run).
     fn reserve_capacities(&mut self, caps: [usize; Self::FIELDS]) {
         fn at_least<T>(v: &mut Vec<T>, cap: usize) {
-            v.reserve(cap.saturating_sub(v.len()));
+            v.reserve_exact(cap.saturating_sub(v.len()));
         }
         let [a, b, c, d, bytes, ints, gate, split, picked] = caps;
         at_least(&mut self.a, a);
@@ -217,5 +219,26 @@ mod tests {
         }
         // What a thread holds is kept: only capacity is added.
         assert_eq!(runtime.scratch.get_mut(0).a.len(), 1000);
+    }
+
+    /// Evening out gives every thread exactly the largest capacity, so the
+    /// capacities settle. Grown with `reserve`'s amortized doubling, two
+    /// threads that held 100 and 90 floats went 100/180, 200/180, 200/360,
+    /// 400/360, ... — doubling on every run of the model, until `cargo
+    /// xtask bench --peer` asked for 77 GB on a tiny package (watched red
+    /// so: 10 runs ended at 3200 floats).
+    #[test]
+    fn evening_out_scratch_settles_on_the_largest() {
+        let mut runtime = Runtime::new(2).unwrap();
+        super::sized(&mut runtime.scratch.get_mut(0).a, 100);
+        super::sized(&mut runtime.scratch.get_mut(1).a, 90);
+        let largest = runtime.scratch.get_mut(0).a.capacity();
+        for _ in 0..10 {
+            runtime.even_out_scratch();
+        }
+        for t in 0..2 {
+            let a = runtime.scratch.get_mut(t).a.capacity();
+            assert_eq!(a, largest, "thread {t}: a has room for {a} after 10 runs, the largest was {largest}");
+        }
     }
 }
