@@ -3,18 +3,21 @@
 //! driven by `tests/python/ort_genai.py`) on the same contrib package, of
 //! llama.cpp (llama-cpp-python, `tests/python/llama_cpp_peer.py`) on the
 //! GGUF the real packages are built from, and of our native-cpu, at the same
-//! thread count, in one run, as ratios.
+//! thread count, in one run, as ratios. Every runtime is loaded before the
+//! timing starts and each round runs them all in turn, so a noisy
+//! neighbour's burst falls on every runtime's rounds alike.
 
 use std::fmt::Write as _;
+use std::io::{BufRead, BufReader, Write as _};
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
 use anyhow::{bail, Context, Result};
 use onnx_genai_build::Variant;
 use onnx_genai_engine::BackendKind;
 use onnx_genai_package::Package;
 
-use crate::bench_real::{measure, min_median, Speed, CONTEXT, PREFILL};
+use crate::bench_real::{min_median, round, warm_up, Speed, CONTEXT, PREFILL, PREFILL_REPEATS};
 use crate::{ort, pyclient, real, util};
 
 /// A runtime raced against native-cpu.
@@ -59,48 +62,106 @@ impl Peer {
     }
 }
 
-/// How a peer script runs: its thread count, rounds, decode steps, and the
+/// How a peer script runs: its thread count, decode steps, and the
 /// vocabulary its prompt ids are drawn from (native-cpu's, so every runtime
 /// is fed the same ids).
 #[derive(Clone, Copy)]
 struct Run {
     threads: usize,
-    rounds: usize,
     steps: usize,
     vocab: usize,
 }
 
-/// Runs one of the peer scripts (`tests/python/<script>`) in bench mode on
-/// `model` (a package directory or a GGUF file): prefill and decode
-/// tokens/s per round.
-fn python_bench(script: &str, pythonpath: &Path, model: &Path, run: Run) -> Result<Speed> {
-    let Run { threads, rounds, steps, vocab } = run;
-    let script = util::root().join("crates/onnx-genai-conformance/tests/python").join(script);
-    let out = Command::new(ort::python())
-        .arg(&script)
-        .args(["bench", &model.display().to_string()])
-        .args([threads, PREFILL, CONTEXT, steps, rounds, vocab].map(|n| n.to_string()))
-        .env("PYTHONPATH", pythonpath)
-        .output()
-        .context("cannot run python3")?;
-    if !out.status.success() {
-        // A crash (a signal) often leaves stderr empty: the status says it.
-        bail!(
-            "{} failed on {} ({}): {}",
-            script.display(),
-            model.display(),
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        );
+/// One of the peer scripts (`tests/python/<script>`) in bench mode, its
+/// model (a package directory or a GGUF file) loaded, running a round
+/// whenever asked (the protocol of `tests/python/rounds.py`): the bench
+/// runs every runtime's rounds in turn, so each round of each runtime
+/// meets the machine as the others' did.
+struct PeerProcess {
+    child: Child,
+    /// `None` once closed (the script then ends).
+    ask: Option<ChildStdin>,
+    answers: BufReader<ChildStdout>,
+    what: String,
+}
+
+impl PeerProcess {
+    fn start(script: &str, pythonpath: &Path, model: &Path, run: Run) -> Result<Self> {
+        let Run { threads, steps, vocab } = run;
+        let path = scripts().join(script);
+        let mut command = Command::new(ort::python());
+        command
+            .arg(&path)
+            .args(["bench", &model.display().to_string()])
+            .args([threads, PREFILL, CONTEXT, steps, vocab].map(|n| n.to_string()))
+            .env("PYTHONPATH", pythonpath);
+        Self::spawn(command, format!("{script} on {}", model.display()))
     }
-    let json: serde_json::Value = serde_json::from_slice(&out.stdout)?;
-    let series =
-        |k: &str| -> Vec<f64> { json[k].as_array().into_iter().flatten().filter_map(|v| v.as_f64()).collect() };
-    let (prefill, decode) = (series("prefill"), series("decode"));
-    if prefill.is_empty() || decode.is_empty() {
-        bail!("{} printed no rates for {}", script.display(), model.display());
+
+    /// Starts `command` (a script speaking the round protocol) and waits
+    /// until it says it is ready.
+    fn spawn(mut command: Command, what: String) -> Result<Self> {
+        let mut child = command
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("cannot run {what}"))?;
+        let (Some(ask), Some(out)) = (child.stdin.take(), child.stdout.take()) else {
+            bail!("{what}: no pipes to its stdin and stdout");
+        };
+        let mut peer = Self { child, ask: Some(ask), answers: BufReader::new(out), what };
+        let ready = peer.answer()?;
+        if ready["ready"] != serde_json::Value::Bool(true) {
+            bail!("{} did not say it was ready: {ready}", peer.what);
+        }
+        Ok(peer)
     }
-    Ok(Speed { prefill: min_median(prefill), decode: min_median(decode) })
+
+    /// Runs one round: (prefill, decode) tokens/s.
+    fn round(&mut self) -> Result<(f64, f64)> {
+        let ask = self.ask.as_mut().context("the peer's stdin is closed")?;
+        writeln!(ask, "round")
+            .and_then(|()| ask.flush())
+            .with_context(|| format!("asking {} for a round", self.what))?;
+        let answer = self.answer()?;
+        match (answer["prefill"].as_f64(), answer["decode"].as_f64()) {
+            (Some(p), Some(d)) => Ok((p, d)),
+            _ => bail!("{} answered a round with {answer}", self.what),
+        }
+    }
+
+    /// The script's next JSON line; where it ended instead, how (its
+    /// stderr went to ours: a crash, often by a signal, prints little).
+    fn answer(&mut self) -> Result<serde_json::Value> {
+        let mut line = String::new();
+        if self.answers.read_line(&mut line)? == 0 {
+            self.ask = None;
+            let status = self.child.wait()?;
+            bail!("{} ended ({status}) without an answer", self.what);
+        }
+        serde_json::from_str(&line).with_context(|| format!("{} printed {line:?}", self.what))
+    }
+}
+
+impl Drop for PeerProcess {
+    fn drop(&mut self) {
+        // Closing its stdin ends the script's loop; one that does not end
+        // (a wedged round) is killed.
+        self.ask = None;
+        for _ in 0..100 {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Where the peer scripts and their round protocol (`rounds.py`) live.
+fn scripts() -> PathBuf {
+    util::root().join("crates/onnx-genai-conformance/tests/python")
 }
 
 /// The packages raced, built fresh under `target/bench/peer/`: the tiny
@@ -156,9 +217,9 @@ pub fn run(named: &[Peer], threads: usize, rounds: usize, steps: usize) -> Resul
     }
     let titles: Vec<String> = peers.iter().map(|p| p.title()).collect();
     let mut md = format!(
-        "# native-cpu against {}\n\n{threads} thread(s) each, one run; prefill of {PREFILL} tokens, decode of {steps} \
-         steps after a {CONTEXT}-token context, {rounds} rounds (min / median tokens/s); ratio = native median / peer \
-         median. ONNX Runtime GenAI runs the same package; llama.cpp runs the GGUF the real packages are built from \
+        "# native-cpu against {}\n\n{threads} thread(s) each, one run; prefill of {PREFILL} tokens (a round's: the median of \
+         {PREFILL_REPEATS}), decode of {steps} steps after a {CONTEXT}-token context, {rounds} rounds, each running every runtime once in turn (min / median \
+         tokens/s); ratio = native median / peer median. ONNX Runtime GenAI runs the same package; llama.cpp runs the GGUF the real packages are built from \
          (— where a package has none).\n\n",
         titles.join(" and ")
     );
@@ -175,8 +236,6 @@ pub fn run(named: &[Peer], threads: usize, rounds: usize, steps: usize) -> Resul
         rule.push_str("---:|---:|");
     }
     let _ = writeln!(md, "{header}\n{rule}");
-    // llama.cpp reads the GGUF, not the export: one measurement per file.
-    let mut by_gguf: Vec<(PathBuf, Speed)> = Vec::new();
     let tiny = peers.contains(&Peer::OrtGenai);
     let raced_all = packages(tiny)?;
     if raced_all.is_empty() {
@@ -185,24 +244,43 @@ pub fn run(named: &[Peer], threads: usize, rounds: usize, steps: usize) -> Resul
     for raced in raced_all {
         let package = Package::open(&raced.dir)?;
         let mut b = BackendKind::NativeCpu.decoder(&package, threads)?;
-        let run = Run { threads, rounds, steps, vocab: b.vocab_size() };
-        let mut theirs = Vec::new();
+        let run = Run { threads, steps, vocab: b.vocab_size() };
+        // Every runtime loaded at once (llama.cpp again for each package
+        // of its GGUF: measured beside each, not once for all).
+        let mut racing = Vec::new();
         for (peer, site) in peers.iter().zip(&sites) {
-            let speed = match (peer, &raced.gguf) {
-                (Peer::OrtGenai, _) => Some(python_bench("ort_genai.py", site, &raced.dir, run)?),
-                (Peer::LlamaCpp, Some(gguf)) => match by_gguf.iter().find(|(g, _)| g == gguf) {
-                    Some((_, s)) => Some(*s),
-                    None => {
-                        let s = python_bench("llama_cpp_peer.py", site, gguf, run)?;
-                        by_gguf.push((gguf.clone(), s));
-                        Some(s)
-                    }
-                },
+            racing.push(match (peer, &raced.gguf) {
+                (Peer::OrtGenai, _) => Some(PeerProcess::start("ort_genai.py", site, &raced.dir, run)?),
+                (Peer::LlamaCpp, Some(gguf)) => Some(PeerProcess::start("llama_cpp_peer.py", site, gguf, run)?),
                 (Peer::LlamaCpp, None) => None,
-            };
-            theirs.push(speed);
+            });
         }
-        let ours = measure(&mut b, rounds, steps)?;
+        warm_up(&mut b, steps)?;
+        // Rates per runtime, native-cpu's last.
+        let mut rates: Vec<(Vec<f64>, Vec<f64>)> = vec![Default::default(); racing.len() + 1];
+        for r in 0..rounds {
+            // Each round runs every runtime once, back to back, starting
+            // one further along each time, so no runtime always follows
+            // the same one.
+            for i in 0..rates.len() {
+                let who = (i + r) % rates.len();
+                let (prefill, decode) = match racing.get_mut(who) {
+                    Some(Some(peer)) => peer.round()?,
+                    Some(None) => continue,
+                    None => round(&mut b, steps)?,
+                };
+                rates[who].0.push(prefill);
+                rates[who].1.push(decode);
+            }
+        }
+        drop(racing);
+        let speed = |(prefill, decode): &(Vec<f64>, Vec<f64>)| Speed {
+            prefill: min_median(prefill.clone()),
+            decode: min_median(decode.clone()),
+        };
+        let ours = rates.last().map(speed).context("native-cpu's rates")?;
+        let theirs: Vec<Option<Speed>> =
+            rates[..rates.len() - 1].iter().map(|r| (!r.1.is_empty()).then(|| speed(r))).collect();
         let mut line =
             format!("{:<34} native decode {:>8.1} prefill {:>8.0} tok/s", raced.name, ours.decode.1, ours.prefill.1);
         let mut row = format!("| {} | {:.1} / {:.1} |", raced.name, ours.decode.0, ours.decode.1);
@@ -246,4 +324,45 @@ pub fn run(named: &[Peer], threads: usize, rounds: usize, steps: usize) -> Resul
     std::fs::write(&path, &md)?;
     println!("\n{md}\nreport: {}", path.display());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A script of the round protocol (`rounds.py`, imported as the peers
+    /// import it) whose rounds run `body` and report what it returns.
+    fn peer(body: &str) -> Result<PeerProcess> {
+        let code =
+            format!("import rounds\nrounds.ready({{}})\nfor _ in rounds.requested():\n    rounds.report(*({body}))\n");
+        let mut command = Command::new(ort::python());
+        command.args(["-c", &code]).env("PYTHONPATH", scripts());
+        PeerProcess::spawn(command, "a test peer".into())
+    }
+
+    /// The bench and the peer scripts agree on the round protocol: the
+    /// peer is ready once loaded, answers each round asked for with its
+    /// two rates, and ends when its stdin closes (the drop does not hang).
+    #[test]
+    fn a_peer_answers_each_round_it_is_asked_for() {
+        let mut p = peer("(12.5, 3.25)").expect("the test peer starts");
+        assert_eq!(p.round().expect("round 1"), (12.5, 3.25));
+        assert_eq!(p.round().expect("round 2"), (12.5, 3.25));
+        drop(p);
+    }
+
+    /// A peer that dies in a round (a crash of the runtime under test) is
+    /// an error naming it and how it ended, not a hang; one that answers
+    /// something other than two rates is an error showing the answer.
+    /// Watched red with `answer` reading past the end (it returned an
+    /// empty line as JSON) and with `round` taking any JSON.
+    #[test]
+    fn a_peer_that_dies_or_answers_nonsense_is_an_error() {
+        let mut dead = peer("exit(3)").expect("the test peer starts");
+        let e = format!("{:#}", dead.round().expect_err("the peer died"));
+        assert!(e.contains("a test peer ended") && e.contains('3'), "{e}");
+        let mut odd = peer("('fast', 1.0)").expect("the test peer starts");
+        let e = format!("{:#}", odd.round().expect_err("not two rates"));
+        assert!(e.contains("answered a round with") && e.contains("fast"), "{e}");
+    }
 }

@@ -3,10 +3,12 @@
 prompt, thread count and measurement as the native and ONNX Runtime GenAI
 runs (tests/python/ort_genai.py):
 
-    python llama_cpp_peer.py bench GGUF THREADS PREFILL CONTEXT STEPS ROUNDS VOCAB
+    python llama_cpp_peer.py bench GGUF THREADS PREFILL CONTEXT STEPS VOCAB
 
-prints {"prefill": [tok/s per round], "decode": [tok/s per round],
-"version": "..."} — prefill of PREFILL tokens from an empty cache; decode =
+loads the GGUF, prints {"ready": true, "version": "..."}, then runs one
+round per line on stdin and prints {"prefill": tok/s, "decode": tok/s} for
+each (rounds.py) — prefill of PREFILL tokens from an empty cache (the
+median of rounds.PREFILL_REPEATS); decode =
 1 / median (upper, as native-cpu's) seconds of STEPS greedy steps after a
 CONTEXT-token context; prompt ids (i * 7919 + 13) mod VOCAB, as native-cpu's.
 
@@ -14,7 +16,6 @@ CONTEXT-token context; prompt ids (i * 7919 + 13) mod VOCAB, as native-cpu's.
 would import itself.)
 """
 
-import json
 import statistics
 import sys
 import time
@@ -22,8 +23,10 @@ import time
 import llama_cpp
 import numpy
 
+import rounds
 
-def bench(path, threads, prefill, context, steps, rounds, vocab):
+
+def bench(path, threads, prefill, context, steps, vocab):
     model = llama_cpp.Llama(
         model_path=path,
         n_ctx=max(prefill, context + steps) + 16,
@@ -36,14 +39,15 @@ def bench(path, threads, prefill, context, steps, rounds, vocab):
     )
     # The token ids native-cpu's run feeds (xtask bench_real::measure).
     prompt = [(i * 7919 + 13) % vocab for i in range(max(prefill, context))]
-    result = {"prefill": [], "decode": [], "version": llama_cpp.__version__}
-    model.reset()
-    model.eval(prompt[:8])
-    for _ in range(rounds):
-        model.reset()
-        t = time.perf_counter()
-        model.eval(prompt[:prefill])
-        result["prefill"].append(prefill / (time.perf_counter() - t))
+
+    def one_round():
+        prefills = []
+        for _ in range(rounds.PREFILL_REPEATS):
+            model.reset()
+            t = time.perf_counter()
+            model.eval(prompt[:prefill])
+            prefills.append(time.perf_counter() - t)
+        prefill_rate = prefill / statistics.median_high(prefills)
         model.reset()
         model.eval(prompt[:context])
         times = []
@@ -54,12 +58,17 @@ def bench(path, threads, prefill, context, steps, rounds, vocab):
             t = time.perf_counter()
             model.eval([next_token])
             times.append(time.perf_counter() - t)
-        result["decode"].append(1.0 / statistics.median_high(times))
-    print(json.dumps(result))
+        return prefill_rate, 1.0 / statistics.median_high(times)
+
+    # One round untimed: every buffer at its size before the timed ones.
+    one_round()
+    rounds.ready({"version": llama_cpp.__version__})
+    for _ in rounds.requested():
+        rounds.report(*one_round())
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 9 and sys.argv[1] == "bench":
-        bench(sys.argv[2], *map(int, sys.argv[3:9]))
+    if len(sys.argv) == 8 and sys.argv[1] == "bench":
+        bench(sys.argv[2], *map(int, sys.argv[3:8]))
     else:
         sys.exit(__doc__)

@@ -3,8 +3,9 @@
 Usage:
   ort_genai.py generate PACKAGE IDS STEPS
       prints the greedy token ids after the comma-separated prompt IDS
-  ort_genai.py bench PACKAGE THREADS PREFILL CONTEXT STEPS ROUNDS VOCAB
-      prints JSON: prefill and decode tokens/s, one value per round
+  ort_genai.py bench PACKAGE THREADS PREFILL CONTEXT STEPS VOCAB
+      loads the package, then runs one round per line on stdin and prints
+      each round's prefill and decode tokens/s as a JSON line (rounds.py)
 """
 import json
 import statistics
@@ -12,6 +13,8 @@ import sys
 import time
 
 import onnxruntime_genai as og
+
+import rounds
 
 
 def load(path, threads=None):
@@ -39,18 +42,19 @@ def generate(path, ids, steps):
     print(",".join(map(str, out)))
 
 
-def bench(path, threads, prefill, context, steps, rounds, vocab):
+def bench(path, threads, prefill, context, steps, vocab):
     model = load(path, threads)
     # The token ids native-cpu's run feeds (xtask bench_real::measure).
     prompt = [(i * 7919 + 13) % vocab for i in range(max(prefill, context))]
-    result = {"prefill": [], "decode": []}
-    warm = generator(model, 16)
-    warm.append_tokens(prompt[:8])
-    for _ in range(rounds):
-        gen = generator(model, prefill + 1)
-        t = time.perf_counter()
-        gen.append_tokens(prompt[:prefill])
-        result["prefill"].append(prefill / (time.perf_counter() - t))
+
+    def one_round():
+        prefills = []
+        for _ in range(rounds.PREFILL_REPEATS):
+            gen = generator(model, prefill + 1)
+            t = time.perf_counter()
+            gen.append_tokens(prompt[:prefill])
+            prefills.append(time.perf_counter() - t)
+        prefill_rate = prefill / statistics.median_high(prefills)
         gen = generator(model, context + steps + 1)
         gen.append_tokens(prompt[:context])
         times = []
@@ -59,14 +63,19 @@ def bench(path, threads, prefill, context, steps, rounds, vocab):
             gen.generate_next_token()
             times.append(time.perf_counter() - t)
         # The upper median, as native-cpu's (the middle of an odd count).
-        result["decode"].append(1.0 / statistics.median_high(times))
-    print(json.dumps(result))
+        return prefill_rate, 1.0 / statistics.median_high(times)
+
+    # One round untimed: every buffer at its size before the timed ones.
+    one_round()
+    rounds.ready({})
+    for _ in rounds.requested():
+        rounds.report(*one_round())
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "generate":
         generate(sys.argv[2], [int(x) for x in sys.argv[3].split(",")], int(sys.argv[4]))
     elif sys.argv[1] == "bench":
-        bench(sys.argv[2], *map(int, sys.argv[3:9]))
+        bench(sys.argv[2], *map(int, sys.argv[3:8]))
     else:
         sys.exit(__doc__)

@@ -1,0 +1,43 @@
+"""The round protocol of the peer scripts' bench mode (`cargo xtask bench
+--peer`): a peer loads its model once, says it is ready, then runs one
+round per line the bench writes to its stdin, so the bench can run every
+runtime's rounds in turn, back to back, rather than all of one runtime's
+rounds and then another's (on a machine whose neighbours come and go, a
+burst then fell on whichever runtime was running, and the ratios with
+it). Each answer is one JSON line on stdout.
+"""
+
+import json
+import sys
+import time
+
+# Prefills per round, the round's rate the median's (the upper, as decode's
+# steps): xtask's bench_real::PREFILL_REPEATS, which native-cpu's rounds use.
+PREFILL_REPEATS = 5
+
+# After a round the peer's worker threads spin a while before they sleep
+# (ONNX Runtime's and llama.cpp's pools both do); the answer waits this
+# long, so the next runtime's round does not share the cores with them.
+SETTLE_SECONDS = 0.1
+
+
+def _say(message):
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+def ready(details):
+    """Tells the bench the model is loaded (and warmed up)."""
+    _say(dict(details, ready=True))
+
+
+def requested():
+    """Yields once per round the bench asks for, until it closes stdin."""
+    for _ in sys.stdin:
+        yield
+
+
+def report(prefill, decode):
+    """Answers one round: its prefill and decode tokens/s."""
+    time.sleep(SETTLE_SECONDS)
+    _say({"prefill": prefill, "decode": decode})
