@@ -60,11 +60,7 @@ def bench(path, threads, prefill, context, steps, vocab):
             times.append(time.perf_counter() - t)
         return prefill_rate, 1.0 / statistics.median_high(times)
 
-    # One round untimed: every buffer at its size before the timed ones.
-    one_round()
-    rounds.ready({"version": llama_cpp.__version__})
-    for _ in rounds.requested():
-        rounds.report(*one_round())
+    rounds.serve(one_round, {"version": llama_cpp.__version__})
 
 
 if __name__ == "__main__":

@@ -65,11 +65,7 @@ def bench(path, threads, prefill, context, steps, vocab):
         # The upper median, as native-cpu's (the middle of an odd count).
         return prefill_rate, 1.0 / statistics.median_high(times)
 
-    # One round untimed: every buffer at its size before the timed ones.
-    one_round()
-    rounds.ready({})
-    for _ in rounds.requested():
-        rounds.report(*one_round())
+    rounds.serve(one_round, {})
 
 
 if __name__ == "__main__":

@@ -26,18 +26,14 @@ def _say(message):
     sys.stdout.flush()
 
 
-def ready(details):
-    """Tells the bench the model is loaded (and warmed up)."""
+def serve(one_round, details):
+    """Runs `one_round()` once untimed (every buffer at its size before
+    the timed rounds), says the model is ready (with `details`), then
+    answers each round the bench asks for with what `one_round()` returns:
+    its prefill and decode tokens/s. Returns when the bench closes stdin."""
+    one_round()
     _say(dict(details, ready=True))
-
-
-def requested():
-    """Yields once per round the bench asks for, until it closes stdin."""
     for _ in sys.stdin:
-        yield
-
-
-def report(prefill, decode):
-    """Answers one round: its prefill and decode tokens/s."""
-    time.sleep(SETTLE_SECONDS)
-    _say({"prefill": prefill, "decode": decode})
+        prefill, decode = one_round()
+        time.sleep(SETTLE_SECONDS)
+        _say({"prefill": prefill, "decode": decode})

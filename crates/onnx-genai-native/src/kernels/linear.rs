@@ -231,7 +231,8 @@ mod tests {
     }
 
     /// Narrowing proves a weight's rows in parallel ranges, one per thread
-    /// of the pool it runs on: on 1, 2 or 3 threads, Q4_1's values (f32 and f16), Q8_0's (f16) and an
+    /// of the pool it runs on: on the calling thread alone or pools of 2
+    /// and 3 threads (96 rows; and 2 rows and none, fewer than threads), Q4_1's values (f32 and f16), Q8_0's (f16) and an
     /// 8-bit grid of max/127 steps (f32), a partial last block included,
     /// narrow to the same bytes; and one value off the grid in the last
     /// range keeps the whole weight wide (no range's success covers for
@@ -260,6 +261,16 @@ mod tests {
             for pool in &pools {
                 let split = w.narrower_on(pool).map(|p| format!("{p:?}"));
                 assert_eq!(split, Some(format!("{:?}", one.packed)), "{} {kind} on {pool:?}", w.kind());
+            }
+        }
+        // Fewer rows than threads, and none: a range of one row each, the
+        // empty ones skipped.
+        for n in [0, 2] {
+            let w = Weight { n, k, packed: Packed::F16(halves(&q8_0_dequantized(n, k))) };
+            let one = w.narrower_on(&ThreadPool::serial()).map(|p| format!("{p:?}"));
+            assert!(one.is_some(), "{n} rows of Q8_0's values narrow");
+            for pool in &pools {
+                assert_eq!(w.narrower_on(pool).map(|p| format!("{p:?}")), one, "{n} rows on {pool:?}");
             }
         }
         // Off every grid, and not an f16 either (an f32 weight of f16
