@@ -17,7 +17,7 @@ use onnx_genai_build::Variant;
 use onnx_genai_engine::BackendKind;
 use onnx_genai_package::Package;
 
-use crate::bench_real::{min_median, round, warm_up, Speed, CONTEXT, PREFILL, PREFILL_REPEATS};
+use crate::bench_real::{round, warm_up, Speed, CONTEXT, PREFILL, PREFILL_REPEATS};
 use crate::{ort, pyclient, real, util};
 
 /// A runtime raced against native-cpu.
@@ -93,7 +93,7 @@ impl PeerProcess {
         command
             .arg(&path)
             .args(["bench", &model.display().to_string()])
-            .args([threads, PREFILL, CONTEXT, steps, vocab].map(|n| n.to_string()))
+            .args([threads, PREFILL, PREFILL_REPEATS, CONTEXT, steps, vocab].map(|n| n.to_string()))
             .env("PYTHONPATH", pythonpath);
         Self::spawn(command, format!("{script} on {}", model.display()))
     }
@@ -275,13 +275,10 @@ pub fn run(named: &[Peer], threads: usize, rounds: usize, steps: usize) -> Resul
             }
         }
         drop(racing);
-        let speed = |(prefill, decode): &(Vec<f64>, Vec<f64>)| Speed {
-            prefill: min_median(prefill.clone()),
-            decode: min_median(decode.clone()),
-        };
-        let ours = rates.last().map(speed).context("native-cpu's rates")?;
+        let (prefill, decode) = rates.pop().context("native-cpu's rates")?;
+        let ours = Speed::of(prefill, decode);
         let theirs: Vec<Option<Speed>> =
-            rates[..rates.len() - 1].iter().map(|r| (!r.1.is_empty()).then(|| speed(r))).collect();
+            rates.into_iter().map(|(p, d)| (!d.is_empty()).then(|| Speed::of(p, d))).collect();
         let mut line =
             format!("{:<34} native decode {:>8.1} prefill {:>8.0} tok/s", raced.name, ours.decode.1, ours.prefill.1);
         let mut row = format!("| {} | {:.1} / {:.1} |", raced.name, ours.decode.0, ours.decode.1);

@@ -18,7 +18,8 @@ pub(crate) const PREFILL: usize = 128;
 /// Prefills a round times, taking the median (the upper, as decode's
 /// steps): one prefill of a tiny package is half a millisecond, and a
 /// round that met one of this VM's stalls (about 9 ms, now and then) read
-/// as a tenth of the others' rate — on the peers' side as on ours.
+/// as a tenth of the others' rate — on the peers' side as on ours (the
+/// peer scripts are given this count).
 pub(crate) const PREFILL_REPEATS: usize = 5;
 pub(crate) const CONTEXT: usize = 64;
 
@@ -129,6 +130,14 @@ pub(crate) struct Speed {
     pub decode: (f64, f64),
 }
 
+impl Speed {
+    /// The (min, median) of each round's rates: the min is the slowest
+    /// round.
+    pub(crate) fn of(prefill: Vec<f64>, decode: Vec<f64>) -> Self {
+        Speed { prefill: min_median(prefill), decode: min_median(decode) }
+    }
+}
+
 pub(crate) fn measure(b: &mut Decoder, rounds: usize, steps: usize) -> Result<Speed> {
     warm_up(b, steps)?;
     let (mut prefill, mut decode) = (Vec::new(), Vec::new());
@@ -137,8 +146,7 @@ pub(crate) fn measure(b: &mut Decoder, rounds: usize, steps: usize) -> Result<Sp
         prefill.push(p);
         decode.push(d);
     }
-    // Reported as (min, median) of rates: the min is the slowest round.
-    Ok(Speed { prefill: min_median(prefill), decode: min_median(decode) })
+    Ok(Speed::of(prefill, decode))
 }
 
 /// The prompt every runtime is fed: ids `(i * 7919 + 13) mod vocab`.
@@ -156,8 +164,8 @@ pub(crate) fn warm_up(b: &mut Decoder, steps: usize) -> Result<()> {
 }
 
 /// One round: prefill tokens/s of the whole prompt from an empty cache
-/// (the median of `PREFILL_REPEATS`), and decode tokens/s (1 / the median step) of `steps` greedy steps after
-/// a `CONTEXT`-token context.
+/// (the median of `PREFILL_REPEATS`), and decode tokens/s (1 / the median
+/// step) of `steps` greedy steps after a `CONTEXT`-token context.
 pub(crate) fn round(b: &mut Decoder, steps: usize) -> Result<(f64, f64)> {
     let prompt = prompt(b);
     let mut prefills = Vec::with_capacity(PREFILL_REPEATS);
@@ -378,6 +386,16 @@ pub fn run(threads: usize, rounds: usize, steps: usize) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A bench row reports each series' slowest round and its median,
+    /// prefill and decode each from its own rounds (watched red with the
+    /// series swapped).
+    #[test]
+    fn a_speed_is_each_series_min_and_median() {
+        let speed = Speed::of(vec![300.0, 100.0, 200.0], vec![5.0, 4.0, 6.0]);
+        assert_eq!(speed.prefill, (100.0, 200.0));
+        assert_eq!(speed.decode, (4.0, 5.0));
+    }
 
     /// Pins issue 15's "a roofline that holds" on a noisy VM: the rooflines
     /// divide a probe's fastest pass (a ceiling), with its slowest and

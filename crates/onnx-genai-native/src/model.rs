@@ -48,9 +48,9 @@ pub fn compile_package(package: &Package) -> Result<Plan, BackendError> {
 /// compile.
 pub fn compile_package_with(package: &Package, form: WeightForm, threads: usize) -> Result<Plan, BackendError> {
     // Row-form weights are never narrowed: no threads to start for them.
-    let pool = match (form, threads_or_cores(threads)) {
-        (WeightForm::Rows, _) | (_, 1) => ThreadPool::serial(),
-        (WeightForm::Tiled, threads) => ThreadPool::new(threads, Duration::ZERO).map_err(pool_error)?,
+    let pool = match form {
+        WeightForm::Rows => ThreadPool::serial(),
+        WeightForm::Tiled => ThreadPool::new(threads_or_cores(threads), Duration::ZERO).map_err(pool_error)?,
     };
     compile_on(package, form, &pool)
 }

@@ -3,12 +3,12 @@
 prompt, thread count and measurement as the native and ONNX Runtime GenAI
 runs (tests/python/ort_genai.py):
 
-    python llama_cpp_peer.py bench GGUF THREADS PREFILL CONTEXT STEPS VOCAB
+    python llama_cpp_peer.py bench GGUF THREADS PREFILL REPEATS CONTEXT STEPS VOCAB
 
 loads the GGUF, prints {"ready": true, "version": "..."}, then runs one
 round per line on stdin and prints {"prefill": tok/s, "decode": tok/s} for
 each (rounds.py) — prefill of PREFILL tokens from an empty cache (the
-median of rounds.PREFILL_REPEATS); decode =
+median of REPEATS); decode =
 1 / median (upper, as native-cpu's) seconds of STEPS greedy steps after a
 CONTEXT-token context; prompt ids (i * 7919 + 13) mod VOCAB, as native-cpu's.
 
@@ -26,7 +26,7 @@ import numpy
 import rounds
 
 
-def bench(path, threads, prefill, context, steps, vocab):
+def bench(path, threads, prefill, repeats, context, steps, vocab):
     model = llama_cpp.Llama(
         model_path=path,
         n_ctx=max(prefill, context + steps) + 16,
@@ -42,7 +42,7 @@ def bench(path, threads, prefill, context, steps, vocab):
 
     def one_round():
         prefills = []
-        for _ in range(rounds.PREFILL_REPEATS):
+        for _ in range(repeats):
             model.reset()
             t = time.perf_counter()
             model.eval(prompt[:prefill])
@@ -64,7 +64,7 @@ def bench(path, threads, prefill, context, steps, vocab):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 8 and sys.argv[1] == "bench":
-        bench(sys.argv[2], *map(int, sys.argv[3:8]))
+    if len(sys.argv) == 9 and sys.argv[1] == "bench":
+        bench(sys.argv[2], *map(int, sys.argv[3:9]))
     else:
         sys.exit(__doc__)

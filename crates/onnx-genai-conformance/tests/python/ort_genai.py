@@ -3,9 +3,10 @@
 Usage:
   ort_genai.py generate PACKAGE IDS STEPS
       prints the greedy token ids after the comma-separated prompt IDS
-  ort_genai.py bench PACKAGE THREADS PREFILL CONTEXT STEPS VOCAB
+  ort_genai.py bench PACKAGE THREADS PREFILL REPEATS CONTEXT STEPS VOCAB
       loads the package, then runs one round per line on stdin and prints
-      each round's prefill and decode tokens/s as a JSON line (rounds.py)
+      each round's prefill (the median of REPEATS prefills) and decode
+      tokens/s as a JSON line (rounds.py)
 """
 import json
 import statistics
@@ -42,14 +43,14 @@ def generate(path, ids, steps):
     print(",".join(map(str, out)))
 
 
-def bench(path, threads, prefill, context, steps, vocab):
+def bench(path, threads, prefill, repeats, context, steps, vocab):
     model = load(path, threads)
     # The token ids native-cpu's run feeds (xtask bench_real::measure).
     prompt = [(i * 7919 + 13) % vocab for i in range(max(prefill, context))]
 
     def one_round():
         prefills = []
-        for _ in range(rounds.PREFILL_REPEATS):
+        for _ in range(repeats):
             gen = generator(model, prefill + 1)
             t = time.perf_counter()
             gen.append_tokens(prompt[:prefill])
@@ -72,6 +73,6 @@ if __name__ == "__main__":
     if sys.argv[1] == "generate":
         generate(sys.argv[2], [int(x) for x in sys.argv[3].split(",")], int(sys.argv[4]))
     elif sys.argv[1] == "bench":
-        bench(sys.argv[2], *map(int, sys.argv[3:8]))
+        bench(sys.argv[2], *map(int, sys.argv[3:9]))
     else:
         sys.exit(__doc__)

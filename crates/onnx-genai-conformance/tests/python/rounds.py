@@ -11,10 +11,6 @@ import json
 import sys
 import time
 
-# Prefills per round, the round's rate the median's (the upper, as decode's
-# steps): xtask's bench_real::PREFILL_REPEATS, which native-cpu's rounds use.
-PREFILL_REPEATS = 5
-
 # After a round the peer's worker threads spin a while before they sleep
 # (ONNX Runtime's and llama.cpp's pools both do); the answer waits this
 # long, so the next runtime's round does not share the cores with them.

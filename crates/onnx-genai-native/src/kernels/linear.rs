@@ -232,8 +232,9 @@ mod tests {
 
     /// Narrowing proves a weight's rows in parallel ranges, one per thread
     /// of the pool it runs on: on the calling thread alone or pools of 2
-    /// and 3 threads (96 rows; and 2 rows and none, fewer than threads), Q4_1's values (f32 and f16), Q8_0's (f16) and an
-    /// 8-bit grid of max/127 steps (f32), a partial last block included,
+    /// and 3 threads (96 rows; and 2 rows and none, fewer than threads),
+    /// Q4_1's values (f32 and f16), Q8_0's (f16) and an 8-bit grid of
+    /// max/127 steps (f32), a partial last block included,
     /// narrow to the same bytes; and one value off the grid in the last
     /// range keeps the whole weight wide (no range's success covers for
     /// another's failure). Watched red with a range's rows written one
