@@ -10,7 +10,9 @@
 use std::fmt::Write as _;
 use std::io::{BufRead, BufReader, Write as _};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use onnx_genai_build::Variant;
@@ -70,6 +72,8 @@ struct Run {
     threads: usize,
     steps: usize,
     vocab: usize,
+    /// How long a peer may take to load or to run a round.
+    patience: Duration,
 }
 
 /// One of the peer scripts (`tests/python/<script>`) in bench mode, its
@@ -81,13 +85,17 @@ struct PeerProcess {
     child: Child,
     /// `None` once closed (the script then ends).
     ask: Option<ChildStdin>,
-    answers: BufReader<ChildStdout>,
+    /// The script's stdout, a line at a time, from a thread of its own (so
+    /// a wait for an answer can give up); closed where the script ended.
+    answers: Receiver<std::io::Result<String>>,
+    /// How long a load or a round may take before the peer counts as hung.
+    patience: Duration,
     what: String,
 }
 
 impl PeerProcess {
     fn start(script: &str, pythonpath: &Path, model: &Path, run: Run) -> Result<Self> {
-        let Run { threads, steps, vocab } = run;
+        let Run { threads, steps, vocab, patience } = run;
         let path = scripts().join(script);
         let mut command = Command::new(ort::python());
         command
@@ -95,12 +103,12 @@ impl PeerProcess {
             .args(["bench", &model.display().to_string()])
             .args([threads, PREFILL, PREFILL_REPEATS, CONTEXT, steps, vocab].map(|n| n.to_string()))
             .env("PYTHONPATH", pythonpath);
-        Self::spawn(command, format!("{script} on {}", model.display()))
+        Self::spawn(command, format!("{script} on {}", model.display()), patience)
     }
 
     /// Starts `command` (a script speaking the round protocol) and waits
-    /// until it says it is ready.
-    fn spawn(mut command: Command, what: String) -> Result<Self> {
+    /// until it says it is ready, `patience` at most.
+    fn spawn(mut command: Command, what: String, patience: Duration) -> Result<Self> {
         let mut child = command
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -109,7 +117,24 @@ impl PeerProcess {
         let (Some(ask), Some(out)) = (child.stdin.take(), child.stdout.take()) else {
             bail!("{what}: no pipes to its stdin and stdout");
         };
-        let mut peer = Self { child, ask: Some(ask), answers: BufReader::new(out), what };
+        let (lines, answers) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut out = BufReader::new(out);
+            loop {
+                let mut line = String::new();
+                match out.read_line(&mut line) {
+                    // The end of its output closes the channel.
+                    Ok(0) => return,
+                    Ok(_) if lines.send(Ok(line)).is_ok() => {}
+                    Ok(_) => return,
+                    Err(e) => {
+                        let _ = lines.send(Err(e));
+                        return;
+                    }
+                }
+            }
+        });
+        let mut peer = Self { child, ask: Some(ask), answers, patience, what };
         let ready = peer.answer()?;
         if ready["ready"] != serde_json::Value::Bool(true) {
             bail!("{} did not say it was ready: {ready}", peer.what);
@@ -117,8 +142,7 @@ impl PeerProcess {
         Ok(peer)
     }
 
-    /// Runs one round: (prefill, decode) tokens/s. (A peer that hangs
-    /// inside a round hangs the bench, as a runtime under test may.)
+    /// Runs one round: (prefill, decode) tokens/s.
     fn round(&mut self) -> Result<(f64, f64)> {
         let ask = self.ask.as_mut().context("the peer's stdin is closed")?;
         // A peer that died since its last answer refuses the question (a
@@ -132,14 +156,29 @@ impl PeerProcess {
     }
 
     /// The script's next JSON line; where it ended instead, how (its
-    /// stderr went to ours: a crash, often by a signal, prints little).
+    /// stderr went to ours: a crash, often by a signal, prints little);
+    /// where it says nothing for `patience`, an error, the script killed
+    /// (a runtime wedged inside a round would otherwise hang the bench).
     fn answer(&mut self) -> Result<serde_json::Value> {
-        let mut line = String::new();
-        if self.answers.read_line(&mut line)? == 0 {
-            self.ask = None;
-            let status = self.child.wait()?;
-            bail!("{} ended ({status}) without an answer", self.what);
-        }
+        let line = match self.answers.recv_timeout(self.patience) {
+            Ok(line) => line?,
+            Err(RecvTimeoutError::Disconnected) => {
+                self.ask = None;
+                let status = self.child.wait()?;
+                bail!("{} ended ({status}) without an answer", self.what);
+            }
+            Err(RecvTimeoutError::Timeout) => {
+                self.ask = None;
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                bail!(
+                    "{} gave no answer within {} s and was stopped (a hung runtime; a slower machine may need a larger \
+                     --peer-timeout)",
+                    self.what,
+                    self.patience.as_secs_f64()
+                );
+            }
+        };
         serde_json::from_str(&line).with_context(|| format!("{} printed {line:?}", self.what))
     }
 }
@@ -199,7 +238,7 @@ struct Raced {
     gguf: Option<PathBuf>,
 }
 
-pub fn run(named: &[Peer], threads: usize, rounds: usize, steps: usize) -> Result<()> {
+pub fn run(named: &[Peer], threads: usize, rounds: usize, steps: usize, patience: Duration) -> Result<()> {
     let mut peers: Vec<Peer> = Vec::new();
     for p in named {
         if !peers.contains(p) {
@@ -245,7 +284,7 @@ pub fn run(named: &[Peer], threads: usize, rounds: usize, steps: usize) -> Resul
     for raced in raced_all {
         let package = Package::open(&raced.dir)?;
         let mut b = BackendKind::NativeCpu.decoder(&package, threads)?;
-        let run = Run { threads, steps, vocab: b.vocab_size() };
+        let run = Run { threads, steps, vocab: b.vocab_size(), patience };
         // Every runtime loaded at once (llama.cpp again for each package
         // of its GGUF: measured beside each, not once for all).
         let mut racing = Vec::new();
@@ -332,13 +371,18 @@ mod tests {
     /// use it) whose timed rounds evaluate `body` and report what it gives
     /// (its untimed warm-up round gives two rates).
     fn peer(body: &str) -> Result<PeerProcess> {
+        peer_within(body, Duration::from_secs(60))
+    }
+
+    /// [`peer`], given up on after `patience`.
+    fn peer_within(body: &str, patience: Duration) -> Result<PeerProcess> {
         let code = format!(
             "import rounds\ncalls = 0\ndef one_round():\n    global calls\n    calls += 1\n    \
              return ({body}) if calls > 1 else (1.0, 1.0)\nrounds.serve(one_round, {{}})\n"
         );
         let mut command = Command::new(ort::python());
         command.args(["-c", &code]).env("PYTHONPATH", scripts());
-        PeerProcess::spawn(command, "a test peer".into())
+        PeerProcess::spawn(command, "a test peer".into(), patience)
     }
 
     /// The bench and the peer scripts agree on the round protocol: the
@@ -377,5 +421,22 @@ mod tests {
         let mut odd = peer("('fast', 1.0)").expect("the test peer starts");
         let e = format!("{:#}", odd.round().expect_err("not two rates"));
         assert!(e.contains("answered a round with") && e.contains("fast"), "{e}");
+    }
+
+    /// A peer alive but silent inside a round (a runtime wedged in a
+    /// loop) is an error within its patience, naming it, and the script is
+    /// stopped, not left running; its next round is an error too. Watched
+    /// red with `answer` waiting on the pipe as before (the test hung).
+    #[test]
+    fn a_peer_that_stops_answering_is_stopped_after_its_patience() {
+        let started = std::time::Instant::now();
+        let mut hung =
+            peer_within("__import__('time').sleep(3600)", Duration::from_secs(1)).expect("the test peer starts");
+        let e = format!("{:#}", hung.round().expect_err("the peer hangs"));
+        assert!(e.contains("a test peer gave no answer within 1 s"), "{e}");
+        assert!(started.elapsed() < Duration::from_secs(30), "gave up after {:?}", started.elapsed());
+        let status = hung.child.try_wait().expect("the peer's status");
+        assert!(status.is_some(), "the hung peer was stopped");
+        assert!(hung.round().is_err(), "a stopped peer's next round");
     }
 }

@@ -113,6 +113,11 @@ enum Command {
         /// pip into target/llama-cpp on first use).
         #[arg(long, value_delimiter = ',', conflicts_with_all = ["package", "real", "backend"])]
         peer: Vec<String>,
+        /// With --peer: seconds a peer may take to load its model or to run
+        /// one round before it counts as hung (it is stopped and the bench
+        /// fails, naming it).
+        #[arg(long, default_value_t = 300, requires = "peer")]
+        peer_timeout: u64,
         /// Instead: native-cpu's decode and prefill at 1 thread and at
         /// `--threads` (2 where that is less), on every export of the real
         /// models, each round measuring 1 thread, N and 1 again (a control)
@@ -266,9 +271,10 @@ fn main() -> ExitCode {
         Command::GpuTrace => gpu::trace(),
         Command::CudaCompile => cuda_compile::run(),
         Command::OnnxTests { bless, case } => onnx_tests::run(onnx_tests::Options { bless, case }),
-        Command::Bench { threads, rounds, steps, peer, .. } if !peer.is_empty() => {
+        Command::Bench { threads, rounds, steps, peer, peer_timeout, .. } if !peer.is_empty() => {
             let peers = peer.iter().map(|p| bench_peer::Peer::parse(p)).collect::<anyhow::Result<Vec<_>>>();
-            peers.and_then(|peers| bench_peer::run(&peers, threads, rounds.clamp(1, 5), steps.clamp(1, 32)))
+            let patience = std::time::Duration::from_secs(peer_timeout.max(1));
+            peers.and_then(|peers| bench_peer::run(&peers, threads, rounds.clamp(1, 5), steps.clamp(1, 32), patience))
         }
         Command::Bench { threads, rounds, steps, scaling: true, .. } => {
             bench_scaling::run(threads.max(2), rounds.clamp(1, 9), steps.clamp(1, 32))
