@@ -52,7 +52,9 @@ struct Shared {
     job: UnsafeCell<Option<*const Job>>,
     /// Workers that have not finished the current region.
     remaining: AtomicUsize,
-    panicked: AtomicBool,
+    /// The first panic of a worker in the current region (its payload, so
+    /// the caller re-raises what went wrong, not just that something did).
+    panicked: Mutex<Option<Box<dyn std::any::Any + Send>>>,
     shutdown: AtomicBool,
     /// Parked workers, and the condition they wait on.
     sleepers: Mutex<usize>,
@@ -93,7 +95,7 @@ impl ThreadPool {
             generation: AtomicU64::new(0),
             job: UnsafeCell::new(None),
             remaining: AtomicUsize::new(0),
-            panicked: AtomicBool::new(false),
+            panicked: Mutex::new(None),
             shutdown: AtomicBool::new(false),
             sleepers: Mutex::new(0),
             wake: Condvar::new(),
@@ -124,7 +126,7 @@ impl ThreadPool {
                 generation: AtomicU64::new(0),
                 job: UnsafeCell::new(None),
                 remaining: AtomicUsize::new(0),
-                panicked: AtomicBool::new(false),
+                panicked: Mutex::new(None),
                 shutdown: AtomicBool::new(false),
                 sleepers: Mutex::new(0),
                 wake: Condvar::new(),
@@ -184,11 +186,12 @@ impl ThreadPool {
         }
         // SAFETY: every worker has finished with the job (remaining is 0).
         unsafe { *s.job.get() = None };
+        let theirs = s.panicked.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Err(payload) = mine {
             resume_unwind(payload);
         }
-        if s.panicked.swap(false, Ordering::AcqRel) {
-            panic!("a native-cpu worker thread panicked");
+        if let Some(payload) = theirs {
+            resume_unwind(payload);
         }
     }
 
@@ -391,8 +394,9 @@ fn worker(s: &Shared, index: usize) {
             // SAFETY: see above: the pointee outlives this call.
             let f = unsafe { &*job };
             let _mark = RegionMark::enter();
-            if catch_unwind(AssertUnwindSafe(|| f(index))).is_err() {
-                s.panicked.store(true, Ordering::Release);
+            if let Err(payload) = catch_unwind(AssertUnwindSafe(|| f(index))) {
+                let mut first = s.panicked.lock().unwrap_or_else(|p| p.into_inner());
+                first.get_or_insert(payload);
             }
         }
         s.remaining.fetch_sub(1, Ordering::Release);
@@ -627,19 +631,25 @@ mod tests {
         assert!(first[20..].windows(2).all(|w| w[0] > w[1]), "taken from the back: {:?}", &first[20..]);
     }
 
-    /// A panic in a worker reaches the caller after the region ends, and the
-    /// pool keeps working afterwards.
+    /// A panic in a worker reaches the caller after the region ends, as
+    /// itself (its message: what an engine reports for the failed request,
+    /// watched red with the payload replaced by a fixed message as before),
+    /// and the pool keeps working afterwards, its next region free of it.
     #[test]
     fn a_worker_panic_is_reraised_and_the_pool_survives() {
         let pool = ThreadPool::new(2, Duration::from_micros(50)).unwrap();
         let caught = catch_unwind(AssertUnwindSafe(|| {
             pool.run(&|t| {
                 if t == 1 {
-                    panic!("boom");
+                    panic!("boom in row {}", 7);
                 }
             })
         }));
-        assert!(caught.is_err());
+        let payload = caught.expect_err("the worker's panic is re-raised");
+        let message =
+            payload.downcast_ref::<String>().map(String::as_str).or_else(|| payload.downcast_ref::<&str>().copied());
+        assert_eq!(message, Some("boom in row 7"), "the worker's own message");
+        assert!(catch_unwind(AssertUnwindSafe(|| pool.run(&|_| {}))).is_ok(), "the next region does not re-raise it");
         let n = AtomicUsize::new(0);
         pool.run(&|_| {
             n.fetch_add(1, Ordering::Relaxed);
