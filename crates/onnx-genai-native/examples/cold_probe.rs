@@ -1,0 +1,64 @@
+//! How much of a weight's memory time a kernel hides behind its
+//! arithmetic: one SmolLM2-shaped projection (576 inputs, 3072 outputs,
+//! int8-input 4-bit, about 1.1 MB) at 1, 8 and 16 rows on every kernel path
+//! this CPU has, its weight hot (the same copy every call, in L2) and cold
+//! (64 copies in turn, about 70 MB, streamed from memory); best of 5 passes
+//! of 64 calls. A kernel that overlaps fully runs cold in the larger of
+//! its hot time and the one-row cold time; one that does not, in their sum.
+//!
+//! `cargo run --release -p onnx-genai-native --example cold_probe -- [THREADS]`
+
+use std::time::Instant;
+
+use onnx_genai_native::kernels::isa::Isa;
+use onnx_genai_native::kernels::linear::linear;
+use onnx_genai_native::kernels::weights::{Packed, Weight};
+use onnx_genai_native::kernels::Runtime;
+
+const K: usize = 576;
+const N: usize = 3072;
+const COPIES: usize = 64;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let threads: usize = std::env::args().nth(1).map_or(Ok(1), |t| t.parse())?;
+    let blocks = K / 32;
+    let weights: Vec<Weight> = (0..COPIES)
+        .map(|c| {
+            let data = (0..N * blocks * 16).map(|i| ((i + c) * 31 % 256) as u8).collect();
+            let packed = Packed::Q4 {
+                data,
+                scales: vec![0.01; N * blocks],
+                zeros: None,
+                offsets: None,
+                block: 32,
+                blocks,
+                int8: true,
+            };
+            Weight { n: N, k: K, packed }.into_tiled()
+        })
+        .collect();
+    let x: Vec<f32> = (0..16 * K).map(|i| (i as f32 * 0.01).sin()).collect();
+    let mut rt = Runtime::new(threads)?;
+    println!("{K}x{N} int8-input 4-bit, {threads} thread(s), µs a call (best of 5 passes of {COPIES} calls)");
+    for isa in Isa::all_available() {
+        rt.isa = isa;
+        for rows in [1usize, 8, 16] {
+            let mut y = Vec::new();
+            let mut pass = |cold: bool| {
+                let started = Instant::now();
+                for w in &weights {
+                    let w = if cold { w } else { &weights[0] };
+                    linear(&x[..rows * K], rows, w, None, &mut y, &rt.ctx());
+                }
+                started.elapsed().as_secs_f64() * 1e6 / COPIES as f64
+            };
+            let (mut hot, mut cold) = (f64::MAX, f64::MAX);
+            for _ in 0..5 {
+                hot = hot.min(pass(false));
+                cold = cold.min(pass(true));
+            }
+            println!("{isa:<12} {rows:>2} rows: hot {hot:7.1}  cold {cold:7.1}");
+        }
+    }
+    Ok(())
+}
