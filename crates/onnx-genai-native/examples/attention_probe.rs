@@ -1,0 +1,91 @@
+//! A batched decode step's attention alone, SmolLM2-shaped (30 layers, 9
+//! query heads over 3 KV heads of 64): B sequences at a context of P
+//! positions, every layer in turn and one layer 30 times; best of 20
+//! steps. With `evict`, 32 MiB are read between layers (not timed), as a
+//! model's step streams its weights between attentions, so the cache comes
+//! from memory as it does there.
+//!
+//! `cargo run --release -p onnx-genai-native --example attention_probe -- [THREADS] [B] [P] [f16] [evict]`
+
+use std::time::Instant;
+
+use onnx_genai_native::kernels::attention::{attention, AttentionSpec, Bias, Heads, Layout, Segment, Step};
+use onnx_genai_native::kernels::Runtime;
+use onnx_genai_native::kv::{KvLayout, KvPool, SeqKv};
+
+const LAYERS: usize = 30;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let mut args = std::env::args().skip(1);
+    let threads: usize = args.next().map_or(Ok(2), |t| t.parse())?;
+    let batch: usize = args.next().map_or(Ok(16), |t| t.parse())?;
+    let past: usize = args.next().map_or(Ok(74), |t| t.parse())?;
+    let rest: Vec<String> = args.collect();
+    let f16 = rest.iter().any(|a| a == "f16");
+    let evict = rest.iter().any(|a| a == "evict");
+    let (heads, kv_heads, hd) = (9, 3, 64);
+    let spec = AttentionSpec {
+        heads,
+        kv_heads,
+        head_dim: hd,
+        scale: 0.125,
+        q_layout: Layout::SeqFirst,
+        kv_layout: Layout::SeqFirst,
+        out_layout: Layout::SeqFirst,
+        bias: Bias::Causal,
+    };
+    let q: Vec<f32> = (0..batch * heads * hd).map(|i| (i as f32 * 0.37).sin()).collect();
+    let kv: Vec<f32> = (0..batch * kv_heads * hd).map(|i| (i as f32 * 0.11).cos()).collect();
+    let pool = KvPool::new(KvLayout::new(&[(kv_heads, hd); LAYERS], f16), 0);
+    let mut caches: Vec<SeqKv> = (0..batch)
+        .map(|_| {
+            let mut c = SeqKv::new(pool.clone(), 4096);
+            c.reserve(past + 1);
+            c.set_len(past);
+            c
+        })
+        .collect();
+    let rt = Runtime::new(threads)?;
+    let mut out = vec![0.0f32; batch * heads * hd];
+    let segments: Vec<Segment> = (0..batch).map(|s| Segment { start: s, len: 1, past }).collect();
+    let other: Vec<u64> = vec![1; if evict { 4 << 20 } else { 0 }];
+    let mut sink = 0u64;
+    let mut step = |layer_of: &dyn Fn(usize) -> usize| -> Result<f64, String> {
+        let mut untimed = 0.0;
+        let started = Instant::now();
+        for l in 0..LAYERS {
+            if evict {
+                let reading = Instant::now();
+                sink = sink.wrapping_add(std::hint::black_box(&other).iter().sum::<u64>());
+                untimed += reading.elapsed().as_secs_f64() * 1e3;
+            }
+            let step = Step {
+                layer: layer_of(l),
+                segments: &segments,
+                q: Heads::plain(&q, Layout::SeqFirst, heads, batch, hd),
+                k: Heads::plain(&kv, Layout::SeqFirst, kv_heads, batch, hd),
+                v: Heads::plain(&kv, Layout::SeqFirst, kv_heads, batch, hd),
+                rotary: None,
+                bias: None,
+            };
+            let mut refs: Vec<&mut SeqKv> = caches.iter_mut().collect();
+            attention(&spec, &step, &mut refs, &mut out, &rt.ctx())?;
+        }
+        Ok(started.elapsed().as_secs_f64() * 1e3 - untimed)
+    };
+    let (mut cold, mut hot) = (f64::MAX, f64::MAX);
+    for _ in 0..20 {
+        cold = cold.min(step(&|l| l)?);
+        hot = hot.min(step(&|_| 0)?);
+    }
+    std::hint::black_box(sink);
+    let bytes = (batch * LAYERS * 2 * kv_heads * (past + 1) * hd * if f16 { 2 } else { 4 }) as f64;
+    println!(
+        "{batch} sequences at {past} positions, {threads} thread(s), {} cache{}: every layer {cold:.2} ms a step ({:.1} GB/s of \
+         cache), one layer 30 times {hot:.2} ms",
+        if f16 { "f16" } else { "f32" },
+        if evict { ", evicted between layers" } else { "" },
+        bytes / cold / 1e6
+    );
+    Ok(())
+}
