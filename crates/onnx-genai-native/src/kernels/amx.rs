@@ -303,7 +303,8 @@ unsafe fn rows_by_tiles<const T: usize>(
             // images hold the chunk's records.
             unsafe { unpack(t, tile, T, records, images.cast_mut(), symmetric) };
         }
-        for c in 0..GROUPS_AHEAD.min(groups - g0) {
+        let here = GROUPS_AHEAD.min(groups - g0);
+        for c in 0..here {
             let g = g0 + c;
             // Consecutive groups alternate between two register sets, so
             // a group's products need not wait for the previous group's
@@ -325,8 +326,20 @@ unsafe fn rows_by_tiles<const T: usize>(
                     }
                 }
             }
+            // The previous group's sums are stored only now, behind this
+            // group's products: tile instructions run in order, and a
+            // store right after its own products waited out their latency.
+            if c > 0 {
+                for j in 0..T {
+                    unsafe { store_sums(1 - set, j, sums.add((c - 1) * SUMS + j * (SUMS / 2))) };
+                }
+            }
+        }
+        if here > 0 {
+            let c = here - 1;
             for j in 0..T {
-                unsafe { store_sums(set, j, sums.add(c * SUMS + j * (SUMS / 2))) };
+                // SAFETY: as above; the last group's sums.
+                unsafe { store_sums(c % 2, j, sums.add(c * SUMS + j * (SUMS / 2))) };
             }
         }
     };
