@@ -6,7 +6,9 @@
 //! of 64 calls. A kernel that overlaps fully runs cold in the larger of
 //! its hot time and the one-row cold time; one that does not, in their sum.
 //!
-//! `cargo run --release -p onnx-genai-native --example cold_probe -- [THREADS]`
+//! `cargo run --release -p onnx-genai-native --example cold_probe -- [THREADS] [ROWS hot|cold]`
+//! (with ROWS and a mode: that case alone, 200 passes on the best path, to
+//! profile it).
 
 use std::time::Instant;
 
@@ -20,7 +22,13 @@ const N: usize = 3072;
 const COPIES: usize = 64;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let threads: usize = std::env::args().nth(1).map_or(Ok(1), |t| t.parse())?;
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let threads: usize = args.first().map_or(Ok(1), |t| t.parse())?;
+    let only: Option<(usize, bool)> = match (args.get(1), args.get(2).map(String::as_str)) {
+        (Some(rows), Some(mode @ ("hot" | "cold"))) => Some((rows.parse()?, mode == "cold")),
+        (None, None) => None,
+        _ => return Err("usage: cold_probe [THREADS] [ROWS hot|cold]".into()),
+    };
     let blocks = K / 32;
     let weights: Vec<Weight> = (0..COPIES)
         .map(|c| {
@@ -39,6 +47,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .collect();
     let x: Vec<f32> = (0..16 * K).map(|i| (i as f32 * 0.01).sin()).collect();
     let mut rt = Runtime::new(threads)?;
+    if let Some((rows, cold)) = only {
+        if !(1..=16).contains(&rows) {
+            return Err(format!("ROWS must be 1 to 16, not {rows}").into());
+        }
+        let mut y = Vec::new();
+        let started = Instant::now();
+        for _ in 0..200 {
+            for w in &weights {
+                let w = if cold { w } else { &weights[0] };
+                linear(&x[..rows * K], rows, w, None, &mut y, &rt.ctx());
+            }
+        }
+        let each = started.elapsed().as_secs_f64() * 1e6 / (200 * COPIES) as f64;
+        println!("{} {rows} rows, {}: {each:.1} µs a call", rt.isa, if cold { "cold" } else { "hot" });
+        return Ok(());
+    }
     println!("{K}x{N} int8-input 4-bit, {threads} thread(s), µs a call (best of 5 passes of {COPIES} calls)");
     for isa in Isa::all_available() {
         rt.isa = isa;
