@@ -118,7 +118,7 @@ impl PeerProcess {
             bail!("{what}: no pipes to its stdin and stdout");
         };
         let (lines, answers) = mpsc::channel();
-        std::thread::spawn(move || {
+        let reader = std::thread::Builder::new().name("peer-answers".into()).spawn(move || {
             let mut out = BufReader::new(out);
             loop {
                 let mut line = String::new();
@@ -134,6 +134,7 @@ impl PeerProcess {
                 }
             }
         });
+        reader.with_context(|| format!("{what}: cannot start a thread to read its answers"))?;
         let mut peer = Self { child, ask: Some(ask), answers, patience, what };
         let ready = peer.answer()?;
         if ready["ready"] != serde_json::Value::Bool(true) {
@@ -161,10 +162,12 @@ impl PeerProcess {
     /// (a runtime wedged inside a round would otherwise hang the bench).
     fn answer(&mut self) -> Result<serde_json::Value> {
         let line = match self.answers.recv_timeout(self.patience) {
-            Ok(line) => line?,
+            Ok(line) => line.with_context(|| format!("reading {}'s answer", self.what))?,
             Err(RecvTimeoutError::Disconnected) => {
+                // Its output ended: it is ending, or (a closed stdout) it
+                // lives on and is given its patience to end.
                 self.ask = None;
-                let status = self.child.wait()?;
+                let status = self.ended_within(self.patience)?;
                 bail!("{} ended ({status}) without an answer", self.what);
             }
             Err(RecvTimeoutError::Timeout) => {
@@ -180,6 +183,19 @@ impl PeerProcess {
             }
         };
         serde_json::from_str(&line).with_context(|| format!("{} printed {line:?}", self.what))
+    }
+
+    /// How the script ended, waited for `patience` at most; killed then.
+    fn ended_within(&mut self, patience: Duration) -> Result<std::process::ExitStatus> {
+        let started = std::time::Instant::now();
+        while started.elapsed() < patience {
+            if let Some(status) = self.child.try_wait()? {
+                return Ok(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        Ok(self.child.wait()?)
     }
 }
 
@@ -424,16 +440,17 @@ mod tests {
     }
 
     /// A peer alive but silent inside a round (a runtime wedged in a
-    /// loop) is an error within its patience, naming it, and the script is
+    /// loop) is an error within its patience (5 s: its start, Python and a
+    /// warm-up round, must fit in it too), naming it, and the script is
     /// stopped, not left running; its next round is an error too. Watched
     /// red with `answer` waiting on the pipe as before (the test hung).
     #[test]
     fn a_peer_that_stops_answering_is_stopped_after_its_patience() {
         let started = std::time::Instant::now();
         let mut hung =
-            peer_within("__import__('time').sleep(3600)", Duration::from_secs(1)).expect("the test peer starts");
+            peer_within("__import__('time').sleep(3600)", Duration::from_secs(5)).expect("the test peer starts");
         let e = format!("{:#}", hung.round().expect_err("the peer hangs"));
-        assert!(e.contains("a test peer gave no answer within 1 s"), "{e}");
+        assert!(e.contains("a test peer gave no answer within 5 s"), "{e}");
         assert!(started.elapsed() < Duration::from_secs(30), "gave up after {:?}", started.elapsed());
         let status = hung.child.try_wait().expect("the peer's status");
         assert!(status.is_some(), "the hung peer was stopped");

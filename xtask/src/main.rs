@@ -116,7 +116,7 @@ enum Command {
         /// With --peer: seconds a peer may take to load its model or to run
         /// one round before it counts as hung (it is stopped and the bench
         /// fails, naming it).
-        #[arg(long, default_value_t = 300, requires = "peer")]
+        #[arg(long, default_value_t = 300, requires = "peer", value_parser = clap::value_parser!(u64).range(1..))]
         peer_timeout: u64,
         /// Instead: native-cpu's decode and prefill at 1 thread and at
         /// `--threads` (2 where that is less), on every export of the real
@@ -273,7 +273,7 @@ fn main() -> ExitCode {
         Command::OnnxTests { bless, case } => onnx_tests::run(onnx_tests::Options { bless, case }),
         Command::Bench { threads, rounds, steps, peer, peer_timeout, .. } if !peer.is_empty() => {
             let peers = peer.iter().map(|p| bench_peer::Peer::parse(p)).collect::<anyhow::Result<Vec<_>>>();
-            let patience = std::time::Duration::from_secs(peer_timeout.max(1));
+            let patience = std::time::Duration::from_secs(peer_timeout);
             peers.and_then(|peers| bench_peer::run(&peers, threads, rounds.clamp(1, 5), steps.clamp(1, 32), patience))
         }
         Command::Bench { threads, rounds, steps, scaling: true, .. } => {

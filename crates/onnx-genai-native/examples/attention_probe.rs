@@ -3,7 +3,7 @@
 //! positions, every layer in turn and one layer 30 times; best of 20
 //! steps. With `evict`, 32 MiB are read between layers (not timed), as a
 //! model's step streams its weights between attentions, so the cache comes
-//! from memory as it does there.
+//! from memory as it does there (for the one layer too).
 //!
 //! `cargo run --release -p onnx-genai-native --example attention_probe -- [THREADS] [B] [P] [f16] [evict]`
 
@@ -50,7 +50,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let segments: Vec<Segment> = (0..batch).map(|s| Segment { start: s, len: 1, past }).collect();
     let other: Vec<u64> = vec![1; if evict { 4 << 20 } else { 0 }];
     let mut sink = 0u64;
-    let mut step = |layer_of: &dyn Fn(usize) -> usize| -> Result<f64, String> {
+    let mut time_step = |layer_of: &dyn Fn(usize) -> usize| -> Result<f64, String> {
         let mut untimed = 0.0;
         let started = Instant::now();
         for l in 0..LAYERS {
@@ -73,19 +73,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         Ok(started.elapsed().as_secs_f64() * 1e3 - untimed)
     };
-    let (mut cold, mut hot) = (f64::MAX, f64::MAX);
+    let (mut every, mut one) = (f64::MAX, f64::MAX);
     for _ in 0..20 {
-        cold = cold.min(step(&|l| l)?);
-        hot = hot.min(step(&|_| 0)?);
+        every = every.min(time_step(&|l| l)?);
+        one = one.min(time_step(&|_| 0)?);
     }
     std::hint::black_box(sink);
     let bytes = (batch * LAYERS * 2 * kv_heads * (past + 1) * hd * if f16 { 2 } else { 4 }) as f64;
     println!(
-        "{batch} sequences at {past} positions, {threads} thread(s), {} cache{}: every layer {cold:.2} ms a step ({:.1} GB/s of \
-         cache), one layer 30 times {hot:.2} ms",
+        "{batch} sequences at {past} positions, {threads} thread(s), {} cache{}: every layer {every:.2} ms a step ({:.1} GB/s of \
+         cache), one layer 30 times {one:.2} ms",
         if f16 { "f16" } else { "f32" },
         if evict { ", evicted between layers" } else { "" },
-        bytes / cold / 1e6
+        bytes / every / 1e6
     );
     Ok(())
 }

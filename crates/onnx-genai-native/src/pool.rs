@@ -52,9 +52,12 @@ struct Shared {
     job: UnsafeCell<Option<*const Job>>,
     /// Workers that have not finished the current region.
     remaining: AtomicUsize,
+    /// Whether a worker panicked in the current region (checked every
+    /// region; the payload's lock only where one did).
+    panicked: AtomicBool,
     /// The first panic of a worker in the current region (its payload, so
     /// the caller re-raises what went wrong, not just that something did).
-    panicked: Mutex<Option<Box<dyn std::any::Any + Send>>>,
+    payload: Mutex<Option<Box<dyn std::any::Any + Send>>>,
     shutdown: AtomicBool,
     /// Parked workers, and the condition they wait on.
     sleepers: Mutex<usize>,
@@ -95,7 +98,8 @@ impl ThreadPool {
             generation: AtomicU64::new(0),
             job: UnsafeCell::new(None),
             remaining: AtomicUsize::new(0),
-            panicked: Mutex::new(None),
+            panicked: AtomicBool::new(false),
+            payload: Mutex::new(None),
             shutdown: AtomicBool::new(false),
             sleepers: Mutex::new(0),
             wake: Condvar::new(),
@@ -126,7 +130,8 @@ impl ThreadPool {
                 generation: AtomicU64::new(0),
                 job: UnsafeCell::new(None),
                 remaining: AtomicUsize::new(0),
-                panicked: Mutex::new(None),
+                panicked: AtomicBool::new(false),
+                payload: Mutex::new(None),
                 shutdown: AtomicBool::new(false),
                 sleepers: Mutex::new(0),
                 wake: Condvar::new(),
@@ -186,7 +191,11 @@ impl ThreadPool {
         }
         // SAFETY: every worker has finished with the job (remaining is 0).
         unsafe { *s.job.get() = None };
-        let theirs = s.panicked.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let theirs = if s.panicked.swap(false, Ordering::AcqRel) {
+            s.payload.lock().unwrap_or_else(|p| p.into_inner()).take()
+        } else {
+            None
+        };
         if let Err(payload) = mine {
             resume_unwind(payload);
         }
@@ -395,8 +404,22 @@ fn worker(s: &Shared, index: usize) {
             let f = unsafe { &*job };
             let _mark = RegionMark::enter();
             if let Err(payload) = catch_unwind(AssertUnwindSafe(|| f(index))) {
-                let mut first = s.panicked.lock().unwrap_or_else(|p| p.into_inner());
-                first.get_or_insert(payload);
+                let later = {
+                    let mut first = s.payload.lock().unwrap_or_else(|p| p.into_inner());
+                    match first.as_ref() {
+                        Some(_) => Some(payload),
+                        None => {
+                            *first = Some(payload);
+                            None
+                        }
+                    }
+                };
+                // Another worker's panic came first. This one's payload is
+                // let go without running its drop: a drop that panicked
+                // would skip the count below, and the caller would wait
+                // forever (it is one box, once per extra panic).
+                std::mem::forget(later);
+                s.panicked.store(true, Ordering::Release);
             }
         }
         s.remaining.fetch_sub(1, Ordering::Release);
@@ -632,8 +655,8 @@ mod tests {
     }
 
     /// A panic in a worker reaches the caller after the region ends, as
-    /// itself (its message: what an engine reports for the failed request,
-    /// watched red with the payload replaced by a fixed message as before),
+    /// itself (its message; watched red with the payload replaced by a
+    /// fixed message as before),
     /// and the pool keeps working afterwards, its next region free of it.
     #[test]
     fn a_worker_panic_is_reraised_and_the_pool_survives() {

@@ -307,8 +307,9 @@ unsafe fn rows_by_tiles<const T: usize>(
         for c in 0..here {
             let g = g0 + c;
             // Consecutive groups alternate between two register sets, so
-            // a group's products need not wait for the previous group's
-            // sums to be stored (tiles are not renamed).
+            // a group's sums can be stored behind the next group's
+            // products (tiles are not renamed; set `c % 2` is zeroed only
+            // after group `c - 2`'s sums were stored, one group ago).
             let set = c % 2;
             // SAFETY (this block): AMX granted and configured (the
             // caller's contract); rows `first..first + count` hold `kp`
@@ -335,12 +336,12 @@ unsafe fn rows_by_tiles<const T: usize>(
                 }
             }
         }
-        if here > 0 {
-            let c = here - 1;
-            for j in 0..T {
-                // SAFETY: as above; the last group's sums.
-                unsafe { store_sums(c % 2, j, sums.add(c * SUMS + j * (SUMS / 2))) };
-            }
+        // The chunk's last group (a chunk has at least one) is stored
+        // right behind its own products: once a chunk, that wait remains.
+        let c = here - 1;
+        for j in 0..T {
+            // SAFETY: as above; the last group's sums.
+            unsafe { store_sums(c % 2, j, sums.add(c * SUMS + j * (SUMS / 2))) };
         }
     };
     let mut acc = [[_mm512_setzero_ps(); T]; TILE_ROWS];
