@@ -119,18 +119,12 @@ impl PeerProcess {
         };
         let (lines, answers) = mpsc::channel();
         let reader = std::thread::Builder::new().name("peer-answers".into()).spawn(move || {
-            let mut out = BufReader::new(out);
-            loop {
-                let mut line = String::new();
-                match out.read_line(&mut line) {
-                    // The end of its output closes the channel.
-                    Ok(0) => return,
-                    Ok(_) if lines.send(Ok(line)).is_ok() => {}
-                    Ok(_) => return,
-                    Err(e) => {
-                        let _ = lines.send(Err(e));
-                        return;
-                    }
+            // The end of its output closes the channel; an error is passed
+            // on and ends it.
+            for line in BufReader::new(out).lines() {
+                let failed = line.is_err();
+                if lines.send(line).is_err() || failed {
+                    return;
                 }
             }
         });
@@ -172,8 +166,7 @@ impl PeerProcess {
             }
             Err(RecvTimeoutError::Timeout) => {
                 self.ask = None;
-                let _ = self.child.kill();
-                let _ = self.child.wait();
+                let _ = self.ended_within(Duration::ZERO);
                 bail!(
                     "{} gave no answer within {} s and was stopped (a hung runtime; a slower machine may need a larger \
                      --peer-timeout)",
@@ -204,14 +197,7 @@ impl Drop for PeerProcess {
         // Closing its stdin ends the script's loop; one that does not end
         // (a wedged round) is killed.
         self.ask = None;
-        for _ in 0..100 {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(50));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        let _ = self.ended_within(Duration::from_secs(5));
     }
 }
 
@@ -411,15 +397,9 @@ mod tests {
         assert_eq!(p.round().expect("round 1"), (12.5, 3.25));
         assert_eq!(p.round().expect("round 2"), (12.5, 3.25));
         p.ask = None;
-        let ended = (0..100).find_map(|_| {
-            let status = p.child.try_wait().ok().flatten();
-            if status.is_none() {
-                std::thread::sleep(std::time::Duration::from_millis(50));
-            }
-            status
-        });
-        let status = ended.expect("the peer ends within 5 s of its stdin's close");
-        assert!(status.success(), "the peer ended with {status} on its stdin's close");
+        // Killed (not a success) where it does not end within 5 s.
+        let status = p.ended_within(Duration::from_secs(5)).expect("the peer's status");
+        assert!(status.success(), "the peer ended with {status} on its stdin's close, within 5 s");
     }
 
     /// A peer that dies in a round (a crash of the runtime under test) is

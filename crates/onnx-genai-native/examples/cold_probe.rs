@@ -47,19 +47,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .collect();
     let x: Vec<f32> = (0..16 * K).map(|i| (i as f32 * 0.01).sin()).collect();
     let mut rt = Runtime::new(threads)?;
+    // One pass of COPIES calls at `rows` rows, weight cold or hot: µs a call.
+    let pass = |rt: &Runtime, rows: usize, cold: bool| {
+        let mut y = Vec::new();
+        let started = Instant::now();
+        for w in &weights {
+            let w = if cold { w } else { &weights[0] };
+            linear(&x[..rows * K], rows, w, None, &mut y, &rt.ctx());
+        }
+        started.elapsed().as_secs_f64() * 1e6 / COPIES as f64
+    };
     if let Some((rows, cold)) = only {
         if !(1..=16).contains(&rows) {
             return Err(format!("ROWS must be 1 to 16, not {rows}").into());
         }
-        let mut y = Vec::new();
-        let started = Instant::now();
-        for _ in 0..200 {
-            for w in &weights {
-                let w = if cold { w } else { &weights[0] };
-                linear(&x[..rows * K], rows, w, None, &mut y, &rt.ctx());
-            }
-        }
-        let each = started.elapsed().as_secs_f64() * 1e6 / (200 * COPIES) as f64;
+        let each = (0..200).map(|_| pass(&rt, rows, cold)).sum::<f64>() / 200.0;
         println!("{} {rows} rows, {}: {each:.1} µs a call", rt.isa, if cold { "cold" } else { "hot" });
         return Ok(());
     }
@@ -67,19 +69,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for isa in Isa::all_available() {
         rt.isa = isa;
         for rows in [1usize, 8, 16] {
-            let mut y = Vec::new();
-            let mut pass = |cold: bool| {
-                let started = Instant::now();
-                for w in &weights {
-                    let w = if cold { w } else { &weights[0] };
-                    linear(&x[..rows * K], rows, w, None, &mut y, &rt.ctx());
-                }
-                started.elapsed().as_secs_f64() * 1e6 / COPIES as f64
-            };
             let (mut hot, mut cold) = (f64::MAX, f64::MAX);
             for _ in 0..5 {
-                hot = hot.min(pass(false));
-                cold = cold.min(pass(true));
+                hot = hot.min(pass(&rt, rows, false));
+                cold = cold.min(pass(&rt, rows, true));
             }
             println!("{isa:<12} {rows:>2} rows: hot {hot:7.1}  cold {cold:7.1}");
         }

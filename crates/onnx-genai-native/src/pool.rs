@@ -404,21 +404,17 @@ fn worker(s: &Shared, index: usize) {
             let f = unsafe { &*job };
             let _mark = RegionMark::enter();
             if let Err(payload) = catch_unwind(AssertUnwindSafe(|| f(index))) {
-                let later = {
-                    let mut first = s.payload.lock().unwrap_or_else(|p| p.into_inner());
-                    match first.as_ref() {
-                        Some(_) => Some(payload),
-                        None => {
-                            *first = Some(payload);
-                            None
-                        }
-                    }
-                };
-                // Another worker's panic came first. This one's payload is
-                // let go without running its drop: a drop that panicked
-                // would skip the count below, and the caller would wait
-                // forever (it is one box, once per extra panic).
-                std::mem::forget(later);
+                let mut first = s.payload.lock().unwrap_or_else(|p| p.into_inner());
+                if first.is_none() {
+                    *first = Some(payload);
+                } else {
+                    // Another worker's panic came first. This one's payload
+                    // is let go without running its drop: a drop that
+                    // panicked would skip the count below, and the caller
+                    // would wait forever (one box, once per extra panic).
+                    std::mem::forget(payload);
+                }
+                drop(first);
                 s.panicked.store(true, Ordering::Release);
             }
         }
