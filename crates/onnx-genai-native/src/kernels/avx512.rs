@@ -442,6 +442,16 @@ unsafe fn q4_cols<const T: usize, const R: usize, const F16: bool>(
 /// (`sub` records of 32) the exact integer sum `Σ q · xq`, minus
 /// `zero · Σ xq`, scaled by the weight's and the input's scales — ONNX
 /// Runtime's integer path.
+///
+/// Symmetric and zero-point weights run as two compiled bodies: with the
+/// choice a run-time flag, its branch in every group's epilogue and the
+/// row results kept behind the caller's reference (stored and reloaded
+/// each group) cost 2.5% of 8- and 16-row calls, and summing the
+/// group's input sums in a loop where a group is one record (`sub` = 1,
+/// SmolLM2's blocks of 32) 3% more, 10% of a one-row call
+/// (`examples/cold_probe`, one thread, hot weight, three alternating pairs
+/// on a Zen 4: 8 rows 93.0-93.6 → 87.2-87.8 µs, 16 rows 182.7-183.6 →
+/// 172.3-174.7, 1 row 19.6-20.4 → 16.7-17.1; the same bits).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn q4_int8<const T: usize, const R: usize, const VNNI: bool>(
@@ -455,6 +465,29 @@ unsafe fn q4_int8<const T: usize, const R: usize, const VNNI: bool>(
     ahead: Option<Ahead>,
     acc: &mut [[__m512; T]; R],
 ) {
+    if symmetric {
+        q4_int8_body::<T, R, VNNI, true>(w, stride, (blocks, sub), q, qscale, qsum, kp, ahead, acc)
+    } else {
+        q4_int8_body::<T, R, VNNI, false>(w, stride, (blocks, sub), q, qscale, qsum, kp, ahead, acc)
+    }
+}
+
+/// [`q4_int8`] for one kind of weight (`SYMMETRIC`: no zero points).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn q4_int8_body<const T: usize, const R: usize, const VNNI: bool, const SYMMETRIC: bool>(
+    w: &[*const u8; T],
+    stride: usize,
+    (blocks, sub): (usize, usize),
+    q: *const i8,
+    qscale: *const f32,
+    qsum: *const i32,
+    kp: usize,
+    ahead: Option<Ahead>,
+    acc_out: &mut [[__m512; T]; R],
+) {
+    // (In registers through the groups, written back once.)
+    let mut acc = *acc_out;
     let nibble = _mm512_set1_epi8(0x0f);
     let ones = _mm512_set1_epi16(1);
     let per_row = kp / QBLOCK;
@@ -471,14 +504,17 @@ unsafe fn q4_int8<const T: usize, const R: usize, const VNNI: bool>(
         let split = R * T < 8;
         // The group's quantized-input sum per row: the zero point's share
         // `zero · Σ xq`.
-        let totals: [i32; R] =
-            std::array::from_fn(|r| (g * sub..(g + 1) * sub).map(|b| *qsum.add(r * per_row + b)).sum());
+        let totals: [i32; R] = if sub == 1 {
+            std::array::from_fn(|r| *qsum.add(r * per_row + g))
+        } else {
+            std::array::from_fn(|r| (g * sub..(g + 1) * sub).map(|b| *qsum.add(r * per_row + b)).sum())
+        };
         // A symmetric weight's zero point is 8 for every output: its share
         // starts the integer sums (exact in i32, so the sum converts to the
         // same f32 the subtraction after conversion gave), which saves a
         // multiply-add per row and tile in every group.
         let mut sums: [[[__m512i; 2]; T]; R] = std::array::from_fn(|r| {
-            let start = if symmetric { _mm512_set1_epi32(-8 * totals[r]) } else { _mm512_setzero_si512() };
+            let start = if SYMMETRIC { _mm512_set1_epi32(-8 * totals[r]) } else { _mm512_setzero_si512() };
             [[start, _mm512_setzero_si512()]; T]
         });
         for b in g * sub..(g + 1) * sub {
@@ -518,12 +554,13 @@ unsafe fn q4_int8<const T: usize, const R: usize, const VNNI: bool>(
                 let int = _mm512_cvtepi32_ps(_mm512_add_epi32(sums[r][j][0], sums[r][j][1]));
                 // Exact: integers below 2^24.
                 let exact =
-                    if symmetric { int } else { _mm512_fnmadd_ps(_mm512_loadu_ps(rec[j].add(320).cast()), total, int) };
+                    if SYMMETRIC { int } else { _mm512_fnmadd_ps(_mm512_loadu_ps(rec[j].add(320).cast()), total, int) };
                 let product = _mm512_mul_ps(scale[j], sx);
                 row[j] = _mm512_fmadd_ps(exact, product, row[j]);
             }
         }
     }
+    *acc_out = acc;
 }
 
 /// 4-bit weights, f32 inputs split into limbs ([`super::limbs`]), at most
