@@ -1,12 +1,13 @@
 //! How much of a weight's memory time a kernel hides behind its
 //! arithmetic: one SmolLM2-shaped projection (576 inputs, 3072 outputs,
-//! int8-input 4-bit, about 1.1 MB) at 1, 8 and 16 rows on every kernel path
+//! int8-input 4-bit, about 1.1 MB; with `f32`, taking f32 inputs) at 1, 2,
+//! 8 and 16 rows on every kernel path
 //! this CPU has, its weight hot (the same copy every call, in L2) and cold
 //! (64 copies in turn, about 70 MB, streamed from memory); best of 5 passes
 //! of 64 calls. A kernel that overlaps fully runs cold in the larger of
 //! its hot time and the one-row cold time; one that does not, in their sum.
 //!
-//! `cargo run --release -p onnx-genai-native --example cold_probe -- [THREADS] [ROWS hot|cold]`
+//! `cargo run --release -p onnx-genai-native --example cold_probe -- [THREADS] [ROWS hot|cold] [f32]`
 //! (with ROWS and a mode: that case alone, 200 passes on the best path, to
 //! profile it).
 
@@ -22,12 +23,15 @@ const N: usize = 3072;
 const COPIES: usize = 64;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
+    let (flags, args): (Vec<String>, Vec<String>) = std::env::args().skip(1).partition(|a| a == "f32");
+    // `f32`: the same weight taking f32 inputs (`accuracy_level` 0, the
+    // genai export's projections) instead of int8 ones.
+    let int8 = flags.is_empty();
     let threads: usize = args.first().map_or(Ok(1), |t| t.parse())?;
     let only: Option<(usize, bool)> = match (args.get(1), args.get(2).map(String::as_str)) {
         (Some(rows), Some(mode @ ("hot" | "cold"))) => Some((rows.parse()?, mode == "cold")),
         (None, None) => None,
-        _ => return Err("usage: cold_probe [THREADS] [ROWS hot|cold]".into()),
+        _ => return Err("usage: cold_probe [THREADS] [ROWS hot|cold] [f32]".into()),
     };
     let blocks = K / 32;
     let weights: Vec<Weight> = (0..COPIES)
@@ -40,7 +44,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 offsets: None,
                 block: 32,
                 blocks,
-                int8: true,
+                int8,
             };
             Weight { n: N, k: K, packed }.into_tiled()
         })
@@ -65,10 +69,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("{} {rows} rows, {}: {each:.1} µs a call", rt.isa, if cold { "cold" } else { "hot" });
         return Ok(());
     }
-    println!("{K}x{N} int8-input 4-bit, {threads} thread(s), µs a call (best of 5 passes of {COPIES} calls)");
+    let inputs = if int8 { "int8" } else { "f32" };
+    println!("{K}x{N} {inputs}-input 4-bit, {threads} thread(s), µs a call (best of 5 passes of {COPIES} calls)");
     for isa in Isa::all_available() {
         rt.isa = isa;
-        for rows in [1usize, 8, 16] {
+        for rows in [1usize, 2, 8, 16] {
             let (mut hot, mut cold) = (f64::MAX, f64::MAX);
             for _ in 0..5 {
                 hot = hot.min(pass(&rt, rows, false));
