@@ -123,7 +123,7 @@ fn projections(c: &mut Criterion) {
 
 #[cfg(target_arch = "x86_64")]
 fn microkernel(c: &mut Criterion) {
-    use onnx_genai_native::kernels::avx512::{gemm_panel, MR};
+    use onnx_genai_native::kernels::avx512_gemm::{gemm_panel, MR};
     if !Isa::Avx512.available() {
         return;
     }

@@ -32,9 +32,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let f16 = rest.iter().any(|a| a == "f16");
     let evict = rest.iter().any(|a| a == "evict");
     let rot = rest.iter().any(|a| a == "rotary");
-    let cos: Vec<f32> = (0..4096 * 32).map(|i| (i as f32 * 0.001).cos()).collect();
-    let sin: Vec<f32> = (0..4096 * 32).map(|i| (i as f32 * 0.001).sin()).collect();
     let (heads, kv_heads, hd) = (9, 3, 64);
+    // Rotary tables for positions 0..=past (a rotated half of each head).
+    let table = if rot { (past + 1) * hd / 2 } else { 0 };
+    let cos: Vec<f32> = (0..table).map(|i| (i as f32 * 0.001).cos()).collect();
+    let sin: Vec<f32> = (0..table).map(|i| (i as f32 * 0.001).sin()).collect();
     let spec = AttentionSpec {
         heads,
         kv_heads,
@@ -87,7 +89,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 q: Heads::plain(&q, Layout::SeqFirst, heads, batch, hd),
                 k: Heads::plain(&kv, Layout::SeqFirst, kv_heads, batch, hd),
                 v: Heads::plain(&kv, Layout::SeqFirst, kv_heads, batch, hd),
-                rotary: rot.then(|| RotaryCache { cos: &cos, sin: &sin, half: 32 }),
+                rotary: rot.then(|| RotaryCache { cos: &cos, sin: &sin, half: hd / 2 }),
                 bias: None,
             };
             let mut refs: Vec<&mut SeqKv> = caches.iter_mut().collect();

@@ -373,7 +373,7 @@ unsafe fn q4_blocks<const T: usize, const R: usize>(
 /// weight an f16 export stored, for a weight narrowed from it
 /// (`TileData::Q4::rounds_to_f16`, `TileData::Q8::rounds_to_f16`).
 #[inline(always)]
-unsafe fn to_f16_and_back(v: __m512) -> __m512 {
+pub(super) unsafe fn to_f16_and_back(v: __m512) -> __m512 {
     _mm512_cvtph_ps(_mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v))
 }
 
@@ -609,7 +609,6 @@ unsafe fn q4_limbs_body<const T: usize, const R: usize, const SYMMETRIC: bool, c
     ahead: Option<Ahead>,
     acc_out: &mut [[__m512; T]; R],
 ) {
-    let (symmetric, half) = (SYMMETRIC, HALF);
     // (In registers through the blocks, written back once.)
     let mut acc = *acc_out;
     let nibble = _mm512_set1_epi8(0x0f);
@@ -621,7 +620,7 @@ unsafe fn q4_limbs_body<const T: usize, const R: usize, const SYMMETRIC: bool, c
         // Per row, tile and limb.
         let mut int: [[[__m512i; LIMBS]; T]; R] = std::array::from_fn(|r| {
             let start: [__m512i; LIMBS] = std::array::from_fn(|l| {
-                if symmetric {
+                if SYMMETRIC {
                     _mm512_set1_epi32(-8 * *sums.add((r * blocks + b) * LIMBS + l))
                 } else {
                     _mm512_setzero_si512()
@@ -650,17 +649,17 @@ unsafe fn q4_limbs_body<const T: usize, const R: usize, const SYMMETRIC: bool, c
                 }
             }
         }
-        let sides: [(__m512, __m512); T] = std::array::from_fn(|j| scale_aux(rec[j], symmetric, half));
+        let sides: [(__m512, __m512); T] = std::array::from_fn(|j| scale_aux(rec[j], SYMMETRIC, HALF));
         for (r, row) in acc.iter_mut().enumerate() {
             let block_scale = _mm512_set1_ps(*scales.add(r * blocks + b));
-            let xs = if symmetric { _mm512_setzero_ps() } else { _mm512_set1_ps(*xsum.add(r * blocks + b)) };
+            let xs = if SYMMETRIC { _mm512_setzero_ps() } else { _mm512_set1_ps(*xsum.add(r * blocks + b)) };
             for j in 0..T {
                 let [d0, d1, d2, d3] = int[r][j];
                 let high = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32::<8>(d3), d2));
                 let low = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32::<8>(d1), d0));
                 let sum = _mm512_fmadd_ps(high, _mm512_set1_ps(65536.0), low);
                 row[j] = _mm512_fmadd_ps(sum, _mm512_mul_ps(sides[j].0, block_scale), row[j]);
-                if !symmetric {
+                if !SYMMETRIC {
                     row[j] = _mm512_fmadd_ps(sides[j].1, xs, row[j]);
                 }
             }
@@ -674,7 +673,7 @@ unsafe fn q4_limbs_body<const T: usize, const R: usize, const SYMMETRIC: bool, c
 /// exactly; a symmetric weight's `aux` is `-8 * scale` (it stores none).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn scale_aux(rec: *const u8, symmetric: bool, half: bool) -> (__m512, __m512) {
+pub(super) unsafe fn scale_aux(rec: *const u8, symmetric: bool, half: bool) -> (__m512, __m512) {
     if half {
         let widen = |at: usize| _mm512_cvtph_ps(_mm256_loadu_si256(rec.add(at).cast::<__m256i>()));
         return (widen(256), widen(288));
@@ -682,116 +681,6 @@ unsafe fn scale_aux(rec: *const u8, symmetric: bool, half: bool) -> (__m512, __m
     let scale = _mm512_loadu_ps(rec.add(256).cast());
     let aux = if symmetric { _mm512_mul_ps(scale, _mm512_set1_ps(-8.0)) } else { _mm512_loadu_ps(rec.add(320).cast()) };
     (scale, aux)
-}
-
-/// Rows of A a GEMM microkernel call covers (24 of the 32 registers hold
-/// its 12 x 32 accumulators).
-pub const MR: usize = 12;
-
-/// Decodes the tile pair starting at tile `tile` into `panel`: `kp` rows of
-/// 32 f32 (columns past the pair's outputs are zero), the weights as f32
-/// exactly as the row kernels compute with them.
-///
-/// # Safety
-/// AVX-512 F/BW/VL/DQ must be available; `panel` must hold `32 * t.kp`
-/// values; `t` must not take int8 inputs.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-pub unsafe fn decode_pair(t: &Tiled, tile: usize, panel: &mut [f32]) {
-    let base = t.as_bytes().as_ptr();
-    let (start, stride) = t.place(tile);
-    let width = 2.min(t.tiles - tile);
-    let p = panel.as_mut_ptr();
-    let nibble = _mm512_set1_epi32(0x0f);
-    for j in 0..2 {
-        if j >= width {
-            for c in 0..t.kp {
-                _mm512_storeu_ps(p.add(c * 32 + 16), _mm512_setzero_ps());
-            }
-            continue;
-        }
-        let w = base.add(start + j * (stride / width));
-        match t.data {
-            TileData::F32 => {
-                for c in 0..t.k {
-                    _mm512_storeu_ps(p.add(c * 32 + 16 * j), _mm512_loadu_ps(w.add(c * stride).cast()));
-                }
-            }
-            TileData::F16 => {
-                for c in 0..t.k {
-                    let at = (c / 2) * stride + (c % 2) * 32;
-                    let v = _mm512_cvtph_ps(_mm256_loadu_si256(w.add(at).cast::<__m256i>()));
-                    _mm512_storeu_ps(p.add(c * 32 + 16 * j), v);
-                }
-            }
-            TileData::Q8 { blocks, rounds_to_f16 } => {
-                for b in 0..blocks {
-                    let rec = w.add(b * stride);
-                    let scale = _mm512_loadu_ps(rec.add(512).cast());
-                    for col in 0..QBLOCK {
-                        let q = _mm512_cvtepi8_epi32(_mm_loadu_si128(rec.add(16 * col).cast()));
-                        let v = _mm512_mul_ps(_mm512_cvtepi32_ps(q), scale);
-                        let v = if rounds_to_f16 { to_f16_and_back(v) } else { v };
-                        _mm512_storeu_ps(p.add((b * QBLOCK + col) * 32 + 16 * j), v);
-                    }
-                }
-            }
-            TileData::Q4 { blocks, symmetric, half, rounds_to_f16, .. } => {
-                for b in 0..blocks {
-                    let rec = w.add(b * stride);
-                    let (scale, aux) = scale_aux(rec, symmetric, half);
-                    for i in 0..4 {
-                        let v = _mm512_loadu_si512(rec.add(i * 64).cast());
-                        for col in 0..8 {
-                            let shift = _mm512_set1_epi32(((col % 4) * 8 + (col / 4) * 4) as i32);
-                            let q = _mm512_and_si512(_mm512_srlv_epi32(v, shift), nibble);
-                            let wv = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), scale, aux);
-                            let wv = if rounds_to_f16 { to_f16_and_back(wv) } else { wv };
-                            _mm512_storeu_ps(p.add((b * QBLOCK + 8 * i + col) * 32 + 16 * j), wv);
-                        }
-                    }
-                }
-            }
-        }
-    }
-    // Inputs past `k` (padding to whole blocks) multiply zeros in A.
-    for c in t.k..t.kp {
-        if !matches!(t.data, TileData::Q4 { .. } | TileData::Q8 { .. }) {
-            _mm512_storeu_ps(p.add(c * 32), _mm512_setzero_ps());
-            _mm512_storeu_ps(p.add(c * 32 + 16), _mm512_setzero_ps());
-        }
-    }
-}
-
-/// `C[r][0..32] = Σ_k A[k][r] · B[k][0..32]` for the `rows` (≤ [`MR`]) rows
-/// of a packed A chunk (`kp` x `MR`, rows past `rows` are zero) and a
-/// decoded panel B (`kp` x 32); writes `width` (≤ 32) columns of row `r` to
-/// `out[r]`.
-///
-/// # Safety
-/// AVX-512 F must be available; `a` must hold `kp * MR` values, `b`
-/// `kp * 32`; each `out[r]` for `r < rows` must be valid for `width` writes
-/// that no other thread makes.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-pub unsafe fn gemm_panel(a: *const f32, b: *const f32, kp: usize, rows: usize, out: &[*mut f32; MR], width: usize) {
-    let mut c = [[_mm512_setzero_ps(); 2]; MR];
-    for k in 0..kp {
-        let b0 = _mm512_loadu_ps(b.add(k * 32));
-        let b1 = _mm512_loadu_ps(b.add(k * 32 + 16));
-        let ak = a.add(k * MR);
-        for (r, cr) in c.iter_mut().enumerate() {
-            let av = _mm512_set1_ps(*ak.add(r));
-            cr[0] = _mm512_fmadd_ps(av, b0, cr[0]);
-            cr[1] = _mm512_fmadd_ps(av, b1, cr[1]);
-        }
-    }
-    let lo = ((1u32 << width.min(16)) - 1) as u16;
-    let hi = ((1u64 << width.saturating_sub(16).min(16)) - 1) as u16;
-    for (r, cr) in c.iter().enumerate().take(rows) {
-        _mm512_mask_storeu_ps(out[r], lo, cr[0]);
-        if hi != 0 {
-            _mm512_mask_storeu_ps(out[r].add(16), hi, cr[1]);
-        }
-    }
 }
 
 /// Multiply-adds per second of independent 512-bit FMA chains on this

@@ -8,6 +8,8 @@ pub mod attention;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub mod avx512;
+#[cfg(target_arch = "x86_64")]
+pub mod avx512_gemm;
 pub mod elementwise;
 pub mod gather_q4;
 pub mod isa;

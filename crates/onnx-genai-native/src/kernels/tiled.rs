@@ -341,14 +341,14 @@ pub fn linear(t: &Tiled, x: &[f32], m: usize, y: &mut [f32], ctx: &Ctx, isa: Isa
 const GEMM_MIN_ROWS: usize = 64;
 
 /// The AVX-512 GEMM path: A (`m` rows of `k`, zero-padded to `kp`) packed
-/// once per call into chunks of [`super::avx512::MR`] rows stored
+/// once per call into chunks of [`super::avx512_gemm::MR`] rows stored
 /// input-major, so the microkernel's broadcasts read consecutive values;
 /// tile pairs claimed by the threads one at a time (the thread that packed
 /// A has it in its cache and runs ahead of the others: a fixed split left
 /// it waiting at the end of every call).
 #[cfg(target_arch = "x86_64")]
 fn gemm(t: &Tiled, packed: &mut Vec<f32>, x: &[f32], m: usize, y: &mut [f32], ctx: &Ctx) {
-    use super::avx512::{decode_pair, gemm_panel, MR};
+    use super::avx512_gemm::{decode_pair, gemm_panel, MR};
     let (k, kp) = (t.k, t.kp);
     let chunks = m.div_ceil(MR);
     // Every value of A is written below (padding as zeros).
