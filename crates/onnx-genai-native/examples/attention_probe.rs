@@ -2,16 +2,20 @@
 //! query heads over 3 KV heads of 64): B sequences at a context of P
 //! positions, every layer in turn and one layer 30 times; best and median
 //! of 20 steps (a model's step is a mean, which on a noisy VM is nearer
-//! the median than the best). With `evict`, 32 MiB are read between layers (not timed), as a
-//! model's step streams its weights between attentions, so the cache comes
-//! from memory as it does there (for the one layer too). Every cached
+//! the median than the best). With `evict`, 32 MiB (`evict=MB`: that many
+//! MiB) are read between layers on every thread (not timed), as a model's
+//! step streams its weights between attentions, so the cache comes from
+//! memory as it does there (for the one layer too). (Read by the calling
+//! thread alone, the idle workers parked during it, and each layer paid
+//! their wake-up: on the Zen 4 of 2026-12-06 that added 0.8-1.0 ms to the
+//! 16-sequence step, 3.7-3.9 ms where it now reads 2.9-3.1.) Every cached
 //! position is written first (a block never written reads the OS's shared
 //! zero page, not memory of its own: before, the probe read 2.1 ms evicted
 //! at 16 sequences of 74 positions on a Zen 4 where a real step's attention
 //! takes 3.9-4.3). With `rotary`, keys and queries are rotated as
 //! SmolLM2's are.
 //!
-//! `cargo run --release -p onnx-genai-native --example attention_probe -- [THREADS] [B] [P] [f16] [evict] [rotary]`
+//! `cargo run --release -p onnx-genai-native --example attention_probe -- [THREADS] [B] [P] [f16] [evict[=MB]] [rotary]`
 
 use std::time::Instant;
 
@@ -30,7 +34,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let past: usize = args.next().map_or(Ok(74), |t| t.parse())?;
     let rest: Vec<String> = args.collect();
     let f16 = rest.iter().any(|a| a == "f16");
-    let evict = rest.iter().any(|a| a == "evict");
+    // `evict` reads 32 MiB between layers; `evict=MB` that many MiB.
+    let evict_mib: usize = match rest.iter().find_map(|a| a.strip_prefix("evict")) {
+        None => 0,
+        Some("") => 32,
+        Some(mb) => mb.trim_start_matches('=').parse()?,
+    };
+    let evict = evict_mib > 0;
     let rot = rest.iter().any(|a| a == "rotary");
     let (heads, kv_heads, hd) = (9, 3, 64);
     // Rotary tables for positions 0..=past (a rotated half of each head).
@@ -72,7 +82,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let rt = Runtime::new(threads)?;
     let mut out = vec![0.0f32; batch * heads * hd];
     let segments: Vec<Segment> = (0..batch).map(|s| Segment { start: s, len: 1, past }).collect();
-    let other: Vec<u64> = vec![1; if evict { 4 << 20 } else { 0 }];
+    let other: Vec<u64> = vec![1; evict_mib << 17];
     let mut sink = 0u64;
     let mut time_step = |layer_of: &dyn Fn(usize) -> usize| -> Result<f64, String> {
         let mut untimed = 0.0;
@@ -80,7 +90,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         for l in 0..LAYERS {
             if evict {
                 let reading = Instant::now();
-                sink = sink.wrapping_add(std::hint::black_box(&other).iter().sum::<u64>());
+                // Every thread reads its share, as a step's projections
+                // stream their weights on every thread: one thread alone
+                // left the others idle long enough to park, and each layer
+                // then paid their wake-up.
+                let threads = rt.pool.threads();
+                let share = other.len().div_ceil(threads);
+                let total = std::sync::atomic::AtomicU64::new(0);
+                rt.pool.run(&|t| {
+                    let part = other.chunks(share).nth(t).unwrap_or(&[]);
+                    let s = std::hint::black_box(part).iter().sum::<u64>();
+                    total.fetch_add(s, std::sync::atomic::Ordering::Relaxed);
+                });
+                sink = sink.wrapping_add(total.into_inner());
                 untimed += reading.elapsed().as_secs_f64() * 1e3;
             }
             let step = Step {

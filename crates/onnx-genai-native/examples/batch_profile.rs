@@ -107,6 +107,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let ms = d.as_secs_f64() * 1e3 / steps as f64;
             println!("    {name:<32} x{count:<3} {ms:>8.3} ms/step, {:.1} us each", ms * 1e3 / *count as f64);
         }
+        // Each attention op in plan order (one a layer): a layer whose KV
+        // lies on small pages, or whose cache misses more, stands out.
+        let by_layer: Vec<String> = (0..profile.len())
+            .filter(|&i| ops[i] == "Attention")
+            .map(|i| format!("{:.0}", profile[i].as_secs_f64() * 1e6 / steps as f64))
+            .collect();
+        println!("    attention by layer, us a step: {}", by_layer.join(" "));
         // The costliest single steps, with the projection sizes (n x k).
         let mut single: Vec<(usize, Duration)> = profile.iter().copied().enumerate().collect();
         single.sort_by_key(|s| std::cmp::Reverse(s.1));

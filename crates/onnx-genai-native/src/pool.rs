@@ -65,6 +65,23 @@ struct Shared {
     spin: Duration,
 }
 
+impl Shared {
+    /// No region posted yet; idle workers spin for `spin` before parking.
+    fn new(spin: Duration) -> Self {
+        Self {
+            generation: AtomicU64::new(0),
+            job: UnsafeCell::new(None),
+            remaining: AtomicUsize::new(0),
+            panicked: AtomicBool::new(false),
+            payload: Mutex::new(None),
+            shutdown: AtomicBool::new(false),
+            sleepers: Mutex::new(0),
+            wake: Condvar::new(),
+            spin,
+        }
+    }
+}
+
 // SAFETY: `job` is the only non-thread-safe field. It is written by the
 // thread that owns the `ThreadPool` (through `&mut`-exclusive `run`
 // semantics: `run` holds `region` for its whole duration) while no worker
@@ -94,17 +111,7 @@ impl ThreadPool {
     /// both mean the caller alone), whose idle workers spin for `spin`
     /// before parking.
     pub fn new(threads: usize, spin: Duration) -> std::io::Result<Self> {
-        let shared = Arc::new(Shared {
-            generation: AtomicU64::new(0),
-            job: UnsafeCell::new(None),
-            remaining: AtomicUsize::new(0),
-            panicked: AtomicBool::new(false),
-            payload: Mutex::new(None),
-            shutdown: AtomicBool::new(false),
-            sleepers: Mutex::new(0),
-            wake: Condvar::new(),
-            spin,
-        });
+        let shared = Arc::new(Shared::new(spin));
         let mut workers = Vec::new();
         for index in 1..threads.max(1) {
             let s = shared.clone();
@@ -125,21 +132,7 @@ impl ThreadPool {
     /// The caller alone: regions run inline.
     pub fn serial() -> Self {
         // No thread is spawned, so this cannot fail.
-        Self {
-            shared: Arc::new(Shared {
-                generation: AtomicU64::new(0),
-                job: UnsafeCell::new(None),
-                remaining: AtomicUsize::new(0),
-                panicked: AtomicBool::new(false),
-                payload: Mutex::new(None),
-                shutdown: AtomicBool::new(false),
-                sleepers: Mutex::new(0),
-                wake: Condvar::new(),
-                spin: Duration::ZERO,
-            }),
-            workers: Vec::new(),
-            region: Mutex::new(()),
-        }
+        Self { shared: Arc::new(Shared::new(Duration::ZERO)), workers: Vec::new(), region: Mutex::new(()) }
     }
 
     /// Threads a region runs on (workers plus the caller).
