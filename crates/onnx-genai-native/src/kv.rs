@@ -2,7 +2,11 @@
 //! each covering [`BLOCK_TOKENS`] positions of every layer, taken from its
 //! model's pool as it grows and given back when it shrinks or ends. A new
 //! sequence therefore costs nothing until it runs, an idle one holds only
-//! what it has filled, and `resident_bytes` is exactly the memory held.
+//! what it has filled, and `resident_bytes` is the memory held: blocks
+//! live in chunks of whole huge pages ([`Chunk`]), so beyond the blocks
+//! held a chunk may hold at most 1/64 of itself unused at its end and, as
+//! a block is first written, up to one huge page of the next block not yet
+//! taken.
 //!
 //! Inside a block, layer `l` keeps its keys as `[kv_heads, BLOCK_TOKENS,
 //! head_dim]` followed by its values in the same layout, so one head's keys
@@ -13,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
-use crate::kernels::storage::HugeBuf;
+use crate::kernels::storage::{HugeBuf, ZeroValid};
 
 /// Positions per block.
 pub const BLOCK_TOKENS: usize = 64;
@@ -70,47 +74,158 @@ impl KvLayout {
     }
 }
 
-/// One block's storage: at 16 sequences of SmolLM2 the blocks a decode
-/// step reads no longer fit in the L3, and on 4 KiB pages every few rows of
-/// a head cost a TLB miss; on huge pages (its whole 2 MiB pages, see
+/// One block's storage: its part of a [`Chunk`]. At 16 sequences of
+/// SmolLM2 the blocks a decode step reads no longer fit in the L3, and on 4
+/// KiB pages every few rows of a head cost a TLB miss; on huge pages (see
 /// [`HugeBuf`]) attention at 16 sequences took 3.8-5.2 ms a step against
 /// 4.6-6.6 (`examples/batch_profile`, alternating runs).
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub enum Block {
-    F32(HugeBuf<f32>),
-    F16(HugeBuf<f16>),
+    F32(Region<f32>),
+    F16(Region<f16>),
 }
 
-/// The blocks of one model: new ones are allocated zeroed, returned ones are
-/// kept (up to `keep` bytes) for the next sequence that grows.
+/// Several blocks in one allocation. A block rarely fills whole huge pages
+/// (SmolLM2's f32 block is 2.8125 MiB: alone, its last 0.8 MiB lay on 4
+/// KiB pages, and the attention of the layers stored there took 160-200 us
+/// a step at 16 sequences against 130-140 for the rest); a chunk of
+/// `blocks_per_chunk` of them does (7 of those fill 10 huge pages but
+/// 0.3 MiB, advised whole).
+#[derive(Debug)]
+pub struct Chunk<T: ZeroValid> {
+    buf: HugeBuf<T>,
+    block_elems: usize,
+}
+
+/// Block `index` of a chunk. Each index of a chunk is made once, when the
+/// chunk is, and a `Region` is neither `Clone` nor `Copy`: whoever holds it
+/// is the only one who can reach its part.
+#[derive(Debug)]
+pub struct Region<T: ZeroValid> {
+    chunk: Arc<Chunk<T>>,
+    index: usize,
+}
+
+impl<T: ZeroValid> Region<T> {
+    /// A new chunk of `blocks` blocks of `block_elems` values (`None`: one
+    /// block, advised as [`HugeBuf::zeroed`] advises): its first block, and
+    /// the others last to second (so that popping them hands blocks out in
+    /// address order).
+    fn carve(blocks: Option<usize>, block_elems: usize) -> (Self, Vec<Self>) {
+        let (buf, blocks) = match blocks {
+            Some(n) if n > 0 => (HugeBuf::zeroed_whole_pages(n * block_elems), n),
+            _ => (HugeBuf::zeroed(block_elems), 1),
+        };
+        let chunk = Arc::new(Chunk { buf, block_elems });
+        let rest = (1..blocks).rev().map(|index| Self { chunk: chunk.clone(), index }).collect();
+        (Self { chunk, index: 0 }, rest)
+    }
+
+    fn first(&self) -> *mut T {
+        // SAFETY: `index < blocks`, so the offset stays inside the chunk's
+        // buffer.
+        unsafe { self.chunk.buf.base().add(self.index * self.chunk.block_elems) }
+    }
+
+    pub fn as_slice(&self) -> &[T] {
+        // SAFETY: the part lies inside the chunk's buffer (`first`), which
+        // lives as long as this region's `Arc`; no other region covers it
+        // and the chunk makes no slice of its whole buffer, so nothing
+        // writes it while `&self` is borrowed.
+        unsafe { std::slice::from_raw_parts(self.first(), self.chunk.block_elems) }
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [T] {
+        // SAFETY: as in `as_slice`; `&mut self` makes this the only
+        // reference to the part.
+        unsafe { std::slice::from_raw_parts_mut(self.first(), self.chunk.block_elems) }
+    }
+}
+
+impl<T: ZeroValid> Drop for Region<T> {
+    /// A block dropped while its chunk lives on (other blocks in use, or
+    /// never taken) gives its memory back now, so what a pool holds stays
+    /// what it counts; the last one frees the chunk with it.
+    fn drop(&mut self) {
+        if Arc::strong_count(&self.chunk) > 1 {
+            let bytes = self.chunk.block_elems * std::mem::size_of::<T>();
+            // SAFETY: the part lies in the chunk's live buffer, this
+            // region is its only holder and is going away, so nothing
+            // reads what it held.
+            unsafe { crate::kernels::storage::release_pages(self.first().cast(), bytes) };
+        }
+    }
+}
+
+/// Blocks a chunk holds where chunks pay: the fewest (up to 32) whose
+/// total, rounded up to whole huge pages, leaves at most 1/64 of them
+/// unused. `None` where no count does (small blocks among them: 32 of them
+/// do not reach a huge page): such a pool allocates one block at a time,
+/// advising only its whole huge pages, as [`HugeBuf::zeroed`] does.
+fn blocks_per_chunk(block_bytes: usize) -> Option<usize> {
+    use crate::kernels::storage::HUGE_PAGE;
+    (1..=32).find(|&n| {
+        let total = n * block_bytes;
+        let rounded = total.next_multiple_of(HUGE_PAGE);
+        total > 0 && (rounded - total) * 64 <= rounded
+    })
+}
+
+/// The blocks of one model. Returned blocks are kept (up to `keep` bytes)
+/// for the next sequence that grows; blocks of a chunk not yet used wait in
+/// `fresh` (never touched, so not resident); a new chunk is made only when
+/// both are empty.
 #[derive(Debug)]
 pub struct KvPool {
     layout: KvLayout,
     free: Mutex<Vec<Block>>,
+    fresh: Mutex<Vec<Block>>,
     keep_blocks: usize,
+    chunk_blocks: Option<usize>,
 }
 
 impl KvPool {
     /// A pool that keeps up to `keep_bytes` of returned blocks for reuse.
     pub fn new(layout: KvLayout, keep_bytes: usize) -> Arc<Self> {
         let keep_blocks = keep_bytes / layout.block_bytes().max(1);
-        Arc::new(Self { layout, free: Mutex::new(Vec::with_capacity(keep_blocks)), keep_blocks })
+        let chunk_blocks = blocks_per_chunk(layout.block_bytes());
+        Arc::new(Self {
+            layout,
+            free: Mutex::new(Vec::with_capacity(keep_blocks)),
+            fresh: Mutex::new(Vec::new()),
+            keep_blocks,
+            chunk_blocks,
+        })
     }
 
     pub fn layout(&self) -> &KvLayout {
         &self.layout
     }
 
+    /// Blocks one chunk of this pool holds (1: blocks are allocated one
+    /// at a time).
+    pub fn chunk_blocks(&self) -> usize {
+        self.chunk_blocks.unwrap_or(1)
+    }
+
     fn take(&self) -> Block {
-        let reused = self.free.lock().unwrap_or_else(|p| p.into_inner()).pop();
-        reused.unwrap_or_else(|| {
-            let n = self.layout.block_elems;
-            if self.layout.f16 {
-                Block::F16(HugeBuf::zeroed(n))
-            } else {
-                Block::F32(HugeBuf::zeroed(n))
-            }
-        })
+        if let Some(b) = self.free.lock().unwrap_or_else(|p| p.into_inner()).pop() {
+            return b;
+        }
+        let mut fresh = self.fresh.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(b) = fresh.pop() {
+            return b;
+        }
+        let (n, elems) = (self.chunk_blocks, self.layout.block_elems);
+        if self.layout.f16 {
+            let (first, rest) = Region::carve(n, elems);
+            fresh.extend(rest.into_iter().map(Block::F16));
+            Block::F16(first)
+        } else {
+            let (first, rest) = Region::carve(n, elems);
+            fresh.extend(rest.into_iter().map(Block::F32));
+            Block::F32(first)
+        }
     }
 
     fn give(&self, block: Block) {
@@ -218,7 +333,7 @@ impl SeqKv {
                 (Block::F32(to), Block::F32(from)) => to.as_mut_slice().copy_from_slice(from.as_slice()),
                 (Block::F16(to), Block::F16(from)) => to.as_mut_slice().copy_from_slice(from.as_slice()),
                 // One pool makes one kind of block.
-                (to, from) => *to = from.clone(),
+                (Block::F32(_), Block::F16(_)) | (Block::F16(_), Block::F32(_)) => {}
             }
             copy.blocks.push(mine);
         }
@@ -277,34 +392,95 @@ impl Drop for SeqKv {
 mod tests {
     use super::*;
 
-    /// A block of at least one huge page starts on one and asked the OS
-    /// for huge pages (where its THP mode allows the hint), f32 and f16
-    /// alike; a smaller one asks nothing (a huge page would be mostly
-    /// unused). Blocks start zeroed.
+    /// A chunk of large blocks starts on a huge page and asked the OS for
+    /// huge pages over every block, the last byte of each included (where
+    /// its THP mode allows the hint), f32 and f16 alike: SmolLM2's blocks
+    /// (2.8125 and 1.40625 MiB, 7 a chunk) and ones of exactly 8 and 4 MiB
+    /// (one a chunk). A block
+    /// mapped alone left its tail past the last whole huge page on 4 KiB
+    /// pages. Small blocks ask nothing (a huge page would be mostly
+    /// unused). Blocks start zeroed and do not overlap.
     #[test]
     fn large_blocks_live_on_huge_pages() {
-        use crate::kernels::storage::HUGE_PAGE;
+        use crate::kernels::storage::{thp_eligible, HUGE_PAGE};
+        let bytes_of = |b: &Block| match b {
+            Block::F32(r) => (r.as_slice().as_ptr().cast::<u8>(), std::mem::size_of_val(r.as_slice())),
+            Block::F16(r) => (r.as_slice().as_ptr().cast::<u8>(), std::mem::size_of_val(r.as_slice())),
+        };
         for f16 in [false, true] {
-            // 32 layers x 2 x 4 heads x 64 positions x 64 = 4 Mi elements.
-            let pool = KvPool::new(KvLayout::new(&[(4, 64); 32], f16), 0);
-            assert!(pool.layout().block_bytes() >= HUGE_PAGE);
-            let block = pool.take();
-            let (start, zero) = match &block {
-                Block::F32(b) => (b.start(), b.as_slice().iter().all(|v| *v == 0.0)),
-                Block::F16(b) => (b.start(), b.as_slice().iter().all(|v| *v == f16::ZERO)),
-            };
-            assert_eq!(start as usize % HUGE_PAGE, 0, "f16 {f16}: a block starts on a huge page");
-            assert!(zero, "f16 {f16}: a new block is zeroed");
-            if let Some(eligible) = crate::kernels::storage::thp_eligible(start) {
-                assert!(eligible, "f16 {f16}: the block's mapping is not eligible for huge pages");
+            for (layers, heads, chunk) in [(30, 3, 7), (32, 4, 1)] {
+                let pool = KvPool::new(KvLayout::new(&vec![(heads, 64); layers], f16), 0);
+                assert_eq!(pool.chunk_blocks(), chunk, "f16 {f16}, {layers} layers x {heads} heads");
+                let blocks: Vec<Block> = (0..chunk).map(|_| pool.take()).collect();
+                let (first, size) = bytes_of(&blocks[0]);
+                assert_eq!(size, pool.layout().block_bytes());
+                assert_eq!(first as usize % HUGE_PAGE, 0, "f16 {f16}: a chunk starts on a huge page");
+                for (i, b) in blocks.iter().enumerate() {
+                    let (at, _) = bytes_of(b);
+                    assert_eq!(at as usize, first as usize + i * size, "f16 {f16}: block {i} follows the one before");
+                    let zero = match b {
+                        Block::F32(r) => r.as_slice().iter().all(|v| *v == 0.0),
+                        Block::F16(r) => r.as_slice().iter().all(|v| *v == f16::ZERO),
+                    };
+                    assert!(zero, "f16 {f16}: a new block is zeroed");
+                    for byte in [at, at.wrapping_add(size - 1)] {
+                        if let Some(eligible) = thp_eligible(byte) {
+                            assert!(eligible, "f16 {f16}: block {i} at {byte:?} is not eligible for huge pages");
+                        }
+                    }
+                }
             }
             let small = KvPool::new(KvLayout::new(&[(2, 8)], f16), 0);
+            assert_eq!((small.chunk_blocks(), blocks_per_chunk(small.layout().block_bytes())), (1, None));
             let asked = match small.take() {
-                Block::F32(b) => b.huge_pages_asked(),
-                Block::F16(b) => b.huge_pages_asked(),
+                Block::F32(r) => r.chunk.buf.huge_pages_asked(),
+                Block::F16(r) => r.chunk.buf.huge_pages_asked(),
             };
             assert!(!asked, "f16 {f16}: a block smaller than a huge page asks for none");
         }
+    }
+
+    /// A block given back past what the pool keeps releases its memory at
+    /// once, while its chunk lives on for the other blocks: resident
+    /// memory follows the blocks held, not the chunks ever made. (Pages
+    /// counted with `mincore`; nothing to observe off Linux.)
+    #[test]
+    fn a_dropped_block_gives_its_memory_back() {
+        use crate::kernels::storage::resident_pages;
+        let pool = KvPool::new(KvLayout::new(&[(3, 64); 30], false), 0);
+        assert!(pool.chunk_blocks() > 2);
+        let (mut a, mut b) = (SeqKv::new(pool.clone(), 1000), SeqKv::new(pool.clone(), 1000));
+        a.reserve(1);
+        b.reserve(1);
+        let part = |s: &mut SeqKv| match &mut s.blocks[0] {
+            Block::F32(r) => {
+                r.as_mut_slice().fill(1.0);
+                (r.as_slice().as_ptr().cast::<u8>(), std::mem::size_of_val(r.as_slice()))
+            }
+            Block::F16(_) => panic!("an f32 pool"),
+        };
+        part(&mut a);
+        let (at, bytes) = part(&mut b);
+        let Some((held, pages)) = resident_pages(at, bytes) else { return };
+        assert_eq!(held, pages, "a written block is resident");
+        drop(b);
+        let (left, _) = resident_pages(at, bytes).unwrap_or((pages, pages));
+        assert_eq!(left, 0, "{left} of the dropped block's {pages} pages are still resident");
+        let Block::F32(r) = &a.blocks[0] else { panic!("an f32 pool") };
+        assert!(r.as_slice().iter().all(|v| *v == 1.0), "the block still held keeps its values");
+    }
+
+    /// A chunk is the fewest blocks that fill whole huge pages to within
+    /// 1/64, or there is none.
+    #[test]
+    fn chunks_waste_at_most_a_64th() {
+        let mib = 1 << 20;
+        assert_eq!(blocks_per_chunk(3 * mib / 2), Some(4), "6 MiB exactly");
+        assert_eq!(blocks_per_chunk(2 * mib), Some(1));
+        assert_eq!(blocks_per_chunk(2 * mib - 1024), Some(1), "1 KiB of 2 MiB unused");
+        assert_eq!(blocks_per_chunk(2 * mib + 1024), None, "even 31 blocks leave 3% of 64 MiB unused");
+        assert_eq!(blocks_per_chunk(100 << 10), None, "no count up to 32 fits: one block at a time");
+        assert_eq!(blocks_per_chunk(0), None);
     }
 
     /// Blocks are taken as positions grow, given back on truncate and drop,

@@ -97,7 +97,18 @@ impl<T: ZeroValid> std::fmt::Debug for HugeBuf<T> {
 impl<T: ZeroValid> HugeBuf<T> {
     /// `len` zeroed values (aborts on allocation failure, as `vec!` does).
     pub fn zeroed(len: usize) -> Self {
-        let buf = Self::uninit(len);
+        Self::zeroed_in(len, false)
+    }
+
+    /// [`zeroed`](Self::zeroed), its size rounded up to whole huge pages,
+    /// all of them advised: for a buffer whose last partial huge page is
+    /// worth its unused rest (the KV cache's chunks waste at most 1/64).
+    pub fn zeroed_whole_pages(len: usize) -> Self {
+        Self::zeroed_in(len, true)
+    }
+
+    fn zeroed_in(len: usize, whole_pages: bool) -> Self {
+        let buf = Self::uninit_in(len, whole_pages);
         if !buf.mapped {
             // SAFETY: the allocation holds `len` values of `T`; all-zero
             // bytes are a valid `T` (`ZeroValid`). (Fresh pages are zero
@@ -118,7 +129,12 @@ impl<T: ZeroValid> HugeBuf<T> {
     /// nothing (in one `cargo xtask bench --scaling` process, three
     /// SmolLM2 models' arenas held 36 MB of huge pages between them).
     fn uninit(len: usize) -> Self {
-        let bytes = len.checked_mul(std::mem::size_of::<T>()).expect("buffer size overflows");
+        Self::uninit_in(len, false)
+    }
+
+    fn uninit_in(len: usize, whole_pages: bool) -> Self {
+        let values = len.checked_mul(std::mem::size_of::<T>()).expect("buffer size overflows");
+        let bytes = if whole_pages { values.next_multiple_of(HUGE_PAGE) } else { values };
         let layout = Layout::from_size_align(bytes, HUGE_PAGE).expect("buffer layout");
         if bytes == 0 {
             return Self { ptr: NonNull::dangling(), len: 0, layout, huge: false, mapped: false };
@@ -158,6 +174,37 @@ impl<T: ZeroValid> HugeBuf<T> {
     pub fn start(&self) -> *const u8 {
         self.ptr.as_ptr().cast()
     }
+
+    /// The first value, for owners that hand out disjoint parts of the
+    /// buffer to different holders (the KV cache's chunks): they must not
+    /// make a slice of the whole while any part is in use.
+    pub(crate) fn base(&self) -> *mut T {
+        self.ptr.as_ptr()
+    }
+}
+
+/// Gives the memory of the whole pages inside `bytes` bytes at `start`
+/// back to the OS: they read as zero afterwards (a page the range shares
+/// with a neighbour is kept, so no byte outside the range changes).
+///
+/// # Safety
+/// The range must lie in one live allocation of this process, and no one
+/// may rely on what it holds (its values become zero).
+pub(crate) unsafe fn release_pages(start: *mut u8, bytes: usize) {
+    #[cfg(target_os = "linux")]
+    {
+        let page = page_size();
+        let first = (start as usize).next_multiple_of(page);
+        let end = (start as usize + bytes) / page * page;
+        if end > first {
+            // SAFETY: the caller's contract; the pages lie wholly inside
+            // the range, and MADV_DONTNEED on private anonymous memory
+            // only makes them read as zero.
+            unsafe { libc::madvise(first as *mut libc::c_void, end - first, libc::MADV_DONTNEED) };
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (start, bytes);
 }
 
 impl<T: ZeroValid> Clone for HugeBuf<T> {
@@ -329,6 +376,30 @@ fn thp_on_madvise() -> Option<()> {
 fn thp_fault_fallbacks() -> u64 {
     let vmstat = std::fs::read_to_string("/proc/vmstat").unwrap_or_default();
     vmstat.lines().find_map(|l| l.strip_prefix("thp_fault_fallback ")?.trim().parse().ok()).unwrap_or(0)
+}
+
+/// Of the whole pages inside `bytes` bytes at `start`, how many are
+/// resident, and how many there are (`mincore`: exact for the range, not
+/// the mapping around it; `None` off Linux or where the call fails).
+#[cfg(test)]
+pub(crate) fn resident_pages(start: *const u8, bytes: usize) -> Option<(usize, usize)> {
+    #[cfg(target_os = "linux")]
+    {
+        let page = page_size();
+        let first = (start as usize).next_multiple_of(page);
+        let end = (start as usize + bytes) / page * page;
+        let pages = end.saturating_sub(first) / page;
+        let mut flags = vec![0u8; pages];
+        // SAFETY: `mincore` writes one byte per page of the range into
+        // `flags`, which holds that many; the range is page-aligned.
+        let rc = unsafe { libc::mincore(first as *mut libc::c_void, end - first, flags.as_mut_ptr()) };
+        (rc == 0).then(|| (flags.iter().filter(|f| *f & 1 == 1).count(), pages))
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = (start, bytes);
+        None
+    }
 }
 
 /// The value of `field` for the mapping holding `at`, in
