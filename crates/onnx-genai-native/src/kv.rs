@@ -2,11 +2,14 @@
 //! each covering [`BLOCK_TOKENS`] positions of every layer, taken from its
 //! model's pool as it grows and given back when it shrinks or ends. A new
 //! sequence therefore costs nothing until it runs, an idle one holds only
-//! what it has filled, and `resident_bytes` is the memory held: blocks
-//! live in chunks of whole huge pages ([`Chunk`]), so beyond the blocks
-//! held a chunk may hold at most 1/64 of itself unused at its end and, as
-//! a block is first written, up to one huge page of the next block not yet
-//! taken.
+//! what it has filled, and `resident_bytes` is the memory held, within
+//! what huge pages add: blocks of half a huge page or more live in chunks
+//! of whole huge pages (`Chunk`), and a write faults in the whole huge
+//! page it lands in, so a chunk may also hold the rest of the huge pages
+//! its held blocks touch (up to 2 MiB at each end of a run of them: a
+//! neighbour not yet taken, or one given back) and at most 1/64 of itself
+//! unused at its end. (Linux's khugepaged may also fold a split huge page
+//! back whole, its freed part again resident as zeros.)
 //!
 //! Inside a block, layer `l` keeps its keys as `[kv_heads, BLOCK_TOKENS,
 //! head_dim]` followed by its values in the same layout, so one head's keys
@@ -74,7 +77,7 @@ impl KvLayout {
     }
 }
 
-/// One block's storage: its part of a [`Chunk`]. At 16 sequences of
+/// One block's storage: its part of a `Chunk`. At 16 sequences of
 /// SmolLM2 the blocks a decode step reads no longer fit in the L3, and on 4
 /// KiB pages every few rows of a head cost a TLB miss; on huge pages (see
 /// [`HugeBuf`]) attention at 16 sequences took 3.8-5.2 ms a step against
@@ -85,14 +88,15 @@ pub enum Block {
     F16(Region<f16>),
 }
 
-/// Several blocks in one allocation. A block rarely fills whole huge pages
+/// Several blocks in one allocation (private to this module: its buffer is
+/// reached only through its regions). A block rarely fills whole huge pages
 /// (SmolLM2's f32 block is 2.8125 MiB: alone, its last 0.8 MiB lay on 4
 /// KiB pages, and the attention of the layers stored there took 160-200 us
 /// a step at 16 sequences against 130-140 for the rest); a chunk of
 /// `blocks_per_chunk` of them does (7 of those fill 10 huge pages but
 /// 0.3 MiB, advised whole).
 #[derive(Debug)]
-pub struct Chunk<T: ZeroValid> {
+pub(crate) struct Chunk<T: ZeroValid> {
     buf: HugeBuf<T>,
     block_elems: usize,
 }
@@ -144,8 +148,12 @@ impl<T: ZeroValid> Region<T> {
 
 impl<T: ZeroValid> Drop for Region<T> {
     /// A block dropped while its chunk lives on (other blocks in use, or
-    /// never taken) gives its memory back now, so what a pool holds stays
-    /// what it counts; the last one frees the chunk with it.
+    /// never taken) gives back the pages wholly inside it now, so what a
+    /// pool holds stays what it counts; the last one frees the chunk with
+    /// it. (A huge page it shares with a neighbour is split by that, and
+    /// the neighbour's part of it then lies on 4 KiB pages: blocks are
+    /// dropped only past what the pool keeps, which a server serving a
+    /// steady load does not reach.)
     fn drop(&mut self) {
         if Arc::strong_count(&self.chunk) > 1 {
             let bytes = self.chunk.block_elems * std::mem::size_of::<T>();
@@ -159,15 +167,20 @@ impl<T: ZeroValid> Drop for Region<T> {
 
 /// Blocks a chunk holds where chunks pay: the fewest (up to 32) whose
 /// total, rounded up to whole huge pages, leaves at most 1/64 of them
-/// unused. `None` where no count does (small blocks among them: 32 of them
-/// do not reach a huge page): such a pool allocates one block at a time,
-/// advising only its whole huge pages, as [`HugeBuf::zeroed`] does.
+/// unused. `None` where no count does, and for blocks under half a huge
+/// page: the first write to a chunk faults in a whole huge page, which
+/// for a small block would be mostly memory no sequence counts (such a
+/// pool allocates one block at a time, advising only its whole huge pages,
+/// as [`HugeBuf::zeroed`] does).
 fn blocks_per_chunk(block_bytes: usize) -> Option<usize> {
     use crate::kernels::storage::HUGE_PAGE;
+    if block_bytes < HUGE_PAGE / 2 {
+        return None;
+    }
     (1..=32).find(|&n| {
-        let total = n * block_bytes;
-        let rounded = total.next_multiple_of(HUGE_PAGE);
-        total > 0 && (rounded - total) * 64 <= rounded
+        let Some(total) = block_bytes.checked_mul(n) else { return false };
+        let Some(rounded) = total.checked_next_multiple_of(HUGE_PAGE) else { return false };
+        rounded - total <= rounded / 64
     })
 }
 
@@ -396,10 +409,10 @@ mod tests {
     /// huge pages over every block, the last byte of each included (where
     /// its THP mode allows the hint), f32 and f16 alike: SmolLM2's blocks
     /// (2.8125 and 1.40625 MiB, 7 a chunk) and ones of exactly 8 and 4 MiB
-    /// (one a chunk). A block
-    /// mapped alone left its tail past the last whole huge page on 4 KiB
-    /// pages. Small blocks ask nothing (a huge page would be mostly
-    /// unused). Blocks start zeroed and do not overlap.
+    /// (one a chunk). A block mapped alone left its tail past the last
+    /// whole huge page on 4 KiB pages. Small blocks (here 8 KiB) ask
+    /// nothing: a huge page would be mostly unused. Blocks start zeroed and
+    /// do not overlap.
     #[test]
     fn large_blocks_live_on_huge_pages() {
         use crate::kernels::storage::{thp_eligible, HUGE_PAGE};
@@ -440,46 +453,51 @@ mod tests {
         }
     }
 
-    /// A block given back past what the pool keeps releases its memory at
-    /// once, while its chunk lives on for the other blocks: resident
-    /// memory follows the blocks held, not the chunks ever made. (Pages
+    /// A block given back past what the pool keeps releases the pages
+    /// wholly inside it at once, while its chunk lives on for the other
+    /// blocks, and changes no byte of its neighbours: SmolLM2's blocks
+    /// (whole 4 KiB pages) and blocks of 1,068,032 bytes, which begin and
+    /// end inside pages they share with the blocks beside them. (Pages
     /// counted with `mincore`; nothing to observe off Linux.)
     #[test]
     fn a_dropped_block_gives_its_memory_back() {
         use crate::kernels::storage::resident_pages;
-        let pool = KvPool::new(KvLayout::new(&[(3, 64); 30], false), 0);
-        assert!(pool.chunk_blocks() > 2);
-        let (mut a, mut b) = (SeqKv::new(pool.clone(), 1000), SeqKv::new(pool.clone(), 1000));
-        a.reserve(1);
-        b.reserve(1);
-        let part = |s: &mut SeqKv| match &mut s.blocks[0] {
-            Block::F32(r) => {
-                r.as_mut_slice().fill(1.0);
-                (r.as_slice().as_ptr().cast::<u8>(), std::mem::size_of_val(r.as_slice()))
+        for layout in [KvLayout::new(&[(3, 64); 30], false), KvLayout::new(&[(1, 2086)], false)] {
+            let pool = KvPool::new(layout, 0);
+            assert!(pool.chunk_blocks() > 3, "{} bytes a block", pool.layout().block_bytes());
+            let mut seqs: Vec<SeqKv> = (0..3).map(|_| SeqKv::new(pool.clone(), 1000)).collect();
+            let mut parts = Vec::new();
+            for (i, s) in seqs.iter_mut().enumerate() {
+                s.reserve(1);
+                let Block::F32(r) = &mut s.blocks[0] else { panic!("an f32 pool") };
+                r.as_mut_slice().fill(i as f32 + 1.0);
+                parts.push((r.as_slice().as_ptr().cast::<u8>(), std::mem::size_of_val(r.as_slice())));
             }
-            Block::F16(_) => panic!("an f32 pool"),
-        };
-        part(&mut a);
-        let (at, bytes) = part(&mut b);
-        let Some((held, pages)) = resident_pages(at, bytes) else { return };
-        assert_eq!(held, pages, "a written block is resident");
-        drop(b);
-        let (left, _) = resident_pages(at, bytes).unwrap_or((pages, pages));
-        assert_eq!(left, 0, "{left} of the dropped block's {pages} pages are still resident");
-        let Block::F32(r) = &a.blocks[0] else { panic!("an f32 pool") };
-        assert!(r.as_slice().iter().all(|v| *v == 1.0), "the block still held keeps its values");
+            assert_eq!(parts[1].0 as usize, parts[0].0 as usize + parts[0].1, "blocks lie side by side");
+            let (at, bytes) = parts[1];
+            let Some((held, pages)) = resident_pages(at, bytes) else { return };
+            assert_eq!(held, pages, "a written block is resident");
+            drop(seqs.remove(1));
+            let (left, _) = resident_pages(at, bytes).unwrap_or((pages, pages));
+            assert_eq!(left, 0, "{left} of the dropped block's {pages} pages are still resident");
+            for (s, value) in seqs.iter().zip([1.0, 3.0]) {
+                let Block::F32(r) = &s.blocks[0] else { panic!("an f32 pool") };
+                assert!(r.as_slice().iter().all(|v| *v == value), "a neighbour of the dropped block lost values");
+            }
+        }
     }
 
     /// A chunk is the fewest blocks that fill whole huge pages to within
-    /// 1/64, or there is none.
+    /// 1/64, or there is none (blocks under half a huge page never chunk).
     #[test]
     fn chunks_waste_at_most_a_64th() {
         let mib = 1 << 20;
         assert_eq!(blocks_per_chunk(3 * mib / 2), Some(4), "6 MiB exactly");
         assert_eq!(blocks_per_chunk(2 * mib), Some(1));
         assert_eq!(blocks_per_chunk(2 * mib - 1024), Some(1), "1 KiB of 2 MiB unused");
-        assert_eq!(blocks_per_chunk(2 * mib + 1024), None, "even 31 blocks leave 3% of 64 MiB unused");
-        assert_eq!(blocks_per_chunk(100 << 10), None, "no count up to 32 fits: one block at a time");
+        assert_eq!(blocks_per_chunk(2 * mib + 1024), None, "up to 32 blocks, each count leaves more than 1/64 unused");
+        assert_eq!(blocks_per_chunk(mib - 512), None, "under half a huge page: one block at a time");
+        assert_eq!(blocks_per_chunk(100 << 10), None, "a small block");
         assert_eq!(blocks_per_chunk(0), None);
     }
 

@@ -82,8 +82,10 @@ pub struct HugeBuf<T: ZeroValid> {
     mapped: bool,
 }
 
-// SAFETY: a `HugeBuf` owns its values like a `Box<[T]>` does; shared
-// references only read them, writes need `&mut`.
+// SAFETY: a `HugeBuf` owns its values like a `Box<[T]>` does; through
+// its safe methods shared references only read them and writes need
+// `&mut`. The one other way in, `base`'s raw pointer, is used by the KV
+// cache's chunks, which hand each part to one holder only (`kv::Region`).
 unsafe impl<T: ZeroValid + Send> Send for HugeBuf<T> {}
 // SAFETY: as above.
 unsafe impl<T: ZeroValid + Sync> Sync for HugeBuf<T> {}
@@ -134,7 +136,11 @@ impl<T: ZeroValid> HugeBuf<T> {
 
     fn uninit_in(len: usize, whole_pages: bool) -> Self {
         let values = len.checked_mul(std::mem::size_of::<T>()).expect("buffer size overflows");
-        let bytes = if whole_pages { values.next_multiple_of(HUGE_PAGE) } else { values };
+        let bytes = if whole_pages {
+            values.checked_next_multiple_of(HUGE_PAGE).expect("buffer size overflows")
+        } else {
+            values
+        };
         let layout = Layout::from_size_align(bytes, HUGE_PAGE).expect("buffer layout");
         if bytes == 0 {
             return Self { ptr: NonNull::dangling(), len: 0, layout, huge: false, mapped: false };
@@ -176,8 +182,10 @@ impl<T: ZeroValid> HugeBuf<T> {
     }
 
     /// The first value, for owners that hand out disjoint parts of the
-    /// buffer to different holders (the KV cache's chunks): they must not
-    /// make a slice of the whole while any part is in use.
+    /// buffer to different holders (the KV cache's chunks): such an owner
+    /// must not call [`as_slice`](Self::as_slice) or `as_mut_slice` (or
+    /// clone the buffer) while any part is in use, and no two holders may
+    /// reach the same part.
     pub(crate) fn base(&self) -> *mut T {
         self.ptr.as_ptr()
     }
