@@ -278,6 +278,14 @@ impl<'a> Span<'a> {
         }
     }
 
+    /// The elements, to fetch in step with another loop.
+    pub fn alongside(&self) -> crate::kernels::simd::Alongside {
+        match self {
+            Span::F32(v) => crate::kernels::simd::Alongside::of(v),
+            Span::F16(v) => crate::kernels::simd::Alongside::of(v),
+        }
+    }
+
     /// The elements as f32: borrowed, or widened into `wide` (the tests'
     /// view; attention widens as it reads, `KvElem`).
     #[cfg(test)]

@@ -121,11 +121,31 @@ fn axpy_on(vector: bool, y: &mut [f32], alpha: f32, x: &[f32]) {
 /// `out[r * ld + t] = q_r . k_t` for `rows` query rows of `hd` and
 /// `total` key rows of `hd` (both row-major; `ld >= total` is the row
 /// stride of `out`, so a caller can fill a wide score row in chunks).
-pub fn scores<E: KvElem>(q: &[f32], rows: usize, keys: &[E], hd: usize, out: &mut [f32], ld: usize) {
-    scores_on(true, q, rows, keys, hd, out, ld)
+/// `alongside` is fetched in step with the keys (the block's values, read
+/// after the softmax).
+pub fn scores<E: KvElem>(
+    q: &[f32],
+    rows: usize,
+    keys: &[E],
+    hd: usize,
+    out: &mut [f32],
+    ld: usize,
+    alongside: Alongside,
+) {
+    scores_on(true, q, rows, keys, hd, out, ld, alongside)
 }
 
-fn scores_on<E: KvElem>(vector: bool, q: &[f32], rows: usize, keys: &[E], hd: usize, out: &mut [f32], ld: usize) {
+#[allow(clippy::too_many_arguments)]
+fn scores_on<E: KvElem>(
+    vector: bool,
+    q: &[f32],
+    rows: usize,
+    keys: &[E],
+    hd: usize,
+    out: &mut [f32],
+    ld: usize,
+    alongside: Alongside,
+) {
     let total = keys.len().checked_div(hd).unwrap_or(0);
     assert!(
         q.len() >= rows * hd && ld >= total && (rows == 0 || out.len() >= (rows - 1) * ld + total),
@@ -136,9 +156,10 @@ fn scores_on<E: KvElem>(vector: bool, q: &[f32], rows: usize, keys: &[E], hd: us
         // SAFETY: AVX2, FMA and F16C checked; the assertion above bounds every read of
         // `q` (rows * hd), `keys` (total * hd) and write of `out` (row r
         // at r * ld, total values).
-        unsafe { x86::scores(q.as_ptr(), rows, keys.as_ptr(), total, hd, out.as_mut_ptr(), ld) };
+        unsafe { x86::scores(q.as_ptr(), rows, keys.as_ptr(), total, hd, out.as_mut_ptr(), ld, alongside) };
         return;
     }
+    alongside.rows(0..total, total);
     for t in 0..total {
         for r in 0..rows {
             out[r * ld + t] = dot_portable(&q[r * hd..(r + 1) * hd], &keys[t * hd..(t + 1) * hd]);
@@ -149,10 +170,21 @@ fn scores_on<E: KvElem>(vector: bool, q: &[f32], rows: usize, keys: &[E], hd: us
 /// `out_r += sum_t p[r * ld + t] * v_t` for `rows` rows, in `t` order (the
 /// same operations, in the same order, as one `axpy` per value row, so a
 /// caller may split the values into chunks).
-pub fn weighted_sum<E: KvElem>(p: &[f32], rows: usize, ld: usize, values: &[E], hd: usize, out: &mut [f32]) {
-    weighted_sum_on(true, p, rows, ld, values, hd, out)
+/// `alongside` is fetched in step with the values (what the caller reads
+/// next).
+pub fn weighted_sum<E: KvElem>(
+    p: &[f32],
+    rows: usize,
+    ld: usize,
+    values: &[E],
+    hd: usize,
+    out: &mut [f32],
+    alongside: Alongside,
+) {
+    weighted_sum_on(true, p, rows, ld, values, hd, out, alongside)
 }
 
+#[allow(clippy::too_many_arguments)]
 fn weighted_sum_on<E: KvElem>(
     vector: bool,
     p: &[f32],
@@ -161,6 +193,7 @@ fn weighted_sum_on<E: KvElem>(
     values: &[E],
     hd: usize,
     out: &mut [f32],
+    alongside: Alongside,
 ) {
     let total = values.len().checked_div(hd).unwrap_or(0);
     assert!(
@@ -172,9 +205,10 @@ fn weighted_sum_on<E: KvElem>(
         // SAFETY: AVX2, FMA and F16C checked; the assertion above bounds every read of
         // `p` (row r at r * ld, total values), `values` (total * hd) and
         // read/write of `out` (rows * hd).
-        unsafe { x86::weighted_sum(p.as_ptr(), rows, ld, values.as_ptr(), total, hd, out.as_mut_ptr()) };
+        unsafe { x86::weighted_sum(p.as_ptr(), rows, ld, values.as_ptr(), total, hd, out.as_mut_ptr(), alongside) };
         return;
     }
+    alongside.rows(0..total, total);
     for t in 0..total {
         let v = &values[t * hd..(t + 1) * hd];
         for r in 0..rows {
@@ -218,6 +252,39 @@ pub(crate) fn prefetch_bytes(start: *const u8, bytes: usize) {
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (start, bytes);
+}
+
+/// Memory a loop over `total` rows fetches into L2 as it goes, in step
+/// with its own reads: row `t` fetches the `t`-th share of the lines, so
+/// the requests interleave with the loop's arithmetic instead of queueing,
+/// all at once, ahead of its own loads. A hint like [`prefetch`]: any
+/// address is allowed and no result changes.
+#[derive(Clone, Copy, Debug)]
+pub struct Alongside {
+    start: *const u8,
+    lines: usize,
+}
+
+impl Alongside {
+    /// Nothing to fetch.
+    pub const NONE: Alongside = Alongside { start: std::ptr::null(), lines: 0 };
+
+    /// The lines of `data`.
+    pub fn of<T>(data: &[T]) -> Self {
+        Self { start: data.as_ptr().cast(), lines: std::mem::size_of_val(data).div_ceil(64) }
+    }
+
+    /// Fetches the share of rows `rows` (of `total`).
+    #[inline(always)]
+    fn rows(&self, rows: std::ops::Range<usize>, total: usize) {
+        if self.lines == 0 || total == 0 {
+            return;
+        }
+        let per_row = self.lines.div_ceil(total);
+        let first = (rows.start * per_row).min(self.lines);
+        let end = (rows.end * per_row).min(self.lines);
+        prefetch_bytes(self.start.wrapping_add(first * 64), (end - first) * 64);
+    }
 }
 
 /// Numerically stable softmax of one row, in place; returns the row's
@@ -294,7 +361,7 @@ fn dot_portable<E: KvElem>(a: &[f32], b: &[E]) -> f32 {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::KvElem;
+    use super::{Alongside, KvElem};
 
     #[inline]
     #[target_feature(enable = "avx2,fma")]
@@ -337,6 +404,7 @@ mod x86 {
     /// `rows * hd` reads, `k` for `total * hd`, `out` for `total` writes
     /// from each `r * ld`.
     #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn scores<E: KvElem>(
         q: *const f32,
         rows: usize,
@@ -345,6 +413,7 @@ mod x86 {
         hd: usize,
         out: *mut f32,
         ld: usize,
+        alongside: Alongside,
     ) {
         // Four keys at a time, for up to three query rows at once: every
         // key load serves each row and every query load each key, and the
@@ -354,6 +423,7 @@ mod x86 {
         // would be (same lanes, same order, same reduction).
         let mut t = 0;
         while t + 4 <= total {
+            alongside.rows(t..t + 4, total);
             let kt: [*const E; 4] = std::array::from_fn(|i| k.add((t + i) * hd));
             let mut r = 0;
             while r < rows {
@@ -366,6 +436,7 @@ mod x86 {
             }
             t += 4;
         }
+        alongside.rows(t..total, total);
         while t < total {
             let kt = k.add(t * hd);
             for r in 0..rows {
@@ -431,6 +502,7 @@ mod x86 {
     /// `total` reads from each `r * ld`, `v` for `total * hd`, `out` for
     /// `rows * hd` reads and writes.
     #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn weighted_sum<E: KvElem>(
         p: *const f32,
         rows: usize,
@@ -439,23 +511,30 @@ mod x86 {
         total: usize,
         hd: usize,
         out: *mut f32,
+        alongside: Alongside,
     ) {
         for r in 0..rows {
             let pr = p.add(r * ld);
             let o = out.add(r * hd);
+            // The first row's first pass over the values is the one that
+            // reads them from memory: `alongside` goes with it.
+            let mut fetch = if r == 0 { alongside } else { Alongside::NONE };
             let mut c = 0;
             // 64 columns at a time (8 independent chains: enough to cover
             // the multiply-add latency, which 4 did not), then 32, then 8.
             while c + 64 <= hd {
-                columns::<E, 8>(pr, v.add(c), total, hd, o.add(c));
+                columns::<E, 8>(pr, v.add(c), total, hd, o.add(c), fetch);
+                fetch = Alongside::NONE;
                 c += 64;
             }
             while c + 32 <= hd {
-                columns::<E, 4>(pr, v.add(c), total, hd, o.add(c));
+                columns::<E, 4>(pr, v.add(c), total, hd, o.add(c), fetch);
+                fetch = Alongside::NONE;
                 c += 32;
             }
             while c < hd {
-                columns::<E, 1>(pr, v.add(c), total, hd, o.add(c));
+                columns::<E, 1>(pr, v.add(c), total, hd, o.add(c), fetch);
+                fetch = Alongside::NONE;
                 c += 8;
             }
         }
@@ -471,9 +550,17 @@ mod x86 {
     /// `8N` reads at each `t * hd`, `o` for `8N` reads and writes.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    unsafe fn columns<E: KvElem, const N: usize>(p: *const f32, v: *const E, total: usize, hd: usize, o: *mut f32) {
+    unsafe fn columns<E: KvElem, const N: usize>(
+        p: *const f32,
+        v: *const E,
+        total: usize,
+        hd: usize,
+        o: *mut f32,
+        alongside: Alongside,
+    ) {
         let mut acc: [__m256; N] = std::array::from_fn(|j| _mm256_loadu_ps(o.add(8 * j)));
         for t in 0..total {
+            alongside.rows(t..t + 1, total);
             let w = _mm256_set1_ps(*p.add(t));
             let row = v.add(t * hd);
             for (j, a) in acc.iter_mut().enumerate() {
@@ -621,11 +708,11 @@ mod tests {
                 let ld = 13;
                 let mut sc = vec![f32::NAN; rows * ld];
                 let split = 5;
-                scores_on(vector, &q, rows, &kv[..split * hd], hd, &mut sc, ld);
-                scores_on(vector, &q, rows, &kv[split * hd..], hd, &mut sc[split..], ld);
+                scores_on(vector, &q, rows, &kv[..split * hd], hd, &mut sc, ld, Alongside::NONE);
+                scores_on(vector, &q, rows, &kv[split * hd..], hd, &mut sc[split..], ld, Alongside::NONE);
                 let mut o = vec![1.0; rows * hd];
-                weighted_sum_on(vector, &sc, rows, ld, &kv[..split * hd], hd, &mut o);
-                weighted_sum_on(vector, &sc[split..], rows, ld, &kv[split * hd..], hd, &mut o);
+                weighted_sum_on(vector, &sc, rows, ld, &kv[..split * hd], hd, &mut o, Alongside::NONE);
+                weighted_sum_on(vector, &sc[split..], rows, ld, &kv[split * hd..], hd, &mut o, Alongside::NONE);
                 for r in 0..rows {
                     for t in 0..total {
                         let want = plain_dot(&q[r * hd..(r + 1) * hd], &kv[t * hd..(t + 1) * hd]);
@@ -646,12 +733,12 @@ mod tests {
                     let q: Vec<f32> = (0..rows * hd).map(|i| (i as f32 * 0.29).sin()).collect();
                     let kv: Vec<f32> = (0..total * hd).map(|i| (i as f32 * 0.17).cos()).collect();
                     let mut together = vec![0.0; rows * total];
-                    scores_on(vector, &q, rows, &kv, hd, &mut together, total);
+                    scores_on(vector, &q, rows, &kv, hd, &mut together, total, Alongside::of(&kv));
                     for r in 0..rows {
                         for t in 0..total {
                             let mut alone = [0.0];
                             let (qr, kt) = (&q[r * hd..(r + 1) * hd], &kv[t * hd..(t + 1) * hd]);
-                            scores_on(vector, qr, 1, kt, hd, &mut alone, 1);
+                            scores_on(vector, qr, 1, kt, hd, &mut alone, 1, Alongside::NONE);
                             let got = together[r * total + t];
                             assert_eq!(
                                 got.to_bits(),
@@ -661,7 +748,7 @@ mod tests {
                         }
                     }
                     let mut summed = vec![0.5; rows * hd];
-                    weighted_sum_on(vector, &together, rows, total, &kv, hd, &mut summed);
+                    weighted_sum_on(vector, &together, rows, total, &kv, hd, &mut summed, Alongside::of(&q));
                     for r in 0..rows {
                         let mut each = vec![0.5; hd];
                         for t in 0..total {
@@ -686,13 +773,13 @@ mod tests {
                     let half: Vec<f16> = (0..total * hd).map(|i| f16::from_f32((i as f32 * 0.19).cos())).collect();
                     let wide: Vec<f32> = half.iter().map(|h| h.to_f32()).collect();
                     let (mut s16, mut s32) = (vec![0.0; rows * total], vec![0.0; rows * total]);
-                    scores_on(vector, &q, rows, &half, hd, &mut s16, total);
-                    scores_on(vector, &q, rows, &wide, hd, &mut s32, total);
+                    scores_on(vector, &q, rows, &half, hd, &mut s16, total, Alongside::NONE);
+                    scores_on(vector, &q, rows, &wide, hd, &mut s32, total, Alongside::NONE);
                     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                     assert_eq!(bits(&s16), bits(&s32), "{path} f16 scores hd={hd} rows={rows}");
                     let (mut o16, mut o32) = (vec![0.25; rows * hd], vec![0.25; rows * hd]);
-                    weighted_sum_on(vector, &s32, rows, total, &half, hd, &mut o16);
-                    weighted_sum_on(vector, &s32, rows, total, &wide, hd, &mut o32);
+                    weighted_sum_on(vector, &s32, rows, total, &half, hd, &mut o16, Alongside::NONE);
+                    weighted_sum_on(vector, &s32, rows, total, &wide, hd, &mut o32, Alongside::NONE);
                     assert_eq!(bits(&o16), bits(&o32), "{path} f16 weighted sum hd={hd} rows={rows}");
                     let want = plain_dot(&q[..hd], &wide[..hd]);
                     assert!((s16[0] - want).abs() < 1e-4, "{path} f16 score hd={hd}: {} vs {want}", s16[0]);

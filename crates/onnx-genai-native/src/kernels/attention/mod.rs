@@ -5,7 +5,7 @@
 //! writes only its new K/V rows and reads the past where it lies, so a
 //! decode step never copies the past.
 
-use super::simd::{scores as scores_of, weighted_sum};
+use super::simd::{scores as scores_of, weighted_sum, Alongside};
 use super::Ctx;
 use crate::kv::{SeqKv, Span};
 use crate::pool::Disjoint;
@@ -551,16 +551,16 @@ fn attend_part(
     let rows_of = |b: usize| block.min(keys.end - b * block);
     for b in blocks.clone() {
         // A sequence's blocks lie anywhere in memory: fetch the next
-        // block's keys, and this block's values (read after the softmax),
-        // while these keys are scored.
+        // block's keys now, and this block's values (read after the
+        // softmax) in step with these keys as they are scored.
         if b + 1 < blocks.end {
             kv.span(step.layer, false, g, b + 1, rows_of(b + 1)).prefetch();
         }
-        kv.span(step.layer, true, g, b, rows_of(b)).prefetch();
+        let values = kv.span(step.layer, true, g, b, rows_of(b)).alongside();
         let scores = &mut srow[b * block - keys.start..];
         match kv.span(step.layer, false, g, b, rows_of(b)) {
-            Span::F32(k) => scores_of(q, n_rep, k, hd, scores, width),
-            Span::F16(k) => scores_of(q, n_rep, k, hd, scores, width),
+            Span::F32(k) => scores_of(q, n_rep, k, hd, scores, width, values),
+            Span::F16(k) => scores_of(q, n_rep, k, hd, scores, width, values),
         }
     }
     let (sums, stats) = slot.split_at_mut(n_rep * hd);
@@ -593,11 +593,19 @@ fn attend_part(
         stats[n_rep + j] = sum;
     }
     sums.iter_mut().for_each(|v| *v = 0.0);
+    let kv_heads = kv.layout().geometry(step.layer).map_or(0, |(h, _)| h);
     for b in blocks {
         let p = &srow[b * block - keys.start..];
+        // The next KV group's keys of this block, which a decode job reads
+        // next, in step with these values.
+        let next = if g + 1 < kv_heads {
+            kv.span(step.layer, false, g + 1, b, rows_of(b)).alongside()
+        } else {
+            Alongside::NONE
+        };
         match kv.span(step.layer, true, g, b, rows_of(b)) {
-            Span::F32(v) => weighted_sum(p, n_rep, width, v, hd, sums),
-            Span::F16(v) => weighted_sum(p, n_rep, width, v, hd, sums),
+            Span::F32(v) => weighted_sum(p, n_rep, width, v, hd, sums, next),
+            Span::F16(v) => weighted_sum(p, n_rep, width, v, hd, sums, next),
         }
     }
     Ok(())
