@@ -388,6 +388,15 @@ impl SeqKv {
         }
     }
 
+    /// The first `rows` keys of `layer`'s first KV head, where an attention
+    /// job on this sequence starts reading (nothing if it holds no block).
+    pub fn first_keys(&self, layer: usize, rows: usize) -> crate::kernels::simd::Alongside {
+        match self.blocks.first() {
+            Some(_) if layer < self.pool.layout.layers() => self.span(layer, false, 0, 0, rows).alongside(),
+            _ => crate::kernels::simd::Alongside::NONE,
+        }
+    }
+
     /// The first `rows` positions of block `b` of `layer`'s `head`: keys
     /// (`value == false`) or values, `rows * head_dim` elements.
     pub fn span(&self, layer: usize, value: bool, head: usize, b: usize, rows: usize) -> Span<'_> {

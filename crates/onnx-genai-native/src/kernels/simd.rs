@@ -265,6 +265,13 @@ pub struct Alongside {
     lines: usize,
 }
 
+// SAFETY: the pointer is never read through, only handed to prefetch
+// hints (which accept any address), so sharing it between threads shares
+// nothing.
+unsafe impl Send for Alongside {}
+// SAFETY: as above.
+unsafe impl Sync for Alongside {}
+
 impl Alongside {
     /// Nothing to fetch.
     pub const NONE: Alongside = Alongside { start: std::ptr::null(), lines: 0 };

@@ -220,19 +220,31 @@ pub fn attention(
         // its new rows, then attends each of its KV groups. The append is
         // spread over the threads with the rest (done first for every
         // sequence on the calling thread, it was 10% of the attention at
-        // 16 SmolLM2 sequences while the other thread waited).
+        // 16 SmolLM2 sequences while the other thread waited). Each thread
+        // walks its own share of the sequences in order, so the keys the
+        // next job scores first are fetched while this one's last values
+        // are summed.
+        let mut firsts = [Alongside::NONE; crate::model::MAX_BATCH];
+        for ((first, kv), seg) in firsts.iter_mut().zip(kvs.iter()).zip(step.segments) {
+            *first = kv.first_keys(step.layer, (seg.past + seg.len).min(crate::kv::BLOCK_TOKENS));
+        }
         let caches = Disjoint::new(kvs);
-        ctx.pool.for_claimed(step.segments.len(), &|s, t| {
-            // SAFETY: sequence `s`'s cache belongs to this job alone.
-            let kv: &mut SeqKv = unsafe { caches.slice(s, 1)[0] };
-            // SAFETY: thread `t` is the only user of its scratch in this region.
-            let scratch = unsafe { ctx.scratch.get(t) };
-            let seg = step.segments[s];
-            let result = append(step, seg, kv, kvh, hd).and_then(|()| {
-                (0..kvh).try_for_each(|g| attend_group(spec, step, kv, seg, g, 0..seg.len, n_rep, &target, scratch))
-            });
-            if let Err(e) = result {
-                fail(e);
+        ctx.pool.for_claimed_ranges(step.segments.len(), 1, &|jobs, t| {
+            for s in jobs {
+                // SAFETY: sequence `s`'s cache belongs to this job alone.
+                let kv: &mut SeqKv = unsafe { caches.slice(s, 1)[0] };
+                // SAFETY: thread `t` is the only user of its scratch in this region.
+                let scratch = unsafe { ctx.scratch.get(t) };
+                let seg = step.segments[s];
+                let then = firsts.get(s + 1).copied().unwrap_or(Alongside::NONE);
+                let result = append(step, seg, kv, kvh, hd).and_then(|()| {
+                    (0..kvh).try_for_each(|g| {
+                        attend_group(spec, step, kv, seg, g, 0..seg.len, n_rep, &target, scratch, then)
+                    })
+                });
+                if let Err(e) = result {
+                    fail(e);
+                }
             }
         });
     } else {
@@ -259,7 +271,7 @@ pub fn attention(
             let Some((s, g, first)) = place else { return };
             let seg = step.segments[s];
             let rows = first..(first + ATTENTION_ROW_CHUNK).min(seg.len);
-            if let Err(e) = attend_group(spec, step, kvs[s], seg, g, rows, n_rep, &target, scratch) {
+            if let Err(e) = attend_group(spec, step, kvs[s], seg, g, rows, n_rep, &target, scratch, Alongside::NONE) {
                 fail(e);
             }
         });
@@ -399,8 +411,9 @@ fn attend_in_parts(
                 let slot = unsafe { slots.slice(job * stride, stride) };
                 let visible = seg.past + 1;
                 let keys = p * PART_POSITIONS..visible.min((p + 1) * PART_POSITIONS);
-                let result = group_queries(step, seg.start, seg.past, g, n_rep, hd, q)
-                    .and_then(|()| attend_part(spec, step, kvs[s], *seg, g, 0, q, n_rep, keys, srow, slot));
+                let result = group_queries(step, seg.start, seg.past, g, n_rep, hd, q).and_then(|()| {
+                    attend_part(spec, step, kvs[s], *seg, g, 0, q, n_rep, keys, srow, slot, Alongside::NONE)
+                });
                 if let Err(e) = result {
                     *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
                 }
@@ -477,7 +490,8 @@ fn write_group(
 /// scores of every head against each key (read once for all of them), a
 /// softmax per head, and the weighted sum of each value row (read once) —
 /// in parts of [`PART_POSITIONS`] positions, merged, where the row sees
-/// more.
+/// more. The last group fetches `then` (what the thread reads next) in
+/// step with its values.
 #[allow(clippy::too_many_arguments)]
 fn attend_group(
     spec: &AttentionSpec,
@@ -489,6 +503,7 @@ fn attend_group(
     n_rep: usize,
     out: &Disjoint<'_, f32>,
     scratch: &mut super::Scratch,
+    then: Alongside,
 ) -> Result<(), String> {
     let hd = spec.head_dim;
     let total = seg.past + seg.len;
@@ -508,7 +523,7 @@ fn attend_group(
         let results = &mut results[..parts * stride];
         for (p, slot) in results.chunks_mut(stride).enumerate() {
             let keys = p * PART_POSITIONS..visible.min((p + 1) * PART_POSITIONS);
-            attend_part(spec, step, kv, seg, g, i, q, n_rep, keys, srow, slot)?;
+            attend_part(spec, step, kv, seg, g, i, q, n_rep, keys, srow, slot, then)?;
         }
         if parts == 1 {
             write_group(spec, step.q.rows, r, g, n_rep, results, out);
@@ -524,7 +539,8 @@ fn attend_group(
 /// positions `keys` (starting on a block): the scores of every head against
 /// each key (head j's at `srow[j * keys.len()..]`), a softmax per head, and
 /// the weighted sum of the values into `slot` (`n_rep * hd`), followed by
-/// each head's maximum score and softmax sum.
+/// each head's maximum score and softmax sum. The values' first block
+/// fetches the next group's keys in step, or for the last group `then`.
 #[allow(clippy::too_many_arguments)]
 fn attend_part(
     spec: &AttentionSpec,
@@ -538,6 +554,7 @@ fn attend_part(
     keys: std::ops::Range<usize>,
     srow: &mut Vec<f32>,
     slot: &mut [f32],
+    then: Alongside,
 ) -> Result<(), String> {
     let hd = spec.head_dim;
     let total = seg.past + seg.len;
@@ -600,6 +617,8 @@ fn attend_part(
         // next, in step with these values.
         let next = if g + 1 < kv_heads {
             kv.span(step.layer, false, g + 1, b, rows_of(b)).alongside()
+        } else if b * block == keys.start {
+            then
         } else {
             Alongside::NONE
         };
