@@ -388,11 +388,13 @@ impl SeqKv {
         }
     }
 
-    /// The first `rows` keys of `layer`'s first KV head, where an attention
-    /// job on this sequence starts reading (nothing if it holds no block).
+    /// The first `rows` keys (at most a block's) of `layer`'s first KV
+    /// head, where an attention job on this sequence starts reading
+    /// (nothing if it holds no block, or the layer no head).
     pub fn first_keys(&self, layer: usize, rows: usize) -> crate::kernels::simd::Alongside {
+        let heads = self.pool.layout.geometry(layer).map_or(0, |(h, _)| h);
         match self.blocks.first() {
-            Some(_) if layer < self.pool.layout.layers() => self.span(layer, false, 0, 0, rows).alongside(),
+            Some(_) if heads > 0 => self.span(layer, false, 0, 0, rows.min(BLOCK_TOKENS)).alongside(),
             _ => crate::kernels::simd::Alongside::NONE,
         }
     }

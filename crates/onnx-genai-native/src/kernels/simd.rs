@@ -121,8 +121,8 @@ fn axpy_on(vector: bool, y: &mut [f32], alpha: f32, x: &[f32]) {
 /// `out[r * ld + t] = q_r . k_t` for `rows` query rows of `hd` and
 /// `total` key rows of `hd` (both row-major; `ld >= total` is the row
 /// stride of `out`, so a caller can fill a wide score row in chunks).
-/// `alongside` is fetched in step with the keys (the block's values, read
-/// after the softmax).
+/// `alongside` (the block's values, read after the softmax) is fetched in
+/// step with the keys (on the portable path, all at once before them).
 pub fn scores<E: KvElem>(
     q: &[f32],
     rows: usize,
@@ -170,8 +170,9 @@ fn scores_on<E: KvElem>(
 /// `out_r += sum_t p[r * ld + t] * v_t` for `rows` rows, in `t` order (the
 /// same operations, in the same order, as one `axpy` per value row, so a
 /// caller may split the values into chunks).
-/// `alongside` is fetched in step with the values (what the caller reads
-/// next).
+/// `alongside` (what the caller reads next) is fetched in step with the
+/// values as the first row's first 64 columns are summed (on the portable
+/// path, all at once before the sum).
 pub fn weighted_sum<E: KvElem>(
     p: &[f32],
     rows: usize,
@@ -258,39 +259,41 @@ pub(crate) fn prefetch_bytes(start: *const u8, bytes: usize) {
 /// with its own reads: row `t` fetches the `t`-th share of the lines, so
 /// the requests interleave with the loop's arithmetic instead of queueing,
 /// all at once, ahead of its own loads. A hint like [`prefetch`]: any
-/// address is allowed and no result changes.
+/// address is allowed and no result changes. (An address, not a pointer:
+/// nothing is ever read through it, and as a number it goes to the
+/// threads of a parallel region as it is.)
 #[derive(Clone, Copy, Debug)]
 pub struct Alongside {
-    start: *const u8,
+    address: usize,
     lines: usize,
 }
 
-// SAFETY: the pointer is never read through, only handed to prefetch
-// hints (which accept any address), so sharing it between threads shares
-// nothing.
-unsafe impl Send for Alongside {}
-// SAFETY: as above.
-unsafe impl Sync for Alongside {}
-
 impl Alongside {
     /// Nothing to fetch.
-    pub const NONE: Alongside = Alongside { start: std::ptr::null(), lines: 0 };
+    pub const NONE: Alongside = Alongside { address: 0, lines: 0 };
 
     /// The lines of `data`.
     pub fn of<T>(data: &[T]) -> Self {
-        Self { start: data.as_ptr().cast(), lines: std::mem::size_of_val(data).div_ceil(64) }
+        Self { address: data.as_ptr() as usize, lines: std::mem::size_of_val(data).div_ceil(64) }
+    }
+
+    /// The lines rows `rows` of `total` fetch: `ceil(lines / total)` a
+    /// row, so a walk over every row fetches every line once, in order.
+    fn share(&self, rows: std::ops::Range<usize>, total: usize) -> std::ops::Range<usize> {
+        if self.lines == 0 || total == 0 {
+            return 0..0;
+        }
+        let per_row = self.lines.div_ceil(total);
+        let first = rows.start.saturating_mul(per_row).min(self.lines);
+        first..rows.end.saturating_mul(per_row).min(self.lines).max(first)
     }
 
     /// Fetches the share of rows `rows` (of `total`).
     #[inline(always)]
     fn rows(&self, rows: std::ops::Range<usize>, total: usize) {
-        if self.lines == 0 || total == 0 {
-            return;
-        }
-        let per_row = self.lines.div_ceil(total);
-        let first = (rows.start * per_row).min(self.lines);
-        let end = (rows.end * per_row).min(self.lines);
-        prefetch_bytes(self.start.wrapping_add(first * 64), (end - first) * 64);
+        let lines = self.share(rows, total);
+        let start = std::ptr::without_provenance::<u8>(self.address.wrapping_add(lines.start * 64));
+        prefetch_bytes(start, lines.len() * 64);
     }
 }
 
@@ -685,6 +688,34 @@ mod tests {
 
     fn plain_dot(a: &[f32], b: &[f32]) -> f32 {
         a.iter().zip(b).map(|(x, y)| x * y).sum()
+    }
+
+    /// Walking a loop's rows one at a time, or in steps of four with a
+    /// tail, fetches every line of the companion span exactly once and in
+    /// order, whether it has more lines than the loop has rows or fewer;
+    /// and an empty span or loop fetches nothing.
+    #[test]
+    fn alongside_shares_cover_every_line_once() {
+        for lines in [0usize, 1, 5, 40, 256, 300] {
+            let data = vec![0u8; lines * 64];
+            let span = Alongside::of(&data);
+            for total in [0usize, 1, 3, 9, 64, 74] {
+                for step in [1, 4] {
+                    let mut next = 0;
+                    let mut t = 0;
+                    while t < total {
+                        let end = (t + step).min(total);
+                        let got = span.share(t..end, total);
+                        assert_eq!(got.start, next, "{lines} lines, {total} rows: rows {t}..{end} start at {got:?}");
+                        next = got.end;
+                        t = end;
+                    }
+                    let want = if total == 0 { 0 } else { lines };
+                    assert_eq!(next, want, "{lines} lines over {total} rows in steps of {step}");
+                }
+            }
+        }
+        assert_eq!(Alongside::NONE.share(0..10, 10), 0..0);
     }
 
     /// Every path (portable, and AVX2 where present: each forced in turn)

@@ -221,9 +221,11 @@ pub fn attention(
         // spread over the threads with the rest (done first for every
         // sequence on the calling thread, it was 10% of the attention at
         // 16 SmolLM2 sequences while the other thread waited). Each thread
-        // walks its own share of the sequences in order, so the keys the
-        // next job scores first are fetched while this one's last values
-        // are summed.
+        // walks its own share of the sequences in order (then takes what
+        // is left of the others' from their backs), so the next job is
+        // mostly `s + 1`: the keys it scores first are fetched while this
+        // one's last values are summed. (A model runs at most `MAX_BATCH`
+        // sequences a step; more would only go without that fetch.)
         let mut firsts = [Alongside::NONE; crate::model::MAX_BATCH];
         for ((first, kv), seg) in firsts.iter_mut().zip(kvs.iter()).zip(step.segments) {
             *first = kv.first_keys(step.layer, (seg.past + seg.len).min(crate::kv::BLOCK_TOKENS));
@@ -236,7 +238,7 @@ pub fn attention(
                 // SAFETY: thread `t` is the only user of its scratch in this region.
                 let scratch = unsafe { ctx.scratch.get(t) };
                 let seg = step.segments[s];
-                let then = firsts.get(s + 1).copied().unwrap_or(Alongside::NONE);
+                let then = Some(firsts.get(s + 1).copied().unwrap_or(Alongside::NONE));
                 let result = append(step, seg, kv, kvh, hd).and_then(|()| {
                     (0..kvh).try_for_each(|g| {
                         attend_group(spec, step, kv, seg, g, 0..seg.len, n_rep, &target, scratch, then)
@@ -271,7 +273,7 @@ pub fn attention(
             let Some((s, g, first)) = place else { return };
             let seg = step.segments[s];
             let rows = first..(first + ATTENTION_ROW_CHUNK).min(seg.len);
-            if let Err(e) = attend_group(spec, step, kvs[s], seg, g, rows, n_rep, &target, scratch, Alongside::NONE) {
+            if let Err(e) = attend_group(spec, step, kvs[s], seg, g, rows, n_rep, &target, scratch, None) {
                 fail(e);
             }
         });
@@ -411,9 +413,8 @@ fn attend_in_parts(
                 let slot = unsafe { slots.slice(job * stride, stride) };
                 let visible = seg.past + 1;
                 let keys = p * PART_POSITIONS..visible.min((p + 1) * PART_POSITIONS);
-                let result = group_queries(step, seg.start, seg.past, g, n_rep, hd, q).and_then(|()| {
-                    attend_part(spec, step, kvs[s], *seg, g, 0, q, n_rep, keys, srow, slot, Alongside::NONE)
-                });
+                let result = group_queries(step, seg.start, seg.past, g, n_rep, hd, q)
+                    .and_then(|()| attend_part(spec, step, kvs[s], *seg, g, 0, q, n_rep, keys, srow, slot, None));
                 if let Err(e) = result {
                     *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
                 }
@@ -490,8 +491,9 @@ fn write_group(
 /// scores of every head against each key (read once for all of them), a
 /// softmax per head, and the weighted sum of each value row (read once) —
 /// in parts of [`PART_POSITIONS`] positions, merged, where the row sees
-/// more. The last group fetches `then` (what the thread reads next) in
-/// step with its values.
+/// more. With `then` (a decode job that runs every group of its sequence
+/// in turn), the values fetch what the job reads next in step: see
+/// [`attend_part`].
 #[allow(clippy::too_many_arguments)]
 fn attend_group(
     spec: &AttentionSpec,
@@ -503,7 +505,7 @@ fn attend_group(
     n_rep: usize,
     out: &Disjoint<'_, f32>,
     scratch: &mut super::Scratch,
-    then: Alongside,
+    then: Option<Alongside>,
 ) -> Result<(), String> {
     let hd = spec.head_dim;
     let total = seg.past + seg.len;
@@ -539,8 +541,11 @@ fn attend_group(
 /// positions `keys` (starting on a block): the scores of every head against
 /// each key (head j's at `srow[j * keys.len()..]`), a softmax per head, and
 /// the weighted sum of the values into `slot` (`n_rep * hd`), followed by
-/// each head's maximum score and softmax sum. The values' first block
-/// fetches the next group's keys in step, or for the last group `then`.
+/// each head's maximum score and softmax sum. With `then` (the job runs
+/// the groups in turn), each block of values fetches the next group's keys
+/// of that block in step, and the last group's first block `then` (the
+/// next job's first keys); other jobs fetch nothing ahead (the next group
+/// is another job's, perhaps another thread's).
 #[allow(clippy::too_many_arguments)]
 fn attend_part(
     spec: &AttentionSpec,
@@ -554,7 +559,7 @@ fn attend_part(
     keys: std::ops::Range<usize>,
     srow: &mut Vec<f32>,
     slot: &mut [f32],
-    then: Alongside,
+    then: Option<Alongside>,
 ) -> Result<(), String> {
     let hd = spec.head_dim;
     let total = seg.past + seg.len;
@@ -613,14 +618,10 @@ fn attend_part(
     let kv_heads = kv.layout().geometry(step.layer).map_or(0, |(h, _)| h);
     for b in blocks {
         let p = &srow[b * block - keys.start..];
-        // The next KV group's keys of this block, which a decode job reads
-        // next, in step with these values.
-        let next = if g + 1 < kv_heads {
-            kv.span(step.layer, false, g + 1, b, rows_of(b)).alongside()
-        } else if b * block == keys.start {
-            then
-        } else {
-            Alongside::NONE
+        let next = match then {
+            Some(_) if g + 1 < kv_heads => kv.span(step.layer, false, g + 1, b, rows_of(b)).alongside(),
+            Some(next_job) if b * block == keys.start => next_job,
+            _ => Alongside::NONE,
         };
         match kv.span(step.layer, true, g, b, rows_of(b)) {
             Span::F32(v) => weighted_sum(p, n_rep, width, v, hd, sums, next),
