@@ -1,6 +1,7 @@
 //! `cargo xtask load --package DIR`: one model served on loopback, driven by
 //! 1, 2, 4, 8 and 16 concurrent streaming clients in turn (one run): the
-//! aggregate generated tokens/s, time to first token p50/p95, and the
+//! aggregate generated tokens/s while every client streams (and over the
+//! whole run), time to first token p50/p95, and the
 //! G op/s the projections reach against this machine's measured peak for
 //! the export's arithmetic (f32 FMAs, or VNNI or AMX int8 dot products: AMX
 //! for steps wide enough to run on tiles) at the same thread count (after
@@ -43,8 +44,20 @@ pub struct Options {
     pub rounds: usize,
 }
 
-/// One streamed completion: (time to first token, tokens, seconds).
-fn stream_one(addr: std::net::SocketAddr, model: &str, prompt: &str, max_tokens: u32) -> Result<(f64, usize, f64)> {
+/// One streamed completion.
+#[derive(Clone, Debug, Default)]
+struct Reply {
+    /// Seconds to the first token.
+    ttft: f64,
+    /// Tokens generated (the usage the server reported).
+    tokens: usize,
+    /// Seconds the whole request took.
+    secs: f64,
+    /// When each event that carried text arrived.
+    events: Vec<Instant>,
+}
+
+fn stream_one(addr: std::net::SocketAddr, model: &str, prompt: &str, max_tokens: u32) -> Result<Reply> {
     let body = json!({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
         "stream": true, "stream_options": {"include_usage": true}});
     let t0 = Instant::now();
@@ -52,7 +65,7 @@ fn stream_one(addr: std::net::SocketAddr, model: &str, prompt: &str, max_tokens:
     if s.status != 200 {
         bail!("status {}", s.status);
     }
-    let (mut first, mut tokens) = (None, 0usize);
+    let (mut tokens, mut events) = (0usize, Vec::new());
     while let Some(data) = s.next_data() {
         if data == "[DONE]" {
             break;
@@ -60,16 +73,49 @@ fn stream_one(addr: std::net::SocketAddr, model: &str, prompt: &str, max_tokens:
         let v: serde_json::Value = serde_json::from_str(&data).unwrap_or_default();
         if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
             tokens = n as usize;
-        } else if first.is_none() && v["choices"][0]["text"].as_str().is_some_and(|t| !t.is_empty()) {
-            first = Some(t0.elapsed().as_secs_f64());
+        } else if v["choices"][0]["text"].as_str().is_some_and(|t| !t.is_empty()) {
+            events.push(Instant::now());
         }
     }
-    let total = t0.elapsed().as_secs_f64();
-    Ok((first.unwrap_or(total), tokens, total))
+    let secs = t0.elapsed().as_secs_f64();
+    let ttft = events.first().map_or(secs, |e| e.duration_since(t0).as_secs_f64());
+    Ok(Reply { ttft, tokens, secs, events })
+}
+
+/// Tokens per second while every client was streaming: from the moment the
+/// last of them received its first token to the moment the first of them
+/// received its last (`clients[c]`: client `c`'s replies in turn). A reply's
+/// tokens count in the share of its text events that arrived inside that
+/// window. Outside it fewer clients than the count run: at the start the
+/// first prompts are still being read, and at the end clients whose answers
+/// stopped early (an end-of-text before `max_tokens`) wait for the last
+/// one. `None` when the window is empty (a client that received nothing,
+/// or one that finished before another started).
+fn concurrent_rate(clients: &[Vec<Reply>]) -> Option<f64> {
+    let first = |c: &Vec<Reply>| c.iter().find_map(|r| r.events.first().copied());
+    let last = |c: &Vec<Reply>| c.iter().rev().find_map(|r| r.events.last().copied());
+    let start = clients.iter().map(first).collect::<Option<Vec<_>>>()?.into_iter().max()?;
+    let end = clients.iter().map(last).collect::<Option<Vec<_>>>()?.into_iter().min()?;
+    let secs = end.checked_duration_since(start)?.as_secs_f64();
+    if secs <= 0.0 {
+        return None;
+    }
+    // Events in (start, end]: n events over a span hold n - 1 intervals, so
+    // the one at the window's opening is not counted.
+    let tokens: f64 = clients
+        .iter()
+        .flatten()
+        .filter(|r| !r.events.is_empty())
+        .map(|r| {
+            let inside = r.events.iter().filter(|e| **e > start && **e <= end).count();
+            r.tokens as f64 * inside as f64 / r.events.len() as f64
+        })
+        .sum();
+    Some(tokens / secs)
 }
 
 /// `clients` threads released together, each streaming `turns` requests in
-/// turn (`prompt(client, turn)`): every request's (TTFT s, tokens, seconds).
+/// turn (`prompt(client, turn)`): each client's replies.
 fn run_clients(
     addr: std::net::SocketAddr,
     model: &str,
@@ -77,28 +123,27 @@ fn run_clients(
     turns: usize,
     max_tokens: u32,
     prompt: fn(usize, usize) -> String,
-) -> Result<Vec<(f64, usize, f64)>> {
+) -> Result<Vec<Vec<Reply>>> {
     let barrier = Arc::new(Barrier::new(clients));
     let handles: Vec<_> = (0..clients)
         .map(|c| {
             let (barrier, model) = (barrier.clone(), model.to_string());
-            std::thread::spawn(move || -> Result<Vec<(f64, usize, f64)>> {
+            std::thread::spawn(move || -> Result<Vec<Reply>> {
                 barrier.wait();
                 (0..turns).map(|t| stream_one(addr, &model, &prompt(c, t), max_tokens)).collect()
             })
         })
         .collect();
-    let mut all = Vec::new();
-    for h in handles {
-        all.extend(h.join().map_err(|_| anyhow::anyhow!("a client thread panicked"))??);
-    }
-    Ok(all)
+    handles.into_iter().map(|h| h.join().map_err(|_| anyhow::anyhow!("a client thread panicked"))?).collect()
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 struct Row {
     clients: usize,
+    /// Aggregate tokens/s while every client streamed ([`concurrent_rate`]).
     tokens_per_s: f64,
+    /// All tokens over the whole run's wall time (the ramp-down included).
+    overall: f64,
     ttft_p50: f64,
     ttft_p95: f64,
     per_client: f64,
@@ -125,23 +170,27 @@ fn measure(
     server.reset_widest_step();
     let before = server.gauges();
     let started = Instant::now();
-    let all = run_clients(server.addr, model, clients, opts.turns, opts.max_tokens, |c, t| {
+    let replies = run_clients(server.addr, model, clients, opts.turns, opts.max_tokens, |c, t| {
         format!("Client {c} asks question {t}: tell me a story about")
     })?;
     let wall = started.elapsed().as_secs_f64();
     let after = server.gauges();
     let steps = after.steps.saturating_sub(before.steps).max(1) as f64;
-    let tokens: usize = all.iter().map(|r| r.1).sum();
-    let mut ttft: Vec<f64> = all.iter().map(|r| r.0 * 1e3).collect();
+    let all: Vec<&Reply> = replies.iter().flatten().collect();
+    let tokens: usize = all.iter().map(|r| r.tokens).sum();
+    let overall = tokens as f64 / wall;
+    let tokens_per_s = concurrent_rate(&replies).unwrap_or(overall);
+    let mut ttft: Vec<f64> = all.iter().map(|r| r.ttft * 1e3).collect();
     ttft.sort_by(f64::total_cmp);
-    let per_client = all.iter().map(|r| r.1 as f64 / r.2).sum::<f64>() / all.len().max(1) as f64;
+    let per_client = all.iter().map(|r| r.tokens as f64 / r.secs).sum::<f64>() / all.len().max(1) as f64;
     Ok(Row {
         clients,
-        tokens_per_s: tokens as f64 / wall,
+        tokens_per_s,
+        overall,
         ttft_p50: percentile(&ttft, 0.5),
         ttft_p95: percentile(&ttft, 0.95),
         per_client,
-        gflops: 2.0 * macs as f64 * tokens as f64 / wall / 1e9,
+        gflops: 2.0 * macs as f64 * tokens_per_s / 1e9,
         widest: after.widest_step,
         mean_width: after.stepped.saturating_sub(before.stepped) as f64 / steps,
         step_ms: wall * 1e3 / steps,
@@ -185,6 +234,7 @@ fn summarize(rounds: &[Vec<Row>]) -> Vec<Summary> {
             let row = Row {
                 clients: rounds[0][i].clients,
                 tokens_per_s: column(|r| r.tokens_per_s),
+                overall: column(|r| r.overall),
                 ttft_p50: column(|r| r.ttft_p50),
                 ttft_p95: column(|r| r.ttft_p95),
                 per_client: column(|r| r.per_client),
@@ -263,14 +313,18 @@ pub fn run(opts: Options) -> Result<()> {
     };
     let mut md = format!(
         "# Load: {model}\n\n{} on {} thread(s), KV cache `{kv}`, streaming `/v1/completions`, max_tokens {}, {} request(s) per \
-         client; clients start together, after one unmeasured warm-up round at the widest count.{rounds_said} G op/s = 2 x projection multiply-adds per token ({:.1} M) x aggregate \
+         client; clients start together, after one unmeasured warm-up round at the widest count.{rounds_said} Aggregate \
+         tok/s: the tokens that arrived while every client was streaming, over that time (from the last client's \
+         first token to the first client's last: at the end, clients whose answers stopped early, at an end of \
+         text, wait for the others, and fewer than the count run); overall tok/s: every token over the whole \
+         run's wall time, that wait included. G op/s = 2 x projection multiply-adds per token ({:.1} M) x aggregate \
          tokens/s; the peak of the projections' arithmetic at {} thread(s): {} (% of peak: against the path a row's \
          mean step width runs). Mean \
          width: the turns a model step advanced on average (a newcomer's prompt chunk counts as one); ms/step: the \
          wall time over the model steps run; engine ms/step: of that, the time in the engine's steps (the model's pass \
          and sampling), the rest being the server's own work and waits.\n\n\
-         | clients | aggregate tok/s | x one client | per-client tok/s | TTFT p50 ms | TTFT p95 ms | G op/s | % of peak | widest step | mean width | ms/step | engine ms/step |\n\
-         |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+         | clients | aggregate tok/s | x one client | overall tok/s | per-client tok/s | TTFT p50 ms | TTFT p95 ms | G op/s | % of peak | widest step | mean width | ms/step | engine ms/step |\n\
+         |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         kind.name(),
         opts.threads,
         opts.max_tokens,
@@ -290,10 +344,11 @@ pub fn run(opts: Options) -> Result<()> {
         let r = &s.row;
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {:.1} | {:.0} | {:.0} | {:.1} | {:.0}% | {} | {:.1} | {:.2} | {:.2} |",
+            "| {} | {} | {} | {:.1} | {:.1} | {:.0} | {:.0} | {:.1} | {:.0}% | {} | {:.1} | {:.2} | {:.2} |",
             r.clients,
             spread(format!("{:.1}", r.tokens_per_s), s.aggregate_range, 1, ""),
             spread(format!("{:.2}x", s.ratio), s.ratio_range, 2, "x"),
+            r.overall,
             r.per_client,
             r.ttft_p50,
             r.ttft_p95,
@@ -398,7 +453,7 @@ fn interference(server: &onnx_genai_server::RunningServer, model: &str, max_toke
     let addr = server.addr;
     let short = |n: usize| -> Result<f64> {
         let v: Vec<f64> = (0..n)
-            .map(|i| stream_one(addr, model, &format!("Quick question {i}:"), 4).map(|r| r.2 * 1e3))
+            .map(|i| stream_one(addr, model, &format!("Quick question {i}:"), 4).map(|r| r.secs * 1e3))
             .collect::<Result<_>>()?;
         Ok(median(v))
     };
@@ -436,7 +491,7 @@ fn interference(server: &onnx_genai_server::RunningServer, model: &str, max_toke
             .collect();
         let mut tokens = 0;
         for h in hs {
-            tokens += h.join().map_err(|_| anyhow::anyhow!("a client thread panicked"))??.1;
+            tokens += h.join().map_err(|_| anyhow::anyhow!("a client thread panicked"))??.tokens;
         }
         Ok(tokens as f64 / started.elapsed().as_secs_f64())
     };
@@ -500,6 +555,7 @@ mod tests {
         Row {
             clients,
             tokens_per_s,
+            overall: tokens_per_s * 0.9,
             ttft_p50: tokens_per_s / 10.0,
             ttft_p95: 0.0,
             per_client: 0.0,
@@ -538,6 +594,50 @@ mod tests {
         let two = summarize(&rounds[..2]);
         assert_eq!(two[1].row.tokens_per_s, 350.0);
         assert_eq!(two[1].ratio, 4.0);
+    }
+
+    /// Replies of `tokens` tokens each, one text event a token, the events
+    /// `gap` ms apart from `from` ms after `t0`.
+    fn replies(t0: Instant, from: u64, gap: u64, lengths: &[usize]) -> Vec<Reply> {
+        let mut at = from;
+        lengths
+            .iter()
+            .map(|&n| {
+                let events = (0..n)
+                    .map(|_| {
+                        at += gap;
+                        t0 + Duration::from_millis(at)
+                    })
+                    .collect();
+                Reply { ttft: 0.0, tokens: n, secs: 0.0, events }
+            })
+            .collect()
+    }
+
+    /// The load targets' "aggregate with N concurrent clients" is counted
+    /// only while all N stream: not while the first prompts are read, nor
+    /// while clients whose answers ended early wait for the last one.
+    #[test]
+    fn the_aggregate_counts_the_time_every_client_streams() {
+        let t0 = Instant::now();
+        let both = vec![replies(t0, 0, 10, &[10, 10]), replies(t0, 55, 10, &[4])];
+        // Window (65, 95]: the last first token is client 1's at 65 ms, the
+        // first last token client 1's at 95. Client 0's events 70, 80, 90
+        // and client 1's 75, 85, 95 lie inside: 6 tokens in 30 ms.
+        let rate = concurrent_rate(&both).expect("a window");
+        assert!((rate - 200.0).abs() < 1e-6, "{rate}");
+        // A reply of 2 tokens sent as one event counts both where it lands.
+        let mut merged = both.clone();
+        merged[1][0].tokens = 8;
+        let rate = concurrent_rate(&merged).expect("a window");
+        assert!((rate - (3.0 + 3.0 * 2.0) / 0.030).abs() < 1e-6, "{rate}");
+        // One client: its whole span, less its first token.
+        let one = vec![replies(t0, 0, 10, &[10, 10])];
+        assert!((concurrent_rate(&one).expect("a window") - 19.0 / 0.190).abs() < 1e-6);
+        // A client that finished before another started: no window.
+        assert!(concurrent_rate(&[replies(t0, 0, 10, &[3]), replies(t0, 100, 10, &[3])]).is_none());
+        // A client that received nothing: no window.
+        assert!(concurrent_rate(&[replies(t0, 0, 10, &[3]), vec![Reply::default()]]).is_none());
     }
 
     /// One round is the plain sweep: its own values, a zero-width range.
