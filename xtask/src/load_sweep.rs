@@ -179,6 +179,8 @@ fn measure(
     let all: Vec<&Reply> = replies.iter().flatten().collect();
     let tokens: usize = all.iter().map(|r| r.tokens).sum();
     let overall = tokens as f64 / wall;
+    // (No window where a client received no text, or finished before
+    // another's first token: then the whole run's rate.)
     let tokens_per_s = concurrent_rate(&replies).unwrap_or(overall);
     let mut ttft: Vec<f64> = all.iter().map(|r| r.ttft * 1e3).collect();
     ttft.sort_by(f64::total_cmp);
