@@ -583,6 +583,7 @@ mod tests {
         assert_eq!(s.len(), 2);
         assert_eq!(s[1].row.clients, 8);
         assert_eq!(s[1].row.tokens_per_s, 270.0, "median aggregate");
+        assert_eq!(s[1].row.overall, 243.0, "median overall, its own column");
         assert_eq!(s[1].aggregate_range, (200.0, 350.0));
         // Ratios 3.5, 4.0, 3.0: median 3.5 — not 270 / 90 = 3.0 (medians
         // divided) nor 820 / 240.
