@@ -140,8 +140,12 @@ fn run_clients(
 #[derive(Clone, Copy, Debug, PartialEq)]
 struct Row {
     clients: usize,
-    /// Aggregate tokens/s while every client streamed ([`concurrent_rate`]).
+    /// Aggregate tokens/s while every client streamed ([`concurrent_rate`]),
+    /// or, where there was no such window (`windowed` false), `overall`.
     tokens_per_s: f64,
+    /// Whether `tokens_per_s` is the window's rate: false where a client
+    /// received no text or finished before another's first token.
+    windowed: bool,
     /// All tokens over the whole run's wall time (the ramp-down included).
     overall: f64,
     ttft_p50: f64,
@@ -180,14 +184,17 @@ fn measure(
     let tokens: usize = all.iter().map(|r| r.tokens).sum();
     let overall = tokens as f64 / wall;
     // (No window where a client received no text, or finished before
-    // another's first token: then the whole run's rate.)
-    let tokens_per_s = concurrent_rate(&replies).unwrap_or(overall);
+    // another's first token: then the whole run's rate, and the report
+    // says so.)
+    let window = concurrent_rate(&replies);
+    let tokens_per_s = window.unwrap_or(overall);
     let mut ttft: Vec<f64> = all.iter().map(|r| r.ttft * 1e3).collect();
     ttft.sort_by(f64::total_cmp);
     let per_client = all.iter().map(|r| r.tokens as f64 / r.secs).sum::<f64>() / all.len().max(1) as f64;
     Ok(Row {
         clients,
         tokens_per_s,
+        windowed: window.is_some(),
         overall,
         ttft_p50: percentile(&ttft, 0.5),
         ttft_p95: percentile(&ttft, 0.95),
@@ -211,6 +218,26 @@ struct Summary {
     /// the default sweep): median and range over the rounds.
     ratio: f64,
     ratio_range: (f64, f64),
+    /// Rounds whose aggregate is the whole run's rate (no window where
+    /// every client streamed): the report marks the cell.
+    fallbacks: usize,
+}
+
+impl Summary {
+    /// The aggregate's table cell: the median (with the rounds' range when
+    /// there are several), marked where any round had no window where every
+    /// client streamed and so counted its whole run instead.
+    fn aggregate_cell(&self, rounds: usize) -> String {
+        let (lo, hi) = self.aggregate_range;
+        let mut cell = format!("{:.1}", self.row.tokens_per_s);
+        if rounds > 1 {
+            cell += &format!(" ({lo:.1}–{hi:.1})");
+        }
+        if self.fallbacks > 0 {
+            cell += &format!(" † {} of {}", self.fallbacks, rounds.max(1));
+        }
+        cell
+    }
 }
 
 /// The median (the upper one of an even count, as the benches take it):
@@ -236,6 +263,7 @@ fn summarize(rounds: &[Vec<Row>]) -> Vec<Summary> {
             let row = Row {
                 clients: rounds[0][i].clients,
                 tokens_per_s: column(|r| r.tokens_per_s),
+                windowed: rounds.iter().all(|r| r[i].windowed),
                 overall: column(|r| r.overall),
                 ttft_p50: column(|r| r.ttft_p50),
                 ttft_p95: column(|r| r.ttft_p95),
@@ -247,7 +275,8 @@ fn summarize(rounds: &[Vec<Row>]) -> Vec<Summary> {
                 engine_ms: column(|r| r.engine_ms),
             };
             let ratio_range = range(&ratios);
-            Summary { row, aggregate_range: range(&aggregates), ratio: median(ratios), ratio_range }
+            let fallbacks = rounds.iter().filter(|r| !r[i].windowed).count();
+            Summary { row, aggregate_range: range(&aggregates), ratio: median(ratios), ratio_range, fallbacks }
         })
         .collect()
 }
@@ -348,7 +377,7 @@ pub fn run(opts: Options) -> Result<()> {
             md,
             "| {} | {} | {} | {:.1} | {:.1} | {:.0} | {:.0} | {:.1} | {:.0}% | {} | {:.1} | {:.2} | {:.2} |",
             r.clients,
-            spread(format!("{:.1}", r.tokens_per_s), s.aggregate_range, 1, ""),
+            s.aggregate_cell(opts.rounds),
             spread(format!("{:.2}x", s.ratio), s.ratio_range, 2, "x"),
             r.overall,
             r.per_client,
@@ -362,20 +391,28 @@ pub fn run(opts: Options) -> Result<()> {
             r.engine_ms
         );
     }
+    if summary.iter().any(|s| s.fallbacks > 0) {
+        md += "\n† In that many rounds no time had every client streaming (a client received no text, or finished \
+               before another's first token): those rounds' aggregate is the whole run's rate, as overall tok/s.\n";
+    }
     let _ = write!(
         md,
         "\nSession churn: a request's latency {:.1} ms alone, {:.1} ms while another client creates and closes \
          sessions in a loop ({:+.1} ms).\n\nA client that stops reading its stream (the server parked its turn \
          {:.1} s after it stopped, once the socket buffers between them were full): two reading clients make \
-         {:.1} tok/s alone and {:.1} tok/s beside it ({:+.1}%; medians of three alternating rounds).\n\nKernels: \
-         {isa}.\n",
+         {:.1} tok/s alone and {:.1} tok/s beside it ({:+.1}%; medians of three alternating rounds, each counted \
+         while both stream{}).\n\nKernels: {isa}.\n",
         i.alone_ms,
         i.churned_ms,
         i.churned_ms - i.alone_ms,
         i.parked_after_s,
         i.readers,
         i.beside,
-        100.0 * (i.beside / i.readers - 1.0)
+        100.0 * (i.beside / i.readers - 1.0),
+        match i.fallbacks {
+            0 => String::new(),
+            n => format!("; {n} of 6 runs had no such time and count their whole run"),
+        }
     );
     println!("\n{md}");
     let out = util::target().join("load");
@@ -446,6 +483,9 @@ struct Interference {
     /// How long after it stopped reading the server parked its turn
     /// (median of the rounds).
     parked_after_s: f64,
+    /// Pair runs (of six) with no time both readers streamed, counted over
+    /// their whole run instead.
+    fallbacks: usize,
 }
 
 /// Median latency of short requests alone and while sessions churn; the
@@ -479,7 +519,10 @@ fn interference(server: &onnx_genai_server::RunningServer, model: &str, max_toke
     let churned = short(9)?;
     stop.store(true, Ordering::SeqCst);
     let _ = churner.join();
-    let pair = || -> Result<f64> {
+    // Counted as the sweep counts its aggregate: while both readers stream
+    // (so a slow first token, the prompt's read, does not dilute either
+    // side); where there is no such time, the pair's whole run.
+    let pair = || -> Result<(f64, bool)> {
         let started = Instant::now();
         let hs: Vec<_> = (0..2)
             .map(|c| {
@@ -491,11 +534,15 @@ fn interference(server: &onnx_genai_server::RunningServer, model: &str, max_toke
                 })
             })
             .collect();
-        let mut tokens = 0;
-        for h in hs {
-            tokens += h.join().map_err(|_| anyhow::anyhow!("a client thread panicked"))??.tokens;
-        }
-        Ok(tokens as f64 / started.elapsed().as_secs_f64())
+        let replies: Vec<Vec<Reply>> = hs
+            .into_iter()
+            .map(|h| Ok(vec![h.join().map_err(|_| anyhow::anyhow!("a client thread panicked"))??]))
+            .collect::<Result<_>>()?;
+        let wall = started.elapsed().as_secs_f64();
+        Ok(match concurrent_rate(&replies) {
+            Some(rate) => (rate, true),
+            None => (replies.iter().flatten().map(|r| r.tokens).sum::<usize>() as f64 / wall, false),
+        })
     };
     // Three rounds, each the readers alone and then beside a client that
     // opens a long stream and never reads it; medians of each. This check
@@ -516,19 +563,24 @@ fn interference(server: &onnx_genai_server::RunningServer, model: &str, max_toke
         Ok(since.elapsed().as_secs_f64())
     };
     let (mut alone_rates, mut beside_rates, mut noticed) = (Vec::new(), Vec::new(), Vec::new());
+    let mut fallbacks = 0;
     for _ in 0..3 {
-        alone_rates.push(pair()?);
+        let (rate, windowed) = pair()?;
+        alone_rates.push(rate);
+        fallbacks += usize::from(!windowed);
         let silent = Stream::open(addr, "/v1/completions", &[], &body)?;
         // Until the socket buffers between it and the server fill, a
         // client that does not read is indistinguishable from one that
         // does; measure once the server has noticed (its turn parked).
         noticed.push(wait_for("the silent client's turn was not parked", &|g| g.parked > 0)?);
-        beside_rates.push(pair()?);
+        let (rate, windowed) = pair()?;
+        beside_rates.push(rate);
+        fallbacks += usize::from(!windowed);
         drop(silent);
         wait_for("the silent client's turn did not end after it left", &|g| g.running == 0)?;
     }
     let (readers, beside, noticed) = (median(alone_rates), median(beside_rates), median(noticed));
-    Ok(Interference { alone_ms: alone, churned_ms: churned, readers, beside, parked_after_s: noticed })
+    Ok(Interference { alone_ms: alone, churned_ms: churned, readers, beside, parked_after_s: noticed, fallbacks })
 }
 
 #[cfg(test)]
@@ -557,6 +609,7 @@ mod tests {
         Row {
             clients,
             tokens_per_s,
+            windowed: true,
             overall: tokens_per_s * 0.9,
             ttft_p50: tokens_per_s / 10.0,
             ttft_p95: 0.0,
@@ -641,6 +694,22 @@ mod tests {
         assert!(concurrent_rate(&[replies(t0, 0, 10, &[3]), replies(t0, 100, 10, &[3])]).is_none());
         // A client that received nothing: no window.
         assert!(concurrent_rate(&[replies(t0, 0, 10, &[3]), vec![Reply::default()]]).is_none());
+    }
+
+    /// A round with no time every client streamed counts its whole run
+    /// (`measure`'s fallback); the aggregate's cell says in how many rounds,
+    /// so a whole-run rate is never read as the concurrent one.
+    #[test]
+    fn a_whole_run_aggregate_is_marked() {
+        let whole = Row { windowed: false, ..row(8, 200.0, 8) };
+        let rounds = vec![vec![row(1, 100.0, 1), whole], vec![row(1, 90.0, 1), row(8, 270.0, 8)]];
+        let s = summarize(&rounds);
+        assert_eq!((s[0].fallbacks, s[1].fallbacks), (0, 1));
+        assert!(!s[1].row.windowed);
+        assert_eq!(s[0].aggregate_cell(2), "100.0 (90.0–100.0)");
+        assert_eq!(s[1].aggregate_cell(2), "270.0 (200.0–270.0) † 1 of 2");
+        let one = summarize(&[vec![Row { windowed: false, ..row(1, 50.0, 1) }]]);
+        assert_eq!(one[0].aggregate_cell(1), "50.0 † 1 of 1");
     }
 
     /// One round is the plain sweep: its own values, a zero-width range.
