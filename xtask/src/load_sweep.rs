@@ -114,6 +114,21 @@ fn concurrent_rate(clients: &[Vec<Reply>]) -> Option<f64> {
     Some(tokens / secs)
 }
 
+/// [`concurrent_rate`], or where there is no window (a client received no
+/// text, or finished before another's first token) every token over the
+/// run's `wall` seconds; with whether it was the window's rate, so a report
+/// can say which it shows.
+fn rate_or_whole_run(clients: &[Vec<Reply>], wall: f64) -> (f64, bool) {
+    match concurrent_rate(clients) {
+        Some(rate) => (rate, true),
+        None => (clients.iter().flatten().map(|r| r.tokens).sum::<usize>() as f64 / wall, false),
+    }
+}
+
+/// Rounds of the non-reader check (each runs the reader pair twice: alone,
+/// then beside the silent client).
+const INTERFERENCE_ROUNDS: usize = 3;
+
 /// `clients` threads released together, each streaming `turns` requests in
 /// turn (`prompt(client, turn)`): each client's replies.
 fn run_clients(
@@ -183,18 +198,14 @@ fn measure(
     let all: Vec<&Reply> = replies.iter().flatten().collect();
     let tokens: usize = all.iter().map(|r| r.tokens).sum();
     let overall = tokens as f64 / wall;
-    // (No window where a client received no text, or finished before
-    // another's first token: then the whole run's rate, and the report
-    // says so.)
-    let window = concurrent_rate(&replies);
-    let tokens_per_s = window.unwrap_or(overall);
+    let (tokens_per_s, windowed) = rate_or_whole_run(&replies, wall);
     let mut ttft: Vec<f64> = all.iter().map(|r| r.ttft * 1e3).collect();
     ttft.sort_by(f64::total_cmp);
     let per_client = all.iter().map(|r| r.tokens as f64 / r.secs).sum::<f64>() / all.len().max(1) as f64;
     Ok(Row {
         clients,
         tokens_per_s,
-        windowed: window.is_some(),
+        windowed,
         overall,
         ttft_p50: percentile(&ttft, 0.5),
         ttft_p95: percentile(&ttft, 0.95),
@@ -393,7 +404,8 @@ pub fn run(opts: Options) -> Result<()> {
     }
     if summary.iter().any(|s| s.fallbacks > 0) {
         md += "\n† In that many rounds no time had every client streaming (a client received no text, or finished \
-               before another's first token): those rounds' aggregate is the whole run's rate, as overall tok/s.\n";
+               before another's first token): those rounds' aggregate is the whole run's rate, as overall tok/s, and so are \
+               the ratio to one client, the G op/s and the share of the peak taken from it.\n";
     }
     let _ = write!(
         md,
@@ -411,7 +423,7 @@ pub fn run(opts: Options) -> Result<()> {
         100.0 * (i.beside / i.readers - 1.0),
         match i.fallbacks {
             0 => String::new(),
-            n => format!("; {n} of 6 runs had no such time and count their whole run"),
+            n => format!("; {n} of {} runs had no such time and count their whole run", 2 * INTERFERENCE_ROUNDS),
         }
     );
     println!("\n{md}");
@@ -483,8 +495,8 @@ struct Interference {
     /// How long after it stopped reading the server parked its turn
     /// (median of the rounds).
     parked_after_s: f64,
-    /// Pair runs (of six) with no time both readers streamed, counted over
-    /// their whole run instead.
+    /// Pair runs (of `2 * INTERFERENCE_ROUNDS`) with no time both readers
+    /// streamed, counted over their whole run instead.
     fallbacks: usize,
 }
 
@@ -538,11 +550,7 @@ fn interference(server: &onnx_genai_server::RunningServer, model: &str, max_toke
             .into_iter()
             .map(|h| Ok(vec![h.join().map_err(|_| anyhow::anyhow!("a client thread panicked"))??]))
             .collect::<Result<_>>()?;
-        let wall = started.elapsed().as_secs_f64();
-        Ok(match concurrent_rate(&replies) {
-            Some(rate) => (rate, true),
-            None => (replies.iter().flatten().map(|r| r.tokens).sum::<usize>() as f64 / wall, false),
-        })
+        Ok(rate_or_whole_run(&replies, started.elapsed().as_secs_f64()))
     };
     // Three rounds, each the readers alone and then beside a client that
     // opens a long stream and never reads it; medians of each. This check
@@ -564,7 +572,7 @@ fn interference(server: &onnx_genai_server::RunningServer, model: &str, max_toke
     };
     let (mut alone_rates, mut beside_rates, mut noticed) = (Vec::new(), Vec::new(), Vec::new());
     let mut fallbacks = 0;
-    for _ in 0..3 {
+    for _ in 0..INTERFERENCE_ROUNDS {
         let (rate, windowed) = pair()?;
         alone_rates.push(rate);
         fallbacks += usize::from(!windowed);
@@ -710,6 +718,20 @@ mod tests {
         assert_eq!(s[1].aggregate_cell(2), "270.0 (200.0–270.0) † 1 of 2");
         let one = summarize(&[vec![Row { windowed: false, ..row(1, 50.0, 1) }]]);
         assert_eq!(one[0].aggregate_cell(1), "50.0 † 1 of 1");
+    }
+
+    /// The aggregate is the window's rate where there is one, and says so;
+    /// with none (a client finished before another's first token, or
+    /// received no text) it is every token over the run's wall time.
+    #[test]
+    fn a_rate_without_a_window_is_the_whole_runs_and_flagged() {
+        let t0 = Instant::now();
+        let both = vec![replies(t0, 0, 10, &[10, 10]), replies(t0, 55, 10, &[4])];
+        assert_eq!(rate_or_whole_run(&both, 1.0), (concurrent_rate(&both).expect("a window"), true));
+        let apart = vec![replies(t0, 0, 10, &[3]), replies(t0, 100, 10, &[5])];
+        assert_eq!(rate_or_whole_run(&apart, 0.5), (16.0, false));
+        let silent = vec![replies(t0, 0, 10, &[3]), vec![Reply::default()]];
+        assert_eq!(rate_or_whole_run(&silent, 0.25), (12.0, false));
     }
 
     /// One round is the plain sweep: its own values, a zero-width range.

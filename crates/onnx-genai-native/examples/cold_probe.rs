@@ -62,7 +62,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             _ => None,
         })
         .collect();
-    onnx_genai_native::kernels::storage::gather(&mut tiles);
+    // (The weights hold the arena; this handle only reports on it.)
+    let huge = onnx_genai_native::kernels::storage::gather(&mut tiles).is_some_and(|a| a.huge_pages_asked());
     let x: Vec<f32> = (0..16 * K).map(|i| (i as f32 * 0.01).sin()).collect();
     let mut rt = Runtime::new(threads)?;
     // One pass of COPIES calls at `rows` rows, weight cold or hot: µs a call.
@@ -84,7 +85,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         return Ok(());
     }
     let inputs = if int8 { "int8" } else { "f32" };
-    println!("{K}x{N} {inputs}-input 4-bit, {threads} thread(s), µs a call (best of 5 passes of {COPIES} calls)");
+    let pages = if huge { "huge pages (advised)" } else { "4 KiB pages (the huge-page hint refused)" };
+    println!("{K}x{N} {inputs}-input 4-bit, {threads} thread(s), weights on {pages}, µs a call (best of 5 passes of {COPIES} calls)");
     for isa in Isa::all_available() {
         rt.isa = isa;
         for rows in [1usize, 2, 8, 16] {
