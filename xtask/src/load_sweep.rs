@@ -239,15 +239,21 @@ impl Summary {
     /// there are several), marked where any round had no window where every
     /// client streamed and so counted its whole run instead.
     fn aggregate_cell(&self, rounds: usize) -> String {
-        let (lo, hi) = self.aggregate_range;
-        let mut cell = format!("{:.1}", self.row.tokens_per_s);
-        if rounds > 1 {
-            cell += &format!(" ({lo:.1}–{hi:.1})");
-        }
+        let mut cell = spread(format!("{:.1}", self.row.tokens_per_s), self.aggregate_range, 1, "", rounds);
         if self.fallbacks > 0 {
             cell += &format!(" † {} of {}", self.fallbacks, rounds.max(1));
         }
         cell
+    }
+}
+
+/// A table cell's `value` with the rounds' range beside it (`digits`
+/// decimals, `unit` after the upper end) when there are several rounds.
+fn spread(value: String, (lo, hi): (f64, f64), digits: usize, unit: &str, rounds: usize) -> String {
+    if rounds > 1 {
+        format!("{value} ({lo:.digits$}–{hi:.digits$}{unit})")
+    } else {
+        value
     }
 }
 
@@ -375,13 +381,6 @@ pub fn run(opts: Options) -> Result<()> {
         opts.threads,
         peaks.said()
     );
-    let spread = |value: String, (lo, hi): (f64, f64), digits: usize, unit: &str| {
-        if opts.rounds > 1 {
-            format!("{value} ({lo:.digits$}–{hi:.digits$}{unit})")
-        } else {
-            value
-        }
-    };
     for s in &summary {
         let r = &s.row;
         let _ = writeln!(
@@ -389,7 +388,7 @@ pub fn run(opts: Options) -> Result<()> {
             "| {} | {} | {} | {:.1} | {:.1} | {:.0} | {:.0} | {:.1} | {:.0}% | {} | {:.1} | {:.2} | {:.2} |",
             r.clients,
             s.aggregate_cell(opts.rounds),
-            spread(format!("{:.2}x", s.ratio), s.ratio_range, 2, "x"),
+            spread(format!("{:.2}x", s.ratio), s.ratio_range, 2, "x", opts.rounds),
             r.overall,
             r.per_client,
             r.ttft_p50,
