@@ -154,8 +154,10 @@ enum Command {
     Load {
         #[arg(long, default_value_t = 64)]
         clients: usize,
-        #[arg(long, default_value_t = 20)]
-        turns: usize,
+        /// Requests each client makes one after another [default: 20; with
+        /// --package: 4, and 1 to 4].
+        #[arg(long)]
+        turns: Option<usize>,
         #[arg(long, default_value_t = 8)]
         max_tokens: u32,
         /// Decode backend (ort, native-cpu).
@@ -247,6 +249,15 @@ enum Command {
     },
 }
 
+/// Requests a client of a package sweep (`load --package`) makes one after
+/// another by default: with several, a client's next prompt arrives while
+/// the others decode, as a served conversation's do.
+const SWEEP_TURNS: usize = 4;
+
+/// The most requests a sweep's client makes (each count of a sweep runs
+/// clients x turns requests of `--max-tokens`).
+const MAX_SWEEP_TURNS: usize = 4;
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     if matches!(cli.command, Command::Bench { .. } | Command::Load { .. }) && cfg!(debug_assertions) && !cli.dev_build {
@@ -288,8 +299,12 @@ fn main() -> ExitCode {
         Command::Load {
             package: Some(package), sweep, threads, max_tokens, backend, turns, kv_cache, rounds, ..
         } => {
+            let turns = turns.unwrap_or(SWEEP_TURNS);
             let clients: Result<Vec<usize>, _> = sweep.split(',').map(|c| c.trim().parse::<usize>()).collect();
             match clients {
+                _ if !(1..=MAX_SWEEP_TURNS).contains(&turns) => Err(anyhow::anyhow!(
+                    "--turns with --package takes 1 to {MAX_SWEEP_TURNS} requests a client, got {turns}"
+                )),
                 Ok(clients) if clients.iter().all(|c| *c > 0) => load_sweep::run(load_sweep::Options {
                     package,
                     clients,
@@ -297,14 +312,14 @@ fn main() -> ExitCode {
                     threads,
                     backend,
                     kv_cache,
-                    turns: turns.clamp(1, 4),
+                    turns,
                     rounds: rounds.max(1),
                 }),
                 _ => Err(anyhow::anyhow!("--sweep takes positive client counts separated by commas, got `{sweep}`")),
             }
         }
         Command::Load { clients, turns, max_tokens, backend, .. } => {
-            load::run(load::Options { clients, turns, max_tokens: max_tokens.max(1), backend })
+            load::run(load::Options { clients, turns: turns.unwrap_or(20), max_tokens: max_tokens.max(1), backend })
         }
         Command::Mutants { compare: true, minutes, target, shard, .. } => {
             mutants_compare::run(mutants_compare::Options {
