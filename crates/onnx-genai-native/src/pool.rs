@@ -251,17 +251,44 @@ impl ThreadPool {
     /// the thread that finishes first waits for at most one item of the
     /// other's, not for a whole chunk.
     pub fn for_claimed_ranges(&self, n: usize, chunk: usize, f: &(dyn Fn(std::ops::Range<usize>, usize) + Sync)) {
+        self.for_claimed_ranges_prepared(n, chunk, &|_| {}, f);
+    }
+
+    /// [`ThreadPool::for_claimed_ranges`], each thread that takes part
+    /// first running `prepare(thread)` once (before its first range; also
+    /// where it then finds no range left): for what every thread needs its
+    /// own copy of, made in the region rather than by the caller before it.
+    pub fn for_claimed_ranges_prepared(
+        &self,
+        n: usize,
+        chunk: usize,
+        prepare: &(dyn Fn(usize) + Sync),
+        f: &(dyn Fn(std::ops::Range<usize>, usize) + Sync),
+    ) {
         let chunk = chunk.max(1);
         let threads = self.threads();
+        if n == 0 {
+            return;
+        }
         if threads > MAX_SHARES || n > u32::MAX as usize || IN_REGION.with(|r| r.get()) {
+            // One counter over the chunks, claimed in turn.
             let range = |c: usize| c * chunk..((c + 1) * chunk).min(n);
-            self.for_claimed(n.div_ceil(chunk), &|c, t| f(range(c), t));
+            let (chunks, next) = (n.div_ceil(chunk), AtomicUsize::new(0));
+            self.run(&|t| {
+                prepare(t);
+                loop {
+                    let c = next.fetch_add(1, Ordering::Relaxed);
+                    if c >= chunks {
+                        break;
+                    }
+                    f(range(c), t);
+                }
+            });
             return;
         }
         if threads == 1 || n <= chunk {
-            if n > 0 {
-                f(0..n, 0);
-            }
+            prepare(0);
+            f(0..n, 0);
             return;
         }
         // Each share's unclaimed items `front..back`, packed in one word:
@@ -291,6 +318,7 @@ impl ThreadPool {
             }
         };
         self.run(&|t| {
+            prepare(t);
             while let Some(r) = take(&shares[t], false) {
                 f(r, t);
             }
@@ -589,6 +617,64 @@ mod tests {
                 });
             });
             assert!(covered.iter().all(|c| c.load(Ordering::Relaxed) == 1), "n={n} chunk={chunk} threads={threads}");
+        }
+    }
+
+    /// `for_claimed_ranges_prepared`: a thread runs `prepare` once, before
+    /// any range it takes (what the int8-input projections rely on: each
+    /// thread's ranges read the rows it quantized for itself), and the ranges
+    /// still cover the work once — in a region, inline (a nested region),
+    /// and on one thread.
+    #[test]
+    fn each_thread_prepares_once_before_its_ranges() {
+        for (n, chunk, threads) in [(1, 4, 2), (5, 16, 2), (18, 2, 2), (97, 5, 3), (200, 12, 2), (40, 3, 1)] {
+            let pool = ThreadPool::new(threads, Duration::from_micros(50)).unwrap();
+            // Returns how many threads ran a range. With `meet`, each
+            // thread's first range waits (10 s at most) until every thread
+            // has started one: no share is finished, so none is taken by
+            // another, before every thread has reached its own.
+            let check = |meet: bool| {
+                let prepared: Vec<AtomicUsize> = (0..threads).map(|_| AtomicUsize::new(0)).collect();
+                let ran: Vec<AtomicBool> = (0..threads).map(|_| AtomicBool::new(false)).collect();
+                let started = AtomicUsize::new(0);
+                let covered: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+                let prepare = |t: usize| {
+                    prepared[t].fetch_add(1, Ordering::SeqCst);
+                };
+                pool.for_claimed_ranges_prepared(n, chunk, &prepare, &|r, t| {
+                    assert_eq!(prepared[t].load(Ordering::SeqCst), 1, "n={n}: thread {t} ran {r:?} unprepared");
+                    if !ran[t].swap(true, Ordering::SeqCst) && meet {
+                        started.fetch_add(1, Ordering::SeqCst);
+                        let since = std::time::Instant::now();
+                        while started.load(Ordering::SeqCst) < threads && since.elapsed() < Duration::from_secs(10) {
+                            std::thread::sleep(Duration::from_micros(100));
+                        }
+                    }
+                    r.for_each(|i| {
+                        covered[i].fetch_add(1, Ordering::Relaxed);
+                    });
+                });
+                assert!(prepared.iter().all(|p| p.load(Ordering::SeqCst) <= 1), "n={n}: a thread prepared twice");
+                assert!(
+                    covered.iter().all(|c| c.load(Ordering::Relaxed) == 1),
+                    "n={n} chunk={chunk} threads={threads}"
+                );
+                ran.iter().filter(|r| r.load(Ordering::SeqCst)).count()
+            };
+            // (Not vacuous: where every thread has a share of two chunks or
+            // more, every thread runs some of them.)
+            let meet = n >= 2 * chunk * threads;
+            let ran = check(meet);
+            if meet {
+                assert_eq!(ran, threads, "n={n} chunk={chunk}: only {ran} of {threads} threads ran ranges");
+            }
+            // Nested in a region, the ranges run inline on the calling thread
+            // (one after another: no thread could wait for the others).
+            pool.run(&|t| {
+                if t == 0 {
+                    check(false);
+                }
+            });
         }
     }
 

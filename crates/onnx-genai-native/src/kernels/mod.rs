@@ -49,11 +49,17 @@ pub struct Scratch {
     pub split: Vec<f32>,
     /// The rows a row-selecting head projects (staging only).
     pub picked: Vec<f32>,
+    /// An int8-input projection's rows as this thread quantized them for
+    /// itself (values, per-block scales and sums): each thread of a region
+    /// reads its own copy rather than rows another thread wrote.
+    pub quantized: Vec<i8>,
+    pub quantized_scales: Vec<f32>,
+    pub quantized_sums: Vec<i32>,
 }
 
 impl Scratch {
     /// Its buffers.
-    const FIELDS: usize = 9;
+    const FIELDS: usize = 12;
 
     /// The capacity of every buffer, in field order.
     fn capacities(&self) -> [usize; Self::FIELDS] {
@@ -67,6 +73,9 @@ impl Scratch {
             self.gate.capacity(),
             self.split.capacity(),
             self.picked.capacity(),
+            self.quantized.capacity(),
+            self.quantized_scales.capacity(),
+            self.quantized_sums.capacity(),
         ]
     }
 
@@ -77,7 +86,7 @@ impl Scratch {
         fn at_least<T>(v: &mut Vec<T>, cap: usize) {
             v.reserve_exact(cap.saturating_sub(v.len()));
         }
-        let [a, b, c, d, bytes, ints, gate, split, picked] = caps;
+        let [a, b, c, d, bytes, ints, gate, split, picked, quantized, quantized_scales, quantized_sums] = caps;
         at_least(&mut self.a, a);
         at_least(&mut self.b, b);
         at_least(&mut self.c, c);
@@ -87,6 +96,9 @@ impl Scratch {
         at_least(&mut self.gate, gate);
         at_least(&mut self.split, split);
         at_least(&mut self.picked, picked);
+        at_least(&mut self.quantized, quantized);
+        at_least(&mut self.quantized_scales, quantized_scales);
+        at_least(&mut self.quantized_sums, quantized_sums);
     }
 }
 
