@@ -49,12 +49,13 @@ pub struct Scratch {
     pub split: Vec<f32>,
     /// The rows a row-selecting head projects (staging only).
     pub picked: Vec<f32>,
-    /// An int8-input projection's rows as this thread quantized them for
-    /// itself (values, per-block scales and sums): each thread of a region
-    /// reads its own copy rather than rows another thread wrote.
-    pub quantized: Vec<i8>,
-    pub quantized_scales: Vec<f32>,
-    pub quantized_sums: Vec<i32>,
+    /// A projection's input rows as this thread prepared them for itself
+    /// (int8 values, or f32 rows split into limbs; per-block scales and
+    /// sums): each thread of a region reads its own copy rather than rows
+    /// another thread wrote.
+    pub own_rows: Vec<i8>,
+    pub own_scales: Vec<f32>,
+    pub own_sums: Vec<i32>,
 }
 
 impl Scratch {
@@ -73,9 +74,9 @@ impl Scratch {
             self.gate.capacity(),
             self.split.capacity(),
             self.picked.capacity(),
-            self.quantized.capacity(),
-            self.quantized_scales.capacity(),
-            self.quantized_sums.capacity(),
+            self.own_rows.capacity(),
+            self.own_scales.capacity(),
+            self.own_sums.capacity(),
         ]
     }
 
@@ -86,7 +87,7 @@ impl Scratch {
         fn at_least<T>(v: &mut Vec<T>, cap: usize) {
             v.reserve_exact(cap.saturating_sub(v.len()));
         }
-        let [a, b, c, d, bytes, ints, gate, split, picked, quantized, quantized_scales, quantized_sums] = caps;
+        let [a, b, c, d, bytes, ints, gate, split, picked, own_rows, own_scales, own_sums] = caps;
         at_least(&mut self.a, a);
         at_least(&mut self.b, b);
         at_least(&mut self.c, c);
@@ -96,9 +97,9 @@ impl Scratch {
         at_least(&mut self.gate, gate);
         at_least(&mut self.split, split);
         at_least(&mut self.picked, picked);
-        at_least(&mut self.quantized, quantized);
-        at_least(&mut self.quantized_scales, quantized_scales);
-        at_least(&mut self.quantized_sums, quantized_sums);
+        at_least(&mut self.own_rows, own_rows);
+        at_least(&mut self.own_scales, own_scales);
+        at_least(&mut self.own_sums, own_sums);
     }
 }
 

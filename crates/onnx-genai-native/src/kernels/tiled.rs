@@ -1,8 +1,9 @@
 //! Projections on [`Tiled`] weights: the inputs are staged once per call
-//! (padded to whole blocks; quantized to int8 for `accuracy_level` 4), the
-//! output tiles are split across the pool's threads in contiguous ranges,
-//! and each thread runs the kernel of the chosen instruction set over its
-//! tiles for every input row.
+//! (padded to whole blocks), the output tiles are split across the pool's
+//! threads in contiguous ranges, and each thread runs the kernel of the
+//! chosen instruction set over its tiles for every input row — rows it
+//! quantized to int8 (`accuracy_level` 4) or split into limbs for itself
+//! as its region started.
 
 use super::isa::Isa;
 use super::weights::{TileData, Tiled, QBLOCK, TILE};
@@ -183,17 +184,36 @@ impl Ahead {
 /// (values from a cache-line boundary, as the AMX kernel loads them).
 fn quantize_own(s: &mut Scratch, a: &[f32], m: usize, kp: usize, x_block: usize) {
     let per_row = quantized_blocks(kp, x_block);
-    super::grow_to(&mut s.quantized, m * kp + 64);
-    super::grow_to(&mut s.quantized_scales, m * per_row);
-    super::grow_to(&mut s.quantized_sums, m * per_row);
-    let at = super::line_offset(s.quantized.as_ptr());
+    super::grow_to(&mut s.own_rows, m * kp + 64);
+    super::grow_to(&mut s.own_scales, m * per_row);
+    super::grow_to(&mut s.own_sums, m * per_row);
+    let at = super::line_offset(s.own_rows.as_ptr());
     for (r, row) in a.chunks_exact(kp).take(m).enumerate() {
         quantize_into(
             row,
             x_block,
-            &mut s.quantized[at + r * kp..at + (r + 1) * kp],
-            &mut s.quantized_scales[r * per_row..(r + 1) * per_row],
-            &mut s.quantized_sums[r * per_row..(r + 1) * per_row],
+            &mut s.own_rows[at + r * kp..at + (r + 1) * kp],
+            &mut s.own_scales[r * per_row..(r + 1) * per_row],
+            &mut s.own_sums[r * per_row..(r + 1) * per_row],
+        );
+    }
+}
+
+/// Splits rows of `kp` f32 inputs (`a`, a call's rows from its first limb
+/// row on) into limbs in this thread's own buffers.
+fn split_own(s: &mut Scratch, a: &[f32], kp: usize) {
+    use super::limbs::{split, BLOCK_BYTES, LIMBS};
+    let blocks = kp / QBLOCK;
+    let rows = a.len() / kp.max(1);
+    super::grow_to(&mut s.own_rows, rows * blocks * BLOCK_BYTES);
+    super::grow_to(&mut s.own_scales, rows * blocks);
+    super::grow_to(&mut s.own_sums, rows * blocks * LIMBS);
+    for (r, row) in a.chunks_exact(kp).enumerate() {
+        split(
+            row,
+            &mut s.own_rows[r * blocks * BLOCK_BYTES..(r + 1) * blocks * BLOCK_BYTES],
+            &mut s.own_scales[r * blocks..(r + 1) * blocks],
+            &mut s.own_sums[r * blocks * LIMBS..(r + 1) * blocks * LIMBS],
         );
     }
 }
@@ -234,8 +254,8 @@ pub fn linear(t: &Tiled, x: &[f32], m: usize, y: &mut [f32], ctx: &Ctx, isa: Isa
         }
     };
     s.c.clear();
-    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
-    let mut limbs = LimbRows::default();
+    // f32 inputs on VNNI: the first row the limb kernel takes.
+    let mut limb_rows: Option<usize> = None;
     // Int8 inputs: each thread quantizes every row for itself as the
     // region starts (`quantize_own`), so no thread reads rows another
     // wrote. Quantized by rows across the threads before the region (each
@@ -262,57 +282,51 @@ pub fn linear(t: &Tiled, x: &[f32], m: usize, y: &mut [f32], ctx: &Ctx, isa: Isa
             if summed {
                 s.c.extend(a.chunks_exact(QBLOCK).map(|b| b.iter().sum::<f32>()));
             }
-            // The rows VNNI's integer kernel takes (the int8-input
-            // buffers are free here).
-            #[cfg(target_arch = "x86_64")]
+            // The rows VNNI's integer kernel takes, split into limbs by
+            // each thread for itself (`split_own`), as int8 rows are
+            // quantized.
             if limb_first < m {
-                use super::limbs::{split, BLOCK_BYTES, LIMBS};
-                let blocks = kp / QBLOCK;
-                let rows = m - limb_first;
-                super::grow_to(&mut s.bytes, rows * blocks * BLOCK_BYTES);
-                super::grow_to(&mut s.b, rows * blocks);
-                super::grow_to(&mut s.ints, rows * blocks * LIMBS);
-                for r in 0..rows {
-                    split(
-                        &a[(limb_first + r) * kp..(limb_first + r + 1) * kp],
-                        &mut s.bytes[r * blocks * BLOCK_BYTES..(r + 1) * blocks * BLOCK_BYTES],
-                        &mut s.b[r * blocks..(r + 1) * blocks],
-                        &mut s.ints[r * blocks * LIMBS..(r + 1) * blocks * LIMBS],
-                    );
-                }
-                limbs = LimbRows { first: limb_first, digits: &s.bytes, scales: &s.b, sums: &s.ints };
+                limb_rows = Some(limb_first);
             }
         }
         _ => {}
     }
-    let shared = Rows { m, kp, x: a, xsum: &s.c, q: &[], qscale: &[], qsum: &[], limbs };
+    let shared = Rows { m, kp, x: a, xsum: &s.c, q: &[], qscale: &[], qsum: &[], limbs: LimbRows::default() };
     let out = Disjoint::new(y);
     let amx = isa == Isa::Avx512Amx && m >= AMX_MIN_ROWS && int8_block.is_some() && isa.available();
     let prepare = |th: usize| {
+        // SAFETY: thread `th` is the only user of its scratch in this
+        // region.
+        let scratch = unsafe { ctx.scratch.get(th) };
         if let Some(x_block) = int8_block {
-            // SAFETY: thread `th` is the only user of its scratch in this
-            // region.
-            quantize_own(unsafe { ctx.scratch.get(th) }, a, m, kp, x_block);
+            quantize_own(scratch, a, m, kp, x_block);
+        } else if let Some(first) = limb_rows {
+            split_own(scratch, &a[first * kp..m * kp], kp);
         }
     };
     let work = |range: std::ops::Range<usize>, th: usize| {
         // SAFETY: thread `th` is the only user of its scratch in this
         // region; `prepare` ran on this thread before its first range.
-        let Scratch { bytes, quantized, quantized_scales, quantized_sums, .. } = unsafe { ctx.scratch.get(th) };
+        let Scratch { bytes, own_rows, own_scales, own_sums, .. } = unsafe { ctx.scratch.get(th) };
         let own;
-        let rows = match int8_block {
-            Some(x_block) => {
+        let rows = match (int8_block, limb_rows) {
+            (Some(x_block), _) => {
                 let blocks = m * quantized_blocks(kp, x_block);
-                let at = super::line_offset(quantized.as_ptr());
+                let at = super::line_offset(own_rows.as_ptr());
                 own = Rows {
-                    q: &quantized[at..at + m * kp],
-                    qscale: &quantized_scales[..blocks],
-                    qsum: &quantized_sums[..blocks],
-                    ..Rows { limbs: LimbRows::default(), ..shared }
+                    q: &own_rows[at..at + m * kp],
+                    qscale: &own_scales[..blocks],
+                    qsum: &own_sums[..blocks],
+                    ..shared
                 };
                 &own
             }
-            None => &shared,
+            (None, Some(first)) => {
+                own =
+                    Rows { limbs: LimbRows { first, digits: own_rows, scales: own_scales, sums: own_sums }, ..shared };
+                &own
+            }
+            (None, None) => &shared,
         };
         #[cfg(target_arch = "x86_64")]
         if amx {
