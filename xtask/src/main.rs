@@ -249,6 +249,10 @@ enum Command {
     },
 }
 
+/// Requests each client of the session/lease load check (`load` without
+/// `--package`) makes by default.
+const LOAD_TURNS: usize = 20;
+
 /// Requests a client of a package sweep (`load --package`) makes one after
 /// another by default: with several, a client's next prompt arrives while
 /// the others decode, as a served conversation's do.
@@ -318,9 +322,12 @@ fn main() -> ExitCode {
                 _ => Err(anyhow::anyhow!("--sweep takes positive client counts separated by commas, got `{sweep}`")),
             }
         }
-        Command::Load { clients, turns, max_tokens, backend, .. } => {
-            load::run(load::Options { clients, turns: turns.unwrap_or(20), max_tokens: max_tokens.max(1), backend })
-        }
+        Command::Load { clients, turns, max_tokens, backend, .. } => load::run(load::Options {
+            clients,
+            turns: turns.unwrap_or(LOAD_TURNS),
+            max_tokens: max_tokens.max(1),
+            backend,
+        }),
         Command::Mutants { compare: true, minutes, target, shard, .. } => {
             mutants_compare::run(mutants_compare::Options {
                 minutes_per_target: minutes.max(1),

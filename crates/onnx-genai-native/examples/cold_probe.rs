@@ -94,7 +94,9 @@ fn step(rt: &Runtime, rows: usize, int8: bool) -> Result<(), Box<dyn std::error:
     );
     let (mut hot_sum, mut cold_sum, mut macs) = (0.0, 0.0, 0.0);
     for (n, k, count) in STEP_SHAPES {
-        let copies_of = (STEP_COLD_BYTES / (n * k / 2)).clamp(2, COPIES);
+        // Enough copies of a small shape too that its cold pass streams
+        // past the L3.
+        let copies_of = (STEP_COLD_BYTES / (n * k / 2)).max(2);
         let (weights, _) = copies(n, k, copies_of, int8);
         let x = inputs(rows, k);
         // About 2,000 calls of each kind, at least 5 passes.

@@ -222,17 +222,31 @@ impl ThreadPool {
     /// thread waiting. Which thread computes an item never changes its
     /// result, so outputs stay deterministic.
     pub fn for_claimed(&self, n: usize, f: &(dyn Fn(usize, usize) + Sync)) {
-        if self.threads() == 1 || n <= 1 {
+        self.for_claimed_prepared(n, &|_| {}, f);
+    }
+
+    /// [`ThreadPool::for_claimed`], each thread that takes part first
+    /// running `prepare(thread)` once (see
+    /// [`ThreadPool::for_claimed_ranges_prepared`]).
+    fn for_claimed_prepared(&self, n: usize, prepare: &(dyn Fn(usize) + Sync), f: &(dyn Fn(usize, usize) + Sync)) {
+        if n == 0 {
+            return;
+        }
+        if self.threads() == 1 || n == 1 {
+            prepare(0);
             (0..n).for_each(|i| f(i, 0));
             return;
         }
         let next = std::sync::atomic::AtomicUsize::new(0);
-        self.run(&|t| loop {
-            let item = next.fetch_add(1, Ordering::Relaxed);
-            if item >= n {
-                break;
+        self.run(&|t| {
+            prepare(t);
+            loop {
+                let item = next.fetch_add(1, Ordering::Relaxed);
+                if item >= n {
+                    break;
+                }
+                f(item, t);
             }
-            f(item, t);
         });
     }
 
@@ -273,17 +287,7 @@ impl ThreadPool {
         if threads > MAX_SHARES || n > u32::MAX as usize || IN_REGION.with(|r| r.get()) {
             // One counter over the chunks, claimed in turn.
             let range = |c: usize| c * chunk..((c + 1) * chunk).min(n);
-            let (chunks, next) = (n.div_ceil(chunk), AtomicUsize::new(0));
-            self.run(&|t| {
-                prepare(t);
-                loop {
-                    let c = next.fetch_add(1, Ordering::Relaxed);
-                    if c >= chunks {
-                        break;
-                    }
-                    f(range(c), t);
-                }
-            });
+            self.for_claimed_prepared(n.div_ceil(chunk), prepare, &|c, t| f(range(c), t));
             return;
         }
         if threads == 1 || n <= chunk {

@@ -193,7 +193,10 @@ pub struct Ctx<'a> {
     pub pool: &'a ThreadPool,
     pub scratch: &'a PerThread<Scratch>,
     /// Buffers the calling thread prepares before a region and every
-    /// thread reads during it (a quantized input row, block sums).
+    /// thread reads during it (padded input rows, block sums; a row-form
+    /// int8 projection's quantized row). A tiled projection's threads
+    /// prepare their quantized or split rows for themselves, in
+    /// [`Scratch::own_rows`].
     pub staging: &'a std::sync::Mutex<Scratch>,
     /// See [`Runtime::attention_parts`].
     pub attention_parts: &'a std::sync::Mutex<Vec<f32>>,
