@@ -44,6 +44,28 @@ pub struct Options {
     pub rounds: usize,
 }
 
+/// Requests a client of a sweep makes one after another by default: with
+/// several, a client's next prompt arrives while the others decode, as a
+/// served conversation's do.
+const SWEEP_TURNS: usize = 4;
+
+/// The most requests a sweep's client makes (each count of a sweep runs
+/// clients x turns requests of `--max-tokens`).
+const MAX_SWEEP_TURNS: usize = 4;
+
+/// `--sweep` and `--turns` as a sweep runs them: the client counts (each
+/// positive) and the turns a client (the default where not given).
+pub fn shape(sweep: &str, turns: Option<usize>) -> Result<(Vec<usize>, usize)> {
+    let turns = turns.unwrap_or(SWEEP_TURNS);
+    if !(1..=MAX_SWEEP_TURNS).contains(&turns) {
+        bail!("--turns with --package takes 1 to {MAX_SWEEP_TURNS} requests a client, got {turns}");
+    }
+    match sweep.split(',').map(|c| c.trim().parse::<usize>()).collect::<Result<Vec<_>, _>>() {
+        Ok(clients) if clients.iter().all(|c| *c > 0) => Ok((clients, turns)),
+        _ => bail!("--sweep takes positive client counts separated by commas, got `{sweep}`"),
+    }
+}
+
 /// One streamed completion.
 #[derive(Clone, Debug, Default)]
 struct Reply {
@@ -121,8 +143,14 @@ fn concurrent_rate(clients: &[Vec<Reply>]) -> Option<f64> {
 fn rate_or_whole_run(clients: &[Vec<Reply>], wall: f64) -> (f64, bool) {
     match concurrent_rate(clients) {
         Some(rate) => (rate, true),
-        None => (clients.iter().flatten().map(|r| r.tokens).sum::<usize>() as f64 / wall, false),
+        None => (whole_run_rate(clients, wall), false),
     }
+}
+
+/// Every token the clients received over the run's `wall` seconds (the
+/// report's "overall" column, and the aggregate where there is no window).
+fn whole_run_rate(clients: &[Vec<Reply>], wall: f64) -> f64 {
+    clients.iter().flatten().map(|r| r.tokens).sum::<usize>() as f64 / wall
 }
 
 /// Rounds of the non-reader check (each runs the reader pair twice: alone,
@@ -196,8 +224,7 @@ fn measure(
     let after = server.gauges();
     let steps = after.steps.saturating_sub(before.steps).max(1) as f64;
     let all: Vec<&Reply> = replies.iter().flatten().collect();
-    let tokens: usize = all.iter().map(|r| r.tokens).sum();
-    let overall = tokens as f64 / wall;
+    let overall = whole_run_rate(&replies, wall);
     let (tokens_per_s, windowed) = rate_or_whole_run(&replies, wall);
     let mut ttft: Vec<f64> = all.iter().map(|r| r.ttft * 1e3).collect();
     ttft.sort_by(f64::total_cmp);
@@ -593,6 +620,24 @@ fn interference(server: &onnx_genai_server::RunningServer, model: &str, max_toke
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A sweep's arguments are checked before anything is built or served:
+    /// turns outside 1..=4 and client counts that are not positive numbers
+    /// are refused with the flag named; the defaults and a valid sweep pass.
+    #[test]
+    fn sweep_arguments_are_checked_before_the_run() {
+        assert_eq!(shape("1,2,4,8,16", None).expect("the default sweep"), (vec![1, 2, 4, 8, 16], SWEEP_TURNS));
+        assert_eq!(shape(" 1, 8 ", Some(1)).expect("spaces and one turn"), (vec![1, 8], 1));
+        assert_eq!(shape("16", Some(MAX_SWEEP_TURNS)).expect("the most turns"), (vec![16], MAX_SWEEP_TURNS));
+        for turns in [0, MAX_SWEEP_TURNS + 1, 9] {
+            let err = shape("1,8", Some(turns)).expect_err("turns out of range").to_string();
+            assert!(err.contains("--turns") && err.contains(&format!("got {turns}")), "{err}");
+        }
+        for sweep in ["", "1,,8", "0,8", "1,x", "-1"] {
+            let err = shape(sweep, None).expect_err("a bad sweep").to_string();
+            assert!(err.contains("--sweep") && err.contains(sweep), "{err}");
+        }
+    }
 
     /// A row's share of the peak is of the path its steps run: below
     /// `AMX_MIN_ROWS` rows a step the int8 projections stay on VNNI, from

@@ -253,15 +253,6 @@ enum Command {
 /// `--package`) makes by default.
 const LOAD_TURNS: usize = 20;
 
-/// Requests a client of a package sweep (`load --package`) makes one after
-/// another by default: with several, a client's next prompt arrives while
-/// the others decode, as a served conversation's do.
-const SWEEP_TURNS: usize = 4;
-
-/// The most requests a sweep's client makes (each count of a sweep runs
-/// clients x turns requests of `--max-tokens`).
-const MAX_SWEEP_TURNS: usize = 4;
-
 fn main() -> ExitCode {
     let cli = Cli::parse();
     if matches!(cli.command, Command::Bench { .. } | Command::Load { .. }) && cfg!(debug_assertions) && !cli.dev_build {
@@ -302,26 +293,18 @@ fn main() -> ExitCode {
         }
         Command::Load {
             package: Some(package), sweep, threads, max_tokens, backend, turns, kv_cache, rounds, ..
-        } => {
-            let turns = turns.unwrap_or(SWEEP_TURNS);
-            let clients: Result<Vec<usize>, _> = sweep.split(',').map(|c| c.trim().parse::<usize>()).collect();
-            match clients {
-                _ if !(1..=MAX_SWEEP_TURNS).contains(&turns) => Err(anyhow::anyhow!(
-                    "--turns with --package takes 1 to {MAX_SWEEP_TURNS} requests a client, got {turns}"
-                )),
-                Ok(clients) if clients.iter().all(|c| *c > 0) => load_sweep::run(load_sweep::Options {
-                    package,
-                    clients,
-                    max_tokens: max_tokens.max(1),
-                    threads,
-                    backend,
-                    kv_cache,
-                    turns,
-                    rounds: rounds.max(1),
-                }),
-                _ => Err(anyhow::anyhow!("--sweep takes positive client counts separated by commas, got `{sweep}`")),
-            }
-        }
+        } => load_sweep::shape(&sweep, turns).and_then(|(clients, turns)| {
+            load_sweep::run(load_sweep::Options {
+                package,
+                clients,
+                max_tokens: max_tokens.max(1),
+                threads,
+                backend,
+                kv_cache,
+                turns,
+                rounds: rounds.max(1),
+            })
+        }),
         Command::Load { clients, turns, max_tokens, backend, .. } => load::run(load::Options {
             clients,
             turns: turns.unwrap_or(LOAD_TURNS),

@@ -180,8 +180,8 @@ impl Ahead {
     }
 }
 
-/// Quantizes `m` rows of `kp` inputs (`a`) into this thread's own buffers
-/// (values from a cache-line boundary, as the AMX kernel loads them).
+/// Quantizes `m` rows of `kp` inputs (`a`) into this thread's own buffers,
+/// laid out as [`own_int8_layout`] says.
 fn quantize_own(s: &mut Scratch, a: &[f32], m: usize, kp: usize, x_block: usize) {
     if kp == 0 {
         return;
@@ -190,16 +190,25 @@ fn quantize_own(s: &mut Scratch, a: &[f32], m: usize, kp: usize, x_block: usize)
     super::grow_to(&mut s.own_rows, m * kp + 64);
     super::grow_to(&mut s.own_scales, m * per_row);
     super::grow_to(&mut s.own_sums, m * per_row);
-    let at = super::line_offset(s.own_rows.as_ptr());
-    for (r, row) in a.chunks_exact(kp).take(m).enumerate() {
-        quantize_into(
-            row,
-            x_block,
-            &mut s.own_rows[at + r * kp..at + (r + 1) * kp],
-            &mut s.own_scales[r * per_row..(r + 1) * per_row],
-            &mut s.own_sums[r * per_row..(r + 1) * per_row],
-        );
+    let (values, blocks) = own_int8_layout(&s.own_rows, m, kp, x_block);
+    let outputs = s.own_rows[values]
+        .chunks_exact_mut(kp)
+        .zip(s.own_scales[..blocks].chunks_exact_mut(per_row).zip(s.own_sums[..blocks].chunks_exact_mut(per_row)));
+    for (row, (q, (scales, sums))) in a.chunks_exact(kp).zip(outputs) {
+        quantize_into(row, x_block, q, scales, sums);
     }
+}
+
+/// Where a call's `m` int8 rows of `kp` lie in a thread's own buffers, the
+/// one layout [`quantize_own`] writes and every range of the region reads:
+/// the values (returned) from the first cache-line boundary of `own_rows`,
+/// as the AMX kernel loads them, and the first `m` rows' worth of scales
+/// and sums (the count returned), [`quantized_blocks`] a row.
+fn own_int8_layout(own_rows: &[i8], m: usize, kp: usize, x_block: usize) -> (std::ops::Range<usize>, usize) {
+    // (Clamped for a buffer never grown — no inputs, `kp` 0 — whose
+    // dangling pointer is not on a line boundary.)
+    let at = super::line_offset(own_rows.as_ptr()).min(own_rows.len());
+    (at..at + m * kp, m * quantized_blocks(kp, x_block))
 }
 
 /// Splits rows of `kp` f32 inputs (`a`, a call's rows from its first limb
@@ -317,14 +326,8 @@ pub fn linear(t: &Tiled, x: &[f32], m: usize, y: &mut [f32], ctx: &Ctx, isa: Isa
         let own;
         let rows = match (int8_block, limb_rows) {
             (Some(x_block), _) => {
-                let blocks = m * quantized_blocks(kp, x_block);
-                let at = super::line_offset(own_rows.as_ptr());
-                own = Rows {
-                    q: &own_rows[at..at + m * kp],
-                    qscale: &own_scales[..blocks],
-                    qsum: &own_sums[..blocks],
-                    ..shared
-                };
+                let (values, blocks) = own_int8_layout(own_rows, m, kp, x_block);
+                own = Rows { q: &own_rows[values], qscale: &own_scales[..blocks], qsum: &own_sums[..blocks], ..shared };
                 &own
             }
             (None, Some(first)) => {
