@@ -218,6 +218,29 @@ fn batched_decode(c: &mut Criterion) {
     }
 }
 
+/// A call's int8 input rows quantized (`accuracy_level` 4), as each
+/// thread of a projection quantizes all of them for itself: 16 rows of
+/// SmolLM2's 576 and 1536 inputs, in values per second. A 16-sequence
+/// decode step quantizes about 1.6 M values on every thread.
+fn quantize_rows(c: &mut Criterion) {
+    use onnx_genai_native::kernels::quantize::quantize;
+    let mut group = c.benchmark_group("quantize_16_rows");
+    for k in [576usize, 1536] {
+        let x: Vec<f32> = (0..16 * k).map(|i| (i as f32 * 0.01).sin()).collect();
+        let (mut q, mut scales, mut sums) = (Vec::new(), Vec::new(), Vec::new());
+        group.throughput(Throughput::Elements(x.len() as u64));
+        group.bench_with_input(BenchmarkId::from_parameter(k), &k, |b, _| {
+            b.iter(|| {
+                q.clear();
+                scales.clear();
+                sums.clear();
+                quantize(&x, 32, &mut q, &mut scales, &mut sums);
+            })
+        });
+    }
+    group.finish();
+}
+
 /// What a parallel region costs beyond its work, on two threads: an empty
 /// one (the hand-off and the barrier) and one of SmolLM2's smallest
 /// projection's claims (its 576 outputs are 18 tile pairs, claimed 3 at
@@ -244,5 +267,5 @@ fn pool_regions(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, projections, batched_decode, microkernel, attention_step, pool_regions);
+criterion_group!(benches, projections, batched_decode, microkernel, attention_step, pool_regions, quantize_rows);
 criterion_main!(benches);

@@ -1,7 +1,7 @@
 //! The reference for 4-bit projections at `MatMulNBits` `accuracy_level` 4,
 //! computed the way ONNX Runtime's CPU kernel does: each input row is
 //! quantized to int8 per weight block (scale `max|x| / 127`, round to
-//! nearest even: [`super::tiled::quantize`]), each block product is an
+//! nearest even: [`super::quantize::quantize`]), each block product is an
 //! exact integer sum `Σ qx · (qw − zero)`, and only the block results are
 //! scaled and added in f32, each with one fused multiply-add
 //! `total + sum · (sw · sx)` as MLAS's kernels do (a multiply and then an
@@ -11,7 +11,7 @@
 //! two differ by ~1e-2 in the logits, 35x the int4 tier. The tiled kernels
 //! compute the same integers and must agree with this to the last bit.
 
-use super::tiled::quantize;
+use super::quantize::quantize;
 use super::weights::{zero_point, Packed, Weight, QBLOCK};
 use super::Ctx;
 use crate::pool::Disjoint;

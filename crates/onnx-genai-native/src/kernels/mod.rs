@@ -20,6 +20,7 @@ pub mod linear_int8;
 pub mod math;
 mod narrow;
 mod portable;
+pub mod quantize;
 pub mod rotary;
 pub mod select;
 pub mod simd;

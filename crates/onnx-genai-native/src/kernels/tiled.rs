@@ -6,6 +6,7 @@
 //! as its region started.
 
 use super::isa::Isa;
+use super::quantize::{quantize_into, quantized_blocks};
 use super::weights::{TileData, Tiled, QBLOCK, TILE};
 use super::{Ctx, Scratch};
 use crate::pool::Disjoint;
@@ -47,123 +48,6 @@ pub fn lane_f32(b: &[u8], at: usize) -> f32 {
 /// Below this many multiply-adds a projection runs on the calling thread.
 const PARALLEL_MIN_MACS: usize = 1 << 15;
 
-/// Quantizes `x` (one row, `kp` values) the way ONNX Runtime's CPU
-/// `MatMulNBits` does at `accuracy_level` 4: per block of `x_block` inputs,
-/// scale `max|x| / 127` and values rounded to nearest, ties to even. Scales
-/// and sums are recorded per 32 inputs (a larger block repeats its scale;
-/// a smaller one has its own).
-pub fn quantize(x: &[f32], x_block: usize, q: &mut Vec<i8>, scales: &mut Vec<f32>, sums: &mut Vec<i32>) {
-    let (at, blocks) = (q.len(), scales.len());
-    let entries = quantized_blocks(x.len(), x_block);
-    q.resize(at + x.len(), 0);
-    scales.resize(blocks + entries, 0.0);
-    sums.resize(blocks + entries, 0);
-    quantize_into(x, x_block, &mut q[at..], &mut scales[blocks..], &mut sums[blocks..]);
-}
-
-/// The scales (and sums) [`quantize`] records for `k` inputs.
-fn quantized_blocks(k: usize, x_block: usize) -> usize {
-    let x_block = x_block.max(1);
-    let sub = QBLOCK.min(x_block);
-    (k / x_block) * x_block.div_ceil(sub) + (k % x_block).div_ceil(sub)
-}
-
-/// [`quantize`] into slices of exactly the right lengths (`x.len()` values,
-/// [`quantized_blocks`] scales and sums), so rows can be quantized apart.
-fn quantize_into(x: &[f32], x_block: usize, q: &mut [i8], scales: &mut [f32], sums: &mut [i32]) {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: AVX2 checked.
-        unsafe { quantize_avx2(x, x_block, q, scales, sums) };
-        return;
-    }
-    quantize_portable(x, x_block, q, scales, sums);
-}
-
-fn quantize_portable(x: &[f32], x_block: usize, q: &mut [i8], scales: &mut [f32], sums: &mut [i32]) {
-    let x_block = x_block.max(1);
-    let mut entry = 0;
-    for (chunk, out) in x.chunks(x_block).zip(q.chunks_mut(x_block)) {
-        entry += quantize_chunk(chunk, out, x_block, &mut scales[entry..], &mut sums[entry..]);
-    }
-}
-
-/// One block of [`quantize_into`]; returns the scales (and sums) written.
-fn quantize_chunk(chunk: &[f32], out: &mut [i8], x_block: usize, scales: &mut [f32], sums: &mut [i32]) -> usize {
-    let amax = chunk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let scale = amax / 127.0;
-    let inverse = if amax != 0.0 { 127.0 / amax } else { 0.0 };
-    for (o, v) in out.iter_mut().zip(chunk) {
-        *o = round_small(v * inverse) as i8;
-    }
-    let mut entry = 0;
-    for sub in out.chunks(QBLOCK.min(x_block)) {
-        scales[entry] = scale;
-        sums[entry] = sub.iter().map(|v| i32::from(*v)).sum();
-        entry += 1;
-    }
-    entry
-}
-
-/// [`quantize_portable`] on AVX2, to the same bits: `max` is exact in any
-/// order, the scale and its inverse are the same scalar divisions, the
-/// products the same multiplications, and `cvtps2dq` rounds to nearest,
-/// ties to even (the default rounding mode), as [`round_small`] does; the
-/// sums are exact integers. Blocks of other than whole 32s take the
-/// portable path. (It was 5% of a 16-sequence decode step in scalar code.)
-///
-/// # Safety
-/// AVX2 must be available.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn quantize_avx2(x: &[f32], x_block: usize, q: &mut [i8], scales: &mut [f32], sums: &mut [i32]) {
-    use std::arch::x86_64::*;
-    let x_block = x_block.max(1);
-    if !x_block.is_multiple_of(QBLOCK) {
-        quantize_portable(x, x_block, q, scales, sums);
-        return;
-    }
-    let magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
-    // packs work within 128-bit lanes: this puts the four 8-value groups
-    // back in order.
-    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    let mut entry = 0;
-    for (chunk, out) in x.chunks(x_block).zip(q.chunks_mut(x_block)) {
-        if !chunk.len().is_multiple_of(QBLOCK) {
-            entry += quantize_chunk(chunk, out, x_block, &mut scales[entry..], &mut sums[entry..]);
-            continue;
-        }
-        let mut m = _mm256_setzero_ps();
-        for v in chunk.chunks_exact(8) {
-            // SAFETY: `v` holds 8 values. (|v| first: `maxps` returns its
-            // second operand when one is NaN, so a NaN is skipped as
-            // `f32::max` skips it.)
-            m = _mm256_max_ps(_mm256_and_ps(unsafe { _mm256_loadu_ps(v.as_ptr()) }, magnitude), m);
-        }
-        let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps(m2, m2, 1)));
-        let scale = amax / 127.0;
-        let inverse = _mm256_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
-        for (sub, o) in chunk.chunks_exact(QBLOCK).zip(out.chunks_exact_mut(QBLOCK)) {
-            // SAFETY: `sub` holds 32 values: four loads of 8.
-            let [a, b, c, d]: [__m256i; 4] = std::array::from_fn(|i| {
-                _mm256_cvtps_epi32(_mm256_mul_ps(unsafe { _mm256_loadu_ps(sub.as_ptr().add(8 * i)) }, inverse))
-            });
-            let bytes = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
-            // SAFETY: `o` holds 32 bytes.
-            unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), _mm256_permutevar8x32_epi32(bytes, order)) };
-            let s = _mm256_add_epi32(_mm256_add_epi32(a, b), _mm256_add_epi32(c, d));
-            let s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-            let s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
-            let s1 = _mm_add_epi32(s2, _mm_shuffle_epi32(s2, 1));
-            scales[entry] = scale;
-            sums[entry] = _mm_cvtsi128_si32(s1);
-            entry += 1;
-        }
-    }
-}
-
 #[cfg(target_arch = "x86_64")]
 /// Where the next tile pair's records start: a kernel fetches the bytes of
 /// its step `s` there (`stride` of them) while it computes its own step
@@ -191,9 +75,14 @@ fn quantize_own(s: &mut Scratch, a: &[f32], m: usize, kp: usize, x_block: usize)
     super::grow_to(&mut s.own_scales, m * per_row);
     super::grow_to(&mut s.own_sums, m * per_row);
     let (values, blocks) = own_int8_layout(&s.own_rows, m, kp, x_block);
-    let outputs = s.own_rows[values]
-        .chunks_exact_mut(kp)
-        .zip(s.own_scales[..blocks].chunks_exact_mut(per_row).zip(s.own_sums[..blocks].chunks_exact_mut(per_row)));
+    let (q, scales, sums) = (&mut s.own_rows[values], &mut s.own_scales[..blocks], &mut s.own_sums[..blocks]);
+    if kp.is_multiple_of(x_block.max(1)) {
+        // Rows of whole blocks are quantized as one run of blocks (no block
+        // spans two rows), which the vector path takes eight at a time.
+        quantize_into(&a[..m * kp], x_block, q, scales, sums);
+        return;
+    }
+    let outputs = q.chunks_exact_mut(kp).zip(scales.chunks_exact_mut(per_row).zip(sums.chunks_exact_mut(per_row)));
     for (row, (q, (scales, sums))) in a.chunks_exact(kp).zip(outputs) {
         quantize_into(row, x_block, q, scales, sums);
     }
@@ -231,17 +120,6 @@ fn split_own(s: &mut Scratch, a: &[f32], kp: usize) {
             &mut s.own_sums[r * blocks * LIMBS..(r + 1) * blocks * LIMBS],
         );
     }
-}
-
-/// `v` rounded to nearest, ties to even, for `|v| < 2^22` (quantized
-/// activations are within ±127): adding and subtracting 1.5 · 2^23 leaves
-/// the rounded value in the default rounding mode. `f32::round_ties_even`
-/// is the same, but on the x86-64 baseline (no SSE4.1) it is a call to
-/// `rintf` per value, which was 6% of a batched decode step.
-#[inline]
-fn round_small(v: f32) -> f32 {
-    const SHIFT: f32 = 12_582_912.0;
-    (v + SHIFT) - SHIFT
 }
 
 /// `y[m, n] = x[m, :] . W[n, :]` for a tiled weight on `isa` (which must be
@@ -467,71 +345,4 @@ pub fn run(isa: Isa, t: &Tiled, rows: &Rows<'_>, tiles: std::ops::Range<usize>, 
 /// Output columns tile `tile` covers.
 pub fn tile_width(t: &Tiled, tile: usize) -> usize {
     TILE.min(t.n - tile * TILE)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    type Quantizer = dyn Fn(&[f32], usize, &mut [i8], &mut [f32], &mut [i32]);
-
-    /// The AVX2 quantization gives [`quantize_portable`]'s bits: values,
-    /// scales and sums, on rows with zero blocks, ties (x.5 after scaling),
-    /// the block maximum at either end, negative maxima, blocks of 32, 64
-    /// and 128, and a last block that is not whole 32s (portable there).
-    #[test]
-    fn quantization_is_the_same_on_every_path() {
-        let mut seed = 0x9e37_79b9u32;
-        let mut next = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 17;
-            seed ^= seed << 5;
-            seed
-        };
-        for (k, x_block) in [(96, 32), (128, 64), (256, 128), (100, 32), (72, 64)] {
-            for case in 0..40 {
-                let mut x: Vec<f32> = (0..k).map(|_| (next() % 20001) as f32 / 1000.0 - 10.0).collect();
-                match case % 4 {
-                    // Zero blocks.
-                    0 => x[..k.min(32)].iter_mut().for_each(|v| *v = 0.0),
-                    // Ties: max 127 gives scale 1, halves round to even.
-                    1 => {
-                        x[0] = -127.0;
-                        x.iter_mut().skip(1).step_by(3).for_each(|v| *v = (next() % 255) as f32 / 2.0 - 63.5);
-                    }
-                    // The maximum last in its block.
-                    2 => x[k - 1] = 50.0,
-                    _ => {}
-                }
-                let entries = quantized_blocks(k, x_block);
-                let run = |f: &Quantizer| {
-                    let (mut q, mut s, mut sums) = (vec![0i8; k], vec![0f32; entries], vec![0i32; entries]);
-                    f(&x, x_block, &mut q, &mut s, &mut sums);
-                    (q, s.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), sums)
-                };
-                let want = run(&quantize_portable);
-                #[cfg(target_arch = "x86_64")]
-                if std::arch::is_x86_feature_detected!("avx2") {
-                    // SAFETY: AVX2 checked.
-                    let got = run(&|x, b, q, s, sums| unsafe { quantize_avx2(x, b, q, s, sums) });
-                    assert_eq!(got, want, "k={k} x_block={x_block} case={case}");
-                }
-                assert_eq!(run(&quantize_into), want);
-            }
-        }
-    }
-
-    /// The activation rounding is ONNX Runtime's (nearest, ties to even) on
-    /// every value quantization can produce: every multiple of 1/64 in
-    /// ±130 (all the ties among them) and the neighbours of each tie.
-    #[test]
-    fn small_rounding_is_nearest_ties_to_even() {
-        for i in -130 * 64..=130 * 64 {
-            let v = i as f32 / 64.0;
-            for w in [v, f32::from_bits(v.to_bits() + 1), f32::from_bits(v.to_bits().saturating_sub(1))] {
-                // (As quantized: the sign of a zero does not survive.)
-                assert_eq!(round_small(w) as i8, w.round_ties_even() as i8, "{w}");
-            }
-        }
-    }
 }
