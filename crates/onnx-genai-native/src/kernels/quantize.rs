@@ -4,7 +4,8 @@
 
 use super::weights::QBLOCK;
 
-/// Quantizes `x` (one row, `kp` values) the way ONNX Runtime's CPU
+/// Quantizes `x` (one row of `kp` values, or several rows whose width is
+/// a whole number of blocks: no block then spans two) the way ONNX Runtime's CPU
 /// `MatMulNBits` does at `accuracy_level` 4: per block of `x_block` inputs,
 /// scale `max|x| / 127` and values rounded to nearest, ties to even. Scales
 /// and sums are recorded per 32 inputs (a larger block repeats its scale;
