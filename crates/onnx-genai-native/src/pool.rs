@@ -18,18 +18,24 @@ use std::time::{Duration, Instant};
 type Job = dyn Fn(usize) + Sync;
 
 thread_local! {
-    /// Set while this thread runs a region's job: a nested region then runs
-    /// inline (every index in turn) instead of deadlocking on the pool.
-    static IN_REGION: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// The index this thread runs in the region it is in, if any: a nested
+    /// region then runs inline instead of deadlocking on the pool.
+    static IN_REGION: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
 }
 
-/// Marks the current thread as inside a region for the guard's lifetime.
-struct RegionMark(bool);
+/// Marks the current thread as running index `t` of a region for the
+/// guard's lifetime.
+struct RegionMark(Option<usize>);
 
 impl RegionMark {
-    fn enter() -> Self {
-        Self(IN_REGION.with(|r| r.replace(true)))
+    fn enter(t: usize) -> Self {
+        Self(IN_REGION.with(|r| r.replace(Some(t))))
     }
+}
+
+/// The index this thread runs in an enclosing region, if it is in one.
+fn enclosing() -> Option<usize> {
+    IN_REGION.with(|r| r.get())
 }
 
 impl Drop for RegionMark {
@@ -142,13 +148,17 @@ impl ThreadPool {
 
     /// Runs `job(i)` for every `i` in `0..threads()`, `i = 0` on the calling
     /// thread, and returns when all have finished. A panic in any of them
-    /// is re-raised here after every worker is done with `job`.
+    /// is re-raised here after every worker is done with `job`. Inside
+    /// another region it runs every `i` in turn on the calling thread, so a
+    /// job that reaches per-thread state by `i` must not be nested (the
+    /// methods below run nested work under the thread's own index instead).
+    /// Regions nest within one pool only.
     pub fn run(&self, job: &(dyn Fn(usize) + Sync)) {
         if self.workers.is_empty() {
             job(0);
             return;
         }
-        if IN_REGION.with(|r| r.get()) {
+        if enclosing().is_some() {
             (0..self.threads()).for_each(job);
             return;
         }
@@ -170,7 +180,7 @@ impl ThreadPool {
             }
         }
         let mine = catch_unwind(AssertUnwindSafe(|| {
-            let _mark = RegionMark::enter();
+            let _mark = RegionMark::enter(0);
             job(0)
         }));
         let mut spins = 0u32;
@@ -197,13 +207,23 @@ impl ThreadPool {
         }
     }
 
+    /// The index inline work runs under: 0 (the calling thread's) outside
+    /// any region; inside one, the index this thread runs there, so nested
+    /// work reaches this thread's own per-thread state ([`PerThread`]),
+    /// never that of another thread, which may be using it at that moment.
+    /// (A region of another pool with more threads would give an index past
+    /// this pool's: the last is taken, and regions do not nest that way.)
+    fn inline_index(&self) -> usize {
+        enclosing().map_or(0, |t| t.min(self.threads() - 1))
+    }
+
     /// Splits `0..n` into one contiguous range per thread, each (but the
     /// last non-empty one) a multiple of `align` items, and runs `f(range,
     /// thread)` for every non-empty range in parallel.
     pub fn for_ranges(&self, n: usize, align: usize, f: &(dyn Fn(std::ops::Range<usize>, usize) + Sync)) {
         let threads = self.threads();
-        if threads == 1 || n <= align {
-            f(0..n, 0);
+        if threads == 1 || n <= align || enclosing().is_some() {
+            f(0..n, self.inline_index());
             return;
         }
         self.run(&|t| {
@@ -232,9 +252,10 @@ impl ThreadPool {
         if n == 0 {
             return;
         }
-        if self.threads() == 1 || n == 1 {
-            prepare(0);
-            (0..n).for_each(|i| f(i, 0));
+        if self.threads() == 1 || n == 1 || enclosing().is_some() {
+            let t = self.inline_index();
+            prepare(t);
+            (0..n).for_each(|i| f(i, t));
             return;
         }
         let next = std::sync::atomic::AtomicUsize::new(0);
@@ -284,15 +305,16 @@ impl ThreadPool {
         if n == 0 {
             return;
         }
-        if threads > MAX_SHARES || n > u32::MAX as usize || IN_REGION.with(|r| r.get()) {
+        if threads == 1 || n <= chunk || enclosing().is_some() {
+            let t = self.inline_index();
+            prepare(t);
+            f(0..n, t);
+            return;
+        }
+        if threads > MAX_SHARES || n > u32::MAX as usize {
             // One counter over the chunks, claimed in turn.
             let range = |c: usize| c * chunk..((c + 1) * chunk).min(n);
             self.for_claimed_prepared(n.div_ceil(chunk), prepare, &|c, t| f(range(c), t));
-            return;
-        }
-        if threads == 1 || n <= chunk {
-            prepare(0);
-            f(0..n, 0);
             return;
         }
         // Each share's unclaimed items `front..back`, packed in one word:
@@ -427,7 +449,7 @@ fn worker(s: &Shared, index: usize) {
         if let Some(job) = job {
             // SAFETY: see above: the pointee outlives this call.
             let f = unsafe { &*job };
-            let _mark = RegionMark::enter();
+            let _mark = RegionMark::enter(index);
             if let Err(payload) = catch_unwind(AssertUnwindSafe(|| f(index))) {
                 let mut first = s.payload.lock().unwrap_or_else(|p| p.into_inner());
                 if first.is_none() {
@@ -679,6 +701,45 @@ mod tests {
                     check(false);
                 }
             });
+        }
+    }
+
+    /// A region started inside another runs inline on the thread that
+    /// starts it, under that thread's own index — never another thread's,
+    /// whose per-thread state (`PerThread`, what `Scratch` is) that thread
+    /// may be using at the same moment: every thread of an outer region
+    /// starts nested ranges, claims and prepared ranges at once, each sees
+    /// only its own index, and each covers its work once.
+    #[test]
+    fn nested_regions_run_under_the_enclosing_threads_index() {
+        for threads in [2, 3] {
+            let pool = ThreadPool::new(threads, Duration::from_micros(50)).unwrap();
+            let inside = std::sync::Barrier::new(threads);
+            let foreign = AtomicUsize::new(0);
+            pool.run(&|t| {
+                // Every thread in the outer region before any nests.
+                inside.wait();
+                let seen = |u: usize| {
+                    if u != t {
+                        foreign.fetch_add(1, Ordering::SeqCst);
+                    }
+                };
+                let covered = AtomicUsize::new(0);
+                pool.for_ranges(40, 1, &|r, u| {
+                    seen(u);
+                    covered.fetch_add(r.len(), Ordering::SeqCst);
+                });
+                pool.for_claimed(7, &|_, u| {
+                    seen(u);
+                    covered.fetch_add(1, Ordering::SeqCst);
+                });
+                pool.for_claimed_ranges_prepared(50, 4, &seen, &|r, u| {
+                    seen(u);
+                    covered.fetch_add(r.len(), Ordering::SeqCst);
+                });
+                assert_eq!(covered.load(Ordering::SeqCst), 40 + 7 + 50, "{threads} threads: thread {t}'s nested work");
+            });
+            assert_eq!(foreign.load(Ordering::SeqCst), 0, "{threads} threads: nested work ran under another index");
         }
     }
 
