@@ -111,9 +111,8 @@ unsafe fn quantize_avx2(x: &[f32], x_block: usize, q: &mut [i8], scales: &mut [f
         let inverse = _mm256_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
         for (sub, o) in chunk.chunks_exact(QBLOCK).zip(out.chunks_exact_mut(QBLOCK)) {
             // SAFETY: `sub` holds 32 values: four loads of 8.
-            let [a, b, c, d]: [__m256i; 4] = std::array::from_fn(|i| {
-                _mm256_cvtps_epi32(_mm256_mul_ps(unsafe { _mm256_loadu_ps(sub.as_ptr().add(8 * i)) }, inverse))
-            });
+            let [a, b, c, d]: [__m256i; 4] =
+                std::array::from_fn(|i| unsafe { scaled_rounded(sub.as_ptr().add(8 * i), inverse) });
             // SAFETY: `o` holds 32 bytes.
             unsafe { store_bytes(o.as_mut_ptr(), [a, b, c, d]) };
             let s = _mm256_add_epi32(_mm256_add_epi32(a, b), _mm256_add_epi32(c, d));
@@ -171,9 +170,8 @@ unsafe fn quantize_eights(x: &[f32], q: &mut [i8], scales: &mut [f32], sums: &mu
             let at = (g * GROUP + b) * QBLOCK;
             let scale = _mm256_set1_ps(inverse[b]);
             // SAFETY: `x` and `q` hold 32 values from `at`.
-            let [v0, v1, v2, v3]: [__m256i; 4] = std::array::from_fn(|i| {
-                _mm256_cvtps_epi32(_mm256_mul_ps(unsafe { _mm256_loadu_ps(x.as_ptr().add(at + 8 * i)) }, scale))
-            });
+            let [v0, v1, v2, v3]: [__m256i; 4] =
+                std::array::from_fn(|i| unsafe { scaled_rounded(x.as_ptr().add(at + 8 * i), scale) });
             // SAFETY: as above.
             unsafe { store_bytes(q.as_mut_ptr().add(at), [v0, v1, v2, v3]) };
             _mm256_add_epi32(_mm256_add_epi32(v0, v1), _mm256_add_epi32(v2, v3))
@@ -209,6 +207,21 @@ fn add_across(p: [std::arch::x86_64::__m256i; 8]) -> std::arch::x86_64::__m256i 
     let low = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
     let high = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
     _mm256_add_epi32(_mm256_permute2x128_si256::<0x20>(low, high), _mm256_permute2x128_si256::<0x31>(low, high))
+}
+
+/// Eight values from `at` times `inverse`, rounded to nearest, ties to
+/// even (`cvtps2dq` in the default rounding mode, as [`round_small`]
+/// rounds): both AVX2 paths' one rounding.
+///
+/// # Safety
+/// AVX2 must be available and `at` valid for 8 reads.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn scaled_rounded(at: *const f32, inverse: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    // SAFETY: `at` is valid for 8 reads (the caller's contract).
+    _mm256_cvtps_epi32(_mm256_mul_ps(unsafe { _mm256_loadu_ps(at) }, inverse))
 }
 
 /// Stores 32 quantized values (four vectors of 8 rounded `i32`, each
