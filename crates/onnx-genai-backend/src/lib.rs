@@ -138,6 +138,14 @@ pub trait DecodeModel: Send + Sync {
     /// keeps no KV cache). No default: the package's figure is wrong for a
     /// model that stores its cache in another type.
     fn kv_bytes_per_token(&self) -> Option<u64>;
+
+    /// Gives back the memory this model kept for reuse past its standing
+    /// keep (returned KV blocks) once it has lain unused long enough, and
+    /// says how long until more would have (`None`: nothing more kept). An
+    /// idle server calls this, so what a past burst left does not stay for
+    /// good. No default: a wrapper that forgot to forward it would keep a
+    /// burst's memory for the server's life.
+    fn release_idle_memory(&self) -> Option<std::time::Duration>;
 }
 
 /// One sequence's decode state: its KV cache and position.

@@ -262,6 +262,10 @@ mod tests {
         fn kv_bytes_per_token(&self) -> Option<u64> {
             None
         }
+
+        fn release_idle_memory(&self) -> Option<std::time::Duration> {
+            None
+        }
     }
 
     fn scripted(rows: Vec<Vec<f32>>) -> Decoder {

@@ -221,6 +221,11 @@ impl DecodeModel for CudaModel {
         // rounded to f16 and stored wide), whatever the manifest declares.
         Some(self.plan.binding.kv_geometry(ElementType::F32).bytes_per_token())
     }
+
+    /// Nothing kept: a sequence's device cache goes with it.
+    fn release_idle_memory(&self) -> Option<std::time::Duration> {
+        None
+    }
 }
 
 /// One sequence of a [`CudaModel`]: its KV cache on the device.

@@ -167,7 +167,7 @@ fn attention_step(c: &mut Criterion) {
     let mut group = c.benchmark_group("attention_decode_step");
     // An f32 cache and an f16 one (f16 models' caches: widened as read).
     for (cache_type, f16) in [("f32", false), ("f16", true)] {
-        let pool = KvPool::new(KvLayout::new(&[(kv_heads, hd)], f16), 0);
+        let pool = KvPool::new(KvLayout::new(&[(kv_heads, hd)], f16), 0, std::time::Duration::ZERO);
         for context in [64usize, 1024] {
             let mut cache = SeqKv::new(pool.clone(), 2048);
             cache.reserve(context + 1);

@@ -59,7 +59,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let q: Vec<f32> = (0..batch * heads * hd).map(|i| (i as f32 * 0.37).sin()).collect();
     let kv: Vec<f32> = (0..batch * kv_heads * hd).map(|i| (i as f32 * 0.11).cos()).collect();
-    let pool = KvPool::new(KvLayout::new(&[(kv_heads, hd); LAYERS], f16), 0);
+    let pool = KvPool::new(KvLayout::new(&[(kv_heads, hd); LAYERS], f16), 0, std::time::Duration::ZERO);
     let mut caches: Vec<SeqKv> = (0..batch)
         .map(|_| {
             let mut c = SeqKv::new(pool.clone(), 4096);

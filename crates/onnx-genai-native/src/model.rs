@@ -21,8 +21,14 @@ pub const NAME: &str = "native-cpu";
 /// chunks of this many.
 pub const MAX_BATCH: usize = 64;
 
-/// Returned KV blocks a model keeps for reuse (beyond this they are freed).
+/// Returned KV blocks a model keeps for reuse for good.
 const KEEP_IDLE_KV_BYTES: usize = 64 << 20;
+
+/// How long a model keeps returned KV blocks past [`KEEP_IDLE_KV_BYTES`]
+/// unused before it frees them: longer than a busy server goes between one
+/// request's end and the next one's growth, so a steady load reuses its
+/// blocks instead of faulting in new ones.
+const KV_LINGER: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The pool and buffers one run at a time works with.
 struct Runner {
@@ -115,7 +121,7 @@ impl NativeModel {
         let f16 = plan.binding.kv_f16 || kv == KvCache::F16;
         let layers: Vec<(usize, usize)> = plan.binding.layers.iter().map(|l| (l.kv_heads, l.head_dim)).collect();
         let kv_geometry = plan.binding.kv_geometry(if f16 { ElementType::F16 } else { ElementType::F32 });
-        let kv = KvPool::new(KvLayout::new(&layers, f16), KEEP_IDLE_KV_BYTES);
+        let kv = KvPool::new(KvLayout::new(&layers, f16), KEEP_IDLE_KV_BYTES, KV_LINGER);
         let workspace = plan.workspace();
         Ok(Self { plan, runner: Mutex::new(Runner { runtime, workspace }), kv, kv_geometry })
     }
@@ -252,6 +258,10 @@ impl DecodeModel for NativeModel {
 
     fn kv_bytes_per_token(&self) -> Option<u64> {
         (!self.kv_geometry.layers.is_empty()).then(|| self.kv_geometry.bytes_per_token())
+    }
+
+    fn release_idle_memory(&self) -> Option<std::time::Duration> {
+        self.kv.release_expired()
     }
 }
 

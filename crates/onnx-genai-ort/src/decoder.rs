@@ -249,6 +249,11 @@ impl DecodeModel for OrtModel {
     fn kv_bytes_per_token(&self) -> Option<u64> {
         Some(self.ports.bytes_per_token)
     }
+
+    /// Nothing kept: a sequence's cache tensors go with it.
+    fn release_idle_memory(&self) -> Option<std::time::Duration> {
+        None
+    }
 }
 
 impl OrtSequence {

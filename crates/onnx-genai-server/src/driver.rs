@@ -338,6 +338,10 @@ struct Loop<'a> {
 /// for room again (room frees on other models sharing the budget).
 const LINE_POLL: Duration = Duration::from_millis(2);
 
+/// The shortest an idle driver sleeps between asking its model to give
+/// back idle memory (so a model that says "now" again does not spin it).
+const IDLE_RELEASE_MIN_WAIT: Duration = Duration::from_millis(10);
+
 impl<'a> Loop<'a> {
     fn new(engine: Engine, counters: &'a Counters, queued: &'a AtomicUsize, options: DriverOptions) -> Self {
         Self { engine, counters, queued, options, running: Vec::new(), line: VecDeque::new() }
@@ -350,7 +354,7 @@ impl<'a> Loop<'a> {
             // instead of spinning on clients that do not read.
             if self.running.iter().all(Running::parked) {
                 let next = if self.line.is_empty() && self.running.is_empty() {
-                    rx.recv().map_err(|_| true)
+                    self.wait_idle(rx)
                 } else {
                     rx.recv_timeout(LINE_POLL).map_err(|e| e == std_mpsc::RecvTimeoutError::Disconnected)
                 };
@@ -368,6 +372,22 @@ impl<'a> Loop<'a> {
                 self.step();
             }
             self.counters.idle_kv_bytes.store(self.engine.idle_kv_bytes(), Ordering::SeqCst);
+        }
+    }
+
+    /// Waits for the next command with nothing to run. Meanwhile the model
+    /// gives back the memory it kept for reuse past its standing keep, as
+    /// that ages out (`Err(true)`: the channel closed).
+    fn wait_idle(&self, rx: &std_mpsc::Receiver<Command>) -> Result<Command, bool> {
+        loop {
+            let Some(next) = self.engine.model().release_idle_memory() else {
+                return rx.recv().map_err(|_| true);
+            };
+            match rx.recv_timeout(next.max(IDLE_RELEASE_MIN_WAIT)) {
+                Ok(command) => return Ok(command),
+                Err(std_mpsc::RecvTimeoutError::Disconnected) => return Err(true),
+                Err(std_mpsc::RecvTimeoutError::Timeout) => {}
+            }
         }
     }
 

@@ -72,6 +72,30 @@ fn hold_budget(s: &Arc<RunningServer>, hold: &Gate) -> std::thread::JoinHandle<s
     t
 }
 
+/// An idle driver asks its model to give back the memory it keeps past
+/// its standing keep (native-cpu's returned KV blocks), asks again after
+/// as long as the model says, and stops asking once the model says nothing
+/// more is kept; going idle after a request, it asks once more. A driver
+/// that never asked would hold a past burst's KV for the server's life,
+/// one that kept asking would spin.
+#[test]
+fn an_idle_driver_asks_its_model_to_release_memory_until_nothing_is_kept() {
+    let (_dir, p) = package(M);
+    let gate = Gate::default();
+    gate.idle_answers(&[Duration::from_millis(30); 3]);
+    let scheduler = Scheduler::new(KvBlocks::of(&p).bytes(1024));
+    let server = start_with(vec![engine(&p, &gate, scheduler)], "127.0.0.1:0", ServerOptions::default()).unwrap();
+    let settled = |calls: usize| {
+        eventually(Duration::from_secs(10), || gate.idle_calls() >= calls) && {
+            std::thread::sleep(Duration::from_millis(200));
+            gate.idle_calls() == calls
+        }
+    };
+    assert!(settled(4), "{} requests, not the three the script asked again for and one more", gate.idle_calls());
+    assert_eq!(post(&server, M, "Hello", 2).status, 200);
+    assert!(settled(5), "{} requests after going idle again, not one more", gate.idle_calls());
+}
+
 /// Pins B5: a large request waiting for room is not overtaken by a small
 /// one that arrives after it, although the small one would fit at once;
 /// both run once the bytes they need are free, in arrival order.

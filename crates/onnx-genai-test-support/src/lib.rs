@@ -74,6 +74,12 @@ pub trait Hook: Send + Sync {
     /// Before [`DecodeModel::step`] sees `batch`; an error is returned as
     /// the step's and the wrapped model never runs it.
     fn step(&self, batch: &[Entry<'_>]) -> Result<(), BackendError>;
+
+    /// After [`DecodeModel::release_idle_memory`] gave back what it would:
+    /// what the caller is told (by default what the model said).
+    fn release_idle_memory(&self, model_says: Option<std::time::Duration>) -> Option<std::time::Duration> {
+        model_says
+    }
 }
 
 /// A hook shared with the test that reads it.
@@ -83,6 +89,9 @@ impl<H: Hook + ?Sized> Hook for Arc<H> {
     }
     fn step(&self, batch: &[Entry<'_>]) -> Result<(), BackendError> {
         (**self).step(batch)
+    }
+    fn release_idle_memory(&self, model_says: Option<std::time::Duration>) -> Option<std::time::Duration> {
+        (**self).release_idle_memory(model_says)
     }
 }
 
@@ -133,6 +142,10 @@ impl<H: Hook> DecodeModel for Hooked<H> {
 
     fn kv_bytes_per_token(&self) -> Option<u64> {
         self.inner.kv_bytes_per_token()
+    }
+
+    fn release_idle_memory(&self) -> Option<std::time::Duration> {
+        self.hook.release_idle_memory(self.inner.release_idle_memory())
     }
 }
 

@@ -20,12 +20,17 @@ pub use onnx_genai_test_support::build as package;
 /// (closed, calls held so far, calls still let through while closed)
 type GateState = (bool, usize, usize);
 
+/// (calls of `release_idle_memory` so far, the answers to give instead of
+/// the model's, in order)
+type IdleScript = (usize, std::collections::VecDeque<Duration>);
+
 /// Holds every backend call while closed, so a turn stays mid-flight (its
 /// lease and reservation held) for as long as a test needs; records the
 /// length of every prefill the model ran, in order; injects a [`Fault`]
-/// while one is set.
+/// while one is set; counts the server's requests to give back idle
+/// memory, answering them from a script while it lasts.
 #[derive(Clone, Default)]
-pub struct Gate(Arc<(Mutex<GateState>, Condvar)>, Arc<Mutex<Vec<usize>>>, Arc<Mutex<Fault>>);
+pub struct Gate(Arc<(Mutex<GateState>, Condvar)>, Arc<Mutex<Vec<usize>>>, Arc<Mutex<Fault>>, Arc<Mutex<IdleScript>>);
 
 /// What the gated backend does wrong.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -53,6 +58,15 @@ impl Gate {
     }
     fn current(&self) -> Fault {
         *self.2.lock().unwrap()
+    }
+    /// The next answers to the server's requests to give back idle memory
+    /// ("ask again after this long"), in place of the model's own.
+    pub fn idle_answers(&self, answers: &[Duration]) {
+        self.3.lock().unwrap().1.extend(answers);
+    }
+    /// How many times the server asked the model to give back idle memory.
+    pub fn idle_calls(&self) -> usize {
+        self.3.lock().unwrap().0
     }
     /// The prompt lengths the model prefilled, in the order it ran them.
     pub fn prefills(&self) -> Vec<usize> {
@@ -123,6 +137,11 @@ impl Hook for Gate {
             Fault::StepPanics => panic!("injected: the backend panicked in a step"),
             Fault::None | Fault::SequencePanics => Ok(()),
         }
+    }
+    fn release_idle_memory(&self, model_says: Option<Duration>) -> Option<Duration> {
+        let mut script = self.3.lock().unwrap();
+        script.0 += 1;
+        script.1.pop_front().or(model_says)
     }
 }
 

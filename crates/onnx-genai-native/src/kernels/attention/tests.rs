@@ -57,7 +57,7 @@ fn ragged_batches_equal_direct_attention() {
     for steps in batches {
         let n = steps[0].len();
         for rt in [Runtime::serial(), Runtime::new(2).unwrap()] {
-            let pool = KvPool::new(KvLayout::new(&[(kvh, hd)], false), 0);
+            let pool = KvPool::new(KvLayout::new(&[(kvh, hd)], false), 0, std::time::Duration::ZERO);
             let mut caches: Vec<SeqKv> = (0..n).map(|_| SeqKv::new(pool.clone(), 64)).collect();
             // Every key and value each sequence has been given, by position.
             let mut history: Vec<(Vec<f32>, Vec<f32>)> = vec![Default::default(); n];
@@ -155,7 +155,7 @@ fn long_contexts_attend_in_parts() {
         }
     };
     let two = Runtime::new(2).unwrap();
-    let pool = KvPool::new(KvLayout::new(&[(kvh, hd)], false), 0);
+    let pool = KvPool::new(KvLayout::new(&[(kvh, hd)], false), 0, std::time::Duration::ZERO);
     let mut long = SeqKv::new(pool.clone(), 2048);
     let prompt = 1100;
     let (q, keys, values, out) = run(&two, &mut [&mut long], &[prompt], 1);
@@ -240,7 +240,7 @@ fn a_masked_part_weighs_nothing() {
         (0..rows * kvh * hd).map(|i| value(i + 13)).collect(),
     );
     let bias: Vec<f32> = (0..rows * rows).map(|i| if i % rows <= i / rows { 0.0 } else { f32::NEG_INFINITY }).collect();
-    let pool = KvPool::new(KvLayout::new(&[(kvh, hd)], false), 0);
+    let pool = KvPool::new(KvLayout::new(&[(kvh, hd)], false), 0, std::time::Duration::ZERO);
     let mut cache = SeqKv::new(pool, 1024);
     cache.reserve(rows);
     let segments = [Segment { start: 0, len: rows, past: 0 }];
