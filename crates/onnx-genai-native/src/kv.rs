@@ -194,12 +194,13 @@ fn blocks_per_chunk(block_bytes: usize) -> Option<usize> {
 /// are empty.
 ///
 /// Why keep more than `keep`: a block a sequence grows into costs the
-/// faults of its pages, and on a VM whose memory its host backs lazily
-/// (Firecracker) a huge page the guest never touched took 4.3-4.6 ms to
-/// fault against 0.17 ms for one it had (2 MiB writes, 2026-12-07,
-/// Zen 4): at 16 SmolLM2 sequences, whose blocks (2.8 MiB each) a 64 MiB
-/// keep cannot hold between rounds of requests, a served decode step took
-/// 13.2 ms against the model's 9.4-10 ms alone.
+/// faults of its pages, and on a VM whose balloon driver reports free
+/// memory to its host (Firecracker's free page reporting, in 2 MiB
+/// blocks) memory freed and touched again seconds later took 4.4-6.2 ms
+/// a huge page to fault, against 0.17 ms when touched again at once
+/// (2026-12-07, Zen 4): at 16 SmolLM2 sequences, whose blocks (2.8 MiB
+/// each) a 64 MiB keep cannot hold between rounds of requests, a served
+/// decode step took 13.0-13.4 ms against 9.4-9.5 with the blocks kept.
 #[derive(Debug)]
 pub struct KvPool {
     layout: KvLayout,
