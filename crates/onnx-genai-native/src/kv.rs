@@ -189,7 +189,8 @@ fn blocks_per_chunk(block_bytes: usize) -> Option<usize> {
 /// that grows: up to `keep` bytes for good, and any more until they have
 /// lain unused for the pool's `linger` (the most recently returned are
 /// taken first, so what a steady load keeps reusing stays and what a past
-/// burst left ages out). Blocks of a chunk not yet used wait in `fresh`
+/// burst left ages out: a block taken or given back, or a server that
+/// goes idle, releases those that have). Blocks of a chunk not yet used wait in `fresh`
 /// (never touched, so not resident); a new chunk is made only when both
 /// are empty.
 ///
@@ -245,7 +246,16 @@ impl KvPool {
     }
 
     fn take(&self) -> Block {
-        if let Some(kept) = self.free.lock().unwrap_or_else(|p| p.into_inner()).pop() {
+        self.take_at(Instant::now())
+    }
+
+    fn take_at(&self, now: Instant) -> Block {
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        let kept = free.pop();
+        let released = self.expired(&mut free, now);
+        drop(free);
+        drop(released);
+        if let Some(kept) = kept {
             return kept.block;
         }
         let mut fresh = self.fresh.lock().unwrap_or_else(|p| p.into_inner());
@@ -608,8 +618,8 @@ mod tests {
 
     /// Returned blocks past the pool's keep stay for its linger, and a
     /// growing sequence takes the most recently returned first; once one
-    /// has lain unused for the linger, the next block given back or
-    /// `release_expired` frees it (the oldest first), down to the keep,
+    /// has lain unused for the linger, the next block taken or given back,
+    /// or `release_expired`, frees it (the oldest first), down to the keep,
     /// which stays for good. `release_expired` says how long until the
     /// next one ages out, and `None` once nothing past the keep is left.
     #[test]
@@ -640,10 +650,26 @@ mod tests {
         assert_eq!(at(&grown), addresses[4]);
         pool.give_at(grown, secs(13.0));
         assert_eq!(pool.idle_bytes(), 2 * per_block, "a block given back frees the one that aged out meanwhile");
+        let held = |pool: &KvPool| -> Vec<usize> {
+            pool.free.lock().unwrap_or_else(|p| p.into_inner()).iter().map(|k| at(&k.block)).collect()
+        };
+        // The two kept and three new blocks out at 20 s; back at 20 s and 25 s.
+        let mut out: Vec<Block> = (0..5).map(|_| pool.take_at(secs(20.0))).collect();
+        let out_at: Vec<usize> = out.iter().map(at).collect();
+        let late = out.split_off(2);
+        for b in out {
+            pool.give_at(b, secs(20.0));
+        }
+        for b in late {
+            pool.give_at(b, secs(25.0));
+        }
+        assert_eq!(pool.idle_bytes(), 5 * per_block);
+        let taken = pool.take_at(secs(31.0));
+        assert_eq!(at(&taken), out_at[4]);
+        assert_eq!(held(&pool), out_at[2..4], "a block taken frees the ones that aged out, down to the keep");
+        pool.give_at(taken, secs(31.0));
         assert_eq!(pool.release_expired_at(secs(100.0)), None);
-        let kept: Vec<usize> =
-            pool.free.lock().unwrap_or_else(|p| p.into_inner()).iter().map(|k| at(&k.block)).collect();
-        assert_eq!(kept, [addresses[3], addresses[4]], "the keep holds the most recently returned blocks for good");
+        assert_eq!(held(&pool), out_at[3..5], "the keep holds the most recently returned blocks for good");
     }
 
     /// A fork holds the same positions and values in blocks of its own:
