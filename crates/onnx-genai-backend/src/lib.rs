@@ -141,10 +141,10 @@ pub trait DecodeModel: Send + Sync {
 
     /// Gives back the memory this model kept for reuse past its standing
     /// keep (returned KV blocks) once it has lain unused long enough, and
-    /// says how long until more would have (`None`: nothing more kept). An
-    /// idle server calls this, so what a past burst left does not stay for
-    /// good. No default: a wrapper that forgot to forward it would keep a
-    /// burst's memory for the server's life.
+    /// says how long until more would have (`None`: nothing kept past the
+    /// standing keep). An idle server calls this, so what a past burst left
+    /// does not stay for good. No default: a wrapper that forgot to forward
+    /// it would keep a burst's memory for the server's life.
     fn release_idle_memory(&self) -> Option<std::time::Duration>;
 }
 

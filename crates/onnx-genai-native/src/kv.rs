@@ -246,15 +246,17 @@ impl KvPool {
     }
 
     fn take(&self) -> Block {
-        self.take_at(Instant::now())
+        self.take_at(Instant::now)
     }
 
-    fn take_at(&self, now: Instant) -> Block {
+    /// `take`, the time read by `now` once the free list is locked (so
+    /// blocks given back from several threads still lie in time order).
+    fn take_at(&self, now: impl FnOnce() -> Instant) -> Block {
         let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
         let kept = free.pop();
-        let released = self.expired(&mut free, now);
+        let now = now();
+        self.release_stale(&mut free, now);
         drop(free);
-        drop(released);
         if let Some(kept) = kept {
             return kept.block;
         }
@@ -275,16 +277,15 @@ impl KvPool {
     }
 
     fn give(&self, block: Block) {
-        self.give_at(block, Instant::now());
+        self.give_at(block, Instant::now);
     }
 
-    fn give_at(&self, block: Block, now: Instant) {
+    /// `give`, the time read as in [`KvPool::take_at`].
+    fn give_at(&self, block: Block, now: impl FnOnce() -> Instant) {
         let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        let now = now();
         free.push(Kept { block, since: now });
-        let released = self.expired(&mut free, now);
-        drop(free);
-        // Released outside the lock: each one is a system call.
-        drop(released);
+        self.release_stale(&mut free, now);
     }
 
     /// Releases the returned blocks past the pool's keep that have lain
@@ -292,27 +293,29 @@ impl KvPool {
     /// have (`None`: no block past the keep). A server calls this while
     /// idle, so a past burst's blocks do not stay for good.
     pub fn release_expired(&self) -> Option<Duration> {
-        self.release_expired_at(Instant::now())
+        self.release_expired_at(Instant::now)
     }
 
-    fn release_expired_at(&self, now: Instant) -> Option<Duration> {
+    /// `release_expired`, the time read as in [`KvPool::take_at`].
+    fn release_expired_at(&self, now: impl FnOnce() -> Instant) -> Option<Duration> {
         let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
-        let released = self.expired(&mut free, now);
-        let next = (free.len() > self.keep_blocks)
+        let now = now();
+        self.release_stale(&mut free, now);
+        (free.len() > self.keep_blocks)
             .then(|| free.first().map(|k| self.linger.saturating_sub(now.saturating_duration_since(k.since))))
-            .flatten();
-        drop(free);
-        drop(released);
-        next
+            .flatten()
     }
 
-    /// Takes out of `free` the blocks past `keep_blocks` returned longer
-    /// than `linger` before `now`: the oldest ones, at its bottom (blocks
-    /// are pushed as they return and taken from the top).
-    fn expired(&self, free: &mut Vec<Kept>, now: Instant) -> Vec<Kept> {
+    /// Frees the blocks of `free` past `keep_blocks` returned at least
+    /// `linger` before `now`: the oldest ones, at its bottom (blocks are
+    /// pushed as they return and taken from the top). Freed under the
+    /// lock: gathering them to free after it would allocate, here on a
+    /// decode step's way (a sequence growing), and a block lingers out
+    /// seldom.
+    fn release_stale(&self, free: &mut Vec<Kept>, now: Instant) {
         let spare = free.len().saturating_sub(self.keep_blocks);
         let stale = free[..spare].iter().take_while(|k| now.saturating_duration_since(k.since) >= self.linger).count();
-        free.drain(..stale).collect()
+        free.drain(..stale).for_each(drop);
     }
 
     /// Bytes of returned blocks kept for reuse.
@@ -636,39 +639,41 @@ mod tests {
         let blocks: Vec<Block> = (0..5).map(|_| pool.take()).collect();
         let addresses: Vec<usize> = blocks.iter().map(at).collect();
         for (i, b) in blocks.into_iter().enumerate() {
-            pool.give_at(b, secs(i as f64));
+            pool.give_at(b, || secs(i as f64));
         }
         assert_eq!(pool.idle_bytes(), 5 * per_block, "blocks past the keep are kept while they linger");
-        let again = pool.take();
+        let again = pool.take_at(|| secs(4.0));
         assert_eq!(at(&again), addresses[4], "the most recently returned block is reused first");
-        pool.give_at(again, secs(4.0));
-        assert_eq!(pool.release_expired_at(secs(9.0)), Some(Duration::from_secs(1)));
+        pool.give_at(again, || secs(4.0));
+        assert_eq!(pool.release_expired_at(|| secs(9.0)), Some(Duration::from_secs(1)));
         assert_eq!(pool.idle_bytes(), 5 * per_block, "none has lain unused for the linger yet");
-        assert_eq!(pool.release_expired_at(secs(11.5)), Some(Duration::from_secs_f64(0.5)));
+        assert_eq!(pool.release_expired_at(|| secs(10.0)), Some(Duration::from_secs(1)));
+        assert_eq!(pool.idle_bytes(), 4 * per_block, "the one returned at 0 s is freed once it has lain 10 s");
+        assert_eq!(pool.release_expired_at(|| secs(11.5)), Some(Duration::from_secs_f64(0.5)));
         assert_eq!(pool.idle_bytes(), 3 * per_block, "the two returned at 0 s and 1 s are freed");
-        let grown = pool.take();
+        let grown = pool.take_at(|| secs(12.0));
         assert_eq!(at(&grown), addresses[4]);
-        pool.give_at(grown, secs(13.0));
+        pool.give_at(grown, || secs(13.0));
         assert_eq!(pool.idle_bytes(), 2 * per_block, "a block given back frees the one that aged out meanwhile");
         let held = |pool: &KvPool| -> Vec<usize> {
             pool.free.lock().unwrap_or_else(|p| p.into_inner()).iter().map(|k| at(&k.block)).collect()
         };
         // The two kept and three new blocks out at 20 s; back at 20 s and 25 s.
-        let mut out: Vec<Block> = (0..5).map(|_| pool.take_at(secs(20.0))).collect();
+        let mut out: Vec<Block> = (0..5).map(|_| pool.take_at(|| secs(20.0))).collect();
         let out_at: Vec<usize> = out.iter().map(at).collect();
         let late = out.split_off(2);
         for b in out {
-            pool.give_at(b, secs(20.0));
+            pool.give_at(b, || secs(20.0));
         }
         for b in late {
-            pool.give_at(b, secs(25.0));
+            pool.give_at(b, || secs(25.0));
         }
         assert_eq!(pool.idle_bytes(), 5 * per_block);
-        let taken = pool.take_at(secs(31.0));
+        let taken = pool.take_at(|| secs(31.0));
         assert_eq!(at(&taken), out_at[4]);
         assert_eq!(held(&pool), out_at[2..4], "a block taken frees the ones that aged out, down to the keep");
-        pool.give_at(taken, secs(31.0));
-        assert_eq!(pool.release_expired_at(secs(100.0)), None);
+        pool.give_at(taken, || secs(31.0));
+        assert_eq!(pool.release_expired_at(|| secs(100.0)), None);
         assert_eq!(held(&pool), out_at[3..5], "the keep holds the most recently returned blocks for good");
     }
 

@@ -356,6 +356,9 @@ impl<'a> Loop<'a> {
                 let next = if self.line.is_empty() && self.running.is_empty() {
                     self.wait_idle(rx)
                 } else {
+                    // Parked turns take and return no KV blocks: what
+                    // ages out meanwhile is given back here.
+                    self.release_idle_memory();
                     rx.recv_timeout(LINE_POLL).map_err(|e| e == std_mpsc::RecvTimeoutError::Disconnected)
                 };
                 match next {
@@ -380,13 +383,25 @@ impl<'a> Loop<'a> {
     /// that ages out (`Err(true)`: the channel closed).
     fn wait_idle(&self, rx: &std_mpsc::Receiver<Command>) -> Result<Command, bool> {
         loop {
-            let Some(next) = self.engine.model().release_idle_memory() else {
+            let Some(next) = self.release_idle_memory() else {
                 return rx.recv().map_err(|_| true);
             };
             match rx.recv_timeout(next.max(IDLE_RELEASE_MIN_WAIT)) {
                 Ok(command) => return Ok(command),
                 Err(std_mpsc::RecvTimeoutError::Disconnected) => return Err(true),
                 Err(std_mpsc::RecvTimeoutError::Timeout) => {}
+            }
+        }
+    }
+
+    /// The model's `release_idle_memory`, a panic of it logged and taken
+    /// as nothing more kept (the driver lives on).
+    fn release_idle_memory(&self) -> Option<Duration> {
+        match std::panic::catch_unwind(AssertUnwindSafe(|| self.engine.model().release_idle_memory())) {
+            Ok(next) => next,
+            Err(_) => {
+                tracing::error!("giving back idle memory panicked on {}", self.engine.package().manifest.name);
+                None
             }
         }
     }

@@ -92,8 +92,32 @@ fn an_idle_driver_asks_its_model_to_release_memory_until_nothing_is_kept() {
         }
     };
     assert!(settled(4), "{} requests, not the three the script asked again for and one more", gate.idle_calls());
+    let times = gate.idle_call_times();
+    for (i, pair) in times.windows(2).enumerate() {
+        let waited = pair[1].duration_since(pair[0]);
+        assert!(
+            waited >= Duration::from_millis(29),
+            "asked again {waited:?} after request {i}, not the 30 ms the model said"
+        );
+    }
     assert_eq!(post(&server, M, "Hello", 2).status, 200);
     assert!(settled(5), "{} requests after going idle again, not one more", gate.idle_calls());
+}
+
+/// A backend that panics giving back idle memory does not take its
+/// model's driver with it: the panic is logged, taken as nothing kept, and
+/// the next request is served.
+#[test]
+fn a_panic_giving_back_idle_memory_leaves_the_driver_serving() {
+    let (_dir, p) = package(M);
+    let gate = Gate::default();
+    gate.fault(support::Fault::ReleasePanics);
+    let scheduler = Scheduler::new(KvBlocks::of(&p).bytes(1024));
+    let server = start_with(vec![engine(&p, &gate, scheduler)], "127.0.0.1:0", ServerOptions::default()).unwrap();
+    assert!(eventually(Duration::from_secs(10), || gate.idle_calls() >= 1), "the idle driver never asked");
+    gate.fault(support::Fault::None);
+    let r = post(&server, M, "Hello", 2);
+    assert_eq!(r.status, 200, "{}", r.body);
 }
 
 /// Pins B5: a large request waiting for room is not overtaken by a small

@@ -3,11 +3,12 @@
 //! general-purpose pool and sleeping between them costs more than the work.
 //! Here the calling thread takes part as worker 0, work is split statically
 //! (`for_ranges`: every worker knows its range from its index) or claimed
-//! as the workers go (`for_claimed*`: each runs its own share front to
-//! back and then takes from the back of unfinished ones), each region ends
-//! in one barrier (a countdown the caller spins on), and workers spin for
-//! a short while after a region before they park, so back-to-back regions
-//! never pay for a wake-up. Starting a region allocates nothing.
+//! as the workers go (`for_claimed`: the next item from one shared count;
+//! `for_claimed_ranges*`: each runs its own share front to back, then takes
+//! from the back of the unfinished ones), each region ends in one barrier
+//! (a countdown the caller spins on), and workers spin for a short while
+//! after a region before they park, so back-to-back regions never pay for
+//! a wake-up. Starting a region allocates nothing.
 
 use std::cell::UnsafeCell;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};

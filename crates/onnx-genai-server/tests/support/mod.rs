@@ -20,9 +20,9 @@ pub use onnx_genai_test_support::build as package;
 /// (closed, calls held so far, calls still let through while closed)
 type GateState = (bool, usize, usize);
 
-/// (calls of `release_idle_memory` so far, the answers to give instead of
-/// the model's, in order)
-type IdleScript = (usize, std::collections::VecDeque<Duration>);
+/// (when each call of `release_idle_memory` came, the answers to give
+/// instead of the model's, in order)
+type IdleScript = (Vec<Instant>, std::collections::VecDeque<Duration>);
 
 /// Holds every backend call while closed, so a turn stays mid-flight (its
 /// lease and reservation held) for as long as a test needs; records the
@@ -43,6 +43,8 @@ pub enum Fault {
     StepPanics,
     /// Making a sequence (a session's or a request's) panics.
     SequencePanics,
+    /// Giving back idle memory panics.
+    ReleasePanics,
 }
 
 /// The longest a closed gate holds a model step.
@@ -66,7 +68,11 @@ impl Gate {
     }
     /// How many times the server asked the model to give back idle memory.
     pub fn idle_calls(&self) -> usize {
-        self.3.lock().unwrap().0
+        self.3.lock().unwrap().0.len()
+    }
+    /// When each of those requests came.
+    pub fn idle_call_times(&self) -> Vec<Instant> {
+        self.3.lock().unwrap().0.clone()
     }
     /// The prompt lengths the model prefilled, in the order it ran them.
     pub fn prefills(&self) -> Vec<usize> {
@@ -135,13 +141,18 @@ impl Hook for Gate {
         match self.current() {
             Fault::StepFails => Err(BackendError::Run { backend: "gated", reason: "injected failure".into() }),
             Fault::StepPanics => panic!("injected: the backend panicked in a step"),
-            Fault::None | Fault::SequencePanics => Ok(()),
+            Fault::None | Fault::SequencePanics | Fault::ReleasePanics => Ok(()),
         }
     }
     fn release_idle_memory(&self, model_says: Option<Duration>) -> Option<Duration> {
         let mut script = self.3.lock().unwrap();
-        script.0 += 1;
-        script.1.pop_front().or(model_says)
+        script.0.push(Instant::now());
+        let answer = script.1.pop_front().or(model_says);
+        drop(script);
+        if self.current() == Fault::ReleasePanics {
+            panic!("injected: the backend panicked giving back idle memory");
+        }
+        answer
     }
 }
 
