@@ -153,9 +153,20 @@ fn whole_run_rate(clients: &[Vec<Reply>], wall: f64) -> f64 {
     clients.iter().flatten().map(|r| r.tokens).sum::<usize>() as f64 / wall
 }
 
-/// Rounds of the non-reader check (each runs the reader pair twice: alone,
-/// then beside the silent client).
-const INTERFERENCE_ROUNDS: usize = 3;
+/// Rounds of the non-reader check (each runs the reader pair twice, alone
+/// and beside the silent client, in alternating order).
+const INTERFERENCE_ROUNDS: usize = 5;
+
+/// The non-reader's cost as the median of each round's own change (the
+/// pair's rate beside the silent client against alone, in percent), and
+/// the range of those changes. Each round's two runs are adjacent, so a
+/// slow spell of the machine that covers one round moves both of its
+/// runs; medians of each side over the rounds compare runs minutes apart.
+fn paired_change(alone: &[f64], beside: &[f64]) -> (f64, (f64, f64)) {
+    let changes: Vec<f64> = alone.iter().zip(beside).map(|(a, b)| 100.0 * (b / a - 1.0)).collect();
+    let span = range(&changes);
+    (median(changes), span)
+}
 
 /// `clients` threads released together, each streaming `turns` requests in
 /// turn (`prompt(client, turn)`): each client's replies.
@@ -438,15 +449,18 @@ pub fn run(opts: Options) -> Result<()> {
         "\nSession churn: a request's latency {:.1} ms alone, {:.1} ms while another client creates and closes \
          sessions in a loop ({:+.1} ms).\n\nA client that stops reading its stream (the server parked its turn \
          {:.1} s after it stopped, once the socket buffers between them were full): two reading clients make \
-         {:.1} tok/s alone and {:.1} tok/s beside it ({:+.1}%; medians of three alternating rounds, each counted \
-         while both stream{}).\n\nKernels: {isa}.\n",
+         {:.1} tok/s alone and {:.1} tok/s beside it (medians of {INTERFERENCE_ROUNDS} rounds), a change of \
+         {:+.1}% (the median of each round's own change, range {:+.1}% to {:+.1}%; a round runs the pair alone and \
+         beside it back to back, in alternating order; each run counted while both stream{}).\n\nKernels: {isa}.\n",
         i.alone_ms,
         i.churned_ms,
         i.churned_ms - i.alone_ms,
         i.parked_after_s,
         i.readers,
         i.beside,
-        100.0 * (i.beside / i.readers - 1.0),
+        i.change.0,
+        i.change.1 .0,
+        i.change.1 .1,
         match i.fallbacks {
             0 => String::new(),
             n => format!("; {n} of {} runs had no such time and count their whole run", 2 * INTERFERENCE_ROUNDS),
@@ -515,9 +529,12 @@ struct Interference {
     alone_ms: f64,
     churned_ms: f64,
     /// Two reading clients' aggregate tokens/s alone, and beside a client
-    /// that stopped reading (once its turn is parked).
+    /// that stopped reading (once its turn is parked): medians of the
+    /// rounds.
     readers: f64,
     beside: f64,
+    /// [`paired_change`] of the rounds: the median change and its range.
+    change: (f64, (f64, f64)),
     /// How long after it stopped reading the server parked its turn
     /// (median of the rounds).
     parked_after_s: f64,
@@ -578,12 +595,14 @@ fn interference(server: &onnx_genai_server::RunningServer, model: &str, max_toke
             .collect::<Result<_>>()?;
         Ok(rate_or_whole_run(&replies, started.elapsed().as_secs_f64()))
     };
-    // Three rounds, each the readers alone and then beside a client that
-    // opens a long stream and never reads it; medians of each. This check
+    // Rounds of the readers alone and beside a client that opens a long
+    // stream and never reads it, the order alternating from round to
+    // round; the cost is the median of the rounds' own changes. This check
     // compares two rates: one pair of runs on a small shared machine
     // differs by 10% on its own, and with every "alone" run first a slow
     // minute fell on one side only (two sweeps of one build read +1.8% and
-    // -11.8%).
+    // -11.8%); with three rounds and medians of each side, runs of one
+    // build on 2026-12-07 still read -15.1% to +11.5%.
     let body =
         json!({"model": model, "prompt": "A very long story:", "max_tokens": 4096, "temperature": 0, "stream": true});
     let wait_for = |what: &str, done: &dyn Fn(onnx_genai_server::Gauges) -> bool| -> Result<f64> {
@@ -598,28 +617,57 @@ fn interference(server: &onnx_genai_server::RunningServer, model: &str, max_toke
     };
     let (mut alone_rates, mut beside_rates, mut noticed) = (Vec::new(), Vec::new(), Vec::new());
     let mut fallbacks = 0;
-    for _ in 0..INTERFERENCE_ROUNDS {
-        let (rate, windowed) = pair()?;
-        alone_rates.push(rate);
-        fallbacks += usize::from(!windowed);
-        let silent = Stream::open(addr, "/v1/completions", &[], &body)?;
-        // Until the socket buffers between it and the server fill, a
-        // client that does not read is indistinguishable from one that
-        // does; measure once the server has noticed (its turn parked).
-        noticed.push(wait_for("the silent client's turn was not parked", &|g| g.parked > 0)?);
-        let (rate, windowed) = pair()?;
-        beside_rates.push(rate);
-        fallbacks += usize::from(!windowed);
-        drop(silent);
-        wait_for("the silent client's turn did not end after it left", &|g| g.running == 0)?;
+    for round in 0..INTERFERENCE_ROUNDS {
+        for beside_silent in [round % 2 == 1, round % 2 == 0] {
+            if !beside_silent {
+                let (rate, windowed) = pair()?;
+                alone_rates.push(rate);
+                fallbacks += usize::from(!windowed);
+                continue;
+            }
+            let silent = Stream::open(addr, "/v1/completions", &[], &body)?;
+            // Until the socket buffers between it and the server fill, a
+            // client that does not read is indistinguishable from one that
+            // does; measure once the server has noticed (its turn parked).
+            noticed.push(wait_for("the silent client's turn was not parked", &|g| g.parked > 0)?);
+            let (rate, windowed) = pair()?;
+            beside_rates.push(rate);
+            fallbacks += usize::from(!windowed);
+            drop(silent);
+            wait_for("the silent client's turn did not end after it left", &|g| g.running == 0)?;
+        }
     }
+    let change = paired_change(&alone_rates, &beside_rates);
     let (readers, beside, noticed) = (median(alone_rates), median(beside_rates), median(noticed));
-    Ok(Interference { alone_ms: alone, churned_ms: churned, readers, beside, parked_after_s: noticed, fallbacks })
+    Ok(Interference {
+        alone_ms: alone,
+        churned_ms: churned,
+        readers,
+        beside,
+        change,
+        parked_after_s: noticed,
+        fallbacks,
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The non-reader's cost compares each round's two adjacent runs: a
+    /// slow round that lowers both of its runs moves no change, where the
+    /// medians of each side, taken apart, would read one (here +5 % from
+    /// rounds that each lost or gained 5 %).
+    #[test]
+    fn the_non_reader_cost_is_the_median_of_paired_changes() {
+        let (alone, beside) = ([100.0, 200.0, 100.0], [95.0, 190.0, 105.0]);
+        let (change, (lo, hi)) = paired_change(&alone, &beside);
+        assert!(
+            (change + 5.0).abs() < 1e-9 && (lo + 5.0).abs() < 1e-9 && (hi - 5.0).abs() < 1e-9,
+            "{change} {lo} {hi}"
+        );
+        assert!((median(beside.to_vec()) / median(alone.to_vec()) - 1.05).abs() < 1e-9);
+    }
 
     /// A sweep's arguments are checked before anything is built or served:
     /// turns outside 1..=4 and client counts that are not positive numbers

@@ -146,6 +146,12 @@ pub trait DecodeModel: Send + Sync {
     /// does not stay for good. No default: a wrapper that forgot to forward
     /// it would keep a burst's memory for the server's life.
     fn release_idle_memory(&self) -> Option<std::time::Duration>;
+
+    /// Bytes this model keeps for reuse outside every sequence (returned
+    /// KV blocks: its standing keep, and more while they linger after a
+    /// burst). Admission's budget does not count them; the server shows
+    /// them as a gauge. No default, for the reason above.
+    fn kept_memory_bytes(&self) -> u64;
 }
 
 /// One sequence's decode state: its KV cache and position.

@@ -266,6 +266,10 @@ mod tests {
         fn release_idle_memory(&self) -> Option<std::time::Duration> {
             None
         }
+
+        fn kept_memory_bytes(&self) -> u64 {
+            0
+        }
     }
 
     fn scripted(rows: Vec<Vec<f32>>) -> Decoder {

@@ -226,6 +226,11 @@ impl DecodeModel for CudaModel {
     fn release_idle_memory(&self) -> Option<std::time::Duration> {
         None
     }
+
+    /// Nothing kept, as above.
+    fn kept_memory_bytes(&self) -> u64 {
+        0
+    }
 }
 
 /// One sequence of a [`CudaModel`]: its KV cache on the device.

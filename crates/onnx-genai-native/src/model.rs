@@ -126,6 +126,15 @@ impl NativeModel {
         Ok(Self { plan, runner: Mutex::new(Runner { runtime, workspace }), kv, kv_geometry })
     }
 
+    /// The model keeping up to `keep_bytes` of returned KV blocks for
+    /// good and any more for `linger` after their return, instead of 64 MiB
+    /// and 10 s (a test's model, whose blocks must age out in its time).
+    #[cfg(test)]
+    fn with_kv_keep(mut self, keep_bytes: usize, linger: std::time::Duration) -> Self {
+        self.kv = KvPool::new(self.kv.layout().clone(), keep_bytes, linger);
+        self
+    }
+
     pub fn plan(&self) -> &Plan {
         &self.plan
     }
@@ -263,6 +272,10 @@ impl DecodeModel for NativeModel {
     fn release_idle_memory(&self) -> Option<std::time::Duration> {
         self.kv.release_expired()
     }
+
+    fn kept_memory_bytes(&self) -> u64 {
+        self.kv.idle_bytes() as u64
+    }
 }
 
 /// One sequence of a [`NativeModel`]: its KV blocks and length.
@@ -295,5 +308,41 @@ impl Sequence for NativeSequence {
 
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
         self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use onnx_genai_backend::{DecodeModel, Entry, Input};
+    use onnx_genai_build::Variant;
+
+    use super::NativeModel;
+
+    /// The model's side of the idle release the server's driver relies on:
+    /// a dropped sequence's blocks are what `kept_memory_bytes` reports
+    /// (the server's kept-bytes gauge), and `release_idle_memory` says how
+    /// long until they age out and, once they have, frees them.
+    #[test]
+    fn a_models_kept_blocks_show_and_go_once_they_age_out() {
+        let (_dir, package) = onnx_genai_test_support::build_variant("tiny-llama-gqa", Variant::Genai);
+        let linger = Duration::from_millis(500);
+        let model = NativeModel::load(&package, 1).unwrap().with_kv_keep(0, linger);
+        assert_eq!((model.kept_memory_bytes(), model.release_idle_memory()), (0, None), "a fresh model keeps nothing");
+        let mut seq = model.new_sequence();
+        let mut logits = Vec::new();
+        let prompt: Vec<u32> = (1..=70).collect();
+        model.step(&mut [Entry { sequence: &mut *seq, input: Input::Tokens(&prompt), logits: &mut logits }]).unwrap();
+        let resident = seq.resident_bytes();
+        assert!(resident > 0);
+        drop(seq);
+        assert_eq!(model.kept_memory_bytes(), resident, "the sequence's blocks are kept while they linger");
+        let wait = model.release_idle_memory().expect("blocks past the keep say when they age out");
+        assert!(wait <= linger, "{wait:?}");
+        assert_eq!(model.kept_memory_bytes(), resident, "nothing aged out yet");
+        std::thread::sleep(linger + Duration::from_millis(20));
+        assert_eq!(model.release_idle_memory(), None, "nothing is left to age out");
+        assert_eq!(model.kept_memory_bytes(), 0, "aged-out blocks are freed");
     }
 }

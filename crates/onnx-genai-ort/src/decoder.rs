@@ -254,6 +254,11 @@ impl DecodeModel for OrtModel {
     fn release_idle_memory(&self) -> Option<std::time::Duration> {
         None
     }
+
+    /// Nothing kept, as above.
+    fn kept_memory_bytes(&self) -> u64 {
+        0
+    }
 }
 
 impl OrtSequence {

@@ -153,6 +153,9 @@ pub struct Counters {
     /// KV bytes the model's idle sessions keep (what the budget reserves for
     /// them at rest, B2).
     pub idle_kv_bytes: AtomicU64,
+    /// Bytes the model keeps for reuse outside its sequences and outside
+    /// the budget (returned KV blocks), as it said last.
+    pub kept_bytes: AtomicU64,
     /// The driver thread died (a panic outside the guards around the
     /// engine): the model answers 503 and `/health` is red.
     pub dead: AtomicBool,
@@ -256,6 +259,7 @@ fn bury(counters: &Counters, rx: &std_mpsc::Receiver<Command>) {
     counters.parked.store(0, Ordering::SeqCst);
     counters.waiting.store(0, Ordering::SeqCst);
     counters.idle_kv_bytes.store(0, Ordering::SeqCst);
+    counters.kept_bytes.store(0, Ordering::SeqCst);
     tracing::error!("a model driver died; its model answers 503 until the server restarts");
     let down = || ApiError::unavailable("the model is down: its driver stopped after an internal error");
     while let Ok(command) = rx.try_recv() {
@@ -375,6 +379,7 @@ impl<'a> Loop<'a> {
                 self.step();
             }
             self.counters.idle_kv_bytes.store(self.engine.idle_kv_bytes(), Ordering::SeqCst);
+            self.show_kept_memory();
         }
     }
 
@@ -397,13 +402,21 @@ impl<'a> Loop<'a> {
     /// The model's `release_idle_memory`, a panic of it logged and taken
     /// as nothing more kept (the driver lives on).
     fn release_idle_memory(&self) -> Option<Duration> {
-        match std::panic::catch_unwind(AssertUnwindSafe(|| self.engine.model().release_idle_memory())) {
+        let next = match std::panic::catch_unwind(AssertUnwindSafe(|| self.engine.model().release_idle_memory())) {
             Ok(next) => next,
             Err(_) => {
                 tracing::error!("giving back idle memory panicked on {}", self.engine.package().manifest.name);
                 None
             }
-        }
+        };
+        self.show_kept_memory();
+        next
+    }
+
+    /// Updates the gauge of what the model keeps outside its sequences
+    /// (read under the pool's lock, once a step or an idle release).
+    fn show_kept_memory(&self) {
+        self.counters.kept_bytes.store(self.engine.model().kept_memory_bytes(), Ordering::SeqCst);
     }
 
     fn take(&mut self, command: Command) {

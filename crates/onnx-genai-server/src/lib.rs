@@ -69,6 +69,7 @@ impl AppState {
             step_nanos: 0,
             waiting: 0,
             idle_kv_bytes: 0,
+            kept_bytes: 0,
             models_down: 0,
         };
         for d in self.drivers.values() {
@@ -84,6 +85,7 @@ impl AppState {
             g.step_nanos += d.counters.step_nanos.load(Ordering::SeqCst);
             g.waiting += d.counters.waiting.load(Ordering::SeqCst);
             g.idle_kv_bytes += d.counters.idle_kv_bytes.load(Ordering::SeqCst);
+            g.kept_bytes += d.counters.kept_bytes.load(Ordering::SeqCst);
             g.models_down += usize::from(!d.alive());
         }
         g
@@ -114,7 +116,10 @@ impl Default for ServerOptions {
     }
 }
 
-/// Gauges that must return to their baseline when the server is idle.
+/// The server's gauges and counters. The gauges return to their baseline
+/// when the server is idle, all but `kept_bytes` (memory kept for reuse);
+/// the counters (`admitted`, `turns`, `stalled`, `widest_step` and those
+/// marked a count) only grow.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Gauges {
     pub sessions: usize,
@@ -144,6 +149,10 @@ pub struct Gauges {
     pub waiting: u64,
     /// KV bytes idle sessions keep (reserved for them at rest, B2).
     pub idle_kv_bytes: u64,
+    /// Bytes the models keep for reuse outside their sequences (returned
+    /// KV blocks), which the budget does not count: up to each model's
+    /// standing keep at rest, more for a while after a burst.
+    pub kept_bytes: u64,
     /// Models whose driver died (they answer 503, `/health` is red).
     pub models_down: usize,
 }

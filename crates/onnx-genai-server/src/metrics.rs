@@ -36,6 +36,7 @@ pub struct Metrics {
     parked: Gauge,
     kv_reserved: Gauge,
     kv_idle: Gauge,
+    kv_kept: Gauge,
     models_down: Gauge,
 }
 
@@ -88,6 +89,11 @@ impl Metrics {
             "KV cache bytes admission has reserved (running turns and idle sessions)",
         );
         let kv_idle = gauge(&mut registry, "kv_idle_session_bytes", "KV cache bytes idle sessions keep resident");
+        let kv_kept = gauge(
+            &mut registry,
+            "kv_kept_bytes",
+            "KV cache bytes the models keep for reuse outside every sequence and outside the KV budget",
+        );
         let models_down = gauge(&mut registry, "models_down", "Models whose driver died (they answer 503)");
         Self {
             registry,
@@ -104,6 +110,7 @@ impl Metrics {
             parked,
             kv_reserved,
             kv_idle,
+            kv_kept,
             models_down,
         }
     }
@@ -139,6 +146,7 @@ impl Metrics {
         set(&self.parked, now.parked);
         set(&self.kv_reserved, now.reserved_bytes);
         set(&self.kv_idle, now.idle_kv_bytes);
+        set(&self.kv_kept, now.kept_bytes);
         set(&self.models_down, now.models_down as u64);
         let mut out = String::new();
         // Writing into a String cannot fail.

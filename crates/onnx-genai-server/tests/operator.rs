@@ -242,7 +242,9 @@ fn metric(text: &str, name: &str, labels: &str) -> Option<f64> {
 
 /// `GET /metrics` counts answers by route and status, the tokens clients
 /// got, time to first token and inter-token gaps (one per token after the
-/// first), and reads sessions and KV reservations live.
+/// first), and reads sessions, KV reservations and the KV the model keeps
+/// for reuse live (native-cpu keeps the blocks its turns gave back; ONNX
+/// Runtime keeps none).
 #[test]
 fn metrics_count_requests_tokens_latencies_and_live_gauges() {
     let gate = Gate::default();
@@ -281,6 +283,10 @@ fn metrics_count_requests_tokens_latencies_and_live_gauges() {
     let reserved = metric(t, "onnx_genai_kv_reserved_bytes", "").unwrap();
     assert_eq!(reserved, s.gauges().reserved_bytes as f64, "{t}");
     assert_eq!(metric(t, "onnx_genai_running_turns", ""), Some(0.0), "{t}");
+    let kept = metric(t, "onnx_genai_kv_kept_bytes", "");
+    assert_eq!(kept, Some(s.gauges().kept_bytes as f64), "{t}");
+    let keeps = support::backend() == onnx_genai_engine::BackendKind::NativeCpu;
+    assert_eq!(kept.is_some_and(|k| k > 0.0), keeps, "{t}");
     assert!(metric(t, "onnx_genai_open_connections", "").is_some_and(|v| v >= 1.0), "{t}");
     s.stop();
 }

@@ -147,6 +147,10 @@ impl<H: Hook> DecodeModel for Hooked<H> {
     fn release_idle_memory(&self) -> Option<std::time::Duration> {
         self.hook.release_idle_memory(self.inner.release_idle_memory())
     }
+
+    fn kept_memory_bytes(&self) -> u64 {
+        self.inner.kept_memory_bytes()
+    }
 }
 
 /// A `[rows, cols]` matrix as `[cols, rows]`: the builder's `[inputs,
