@@ -221,7 +221,11 @@ fn add_across(p: [std::arch::x86_64::__m256i; 8]) -> std::arch::x86_64::__m256i 
 unsafe fn scaled_rounded(at: *const f32, inverse: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256i {
     use std::arch::x86_64::*;
     // SAFETY: `at` is valid for 8 reads (the caller's contract).
-    _mm256_cvtps_epi32(_mm256_mul_ps(unsafe { _mm256_loadu_ps(at) }, inverse))
+    let scaled = _mm256_mul_ps(unsafe { _mm256_loadu_ps(at) }, inverse);
+    // A NaN product (a NaN input, or an infinite one times its block's
+    // zero inverse) becomes 0, as the portable path's saturating cast
+    // makes it: `cvtps2dq` would give `i32::MIN`, packed to -128.
+    _mm256_cvtps_epi32(_mm256_and_ps(scaled, _mm256_cmp_ps::<_CMP_ORD_Q>(scaled, scaled)))
 }
 
 /// Stores 32 quantized values (four vectors of 8 rounded `i32`, each
@@ -265,8 +269,9 @@ mod tests {
     /// either end, negative maxima, blocks of 32, 64 and 128, blocks of 32
     /// in whole groups of eight and with blocks left over (576 inputs:
     /// SmolLM2's width, 18 blocks; 288: 9; 2 rows of 576 as one call, as a
-    /// thread quantizes a call's rows), and a last block that is not whole
-    /// 32s (portable there).
+    /// thread quantizes a call's rows), a last block that is not whole
+    /// 32s (portable there), and blocks holding NaN or infinite inputs (a
+    /// broken model's activations still quantize the same everywhere).
     #[test]
     fn quantization_is_the_same_on_every_path() {
         let mut seed = 0x9e37_79b9u32;
@@ -277,9 +282,9 @@ mod tests {
             seed
         };
         for (k, x_block) in [(96, 32), (128, 64), (256, 128), (100, 32), (72, 64), (576, 32), (288, 32), (1152, 32)] {
-            for case in 0..40 {
+            for case in 0..60 {
                 let mut x: Vec<f32> = (0..k).map(|_| (next() % 20001) as f32 / 1000.0 - 10.0).collect();
-                match case % 4 {
+                match case % 6 {
                     // Zero blocks.
                     0 => x[..k.min(32)].iter_mut().for_each(|v| *v = 0.0),
                     // Ties: max 127 gives scale 1, halves round to even.
@@ -290,7 +295,13 @@ mod tests {
                     // The maximum last in its block.
                     2 => x[k - 1] = 50.0,
                     // A zero block inside a group of eight.
-                    _ if k >= 256 => x[160..192].iter_mut().for_each(|v| *v = 0.0),
+                    3 if k >= 256 => x[160..192].iter_mut().for_each(|v| *v = 0.0),
+                    // NaN beside finite values, and an infinite maximum.
+                    4 => {
+                        x[1] = f32::NAN;
+                        x[k / 2] = f32::INFINITY;
+                    }
+                    5 => x[k - 1] = f32::NEG_INFINITY,
                     _ => {}
                 }
                 let entries = quantized_blocks(k, x_block);
