@@ -154,8 +154,9 @@ fn whole_run_rate(clients: &[Vec<Reply>], wall: f64) -> f64 {
 }
 
 /// Rounds of the non-reader check (each runs the reader pair twice, alone
-/// and beside the silent client, in alternating order).
-const INTERFERENCE_ROUNDS: usize = 5;
+/// and beside the silent client, in alternating order: an even count, so
+/// each order runs as often).
+const INTERFERENCE_ROUNDS: usize = 6;
 
 /// The non-reader's cost as the median of each round's own change (the
 /// pair's rate beside the silent client against alone, in percent), and

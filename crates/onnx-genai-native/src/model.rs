@@ -127,8 +127,9 @@ impl NativeModel {
     }
 
     /// The model keeping up to `keep_bytes` of returned KV blocks for
-    /// good and any more for `linger` after their return, instead of 64 MiB
-    /// and 10 s (a test's model, whose blocks must age out in its time).
+    /// good and any more for `linger` after their return, instead of
+    /// [`KEEP_IDLE_KV_BYTES`] and [`KV_LINGER`] (a test's model, whose
+    /// blocks must age out in its time).
     #[cfg(test)]
     fn with_kv_keep(mut self, keep_bytes: usize, linger: std::time::Duration) -> Self {
         self.kv = KvPool::new(self.kv.layout().clone(), keep_bytes, linger);
@@ -337,10 +338,15 @@ mod tests {
         let resident = seq.resident_bytes();
         assert!(resident > 0);
         drop(seq);
+        let dropped = std::time::Instant::now();
         assert_eq!(model.kept_memory_bytes(), resident, "the sequence's blocks are kept while they linger");
-        let wait = model.release_idle_memory().expect("blocks past the keep say when they age out");
-        assert!(wait <= linger, "{wait:?}");
-        assert_eq!(model.kept_memory_bytes(), resident, "nothing aged out yet");
+        let wait = model.release_idle_memory();
+        // (A machine that stalled past the linger here has aged them out
+        // already: only the end is checked then.)
+        if dropped.elapsed() < linger / 2 {
+            assert!(wait.is_some_and(|w| w > linger / 2 && w <= linger), "blocks past the keep say when: {wait:?}");
+            assert_eq!(model.kept_memory_bytes(), resident, "nothing aged out yet");
+        }
         std::thread::sleep(linger + Duration::from_millis(20));
         assert_eq!(model.release_idle_memory(), None, "nothing is left to age out");
         assert_eq!(model.kept_memory_bytes(), 0, "aged-out blocks are freed");

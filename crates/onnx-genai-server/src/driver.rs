@@ -336,6 +336,8 @@ struct Loop<'a> {
     running: Vec<Running>,
     /// Requests that did not fit the budget yet, in arrival order (B5).
     line: VecDeque<Waiting>,
+    /// The model's `kept_memory_bytes` has panicked (logged once).
+    kept_panicked: std::cell::Cell<bool>,
 }
 
 /// How long an idle driver with requests in line sleeps before it looks
@@ -348,7 +350,15 @@ const IDLE_RELEASE_MIN_WAIT: Duration = Duration::from_millis(10);
 
 impl<'a> Loop<'a> {
     fn new(engine: Engine, counters: &'a Counters, queued: &'a AtomicUsize, options: DriverOptions) -> Self {
-        Self { engine, counters, queued, options, running: Vec::new(), line: VecDeque::new() }
+        Self {
+            engine,
+            counters,
+            queued,
+            options,
+            running: Vec::new(),
+            line: VecDeque::new(),
+            kept_panicked: std::cell::Cell::new(false),
+        }
     }
 
     fn run(mut self, rx: &std_mpsc::Receiver<Command>) {
@@ -413,10 +423,22 @@ impl<'a> Loop<'a> {
         next
     }
 
-    /// Updates the gauge of what the model keeps outside its sequences
-    /// (read under the pool's lock, once a step or an idle release).
+    /// Updates the gauge of what the model keeps outside its sequences,
+    /// once a loop iteration and after every idle release. A panic of the
+    /// model's `kept_memory_bytes` is logged once and leaves the gauge as
+    /// it was (the driver lives on).
     fn show_kept_memory(&self) {
-        self.counters.kept_bytes.store(self.engine.model().kept_memory_bytes(), Ordering::SeqCst);
+        match std::panic::catch_unwind(AssertUnwindSafe(|| self.engine.model().kept_memory_bytes())) {
+            Ok(bytes) => self.counters.kept_bytes.store(bytes, Ordering::SeqCst),
+            Err(_) => {
+                if !self.kept_panicked.replace(true) {
+                    tracing::error!(
+                        "reading the memory {} keeps panicked; its kv_kept_bytes gauge stays as it was",
+                        self.engine.package().manifest.name
+                    );
+                }
+            }
+        }
     }
 
     fn take(&mut self, command: Command) {

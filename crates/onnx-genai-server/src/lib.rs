@@ -116,10 +116,13 @@ impl Default for ServerOptions {
     }
 }
 
-/// The server's gauges and counters. The gauges return to their baseline
-/// when the server is idle, all but `kept_bytes` (memory kept for reuse);
-/// the counters (`admitted`, `turns`, `stalled`, `widest_step` and those
-/// marked a count) only grow.
+/// The server's gauges and counters, read live. Counters (`admitted`,
+/// `turns`, `stalled` and those marked a count) only grow, and
+/// `widest_step` until it is reset; what is held for work in flight
+/// (leases, reservations of running turns, `running`, `parked`,
+/// `waiting`) returns to its baseline when the server is idle, while
+/// `sessions`, `idle_kv_bytes`, `kept_bytes` and `models_down` describe
+/// what stays between requests.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Gauges {
     pub sessions: usize,

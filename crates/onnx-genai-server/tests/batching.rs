@@ -104,9 +104,10 @@ fn an_idle_driver_asks_its_model_to_release_memory_until_nothing_is_kept() {
     assert!(settled(5), "{} requests after going idle again, not one more", gate.idle_calls());
 }
 
-/// A backend that panics giving back idle memory does not take its
-/// model's driver with it: the panic is logged, taken as nothing kept, and
-/// the next request is served.
+/// A backend that panics giving back idle memory, or saying how much it
+/// keeps, does not take its model's driver with it: the panics are logged
+/// (the first giving back taken as nothing kept, the second leaving the
+/// gauge as it was), and a request is served while both still panic.
 #[test]
 fn a_panic_giving_back_idle_memory_leaves_the_driver_serving() {
     let (_dir, p) = package(M);
@@ -115,6 +116,10 @@ fn a_panic_giving_back_idle_memory_leaves_the_driver_serving() {
     let scheduler = Scheduler::new(KvBlocks::of(&p).bytes(1024));
     let server = start_with(vec![engine(&p, &gate, scheduler)], "127.0.0.1:0", ServerOptions::default()).unwrap();
     assert!(eventually(Duration::from_secs(10), || gate.idle_calls() >= 1), "the idle driver never asked");
+    let r = post(&server, M, "Hello", 2);
+    assert_eq!(r.status, 200, "{}", r.body);
+    // Each idle release and each step's end asked (and panicked).
+    assert!(gate.kept_panics() >= 2, "{}", gate.kept_panics());
     gate.fault(support::Fault::None);
     let r = post(&server, M, "Hello", 2);
     assert_eq!(r.status, 200, "{}", r.body);

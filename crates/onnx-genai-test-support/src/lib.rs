@@ -64,8 +64,8 @@ pub fn build(name: &str) -> (tempfile::TempDir, Package) {
 }
 
 /// What a [`Hooked`] model lets a test see and change: called before the
-/// wrapped model makes a sequence or runs a step. Everything else is
-/// forwarded untouched.
+/// wrapped model makes a sequence or runs a step, and after it answers
+/// about its idle memory. Everything else is forwarded untouched.
 pub trait Hook: Send + Sync {
     /// Before [`DecodeModel::new_sequence`] (a panic here is the backend's
     /// panic).
@@ -80,6 +80,12 @@ pub trait Hook: Send + Sync {
     fn release_idle_memory(&self, model_says: Option<std::time::Duration>) -> Option<std::time::Duration> {
         model_says
     }
+
+    /// After [`DecodeModel::kept_memory_bytes`]: what the caller is told
+    /// (by default what the model said).
+    fn kept_memory_bytes(&self, model_says: u64) -> u64 {
+        model_says
+    }
 }
 
 /// A hook shared with the test that reads it.
@@ -92,6 +98,9 @@ impl<H: Hook + ?Sized> Hook for Arc<H> {
     }
     fn release_idle_memory(&self, model_says: Option<std::time::Duration>) -> Option<std::time::Duration> {
         (**self).release_idle_memory(model_says)
+    }
+    fn kept_memory_bytes(&self, model_says: u64) -> u64 {
+        (**self).kept_memory_bytes(model_says)
     }
 }
 
@@ -149,7 +158,7 @@ impl<H: Hook> DecodeModel for Hooked<H> {
     }
 
     fn kept_memory_bytes(&self) -> u64 {
-        self.inner.kept_memory_bytes()
+        self.hook.kept_memory_bytes(self.inner.kept_memory_bytes())
     }
 }
 

@@ -222,14 +222,19 @@ unsafe fn scaled_rounded(at: *const f32, inverse: std::arch::x86_64::__m256) -> 
     use std::arch::x86_64::*;
     // SAFETY: `at` is valid for 8 reads (the caller's contract).
     let scaled = _mm256_mul_ps(unsafe { _mm256_loadu_ps(at) }, inverse);
-    // A NaN product (a NaN input, or an infinite one times its block's
-    // zero inverse) becomes 0, as the portable path's saturating cast
-    // makes it: `cvtps2dq` would give `i32::MIN`, packed to -128.
-    _mm256_cvtps_epi32(_mm256_and_ps(scaled, _mm256_cmp_ps::<_CMP_ORD_Q>(scaled, scaled)))
+    // Where the portable path's saturating cast and `cvtps2dq` (which
+    // gives `i32::MIN`: packed to -128, but wrong in the block's sum)
+    // part: a NaN product (a NaN input, or an infinite one times its
+    // block's zero inverse; also a zero times an infinite inverse) becomes
+    // 0, and ±inf (a block whose largest magnitude is below 127 / f32::MAX
+    // makes its inverse infinite) 127 and -128.
+    let ordered = _mm256_and_ps(scaled, _mm256_cmp_ps::<_CMP_ORD_Q>(scaled, scaled));
+    let within = _mm256_max_ps(_mm256_min_ps(ordered, _mm256_set1_ps(127.0)), _mm256_set1_ps(-128.0));
+    _mm256_cvtps_epi32(within)
 }
 
 /// Stores 32 quantized values (four vectors of 8 rounded `i32`, each
-/// within ±127) as bytes in order at `o`.
+/// within -128..=127) as bytes in order at `o`.
 ///
 /// # Safety
 /// AVX2 must be available and `o` valid for 32 bytes.
@@ -270,8 +275,9 @@ mod tests {
     /// in whole groups of eight and with blocks left over (576 inputs:
     /// SmolLM2's width, 18 blocks; 288: 9; 2 rows of 576 as one call, as a
     /// thread quantizes a call's rows), a last block that is not whole
-    /// 32s (portable there), and blocks holding NaN or infinite inputs (a
-    /// broken model's activations still quantize the same everywhere).
+    /// 32s (portable there), blocks holding NaN or infinite inputs, and
+    /// blocks so small that their inverse scale is infinite (a broken
+    /// model's activations still quantize the same everywhere).
     #[test]
     fn quantization_is_the_same_on_every_path() {
         let mut seed = 0x9e37_79b9u32;
@@ -282,9 +288,9 @@ mod tests {
             seed
         };
         for (k, x_block) in [(96, 32), (128, 64), (256, 128), (100, 32), (72, 64), (576, 32), (288, 32), (1152, 32)] {
-            for case in 0..60 {
+            for case in 0..70 {
                 let mut x: Vec<f32> = (0..k).map(|_| (next() % 20001) as f32 / 1000.0 - 10.0).collect();
-                match case % 6 {
+                match case % 7 {
                     // Zero blocks.
                     0 => x[..k.min(32)].iter_mut().for_each(|v| *v = 0.0),
                     // Ties: max 127 gives scale 1, halves round to even.
@@ -302,6 +308,11 @@ mod tests {
                         x[k / 2] = f32::INFINITY;
                     }
                     5 => x[k - 1] = f32::NEG_INFINITY,
+                    // A block of values below 127 / f32::MAX (subnormal)
+                    // and zeros, the first (alone, or in a group of eight).
+                    6 => x[..k.min(32)].iter_mut().enumerate().for_each(|(i, v)| {
+                        *v = [1e-38, -1e-38, 0.0, 3e-39][i % 4];
+                    }),
                     _ => {}
                 }
                 let entries = quantized_blocks(k, x_block);

@@ -30,7 +30,13 @@ type IdleScript = (Vec<Instant>, std::collections::VecDeque<Duration>);
 /// while one is set; counts the server's requests to give back idle
 /// memory, answering them from a script while it lasts.
 #[derive(Clone, Default)]
-pub struct Gate(Arc<(Mutex<GateState>, Condvar)>, Arc<Mutex<Vec<usize>>>, Arc<Mutex<Fault>>, Arc<Mutex<IdleScript>>);
+pub struct Gate(
+    Arc<(Mutex<GateState>, Condvar)>,
+    Arc<Mutex<Vec<usize>>>,
+    Arc<Mutex<Fault>>,
+    Arc<Mutex<IdleScript>>,
+    Arc<Mutex<usize>>,
+);
 
 /// What the gated backend does wrong.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -43,7 +49,7 @@ pub enum Fault {
     StepPanics,
     /// Making a sequence (a session's or a request's) panics.
     SequencePanics,
-    /// Giving back idle memory panics.
+    /// Giving back idle memory, or saying how much is kept, panics.
     ReleasePanics,
 }
 
@@ -69,6 +75,11 @@ impl Gate {
     /// How many times the server asked the model to give back idle memory.
     pub fn idle_calls(&self) -> usize {
         self.3.lock().unwrap().0.len()
+    }
+    /// How many times saying what memory the model keeps panicked
+    /// (under [`Fault::ReleasePanics`]).
+    pub fn kept_panics(&self) -> usize {
+        *self.4.lock().unwrap()
     }
     /// When each of those requests came.
     pub fn idle_call_times(&self) -> Vec<Instant> {
@@ -153,6 +164,13 @@ impl Hook for Gate {
             panic!("injected: the backend panicked giving back idle memory");
         }
         answer
+    }
+    fn kept_memory_bytes(&self, model_says: u64) -> u64 {
+        if self.current() == Fault::ReleasePanics {
+            *self.4.lock().unwrap() += 1;
+            panic!("injected: the backend panicked saying what memory it keeps");
+        }
+        model_says
     }
 }
 
