@@ -11,23 +11,23 @@
 //! the rounds (aggregate and ratio with their range): a ratio is taken
 //! within its round, so minutes in which the VM's neighbours were busy
 //! slow its numerator and denominator alike. Then two
-//! interference checks: how much
+//! interference checks (`load_interference`): how much
 //! creating and closing sessions adds to other requests' latency, and how
 //! much a client that stops reading its stream costs the others.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use onnx_genai_engine::{BackendKind, Engine, Scheduler};
 use onnx_genai_native::kernels::tiled::AMX_MIN_ROWS;
-use onnx_genai_server::client::{call, Stream};
+use onnx_genai_server::client::Stream;
 use serde_json::json;
 
 use crate::load::percentile;
+use crate::load_interference::{interference, INTERFERENCE_ROUNDS};
 use crate::{ort, util};
 
 pub struct Options {
@@ -68,18 +68,18 @@ pub fn shape(sweep: &str, turns: Option<usize>) -> Result<(Vec<usize>, usize)> {
 
 /// One streamed completion.
 #[derive(Clone, Debug, Default)]
-struct Reply {
+pub(crate) struct Reply {
     /// Seconds to the first token.
     ttft: f64,
     /// Tokens generated (the usage the server reported).
     tokens: usize,
     /// Seconds the whole request took.
-    secs: f64,
+    pub(crate) secs: f64,
     /// When each event that carried text arrived.
     events: Vec<Instant>,
 }
 
-fn stream_one(addr: std::net::SocketAddr, model: &str, prompt: &str, max_tokens: u32) -> Result<Reply> {
+pub(crate) fn stream_one(addr: std::net::SocketAddr, model: &str, prompt: &str, max_tokens: u32) -> Result<Reply> {
     let body = json!({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
         "stream": true, "stream_options": {"include_usage": true}});
     let t0 = Instant::now();
@@ -140,7 +140,7 @@ fn concurrent_rate(clients: &[Vec<Reply>]) -> Option<f64> {
 /// text, or finished before another's first token) every token over the
 /// run's `wall` seconds; with whether it was the window's rate, so a report
 /// can say which it shows.
-fn rate_or_whole_run(clients: &[Vec<Reply>], wall: f64) -> (f64, bool) {
+pub(crate) fn rate_or_whole_run(clients: &[Vec<Reply>], wall: f64) -> (f64, bool) {
     match concurrent_rate(clients) {
         Some(rate) => (rate, true),
         None => (whole_run_rate(clients, wall), false),
@@ -151,22 +151,6 @@ fn rate_or_whole_run(clients: &[Vec<Reply>], wall: f64) -> (f64, bool) {
 /// report's "overall" column, and the aggregate where there is no window).
 fn whole_run_rate(clients: &[Vec<Reply>], wall: f64) -> f64 {
     clients.iter().flatten().map(|r| r.tokens).sum::<usize>() as f64 / wall
-}
-
-/// Rounds of the non-reader check (each runs the reader pair twice, alone
-/// and beside the silent client, in alternating order: an even count, so
-/// each order runs as often).
-const INTERFERENCE_ROUNDS: usize = 6;
-
-/// The non-reader's cost as the median of each round's own change (the
-/// pair's rate beside the silent client against alone, in percent), and
-/// the range of those changes. Each round's two runs are adjacent, so a
-/// slow spell of the machine that covers one round moves both of its
-/// runs; medians of each side over the rounds compare runs minutes apart.
-fn paired_change(alone: &[f64], beside: &[f64]) -> (f64, (f64, f64)) {
-    let changes: Vec<f64> = alone.iter().zip(beside).map(|(a, b)| 100.0 * (b / a - 1.0)).collect();
-    let span = range(&changes);
-    (median(changes), span)
 }
 
 /// `clients` threads released together, each streaming `turns` requests in
@@ -298,12 +282,12 @@ fn spread(value: String, (lo, hi): (f64, f64), digits: usize, unit: &str, rounds
 
 /// The median (the upper one of an even count, as the benches take it):
 /// of the rounds, and of the interference check's rounds.
-fn median(mut v: Vec<f64>) -> f64 {
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     percentile(&v, 0.5)
 }
 
-fn range(v: &[f64]) -> (f64, f64) {
+pub(crate) fn range(v: &[f64]) -> (f64, f64) {
     v.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), x| (lo.min(*x), hi.max(*x)))
 }
 
@@ -524,151 +508,11 @@ impl Peaks {
     }
 }
 
-/// What [`interference`] measured.
-struct Interference {
-    /// Median latency of a short request alone, and while sessions churn.
-    alone_ms: f64,
-    churned_ms: f64,
-    /// Two reading clients' aggregate tokens/s alone, and beside a client
-    /// that stopped reading (once its turn is parked): medians of the
-    /// rounds.
-    readers: f64,
-    beside: f64,
-    /// [`paired_change`] of the rounds: the median change and its range.
-    change: (f64, (f64, f64)),
-    /// How long after it stopped reading the server parked its turn
-    /// (median of the rounds).
-    parked_after_s: f64,
-    /// Pair runs (of `2 * INTERFERENCE_ROUNDS`) with no time both readers
-    /// streamed, counted over their whole run instead.
-    fallbacks: usize,
-}
-
-/// Median latency of short requests alone and while sessions churn; the
-/// aggregate tokens/s of two reading clients alone and next to a client
-/// that stopped reading its stream.
-fn interference(server: &onnx_genai_server::RunningServer, model: &str, max_tokens: u32) -> Result<Interference> {
-    let addr = server.addr;
-    let short = |n: usize| -> Result<f64> {
-        let v: Vec<f64> = (0..n)
-            .map(|i| stream_one(addr, model, &format!("Quick question {i}:"), 4).map(|r| r.secs * 1e3))
-            .collect::<Result<_>>()?;
-        Ok(median(v))
-    };
-    let alone = short(9)?;
-    let stop = Arc::new(AtomicBool::new(false));
-    // Twenty sessions created and closed per second (a tight loop would
-    // mostly measure the churning client's own CPU on a small machine).
-    let churner = {
-        let (stop, model) = (stop.clone(), model.to_string());
-        std::thread::spawn(move || {
-            while !stop.load(Ordering::SeqCst) {
-                if let Ok(r) = call(addr, "POST", "/v1/sessions", &[], &json!({"model": model}).to_string()) {
-                    if let Some(id) = r.json()["id"].as_str() {
-                        let _ = call(addr, "DELETE", &format!("/v1/sessions/{id}"), &[], "");
-                    }
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
-        })
-    };
-    let churned = short(9)?;
-    stop.store(true, Ordering::SeqCst);
-    let _ = churner.join();
-    // Counted as the sweep counts its aggregate: while both readers stream
-    // (so a slow first token, the prompt's read, does not dilute either
-    // side); where there is no such time, the pair's whole run.
-    let pair = || -> Result<(f64, bool)> {
-        let started = Instant::now();
-        let hs: Vec<_> = (0..2)
-            .map(|c| {
-                let model = model.to_string();
-                std::thread::spawn(move || {
-                    // Four times the sweep's answers: a rate over a second
-                    // or more, not a few hundred milliseconds of a noisy VM.
-                    stream_one(addr, &model, &format!("Reader {c}: once upon a time"), 4 * max_tokens)
-                })
-            })
-            .collect();
-        let replies: Vec<Vec<Reply>> = hs
-            .into_iter()
-            .map(|h| Ok(vec![h.join().map_err(|_| anyhow::anyhow!("a client thread panicked"))??]))
-            .collect::<Result<_>>()?;
-        Ok(rate_or_whole_run(&replies, started.elapsed().as_secs_f64()))
-    };
-    // Rounds of the readers alone and beside a client that opens a long
-    // stream and never reads it, the order alternating from round to
-    // round; the cost is the median of the rounds' own changes. This check
-    // compares two rates: one pair of runs on a small shared machine
-    // differs by 10% on its own, and with every "alone" run first a slow
-    // minute fell on one side only (two sweeps of one build read +1.8% and
-    // -11.8%); with three rounds and medians of each side, runs of one
-    // build on 2026-12-07 still read -15.1% to +11.5%.
-    let body =
-        json!({"model": model, "prompt": "A very long story:", "max_tokens": 4096, "temperature": 0, "stream": true});
-    let wait_for = |what: &str, done: &dyn Fn(onnx_genai_server::Gauges) -> bool| -> Result<f64> {
-        let since = Instant::now();
-        while !done(server.gauges()) {
-            if since.elapsed() > Duration::from_secs(120) {
-                bail!("{what} within 120 s");
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        Ok(since.elapsed().as_secs_f64())
-    };
-    let (mut alone_rates, mut beside_rates, mut noticed) = (Vec::new(), Vec::new(), Vec::new());
-    let mut fallbacks = 0;
-    for round in 0..INTERFERENCE_ROUNDS {
-        for beside_silent in [round % 2 == 1, round % 2 == 0] {
-            if !beside_silent {
-                let (rate, windowed) = pair()?;
-                alone_rates.push(rate);
-                fallbacks += usize::from(!windowed);
-                continue;
-            }
-            let silent = Stream::open(addr, "/v1/completions", &[], &body)?;
-            // Until the socket buffers between it and the server fill, a
-            // client that does not read is indistinguishable from one that
-            // does; measure once the server has noticed (its turn parked).
-            noticed.push(wait_for("the silent client's turn was not parked", &|g| g.parked > 0)?);
-            let (rate, windowed) = pair()?;
-            beside_rates.push(rate);
-            fallbacks += usize::from(!windowed);
-            drop(silent);
-            wait_for("the silent client's turn did not end after it left", &|g| g.running == 0)?;
-        }
-    }
-    let change = paired_change(&alone_rates, &beside_rates);
-    let (readers, beside, noticed) = (median(alone_rates), median(beside_rates), median(noticed));
-    Ok(Interference {
-        alone_ms: alone,
-        churned_ms: churned,
-        readers,
-        beside,
-        change,
-        parked_after_s: noticed,
-        fallbacks,
-    })
-}
-
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use std::time::Duration;
 
-    /// The non-reader's cost compares each round's two adjacent runs: a
-    /// slow round that lowers both of its runs moves no change, where the
-    /// medians of each side, taken apart, would read one (here +5 % from
-    /// rounds that each lost or gained 5 %).
-    #[test]
-    fn the_non_reader_cost_is_the_median_of_paired_changes() {
-        let (alone, beside) = ([100.0, 200.0, 100.0], [95.0, 190.0, 105.0]);
-        let (change, (lo, hi)) = paired_change(&alone, &beside);
-        assert!(
-            (change + 5.0).abs() < 1e-9 && (lo + 5.0).abs() < 1e-9 && (hi - 5.0).abs() < 1e-9,
-            "{change} {lo} {hi}"
-        );
-        assert!((median(beside.to_vec()) / median(alone.to_vec()) - 1.05).abs() < 1e-9);
-    }
+    use super::*;
 
     /// A sweep's arguments are checked before anything is built or served:
     /// turns outside 1..=4 and client counts that are not positive numbers

@@ -10,6 +10,7 @@ mod fuzz;
 mod gpu;
 mod lanes;
 mod load;
+mod load_interference;
 mod load_sweep;
 mod mutants;
 mod mutants_compare;

@@ -398,7 +398,10 @@ impl<'a> Loop<'a> {
     /// that ages out (`Err(true)`: the channel closed).
     fn wait_idle(&self, rx: &std_mpsc::Receiver<Command>) -> Result<Command, bool> {
         loop {
-            let Some(next) = self.release_idle_memory() else {
+            let next = self.release_idle_memory();
+            // (Busy, the loop's end shows it once an iteration.)
+            self.show_kept_memory();
+            let Some(next) = next else {
                 return rx.recv().map_err(|_| true);
             };
             match rx.recv_timeout(next.max(IDLE_RELEASE_MIN_WAIT)) {
@@ -412,19 +415,17 @@ impl<'a> Loop<'a> {
     /// The model's `release_idle_memory`, a panic of it logged and taken
     /// as nothing more kept (the driver lives on).
     fn release_idle_memory(&self) -> Option<Duration> {
-        let next = match std::panic::catch_unwind(AssertUnwindSafe(|| self.engine.model().release_idle_memory())) {
+        match std::panic::catch_unwind(AssertUnwindSafe(|| self.engine.model().release_idle_memory())) {
             Ok(next) => next,
             Err(_) => {
                 tracing::error!("giving back idle memory panicked on {}", self.engine.package().manifest.name);
                 None
             }
-        };
-        self.show_kept_memory();
-        next
+        }
     }
 
     /// Updates the gauge of what the model keeps outside its sequences,
-    /// once a loop iteration and after every idle release. A panic of the
+    /// once a loop iteration and after every release while idle. A panic of the
     /// model's `kept_memory_bytes` is logged once and leaves the gauge as
     /// it was (the driver lives on).
     fn show_kept_memory(&self) {
