@@ -16,7 +16,37 @@ use tokio::sync::mpsc;
 use crate::client::call;
 use crate::death_tests::{engine, MODEL};
 use crate::driver::{Command, DriverOptions, Event, Promise};
-use crate::{start_with, ServerOptions};
+use crate::{start_with, RunningServer, ServerOptions};
+
+/// Starts a 200-token turn whose client reads nothing (a one-event
+/// channel nobody drains) and waits until the driver has parked it.
+/// Returns that channel's receiver and the turn's release signal (kept
+/// alive by the caller, so the turn is not taken as abandoned).
+fn park_silent_turn(server: &RunningServer) -> (mpsc::Receiver<Event>, tokio::sync::oneshot::Receiver<()>) {
+    let mut request = GenerateRequest::text("Once upon a time");
+    request.max_new_tokens = Some(200);
+    let (admission, admitted) = Promise::new();
+    let (events, silent) = mpsc::channel(1);
+    let (released, ended) = tokio::sync::oneshot::channel();
+    let command = Command::Generate { request: Box::new(request), lease: None, admission, events, released };
+    server.state.drivers[MODEL].send(command).unwrap();
+    // Bounded, so a driver that never decides fails here instead of hanging.
+    let mut admitted = admitted;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let decided = loop {
+        match admitted.try_recv() {
+            Ok(decided) => break decided,
+            Err(tokio::sync::oneshot::error::TryRecvError::Empty) => {
+                assert!(Instant::now() < deadline, "the silent request was never admitted nor refused");
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Err(e) => panic!("the admission promise was dropped unresolved: {e}"),
+        }
+    };
+    assert!(decided.is_ok(), "the silent request was not admitted");
+    wait_for(|| server.gauges().parked == 1, "the silent client's turn was never parked");
+    (silent, ended)
+}
 
 /// Waits (bounded) until `what` holds, failing with `never` otherwise.
 fn wait_for(what: impl Fn() -> bool, never: &str) {
@@ -39,30 +69,8 @@ fn a_client_that_stops_reading_parks_out_of_the_batch_then_is_cancelled() {
     let options = ServerOptions { driver: DriverOptions { stall_timeout, ..Default::default() }, ..Default::default() };
     let server = start_with(vec![engine(dir.path())], "127.0.0.1:0", options).unwrap();
     let baseline = server.gauges();
-    let driver = &server.state.drivers[MODEL];
-
-    let mut request = GenerateRequest::text("Once upon a time");
-    request.max_new_tokens = Some(200);
-    let (admission, admitted) = Promise::new();
-    let (events, mut silent) = mpsc::channel(1);
-    let (released, _ended) = tokio::sync::oneshot::channel();
     let started = Instant::now();
-    driver.send(Command::Generate { request: Box::new(request), lease: None, admission, events, released }).unwrap();
-    // Bounded, so a driver that never decides fails here instead of hanging.
-    let mut admitted = admitted;
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let decided = loop {
-        match admitted.try_recv() {
-            Ok(decided) => break decided,
-            Err(tokio::sync::oneshot::error::TryRecvError::Empty) => {
-                assert!(Instant::now() < deadline, "the silent request was never admitted nor refused");
-                std::thread::sleep(Duration::from_millis(2));
-            }
-            Err(e) => panic!("the admission promise was dropped unresolved: {e}"),
-        }
-    };
-    assert!(decided.is_ok(), "the silent request was not admitted");
-    wait_for(|| server.gauges().parked == 1, "the silent client's turn was never parked");
+    let (mut silent, _ended) = park_silent_turn(&server);
     // With only the parked turn left, the driver polls for commands but
     // steps nothing and counts no step: the load report's mean width and
     // ms/step come from these counters. (Found by cargo-mutants: `width >=
@@ -122,5 +130,48 @@ fn a_client_that_stops_reading_parks_out_of_the_batch_then_is_cancelled() {
         (1..=3).contains(&deltas),
         "a parked turn makes no tokens: {deltas} made for a one-event channel (200 allowed)"
     );
+    server.stop();
+}
+
+/// Counts the driver's requests to give back idle memory (everything else
+/// passes to the real model).
+#[derive(Default)]
+struct CountReleases(std::sync::atomic::AtomicUsize);
+
+impl onnx_genai_test_support::Hook for CountReleases {
+    fn step(&self, _: &[onnx_genai_backend::Entry<'_>]) -> Result<(), onnx_genai_backend::BackendError> {
+        Ok(())
+    }
+    fn release_idle_memory(&self, model_says: Option<Duration>) -> Option<Duration> {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        model_says
+    }
+}
+
+/// While every running turn is parked the driver steps nothing, yet it
+/// keeps asking its model to give back the memory that ages out (native-cpu's
+/// returned KV blocks past their linger): a client that stops reading must
+/// not pin a past burst's KV until its stall timeout. (Without the ask in
+/// the parked branch the driver is neither stepping nor idle there, and
+/// nothing would ever be given back while the turn waits.)
+#[test]
+fn a_driver_whose_every_turn_is_parked_still_gives_back_idle_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let package = onnx_genai_test_support::build_into(MODEL, onnx_genai_test_support::Variant::Decomposed, dir.path());
+    let inner = onnx_genai_engine::BackendKind::NativeCpu.load(&package, 1).unwrap();
+    let hook = std::sync::Arc::new(CountReleases::default());
+    let model = std::sync::Arc::new(onnx_genai_test_support::Hooked::new(inner, hook.clone()));
+    let engine = onnx_genai_engine::Engine::new(package, model).unwrap();
+    let stall_timeout = Duration::from_secs(20);
+    let options = ServerOptions { driver: DriverOptions { stall_timeout, ..Default::default() }, ..Default::default() };
+    let server = start_with(vec![engine], "127.0.0.1:0", options).unwrap();
+    let (_silent, _ended) = park_silent_turn(&server);
+    let asks = || hook.0.load(std::sync::atomic::Ordering::SeqCst);
+    let (before, steps) = (asks(), server.gauges().steps);
+    std::thread::sleep(Duration::from_millis(200));
+    let g = server.gauges();
+    assert_eq!((g.parked, g.steps), (1, steps), "the turn should still be parked, nothing stepped: {g:?}");
+    // The driver polls for commands every 2 ms while parked: dozens of asks.
+    assert!(asks() >= before + 10, "{} asks to give back idle memory in 200 ms parked", asks() - before);
     server.stop();
 }
