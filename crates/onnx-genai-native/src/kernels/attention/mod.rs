@@ -226,6 +226,16 @@ pub fn attention(
         // mostly `s + 1`: the keys it scores first are fetched while this
         // one's last values are summed. (A model runs at most `MAX_BATCH`
         // sequences a step; more would only go without that fetch.)
+        //
+        // Most of this op's time is the KV's way from memory: run twice
+        // in a row, the second pass took 0.53 against 1.1 ms a step at 8
+        // SmolLM2 sequences and 1.2 against 2.2 at 16. Fetching the next
+        // layer's KV into the cache beside the projections before it
+        // (per tile pair, in step with each weight block) did cut this op
+        // by 25-33%, but the projections slowed by as much and the step
+        // did not gain (Zen 4, 2 vCPUs, 2026-12-07, `batch_profile`, three
+        // alternating pairs): the two streams share one memory path. An
+        // f16 cache halves the bytes instead (`--kv-cache f16`).
         let mut firsts = [Alongside::NONE; crate::model::MAX_BATCH];
         for ((first, kv), seg) in firsts.iter_mut().zip(kvs.iter()).zip(step.segments) {
             *first = kv.first_keys(step.layer, (seg.past + seg.len).min(crate::kv::BLOCK_TOKENS));
