@@ -41,6 +41,15 @@ use tokenizers::Tokenizer;
 pub use turn::{Turn, TurnState};
 use workflow::WorkflowRuntime;
 
+/// The bit every conversation id of a request without a session carries,
+/// so that it never equals a session's (a server mints its session ids
+/// from 1, the engine its own from the same count as these): the server's
+/// driver finds the first choice of a request of `n` choices by its
+/// conversation, to hand it the choices forked from it, and a stateless
+/// request numbered like a running session once drew that session's turn
+/// (its choices then streamed on the other client's channel).
+pub const STATELESS_CONVERSATIONS: u64 = 1 << 63;
+
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
     #[error(transparent)]
@@ -283,6 +292,8 @@ impl Engine {
             .map_err(|e| EngineError::Tokenizer { path: "decode".into(), reason: e.to_string() })
     }
 
+    /// A fresh id for a session the engine opens itself, or (with
+    /// [`STATELESS_CONVERSATIONS`] set) for a request without a session.
     fn fresh_id(&mut self) -> u64 {
         let id = self.next_id;
         self.next_id += 1;

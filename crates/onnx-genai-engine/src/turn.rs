@@ -167,8 +167,12 @@ impl Turn {
 
 impl Engine {
     /// Steps 1–4 of the generate path: resolve the session, count tokens,
-    /// admit, signal. Refusals are typed errors before anything is reserved
-    /// or run (A2); `on_admitted` fires once, after the decision (A3).
+    /// admit, signal. Refusals of what the request asks are typed errors
+    /// before anything is reserved or run (A2); `on_admitted` fires once,
+    /// after the decision (A3). What the decode core then cannot run
+    /// (undeclared bindings, more than one token row: step 5) fails the
+    /// admitted turn, which releases its reservation before returning the
+    /// error.
     pub fn admit(
         &mut self,
         request: &GenerateRequest,
@@ -183,7 +187,7 @@ impl Engine {
                 }
                 (s.conversation, s.tokens.len())
             }
-            None => (ConversationId(self.fresh_id()), 0),
+            None => (ConversationId(crate::STATELESS_CONVERSATIONS | self.fresh_id()), 0),
         };
         // 2. Count tokens: carried plus new, rows as `rows * longest` (A5, A7).
         request.check()?;

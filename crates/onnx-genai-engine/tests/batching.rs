@@ -230,3 +230,34 @@ fn batch_drops_a_cancelled_turn_at_the_next_step() {
         assert_eq!(e.scheduler().reserved_bytes(), 0);
     }
 }
+
+/// Every turn's conversation is its own: a request without a session
+/// never shares its conversation id with a session's, whichever ids the
+/// server minted for its sessions (it mints them from 1, as the engine
+/// numbers requests). The server's driver hands a request's forked choices
+/// to the running turn of its conversation; sharing one, a stateless
+/// request of `n` choices could hand them to a session's turn.
+#[test]
+fn a_request_without_a_session_never_shares_a_sessions_conversation() {
+    let (_dir, package) = build("tiny-llama-gqa");
+    let probe = Arc::new(Probe::default());
+    let mut e = engine(BackendKind::Ort, &package, u64::MAX / 2, &probe);
+    let stateless: Vec<Turn> = (0..3).map(|_| e.admit(&request(vec![5, 9], 2), &mut |_| {}).unwrap()).collect();
+    let mut seen: Vec<_> = stateless.iter().map(Turn::conversation).collect();
+    for id in 1..=4 {
+        let session = onnx_genai_engine::SessionId(id);
+        e.open_session(session).unwrap();
+        let turn = e.admit(&GenerateRequest { session: Some(session), ..request(vec![5, 9], 2) }, &mut |_| {}).unwrap();
+        assert!(
+            !seen.contains(&turn.conversation()),
+            "session {id} runs as {:?}, taken: {seen:?}",
+            turn.conversation()
+        );
+        seen.push(turn.conversation());
+        e.finish(turn).unwrap();
+    }
+    for turn in stateless {
+        e.finish(turn).unwrap();
+    }
+    assert_eq!(e.scheduler().reserved_bytes(), 0);
+}

@@ -296,7 +296,9 @@ impl Scheduler {
     /// `held` (an idle session's KV): the held bytes count as room for this
     /// request, which takes them over when admitted, atomically, so nothing
     /// can take them in between (A11). When refused, `held` comes back
-    /// unchanged with the error. Never waits.
+    /// unchanged with the error — unless it was held under another budget:
+    /// those bytes go back to that budget first, and a refusal returns it
+    /// emptied. Never waits.
     pub fn admit_over(&self, request: &AdmissionRequest, mut held: Admission) -> Result<Admission, Box<Refused>> {
         if !Arc::ptr_eq(&held.inner, &self.inner) {
             // Held under another budget: give it back there, admit here.

@@ -194,9 +194,11 @@ impl Driver {
         };
         let spawned = std::thread::Builder::new().name(name).spawn(supervised);
         if let Err(e) = spawned {
-            // Commands sent to a driver that never started are dropped,
-            // which resolves their promises with an error.
+            // A driver that never started is down as a dead one is: its
+            // model answers 503 and `/health` turns red (sends check
+            // `alive` before they count or queue anything).
             tracing::error!("cannot start the driver thread for {model}: {e}");
+            counters.dead.store(true, Ordering::SeqCst);
         }
         Self {
             model,
@@ -243,8 +245,14 @@ impl Driver {
             }
         }
         // A send error drops the command, resolving its promise; the
-        // receiver is gone only once the driver is dead.
-        self.tx.send(command).map_err(|_| self.down())
+        // receiver is gone only once the driver is dead. (The command
+        // counted as queued never will be taken.)
+        self.tx.send(command).map_err(|e| {
+            if let Command::Generate { .. } = e.0 {
+                self.queued.fetch_sub(1, Ordering::SeqCst);
+            }
+            self.down()
+        })
     }
 }
 
@@ -529,6 +537,12 @@ impl<'a> Loop<'a> {
     fn step(&mut self) {
         let now = Instant::now();
         for r in &mut self.running {
+            // A decoding turn learns that its client left at its next send
+            // (every step sends); a prefilling one sends nothing until its
+            // prompt is read, many chunks for a long prompt: it looks (B4).
+            if r.turn.prefilling() && r.events.is_closed() {
+                r.gone = true;
+            }
             let drained = r.flush();
             let stalled = r.stalled_since.is_some_and(|t| now.duration_since(t) >= self.options.stall_timeout);
             if r.gone || (!drained && stalled) {

@@ -175,3 +175,67 @@ fn a_driver_whose_every_turn_is_parked_still_gives_back_idle_memory() {
     assert!(asks() >= before + 10, "{} asks to give back idle memory in 200 ms parked", asks() - before);
     server.stop();
 }
+
+/// Holds the first model step until opened; counts every step.
+#[derive(Default)]
+struct FirstStepGate {
+    state: std::sync::Mutex<(bool, bool, usize)>,
+    changed: std::sync::Condvar,
+}
+
+impl onnx_genai_test_support::Hook for FirstStepGate {
+    fn step(&self, _: &[onnx_genai_backend::Entry<'_>]) -> Result<(), onnx_genai_backend::BackendError> {
+        let mut g = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        g.2 += 1;
+        if g.2 == 1 {
+            g.0 = true;
+            self.changed.notify_all();
+            // Bounded: a test that failed before opening must not hang.
+            let (held, _) = self
+                .changed
+                .wait_timeout_while(g, Duration::from_secs(20), |g| !g.1)
+                .unwrap_or_else(|p| p.into_inner());
+            drop(held);
+        }
+        Ok(())
+    }
+}
+
+/// B4 for a client that leaves while its long prompt is read in chunks:
+/// the turn leaves at the next step boundary, not once its prompt is read
+/// and its first token finds nobody to send to — a 100-token prompt in
+/// chunks of 4 is 25 steps of work for a client that is gone — and its
+/// reservation returns.
+#[test]
+fn a_client_that_leaves_during_a_chunked_prefill_leaves_the_batch_at_the_next_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let package = onnx_genai_test_support::build_into(MODEL, onnx_genai_test_support::Variant::Decomposed, dir.path());
+    let inner = onnx_genai_engine::BackendKind::NativeCpu.load(&package, 1).unwrap();
+    let gate = std::sync::Arc::new(FirstStepGate::default());
+    let model = std::sync::Arc::new(onnx_genai_test_support::Hooked::new(inner, gate.clone()));
+    let engine = onnx_genai_engine::Engine::new(package, model).unwrap().with_prefill_chunk(4);
+    let server = start_with(vec![engine], "127.0.0.1:0", ServerOptions::default()).unwrap();
+    let baseline = server.gauges();
+
+    let mut request = GenerateRequest::new(onnx_genai_engine::Prompt::TokenIds((1..=100).collect()));
+    request.max_new_tokens = Some(8);
+    let (admission, _admitted) = Promise::new();
+    let (events, client) = mpsc::channel(64);
+    let (released, _ended) = tokio::sync::oneshot::channel();
+    let command = Command::Generate { request: Box::new(request), lease: None, admission, events, released };
+    server.state.drivers[MODEL].send(command).unwrap();
+    let entered = || gate.state.lock().unwrap().0;
+    wait_for(entered, "the prompt's first chunk never ran");
+    // The client leaves while the first of 25 chunks runs.
+    drop(client);
+    {
+        let mut g = gate.state.lock().unwrap();
+        g.1 = true;
+        gate.changed.notify_all();
+    }
+    wait_for(|| server.gauges().running == 0, "the turn of the client that left still runs");
+    let steps = gate.state.lock().unwrap().2;
+    assert!(steps <= 2, "{steps} model steps for a client that left during the first (25 to read its prompt)");
+    wait_for(|| server.gauges().reserved_bytes == baseline.reserved_bytes, "the reservation was not returned");
+    server.stop();
+}
