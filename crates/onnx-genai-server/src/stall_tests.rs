@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use onnx_genai_engine::{FinishReason, GenerateRequest};
 use serde_json::json;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 use crate::client::call;
 use crate::death_tests::{engine, MODEL};
@@ -22,21 +22,16 @@ use crate::{start_with, RunningServer, ServerOptions};
 /// channel nobody drains) and waits until the driver has parked it.
 /// Returns that channel's receiver and the turn's release signal (kept
 /// alive by the caller, so the turn is not taken as abandoned).
-fn park_silent_turn(server: &RunningServer) -> (mpsc::Receiver<Event>, tokio::sync::oneshot::Receiver<()>) {
+fn park_silent_turn(server: &RunningServer) -> (mpsc::Receiver<Event>, oneshot::Receiver<()>) {
     let mut request = GenerateRequest::text("Once upon a time");
     request.max_new_tokens = Some(200);
-    let (admission, admitted) = Promise::new();
-    let (events, silent) = mpsc::channel(1);
-    let (released, ended) = tokio::sync::oneshot::channel();
-    let command = Command::Generate { request: Box::new(request), lease: None, admission, events, released };
-    server.state.drivers[MODEL].send(command).unwrap();
+    let (silent, mut admitted, ended) = send_generate(server, request, 1);
     // Bounded, so a driver that never decides fails here instead of hanging.
-    let mut admitted = admitted;
     let deadline = Instant::now() + Duration::from_secs(20);
     let decided = loop {
         match admitted.try_recv() {
             Ok(decided) => break decided,
-            Err(tokio::sync::oneshot::error::TryRecvError::Empty) => {
+            Err(oneshot::error::TryRecvError::Empty) => {
                 assert!(Instant::now() < deadline, "the silent request was never admitted nor refused");
                 std::thread::sleep(Duration::from_millis(2));
             }
@@ -47,6 +42,26 @@ fn park_silent_turn(server: &RunningServer) -> (mpsc::Receiver<Event>, tokio::sy
     wait_for(|| server.gauges().parked == 1, "the silent client's turn was never parked");
     (silent, ended)
 }
+
+/// Sends `request` to the model's driver as a route would, its events on a
+/// channel of `capacity`: the events' receiver, the admission decision's,
+/// and the turn's release signal (kept alive by the caller, so the turn is
+/// not taken as abandoned).
+fn send_generate(
+    server: &RunningServer,
+    request: GenerateRequest,
+    capacity: usize,
+) -> (mpsc::Receiver<Event>, Decision, oneshot::Receiver<()>) {
+    let (admission, admitted) = Promise::new();
+    let (events, receiver) = mpsc::channel(capacity);
+    let (released, ended) = oneshot::channel();
+    let command = Command::Generate { request: Box::new(request), lease: None, admission, events, released };
+    server.state.drivers[MODEL].send(command).unwrap();
+    (receiver, admitted, ended)
+}
+
+/// The admission decision a route waits for.
+type Decision = oneshot::Receiver<Result<u64, crate::error::ApiError>>;
 
 /// Waits (bounded) until `what` holds, failing with `never` otherwise.
 fn wait_for(what: impl Fn() -> bool, never: &str) {
@@ -133,6 +148,18 @@ fn a_client_that_stops_reading_parks_out_of_the_batch_then_is_cancelled() {
     server.stop();
 }
 
+/// The tiny llama built into `dir`, on native-cpu (one thread), behind
+/// `hook`.
+fn hooked_engine(
+    dir: &std::path::Path,
+    hook: impl onnx_genai_test_support::Hook + 'static,
+) -> onnx_genai_engine::Engine {
+    let package = onnx_genai_test_support::build_into(MODEL, onnx_genai_test_support::Variant::Decomposed, dir);
+    let inner = onnx_genai_engine::BackendKind::NativeCpu.load(&package, 1).unwrap();
+    let model = std::sync::Arc::new(onnx_genai_test_support::Hooked::new(inner, hook));
+    onnx_genai_engine::Engine::new(package, model).unwrap()
+}
+
 /// Counts the driver's requests to give back idle memory (everything else
 /// passes to the real model).
 #[derive(Default)]
@@ -157,11 +184,8 @@ impl onnx_genai_test_support::Hook for CountReleases {
 #[test]
 fn a_driver_whose_every_turn_is_parked_still_gives_back_idle_memory() {
     let dir = tempfile::tempdir().unwrap();
-    let package = onnx_genai_test_support::build_into(MODEL, onnx_genai_test_support::Variant::Decomposed, dir.path());
-    let inner = onnx_genai_engine::BackendKind::NativeCpu.load(&package, 1).unwrap();
     let hook = std::sync::Arc::new(CountReleases::default());
-    let model = std::sync::Arc::new(onnx_genai_test_support::Hooked::new(inner, hook.clone()));
-    let engine = onnx_genai_engine::Engine::new(package, model).unwrap();
+    let engine = hooked_engine(dir.path(), hook.clone());
     let stall_timeout = Duration::from_secs(20);
     let options = ServerOptions { driver: DriverOptions { stall_timeout, ..Default::default() }, ..Default::default() };
     let server = start_with(vec![engine], "127.0.0.1:0", options).unwrap();
@@ -209,21 +233,14 @@ impl onnx_genai_test_support::Hook for FirstStepGate {
 #[test]
 fn a_client_that_leaves_during_a_chunked_prefill_leaves_the_batch_at_the_next_step() {
     let dir = tempfile::tempdir().unwrap();
-    let package = onnx_genai_test_support::build_into(MODEL, onnx_genai_test_support::Variant::Decomposed, dir.path());
-    let inner = onnx_genai_engine::BackendKind::NativeCpu.load(&package, 1).unwrap();
     let gate = std::sync::Arc::new(FirstStepGate::default());
-    let model = std::sync::Arc::new(onnx_genai_test_support::Hooked::new(inner, gate.clone()));
-    let engine = onnx_genai_engine::Engine::new(package, model).unwrap().with_prefill_chunk(4);
+    let engine = hooked_engine(dir.path(), gate.clone()).with_prefill_chunk(4);
     let server = start_with(vec![engine], "127.0.0.1:0", ServerOptions::default()).unwrap();
     let baseline = server.gauges();
 
     let mut request = GenerateRequest::new(onnx_genai_engine::Prompt::TokenIds((1..=100).collect()));
     request.max_new_tokens = Some(8);
-    let (admission, _admitted) = Promise::new();
-    let (events, client) = mpsc::channel(64);
-    let (released, _ended) = tokio::sync::oneshot::channel();
-    let command = Command::Generate { request: Box::new(request), lease: None, admission, events, released };
-    server.state.drivers[MODEL].send(command).unwrap();
+    let (client, _admitted, _ended) = send_generate(&server, request, 64);
     let entered = || gate.state.lock().unwrap().0;
     wait_for(entered, "the prompt's first chunk never ran");
     // The client leaves while the first of 25 chunks runs.
