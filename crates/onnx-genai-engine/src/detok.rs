@@ -16,10 +16,19 @@ pub(crate) struct TextStream {
     emitted: usize,
 }
 
+/// Tokens held back at most: a UTF-8 character spans at most 4 bytes, so a
+/// window still incomplete after this many never completes (a model that
+/// samples stray byte tokens). Past it the held text goes out as it
+/// decodes, replacement characters and all, and the window moves on;
+/// unbounded, each token decoded the whole growing window again, on the
+/// thread that drives every sequence of the batch.
+const HOLD_AT_MOST: usize = 8;
+
 impl TextStream {
     /// The text the newest of `tokens` adds (all of `tokens` are the
     /// generation so far), or nothing while it ends in an incomplete UTF-8
-    /// sequence (held back until a later token completes it).
+    /// sequence (held back until a later token completes it, for up to
+    /// [`HOLD_AT_MOST`] tokens).
     pub(crate) fn next<E>(
         &mut self,
         tokens: &[u32],
@@ -27,13 +36,15 @@ impl TextStream {
     ) -> Result<String, E> {
         let before = decode(&tokens[self.context..self.emitted])?;
         let now = decode(&tokens[self.context..])?;
-        if now.ends_with('\u{FFFD}') {
-            return Ok(String::new());
-        }
+        let held_long = tokens.len() - self.emitted >= HOLD_AT_MOST;
         // A tokenizer whose cleanup rewrote the context holds the text back
         // until the window decodes as an extension again.
-        let Some(delta) = now.strip_prefix(before.as_str()) else { return Ok(String::new()) };
-        let delta = delta.to_string();
+        let delta = match now.strip_prefix(before.as_str()) {
+            Some(delta) if !now.ends_with('\u{FFFD}') => delta.to_string(),
+            Some(delta) if held_long => delta.to_string(),
+            None if held_long => decode(&tokens[self.emitted..])?,
+            _ => return Ok(String::new()),
+        };
         self.context = self.emitted;
         self.emitted = tokens.len();
         Ok(delta)
@@ -73,6 +84,46 @@ mod tests {
             let complete = whole.trim_end_matches('\u{FFFD}');
             assert!(whole.starts_with(&text) && text.len() >= complete.len(), "{name}: {text:?}\nvs {whole:?}");
             assert!(widest < 50, "{name}: a decode covered {widest} tokens");
+        }
+    }
+
+    /// A generation of stray byte tokens that never complete a UTF-8
+    /// character (a lone continuation byte, again and again) is still
+    /// streamed — replacement characters, at least one every
+    /// `HOLD_AT_MOST` tokens — and no decode covers more than two windows'
+    /// worth of tokens, however long it runs (held back for good, each
+    /// token decoded the whole generation again).
+    #[test]
+    fn stray_bytes_are_streamed_and_the_window_stays_bounded() {
+        for name in ["tiny-gpt2", "tiny-llama-gqa"] {
+            let (_dir, package) = onnx_genai_test_support::build(name);
+            let tokenizer = package.tokenizer().clone();
+            let vocab = tokenizer.get_vocab_size(true) as u32;
+            // A token whose text alone is a replacement character and stays
+            // one when repeated: a byte that never completes a character.
+            let stray = (0..vocab)
+                .find(|&id| {
+                    tokenizer.decode(&[id; 3], true).is_ok_and(|t| !t.is_empty() && t.chars().all(|c| c == '\u{FFFD}'))
+                })
+                .unwrap_or_else(|| panic!("{name}: no stray byte token"));
+            let (mut stream, mut text, mut widest) = (TextStream::default(), String::new(), 0);
+            let mut tokens = Vec::new();
+            for _ in 0..600 {
+                tokens.push(stray);
+                let delta = stream
+                    .next(&tokens, |ids: &[u32]| {
+                        widest = widest.max(ids.len());
+                        tokenizer.decode(ids, true)
+                    })
+                    .unwrap();
+                text.push_str(&delta);
+            }
+            assert!(widest <= 2 * super::HOLD_AT_MOST, "{name}: a decode covered {widest} tokens");
+            let sent = text.chars().filter(|c| *c == '\u{FFFD}').count();
+            assert!(
+                sent >= 600 / super::HOLD_AT_MOST - 1,
+                "{name}: {sent} replacement characters streamed for 600 stray bytes"
+            );
         }
     }
 }
