@@ -55,6 +55,22 @@ impl TextStream {
 mod tests {
     use super::TextStream;
 
+    /// `tokens` generated one at a time and streamed: the deltas joined, and
+    /// the most tokens one decode covered.
+    fn streamed(tokenizer: &tokenizers::Tokenizer, tokens: &[u32]) -> (String, usize) {
+        let (mut stream, mut text, mut widest) = (TextStream::default(), String::new(), 0);
+        for end in 1..=tokens.len() {
+            let delta = stream
+                .next(&tokens[..end], |ids: &[u32]| {
+                    widest = widest.max(ids.len());
+                    tokenizer.decode(ids, true)
+                })
+                .unwrap();
+            text.push_str(&delta);
+        }
+        (text, widest)
+    }
+
     /// The streamed deltas add up to the text of the whole generation, for
     /// every tiny package's tokenizer, over token sequences that split
     /// multi-byte characters across tokens (single-byte tokens of UTF-8
@@ -67,19 +83,14 @@ mod tests {
             let (_dir, package) = onnx_genai_test_support::build(name);
             let tokenizer = package.tokenizer().clone();
             let vocab = tokenizer.get_vocab_size(true) as u64;
-            let (mut seed, mut tokens) = (7u64, Vec::new());
-            let (mut stream, mut text, mut widest) = (TextStream::default(), String::new(), 0);
-            for _ in 0..600 {
-                seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                tokens.push(((seed >> 33) % vocab) as u32);
-                let delta = stream
-                    .next(&tokens, |ids: &[u32]| {
-                        widest = widest.max(ids.len());
-                        tokenizer.decode(ids, true)
-                    })
-                    .unwrap();
-                text.push_str(&delta);
-            }
+            let mut seed = 7u64;
+            let tokens: Vec<u32> = (0..600)
+                .map(|_| {
+                    seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    ((seed >> 33) % vocab) as u32
+                })
+                .collect();
+            let (text, widest) = streamed(&tokenizer, &tokens);
             let whole = tokenizer.decode(&tokens, true).unwrap();
             let complete = whole.trim_end_matches('\u{FFFD}');
             assert!(whole.starts_with(&text) && text.len() >= complete.len(), "{name}: {text:?}\nvs {whole:?}");
@@ -106,18 +117,7 @@ mod tests {
                     tokenizer.decode(&[id; 3], true).is_ok_and(|t| !t.is_empty() && t.chars().all(|c| c == '\u{FFFD}'))
                 })
                 .unwrap_or_else(|| panic!("{name}: no stray byte token"));
-            let (mut stream, mut text, mut widest) = (TextStream::default(), String::new(), 0);
-            let mut tokens = Vec::new();
-            for _ in 0..600 {
-                tokens.push(stray);
-                let delta = stream
-                    .next(&tokens, |ids: &[u32]| {
-                        widest = widest.max(ids.len());
-                        tokenizer.decode(ids, true)
-                    })
-                    .unwrap();
-                text.push_str(&delta);
-            }
+            let (text, widest) = streamed(&tokenizer, &[stray; 600]);
             assert!(widest <= 2 * super::HOLD_AT_MOST, "{name}: a decode covered {widest} tokens");
             let sent = text.chars().filter(|c| *c == '\u{FFFD}').count();
             assert!(
