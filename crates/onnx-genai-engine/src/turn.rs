@@ -310,7 +310,9 @@ impl Engine {
     /// Admits `wanted`; a continuing turn takes over the bytes its session
     /// holds for its idle KV. When the budget is short, the KV of the least
     /// recently used idle sessions is freed (their history stays) before the
-    /// request is refused: idle memory never keeps a request out.
+    /// request is refused: this engine's idle memory never keeps its own
+    /// requests out. (Another engine's idle sessions on a shared budget do:
+    /// each engine spills only its own.)
     fn reserve(
         &mut self,
         wanted: &AdmissionRequest,
