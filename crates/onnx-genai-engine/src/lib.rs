@@ -400,6 +400,16 @@ impl Engine {
     /// Frees the KV of the least recently used idle session other than
     /// `keep` (its history stays: its next turn prefills it again) and
     /// releases what it held. Returns whether there was one to free.
+    /// Frees the KV of this engine's least recently used idle session (its
+    /// history stays, to be prefilled again by its next turn), giving its
+    /// bytes back to the budget; whether there was one. A server calls it
+    /// when a request to another model on the same budget waits for room:
+    /// an engine spills its own idle sessions for its own requests, not for
+    /// another engine's.
+    pub fn give_way(&mut self) -> bool {
+        self.spill_idle(None)
+    }
+
     fn spill_idle(&mut self, keep: Option<SessionId>) -> bool {
         let victim = self
             .sessions

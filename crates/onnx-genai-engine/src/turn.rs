@@ -311,8 +311,9 @@ impl Engine {
     /// holds for its idle KV. When the budget is short, the KV of the least
     /// recently used idle sessions is freed (their history stays) before the
     /// request is refused: this engine's idle memory never keeps its own
-    /// requests out. (Another engine's idle sessions on a shared budget do:
-    /// each engine spills only its own.)
+    /// requests out. (Another engine's idle sessions on a shared budget are
+    /// that engine's to spill: a server's drivers ask each other to, see
+    /// [`Engine::give_way`].)
     fn reserve(
         &mut self,
         wanted: &AdmissionRequest,

@@ -202,6 +202,12 @@ impl Scheduler {
         self.inner.budget
     }
 
+    /// Whether `other` hands out the same budget (a clone of this
+    /// scheduler, as the models of one server share it).
+    pub fn shares_budget_with(&self, other: &Scheduler) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
     /// Bytes held by live admissions.
     pub fn reserved_bytes(&self) -> u64 {
         self.inner.lock().reserved

@@ -97,6 +97,10 @@ pub enum Command {
         keep: usize,
         tail: Vec<u32>,
     },
+    /// Spills the KV of the model's least recently used idle session (its
+    /// history kept): sent by the driver of another model on the same
+    /// budget whose next request waits for room (B5 across models).
+    GiveWay,
     /// Makes the driver thread panic outside every guard: how the tests
     /// kill a driver.
     #[cfg(test)]
@@ -161,6 +165,17 @@ pub struct Counters {
     pub dead: AtomicBool,
 }
 
+/// Every driver of a server, filled once all have started: a driver whose
+/// request waits for room asks those on its budget to give way.
+pub type Peers = Arc<std::sync::OnceLock<Vec<Peer>>>;
+
+/// What a driver needs to reach another.
+pub struct Peer {
+    model: String,
+    scheduler: onnx_genai_engine::Scheduler,
+    tx: std_mpsc::Sender<Command>,
+}
+
 #[derive(Clone)]
 pub struct Driver {
     pub model: String,
@@ -177,8 +192,9 @@ pub struct Driver {
 }
 
 impl Driver {
-    /// Starts the driver thread for `engine`.
-    pub fn spawn(model: String, engine: Engine, options: DriverOptions) -> Self {
+    /// Starts the driver thread for `engine`; `peers` will hold the
+    /// server's drivers.
+    pub fn spawn(model: String, engine: Engine, options: DriverOptions, peers: Peers) -> Self {
         let (tx, rx) = std_mpsc::channel::<Command>();
         let counters = Arc::new(Counters::default());
         let scheduler = engine.scheduler().clone();
@@ -186,8 +202,11 @@ impl Driver {
         let queued = Arc::new(AtomicUsize::new(0));
         let (c, q) = (counters.clone(), queued.clone());
         let name = format!("driver-{model}");
+        let own = model.clone();
         let supervised = move || {
-            let ran = std::panic::catch_unwind(AssertUnwindSafe(|| Loop::new(engine, &c, &q, options).run(&rx)));
+            let ran = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                Loop::new(engine, &c, &q, options, (own, peers)).run(&rx)
+            }));
             if ran.is_err() {
                 bury(&c, &rx);
             }
@@ -210,6 +229,11 @@ impl Driver {
             queued,
             queue_limit: options.queue_limit,
         }
+    }
+
+    /// How other drivers reach this one.
+    pub fn peer(&self) -> Peer {
+        Peer { model: self.model.clone(), scheduler: self.scheduler.clone(), tx: self.tx.clone() }
     }
 
     /// A fresh engine session id on this model's worker.
@@ -346,7 +370,16 @@ struct Loop<'a> {
     line: VecDeque<Waiting>,
     /// The model's `kept_memory_bytes` has panicked (logged once).
     kept_panicked: std::cell::Cell<bool>,
+    /// This model's name and the server's drivers.
+    peers: (String, Peers),
+    /// When this driver last asked the others on its budget to give way.
+    asked_way: Option<Instant>,
 }
+
+/// How often a driver whose next request waits for room asks the drivers
+/// of the other models on its budget to give way (each spills one idle
+/// session a time).
+const GIVE_WAY_EVERY: Duration = Duration::from_millis(10);
 
 /// How long an idle driver with requests in line sleeps before it looks
 /// for room again (room frees on other models sharing the budget).
@@ -357,7 +390,13 @@ const LINE_POLL: Duration = Duration::from_millis(2);
 const IDLE_RELEASE_MIN_WAIT: Duration = Duration::from_millis(10);
 
 impl<'a> Loop<'a> {
-    fn new(engine: Engine, counters: &'a Counters, queued: &'a AtomicUsize, options: DriverOptions) -> Self {
+    fn new(
+        engine: Engine,
+        counters: &'a Counters,
+        queued: &'a AtomicUsize,
+        options: DriverOptions,
+        peers: (String, Peers),
+    ) -> Self {
         Self {
             engine,
             counters,
@@ -366,6 +405,26 @@ impl<'a> Loop<'a> {
             running: Vec::new(),
             line: VecDeque::new(),
             kept_panicked: std::cell::Cell::new(false),
+            peers,
+            asked_way: None,
+        }
+    }
+
+    /// Asks the drivers of the other models on this budget to spill an
+    /// idle session each (at most every [`GIVE_WAY_EVERY`]): this model
+    /// spills its own for its requests, and another model's idle sessions
+    /// would otherwise keep a request to this one waiting until refused.
+    fn ask_peers_to_give_way(&mut self) {
+        if self.asked_way.is_some_and(|t| t.elapsed() < GIVE_WAY_EVERY) {
+            return;
+        }
+        self.asked_way = Some(Instant::now());
+        let (own, peers) = &self.peers;
+        for peer in peers.get().into_iter().flatten() {
+            if peer.model != *own && peer.scheduler.shares_budget_with(self.engine.scheduler()) {
+                // (A dead peer's channel is closed: nothing to ask.)
+                let _ = peer.tx.send(Command::GiveWay);
+            }
         }
     }
 
@@ -481,6 +540,11 @@ impl<'a> Loop<'a> {
                     Err(_) => tracing::error!("trimming {id} panicked"),
                 }
             }
+            Command::GiveWay => {
+                if std::panic::catch_unwind(AssertUnwindSafe(|| self.engine.give_way())).is_err() {
+                    tracing::error!("giving way to another model panicked");
+                }
+            }
             #[cfg(test)]
             Command::Die => panic!("driver death injected by a test"),
         }
@@ -509,8 +573,10 @@ impl<'a> Loop<'a> {
                     self.running.push(Running::new(turn, lease, events, false, Arc::new(released)));
                 }
                 Ok(Err(e)) if deferred(&e) && Instant::now() < until => {
-                    // Not yet: it keeps its place at the front of the line.
+                    // Not yet: it keeps its place at the front of the line,
+                    // and idle sessions of the other models make room.
                     self.line.push_front(Waiting { request, lease, admission, events, until, released });
+                    self.ask_peers_to_give_way();
                     break;
                 }
                 Ok(Err(e)) => {

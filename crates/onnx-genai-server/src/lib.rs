@@ -72,8 +72,16 @@ impl AppState {
             kept_bytes: 0,
             models_down: 0,
         };
+        // Each budget once: the models of one server share one (the CLI's),
+        // and summed per model its reservations counted once per model.
+        let mut budgets: Vec<&onnx_genai_engine::Scheduler> = Vec::new();
         for d in self.drivers.values() {
-            g.reserved_bytes += d.scheduler.reserved_bytes();
+            if !budgets.iter().any(|b| b.shares_budget_with(&d.scheduler)) {
+                budgets.push(&d.scheduler);
+            }
+        }
+        g.reserved_bytes = budgets.iter().map(|b| b.reserved_bytes()).sum();
+        for d in self.drivers.values() {
             g.admitted += d.counters.admitted.load(Ordering::SeqCst);
             g.turns += d.counters.turns.load(Ordering::SeqCst);
             g.running += d.counters.running.load(Ordering::SeqCst);
@@ -274,13 +282,16 @@ pub fn start_with(engines: Vec<Engine>, addr: &str, options: ServerOptions) -> R
     listener.set_nonblocking(true).map_err(|e| bind_err(e.to_string()))?;
     let local = listener.local_addr().map_err(|e| bind_err(e.to_string()))?;
     let mut drivers = BTreeMap::new();
+    let peers = driver::Peers::default();
     for engine in engines {
         let name = engine.package().manifest.name.clone();
         if drivers.contains_key(&name) {
             return Err(ServeError::DuplicateModel(name));
         }
-        drivers.insert(name.clone(), Driver::spawn(name, engine, options.driver));
+        drivers.insert(name.clone(), Driver::spawn(name, engine, options.driver, peers.clone()));
     }
+    // (Set once, here, before any request can reach a driver.)
+    let _ = peers.set(drivers.values().map(Driver::peer).collect());
     let hosts = guard::host_policy(local, &options.http.allowed_hosts);
     let metrics = Arc::new(metrics::Metrics::new());
     let http = options.http;

@@ -29,15 +29,22 @@ const HOLD_NEW: u32 = 46;
 /// the KV that the holder's request and 16 `M` tokens hold on this backend
 /// ([`KvBlocks`]); requests wait in line up to 20 s. Returns a prompt
 /// of `M` too long for that room (with its 2 new tokens), whose token count
-/// is the prefill the line records, and `M`'s token count of a text.
-fn serve(hold: &Gate, line: &Gate) -> (Vec<tempfile::TempDir>, RunningServer, (String, usize), impl Fn(&str) -> usize) {
+/// is the prefill the line records, `M`'s token count of a text, and the
+/// budget's bytes with the bytes a request of `M` for a text and 2 new
+/// tokens reserves.
+#[allow(clippy::type_complexity)]
+fn serve(
+    hold: &Gate,
+    line: &Gate,
+) -> (Vec<tempfile::TempDir>, RunningServer, (String, usize), impl Fn(&str) -> usize, (u64, impl Fn(&str) -> u64)) {
     let (hold_dir, hp) = package(HOLD);
     let (dir, p) = package(M);
     let (held, line_kv) = (KvBlocks::of(&hp), KvBlocks::of(&p));
     let room = line_kv.tokens(16);
     // Exactly what the holder reserves: its prompt and HOLD_NEW tokens.
     let holder_tokens = hp.tokenizer().encode(HOLD_PROMPT, false).unwrap().get_ids().len() as u64 + HOLD_NEW as u64;
-    let scheduler = Scheduler::new(held.bytes(holder_tokens) + line_kv.bytes(room));
+    let budget = held.bytes(holder_tokens) + line_kv.bytes(room);
+    let scheduler = Scheduler::new(budget);
     let engines = vec![engine(&hp, hold, scheduler.clone()), engine(&p, line, scheduler)];
     let driver = DriverOptions { admission_wait: Duration::from_secs(20), ..DriverOptions::default() };
     let server =
@@ -49,7 +56,9 @@ fn serve(hold: &Gate, line: &Gate) -> (Vec<tempfile::TempDir>, RunningServer, (S
         too_long.push_str("word ");
     }
     let tokens = count(&too_long);
-    (vec![hold_dir, dir], server, (too_long, tokens), count)
+    let counted = count.clone();
+    let needs = move |text: &str| line_kv.bytes(counted(text) as u64 + 2);
+    (vec![hold_dir, dir], server, (too_long, tokens), count, (budget, needs))
 }
 
 fn completion(model: &str, prompt: &str, max: u32) -> serde_json::Value {
@@ -131,7 +140,7 @@ fn a_panic_giving_back_idle_memory_leaves_the_driver_serving() {
 #[test]
 fn batching_serves_the_waiting_line_first_come_first_served() {
     let (hold, line) = (Gate::default(), Gate::default());
-    let (_d, s, (large_text, large), count) = serve(&hold, &line);
+    let (_d, s, (large_text, large), count, _) = serve(&hold, &line);
     let s = Arc::new(s);
     let small_text = "hi there";
     let small = count(small_text);
@@ -169,7 +178,7 @@ fn batching_serves_the_waiting_line_first_come_first_served() {
 #[test]
 fn batching_refuses_at_once_a_request_that_can_never_fit() {
     let (hold, line) = (Gate::default(), Gate::default());
-    let (_d, s, _, count) = serve(&hold, &line);
+    let (_d, s, _, count, _) = serve(&hold, &line);
     // Within the context (256) but more than the whole budget holds.
     let mut huge = String::new();
     while count(&huge) < 220 {
@@ -190,7 +199,7 @@ fn batching_refuses_at_once_a_request_that_can_never_fit() {
 fn batching_drops_a_request_cancelled_while_queued() {
     use std::io::Write;
     let (hold, line) = (Gate::default(), Gate::default());
-    let (_d, s, (gone_text, gone), _) = serve(&hold, &line);
+    let (_d, s, (gone_text, gone), _, _) = serve(&hold, &line);
     let s = Arc::new(s);
     let h = hold_budget(&s, &hold);
     let admitted = s.gauges().admitted;
@@ -211,4 +220,52 @@ fn batching_drops_a_request_cancelled_while_queued() {
     assert!(eventually(Duration::from_secs(10), || s.gauges().waiting == 0), "the line empties");
     assert_eq!(s.gauges().admitted, admitted, "the cancelled request was admitted");
     assert!(!line.prefills().contains(&gone), "the cancelled request was prefilled: {:?}", line.prefills());
+}
+
+/// Pins B5 across the models of one budget: a request to one model that
+/// waits for room held by another model's idle session is admitted once
+/// that model gives way (its least recently used idle session's KV
+/// spilled, the history kept for the session's next turn), not refused
+/// when its 20 s in line run out: a model spills its own idle sessions for
+/// its own requests, and the waiting driver asks the others to.
+#[test]
+fn batching_across_models_an_idle_session_gives_way_to_a_waiting_request() {
+    let (hold, line) = (Gate::default(), Gate::default());
+    let (_d, s, _, count, (budget, needs)) = serve(&hold, &line);
+    let made = call(s.addr, "POST", "/v1/sessions", &[], &json!({"model": HOLD}).to_string());
+    assert_eq!(made.status, 200, "{}", made.body);
+    let id = made.json()["id"].as_str().unwrap().to_string();
+    let session = [(onnx_genai_server::SESSION_HEADER, id.as_str())];
+    let body = completion(HOLD, HOLD_PROMPT, HOLD_NEW).to_string();
+    let held = call(s.addr, "POST", "/v1/completions", &session, &body);
+    assert_eq!(held.status, 200, "{}", held.body);
+    assert!(
+        eventually(Duration::from_secs(10), || s.gauges().idle_kv_bytes > 0),
+        "the idle session keeps its KV: {:?}",
+        s.gauges()
+    );
+    // The idle session is all the shared budget holds, counted once (not
+    // once a model); a request of `M` too large to fit beside it.
+    let g = s.gauges();
+    assert_eq!(g.reserved_bytes, g.idle_kv_bytes, "{g:?}");
+    let room = budget.saturating_sub(g.reserved_bytes);
+    let mut large_text = String::new();
+    while needs(&large_text) <= room {
+        large_text.push_str("word ");
+    }
+    assert!(needs(&large_text) <= budget, "{} bytes do not fit the whole budget of {budget}", needs(&large_text));
+    let large = count(&large_text);
+    let started = std::time::Instant::now();
+    let r = post(&s, M, &large_text, 2);
+    assert_eq!(r.status, 200, "after {:?}: {}", started.elapsed(), r.body);
+    assert!(started.elapsed() < Duration::from_secs(10), "admitted only after {:?}", started.elapsed());
+    assert!(line.prefills().contains(&large), "{:?}", line.prefills());
+    assert!(
+        eventually(Duration::from_secs(10), || s.gauges().idle_kv_bytes == 0),
+        "the idle session still holds its KV: {:?}",
+        s.gauges()
+    );
+    // The session lost its KV, not its history: its next turn runs.
+    let next = call(s.addr, "POST", "/v1/completions", &session, &completion(HOLD, " more", 2).to_string());
+    assert_eq!(next.status, 200, "{}", next.body);
 }
