@@ -157,9 +157,10 @@ impl WorkflowRuntime {
             &image.features.port,
         )?;
         if values.len() != want {
-            return Err(EngineError::Request(format!(
-                "`{}` produced {out_shape:?}, expected {want} values",
-                image.features.port
+            return Err(inconsistent(format!(
+                "component `{}` produced `{}` of shape {out_shape:?}: {want} values expected, {} image tokens of \
+                 architecture.hidden_size {}",
+                image.features.component, image.features.port, image.tokens, self.hidden
             )));
         }
         self.encoder_runs += 1;
@@ -174,7 +175,19 @@ impl WorkflowRuntime {
         let component =
             self.components.get_mut(&name).ok_or_else(|| EngineError::Request(format!("no component `{name}`")))?;
         let values = ids.iter().map(|t| i64::from(*t)).collect();
-        Ok(component.run(vec![(input, ComponentInput::I64 { shape: vec![1, ids.len()], values })], &output)?.1)
+        let (shape, embeds) =
+            component.run(vec![(input, ComponentInput::I64 { shape: vec![1, ids.len()], values })], &output)?;
+        // Image features are spliced in by rows of `hidden`: an embedding
+        // of another width would misplace them (or reach past the end).
+        if embeds.len() != ids.len() * self.hidden {
+            return Err(inconsistent(format!(
+                "component `{name}` produced `{output}` of shape {shape:?} for {} tokens: rows of \
+                 architecture.hidden_size {} expected",
+                ids.len(),
+                self.hidden
+            )));
+        }
+        Ok(embeds)
     }
 
     /// The embeddings a prefill of `feed` runs: the part of the
@@ -192,12 +205,29 @@ impl WorkflowRuntime {
         if let (Some(features), Some(ph)) = (self.features(request, &feed[new_start..])?, self.placeholder) {
             let rows: Vec<usize> = (new_start..feed.len()).filter(|i| feed[*i] == ph).collect();
             let h = self.hidden;
-            for (k, row) in rows.iter().enumerate() {
-                embeds[row * h..(row + 1) * h].copy_from_slice(&features[k * h..(k + 1) * h]);
+            if rows.len() * h != features.len() {
+                return Err(EngineError::Request(format!(
+                    "the prompt holds {} image placeholder tokens for {} rows of image features",
+                    rows.len(),
+                    features.len() / h.max(1)
+                )));
+            }
+            // `embed` checked `embeds` holds `feed.len()` rows of `h`.
+            for (row, feature) in rows.iter().zip(features.chunks_exact(h)) {
+                embeds[row * h..(row + 1) * h].copy_from_slice(feature);
             }
         }
         Ok(embeds)
     }
+}
+
+/// A component whose output disagrees with the manifest: the package's
+/// fault, not the request's (a server answers 500 and logs it).
+fn inconsistent(what: String) -> EngineError {
+    EngineError::Backend(onnx_genai_backend::BackendError::Run {
+        backend: "ort",
+        reason: format!("the package is inconsistent: {what}; re-export it or correct its manifest"),
+    })
 }
 
 fn f32s(t: &BoundTensor) -> Vec<f32> {

@@ -162,3 +162,45 @@ fn pixel_values_follow_the_declared_preprocessing() {
     assert_eq!((v[0], v[64], v[128], v[1]), (1.0, -1.0, -1.0, -1.0));
     assert!(matches!(e.pixel_values(&rgb, 4, 4), Err(EngineError::Tensor { .. })));
 }
+
+/// A malformed vision package — its manifest's `hidden_size` disagrees
+/// with the rows its components produce — fails the request with a
+/// backend error (a server's 500: the package's fault, not the client's)
+/// that names the component, what it produced and the manifest field,
+/// never a panic while image features are spliced into the embeddings
+/// (features of the manifest's width from an override, with the image
+/// at the end of the prompt, reached past the end of them), and nothing
+/// stays reserved.
+#[test]
+fn an_embedding_component_of_the_wrong_width_is_refused_not_a_panic() {
+    let dir = vlm();
+    let manifest = dir.path().join("package.yaml");
+    let text = std::fs::read_to_string(&manifest).unwrap();
+    let hidden: usize = text
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("hidden_size:"))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("the tiny vlm's manifest states hidden_size");
+    let wide = hidden * 2;
+    std::fs::write(&manifest, text.replace(&format!("hidden_size: {hidden}"), &format!("hidden_size: {wide}")))
+        .unwrap();
+    let mut e = Engine::open(dir.path(), BackendKind::Ort, 1).unwrap();
+    let pixels = e.pixel_values(&image(6), 8, 8).unwrap();
+    let encoded =
+        GenerateRequest { inputs: vec![pixels], ..GenerateRequest::text("What is this, in a few words? <|image|>") };
+    let mut overridden = GenerateRequest::text("What is this, in a few words? <|image|>");
+    overridden.overrides = vec![ComponentOverride {
+        component: "vision".into(),
+        outputs: vec![BoundTensor::f32("image_embeds", vec![1, 4, wide], &vec![0.5; 4 * wide])],
+    }];
+    for (req, want) in [
+        (encoded, "component `embed` produced `inputs_embeds` of shape [1, 22, 64] for 22 tokens"),
+        (overridden, "component `embed` produced `inputs_embeds` of shape [1, 22, 64] for 22 tokens"),
+    ] {
+        let err = e.generate(&req, &mut |_| Flow::Continue).unwrap_err();
+        assert!(matches!(err, EngineError::Backend(_)), "a package defect, not the request's: {err:?}");
+        let err = err.to_string();
+        assert!(err.contains(want) && err.contains("architecture.hidden_size"), "expected `{want}` in: {err}");
+        assert_eq!(e.scheduler().reserved_bytes(), resting(&e));
+    }
+}
