@@ -25,18 +25,25 @@ const M: &str = "tiny-llama-gqa";
 const HOLD_PROMPT: &str = "hold";
 const HOLD_NEW: u32 = 46;
 
-/// Serves `HOLD` (through `hold`) and `M` (through `line`) on one budget of
-/// the KV that the holder's request and 16 `M` tokens hold on this backend
-/// ([`KvBlocks`]); requests wait in line up to 20 s. Returns a prompt
-/// of `M` too long for that room (with its 2 new tokens), whose token count
-/// is the prefill the line records, `M`'s token count of a text, and the
-/// budget's bytes with the bytes a request of `M` for a text and 2 new
-/// tokens reserves.
-#[allow(clippy::type_complexity)]
-fn serve(
-    hold: &Gate,
-    line: &Gate,
-) -> (Vec<tempfile::TempDir>, RunningServer, (String, usize), impl Fn(&str) -> usize, (u64, impl Fn(&str) -> u64)) {
+/// Two models on one budget, served: `HOLD` (through `hold`) and `M`
+/// (through `line`), on the KV that the holder's request and 16 `M` tokens
+/// hold on this backend ([`KvBlocks`]); requests wait in line up to 20 s.
+struct SharedBudget {
+    _dirs: Vec<tempfile::TempDir>,
+    server: RunningServer,
+    /// A prompt of `M` too long for the room beside the holder's request
+    /// (with its 2 new tokens), and its token count: the prefill the line
+    /// records.
+    too_long: (String, usize),
+    /// `M`'s token count of a text.
+    count: Box<dyn Fn(&str) -> usize>,
+    /// The budget's bytes.
+    budget: u64,
+    /// The bytes a request of `M` for a text and 2 new tokens reserves.
+    needs: Box<dyn Fn(&str) -> u64>,
+}
+
+fn serve(hold: &Gate, line: &Gate) -> SharedBudget {
     let (hold_dir, hp) = package(HOLD);
     let (dir, p) = package(M);
     let (held, line_kv) = (KvBlocks::of(&hp), KvBlocks::of(&p));
@@ -58,7 +65,14 @@ fn serve(
     let tokens = count(&too_long);
     let counted = count.clone();
     let needs = move |text: &str| line_kv.bytes(counted(text) as u64 + 2);
-    (vec![hold_dir, dir], server, (too_long, tokens), count, (budget, needs))
+    SharedBudget {
+        _dirs: vec![hold_dir, dir],
+        server,
+        too_long: (too_long, tokens),
+        count: Box::new(count),
+        budget,
+        needs: Box::new(needs),
+    }
 }
 
 fn completion(model: &str, prompt: &str, max: u32) -> serde_json::Value {
@@ -140,8 +154,8 @@ fn a_panic_giving_back_idle_memory_leaves_the_driver_serving() {
 #[test]
 fn batching_serves_the_waiting_line_first_come_first_served() {
     let (hold, line) = (Gate::default(), Gate::default());
-    let (_d, s, (large_text, large), count, _) = serve(&hold, &line);
-    let s = Arc::new(s);
+    let SharedBudget { _dirs, server, too_long: (large_text, large), count, .. } = serve(&hold, &line);
+    let s = Arc::new(server);
     let small_text = "hi there";
     let small = count(small_text);
     assert!(large > small && small > 1, "{large} {small}");
@@ -178,14 +192,15 @@ fn batching_serves_the_waiting_line_first_come_first_served() {
 #[test]
 fn batching_refuses_at_once_a_request_that_can_never_fit() {
     let (hold, line) = (Gate::default(), Gate::default());
-    let (_d, s, _, count, _) = serve(&hold, &line);
+    let shared = serve(&hold, &line);
+    let (s, count) = (&shared.server, &shared.count);
     // Within the context (256) but more than the whole budget holds.
     let mut huge = String::new();
     while count(&huge) < 220 {
         huge.push_str("word ");
     }
     let started = std::time::Instant::now();
-    let r = post(&s, M, &huge, 2);
+    let r = post(s, M, &huge, 2);
     assert_eq!(r.status, 400, "{}", r.body);
     assert!(r.body.contains("whole budget"), "{}", r.body);
     assert!(started.elapsed() < Duration::from_secs(10), "refused only after {:?} in line", started.elapsed());
@@ -199,8 +214,8 @@ fn batching_refuses_at_once_a_request_that_can_never_fit() {
 fn batching_drops_a_request_cancelled_while_queued() {
     use std::io::Write;
     let (hold, line) = (Gate::default(), Gate::default());
-    let (_d, s, (gone_text, gone), _, _) = serve(&hold, &line);
-    let s = Arc::new(s);
+    let SharedBudget { _dirs, server, too_long: (gone_text, gone), .. } = serve(&hold, &line);
+    let s = Arc::new(server);
     let h = hold_budget(&s, &hold);
     let admitted = s.gauges().admitted;
     // A raw client: sends its request, then hangs up while it waits.
@@ -231,7 +246,9 @@ fn batching_drops_a_request_cancelled_while_queued() {
 #[test]
 fn batching_across_models_an_idle_session_gives_way_to_a_waiting_request() {
     let (hold, line) = (Gate::default(), Gate::default());
-    let (_d, s, _, count, (budget, needs)) = serve(&hold, &line);
+    let shared = serve(&hold, &line);
+    let SharedBudget { server: s, count, budget, needs, .. } = &shared;
+    let budget = *budget;
     let made = call(s.addr, "POST", "/v1/sessions", &[], &json!({"model": HOLD}).to_string());
     assert_eq!(made.status, 200, "{}", made.body);
     let id = made.json()["id"].as_str().unwrap().to_string();
@@ -256,7 +273,7 @@ fn batching_across_models_an_idle_session_gives_way_to_a_waiting_request() {
     assert!(needs(&large_text) <= budget, "{} bytes do not fit the whole budget of {budget}", needs(&large_text));
     let large = count(&large_text);
     let started = std::time::Instant::now();
-    let r = post(&s, M, &large_text, 2);
+    let r = post(s, M, &large_text, 2);
     assert_eq!(r.status, 200, "after {:?}: {}", started.elapsed(), r.body);
     assert!(started.elapsed() < Duration::from_secs(10), "admitted only after {:?}", started.elapsed());
     assert!(line.prefills().contains(&large), "{:?}", line.prefills());
