@@ -162,7 +162,11 @@ impl OrtModel {
         }
         let mut next = Vec::with_capacity(p.layers.len());
         for l in &p.layers {
-            let mut take = |name: &str| outputs.remove(name).ok_or_else(|| run_err(format!("no `{name}` output")));
+            let mut take = |name: &str| {
+                let present = outputs.remove(name).ok_or_else(|| run_err(format!("no `{name}` output")))?;
+                check_present(&present, name, l, total, p.kv_dtype)?;
+                Ok::<_, BackendError>(present)
+            };
             next.push((take(&l.present_key)?, take(&l.present_value)?));
         }
         logits.clear();
@@ -173,6 +177,32 @@ impl OrtModel {
         seq.kv_len = total;
         Ok(())
     }
+}
+
+/// A present K/V output must be the whole cache, `[1, kv_heads, total,
+/// head_dim]`, in the cache's type: it is fed back as the next step's
+/// past and sliced by position (`prefix`), so a graph that returns only
+/// the new positions, or another geometry, is refused here rather than
+/// read past its end later.
+fn check_present(
+    present: &DynValue,
+    name: &str,
+    l: &LayerPorts,
+    total: usize,
+    dtype: ElementType,
+) -> Result<(), BackendError> {
+    let shape: Vec<i64> = match dtype {
+        ElementType::F32 => present.try_extract_tensor::<f32>().map_err(run_err)?.0.iter().copied().collect(),
+        ElementType::F16 => present.try_extract_tensor::<half::f16>().map_err(run_err)?.0.iter().copied().collect(),
+    };
+    let want = [1, l.kv_heads as i64, total as i64, l.head_dim as i64];
+    if shape != want {
+        return Err(run_err(format!(
+            "the decoder's output `{name}` has shape {shape:?}, the whole cache {want:?} expected (past and new \
+             positions: batch, KV heads, positions, head_dim); the package's graph does not match its KV geometry"
+        )));
+    }
+    Ok(())
 }
 
 fn empty_kv(kv_heads: usize, head_dim: usize, dtype: ElementType) -> Result<DynValue, BackendError> {
@@ -265,24 +295,29 @@ impl OrtSequence {
     /// The first `len` positions of a `[1, kv_heads, kv_len, head_dim]` cache
     /// tensor, copied into a new tensor.
     fn prefix(&self, t: &DynValue, l: &LayerPorts, len: usize) -> Result<DynValue, BackendError> {
-        fn rows<T: Copy>(data: &[T], l: &LayerPorts, have: usize, len: usize) -> Vec<T> {
+        fn rows<T: Copy>(data: &[T], l: &LayerPorts, have: usize, len: usize) -> Result<Vec<T>, BackendError> {
             let mut out = Vec::with_capacity(l.kv_heads * len * l.head_dim);
             for h in 0..l.kv_heads {
                 let start = h * have * l.head_dim;
-                out.extend_from_slice(&data[start..start + len * l.head_dim]);
+                // (`run_one` checked every cache tensor's shape; this
+                // guards the slice all the same.)
+                let head = data.get(start..start + len * l.head_dim).ok_or_else(|| {
+                    run_err(format!("a cache tensor of {} values holds no {len} positions of head {h}", data.len()))
+                })?;
+                out.extend_from_slice(head);
             }
-            out
+            Ok(out)
         }
         let shape = [1usize, l.kv_heads, len, l.head_dim];
         let have = self.kv_len;
         Ok(match self.kv_dtype {
             ElementType::F32 => {
                 let (_, data) = t.try_extract_tensor::<f32>().map_err(run_err)?;
-                Tensor::from_array((shape, rows(data, l, have, len))).map_err(run_err)?.into_dyn()
+                Tensor::from_array((shape, rows(data, l, have, len)?)).map_err(run_err)?.into_dyn()
             }
             ElementType::F16 => {
                 let (_, data) = t.try_extract_tensor::<half::f16>().map_err(run_err)?;
-                Tensor::from_array((shape, rows(data, l, have, len))).map_err(run_err)?.into_dyn()
+                Tensor::from_array((shape, rows(data, l, have, len)?)).map_err(run_err)?.into_dyn()
             }
         })
     }

@@ -77,3 +77,35 @@ fn exceeding_the_context_is_a_capacity_error() {
     assert!(matches!(err, onnx_genai_backend::BackendError::Capacity { .. }), "{err}");
     assert_eq!(d.kv_len(), 0);
 }
+
+/// A decoder graph whose present K/V output holds only the step's new
+/// positions (its `Concat` onto the past replaced by the new rows alone —
+/// ONNX Runtime runs it without complaint) is refused at the first step
+/// where that differs from the whole cache: a typed run error naming the
+/// output, its shape and the one expected, the sequence left as it was.
+/// Before, the short cache was kept, and copying a prefix of it (a fork
+/// for `n` choices, a session trimmed) sliced past its end and panicked.
+#[test]
+fn a_present_output_that_is_not_the_whole_cache_is_refused() {
+    let (_dir, package) = onnx_genai_test_support::build("tiny-llama-gqa");
+    let (decoder, path) = package.decoder().unwrap();
+    let present = package.kv_ports(decoder).unwrap()[0].present_key.clone();
+    let mut model = onnx_genai_onnx::read_model(path).unwrap();
+    let node =
+        model.graph.nodes.iter_mut().find(|n| n.outputs.contains(&present)).expect("a node makes the present key");
+    assert_eq!(node.op_type, "Concat", "the decomposed export concatenates the past and the new keys");
+    let new_rows = node.inputs.last().cloned().unwrap();
+    node.op_type = "Identity".into();
+    node.inputs = vec![new_rows];
+    node.attributes.clear();
+    onnx_genai_onnx::write_model(path, &model).unwrap();
+    let mut d = load(&package);
+    // The first step's cache is its new rows: nothing to tell apart yet.
+    d.forward(&[5, 77, 300]).expect("a first step's present is the whole cache");
+    let err = d.forward(&[12]).unwrap_err().to_string();
+    assert!(
+        err.contains(&format!("`{present}` has shape [1, ")) && err.contains(", 1, ") && err.contains(", 4, "),
+        "the error names the output, its shape and the whole cache's: {err}"
+    );
+    assert_eq!(d.kv_len(), 3, "a refused step leaves the sequence as it was");
+}
