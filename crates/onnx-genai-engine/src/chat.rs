@@ -1,5 +1,6 @@
 //! Chat prompts rendered with the package's Jinja chat template.
 
+use onnx_genai_package::manifest::MAX_IMAGE_SIDE;
 use onnx_genai_package::Manifest;
 use serde::Serialize;
 use tokenizers::Tokenizer;
@@ -143,8 +144,6 @@ pub struct Prompter {
     token_bytes: std::sync::OnceLock<Result<Vec<Vec<u8>>, String>>,
 }
 
-/// The largest width and height an image may declare.
-pub const MAX_IMAGE_SIDE: u32 = 4096;
 /// The most memory decoding one image may take.
 pub const MAX_IMAGE_ALLOC: u64 = 64 << 20;
 

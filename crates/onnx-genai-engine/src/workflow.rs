@@ -255,7 +255,8 @@ fn digest(t: &BoundTensor, ids: &[u32]) -> [u8; 32] {
 /// to the declared size: scaled to [0, 1], then `(x - mean) / std`.
 pub fn pixel_values(rgb: &[u8], width: u32, height: u32, image: &ImageInput) -> Result<BoundTensor, EngineError> {
     let p = &image.preprocess;
-    if (width, height) != (p.width, p.height) || rgb.len() != (width * height * 3) as usize {
+    // (In u64: validation bounds the declared size, not what a caller passes.)
+    if (width, height) != (p.width, p.height) || rgb.len() as u64 != u64::from(width) * u64::from(height) * 3 {
         return Err(bad(
             "pixel_values",
             format!("expected a {}x{} RGB image, got {width}x{height} with {} bytes", p.width, p.height, rgb.len()),

@@ -208,6 +208,11 @@ pub struct PortRef {
     pub port: String,
 }
 
+/// The largest width and height an image may be resized to (a package's
+/// preprocessing) or decoded at (a request's image): 4096 x 4096 RGB is
+/// 48 MiB of pixels, 192 MiB as f32 values.
+pub const MAX_IMAGE_SIDE: u32 = 4096;
+
 /// Image preprocessing: resize to `width x height` (RGB), scale to [0, 1],
 /// then `(x - mean) / std` per channel; laid out `[1, 3, height, width]`.
 #[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]

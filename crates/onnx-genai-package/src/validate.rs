@@ -737,6 +737,31 @@ fn check_workflow(ctx: &Ctx, m: &Manifest, models: &[Option<Model>], report: &mu
                 "fix the declared image geometry",
             ));
         }
+        let side = crate::manifest::MAX_IMAGE_SIDE;
+        if image.preprocess.width > side || image.preprocess.height > side {
+            report.push(Diagnostic::error(
+                Code::PKG060,
+                ctx.manifest_file(),
+                "workflow.image.preprocess",
+                format!(
+                    "the image preprocessing resizes to {}x{} pixels, more than {side} on a side",
+                    image.preprocess.width, image.preprocess.height
+                ),
+                format!("declare the size the vision component takes, at most {side}x{side}"),
+            ));
+        }
+        if image.tokens >= m.architecture.max_sequence_length {
+            report.push(Diagnostic::error(
+                Code::PKG060,
+                ctx.manifest_file(),
+                "workflow.image.tokens",
+                format!(
+                    "an image takes {} positions, no fewer than the whole context of {}",
+                    image.tokens, m.architecture.max_sequence_length
+                ),
+                "declare the positions the vision component's features fill (fewer than the context)",
+            ));
+        }
     }
     for (i, input) in workflow.application_inputs.iter().enumerate() {
         let field = format!("workflow.application_inputs[{i}]");
