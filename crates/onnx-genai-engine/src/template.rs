@@ -45,6 +45,15 @@ fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, Error> {
     let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
     let separators: Option<Vec<String>> = kwargs.get("separators")?;
     kwargs.assert_all_used()?;
+    if indent.is_some_and(|n| n > MAX_TOJSON_INDENT) {
+        // A package's template sets it: every line of the output repeats
+        // `indent` spaces per level, so a huge one asks for more memory
+        // than there is.
+        return Err(Error::new(
+            ErrorKind::InvalidOperation,
+            format!("tojson: indent is at most {MAX_TOJSON_INDENT} spaces"),
+        ));
+    }
     let (item, key) = match separators.as_deref() {
         Some([item, key]) => (item.clone(), key.clone()),
         Some(_) => return Err(Error::new(ErrorKind::InvalidOperation, "tojson: separators is a pair of strings")),
@@ -60,6 +69,9 @@ fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, Error> {
     // Safe to insert as it is: the output is the template's text, not HTML.
     Ok(Value::from_safe_string(out))
 }
+
+/// The widest `tojson` indent a template may ask for (templates use 2 or 4).
+const MAX_TOJSON_INDENT: usize = 64;
 
 struct Style {
     indent: Option<usize>,
@@ -313,6 +325,14 @@ mod tests {
             "{\n  \"a\": {},\n  \"b\": [\n    1,\n    2.5,\n    \"<Zürich>\"\n  ],\n  \"c\": []\n}"
         );
         assert_eq!(render("{{ v.b | tojson(ensure_ascii=true) }}", ctx.clone()), r#"[1, 2.5, "<Z\u00fcrich>"]"#);
-        assert_eq!(render("{{ v.b | tojson(separators=[',', ':']) }}", ctx), r#"[1,2.5,"<Zürich>"]"#);
+        assert_eq!(render("{{ v.b | tojson(separators=[',', ':']) }}", ctx.clone()), r#"[1,2.5,"<Zürich>"]"#);
+        assert_eq!(render("{{ v.c | tojson(indent=64) }}", ctx.clone()), "[]");
+        // A template's indent beyond any real one is a render error, not
+        // a request for petabytes of spaces (a capacity-overflow panic).
+        for indent in ["65", "1000000000000000", "9223372036854775807"] {
+            let err = environment().render_str(&format!("{{{{ v | tojson(indent={indent}) }}}}"), ctx.clone());
+            let err = err.expect_err(indent).to_string();
+            assert!(err.contains("indent is at most 64"), "{indent}: {err}");
+        }
     }
 }
