@@ -83,6 +83,9 @@ pub fn build_variant(spec: &Spec, variant: Variant, out: &Path) -> Result<(), Bu
         let path = path.to_path_buf();
         move |source| BuildError::Io { path, source }
     };
+    // Every source of a spec (a spec file, a Hugging Face checkpoint, a
+    // GGUF) is checked here too, before a size from it allocates.
+    spec.check(&spec.name)?;
     std::fs::create_dir_all(out).map_err(io(out))?;
     if let Some(why) = spec.refusal(variant) {
         return Err(BuildError::Spec {

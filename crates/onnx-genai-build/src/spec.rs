@@ -214,15 +214,50 @@ impl Spec {
             }
             _ => {}
         }
-        let min_vocab = crate::tokenizer::BYTE_TOKENS + crate::tokenizer::SPECIAL_TOKENS.len() as u32;
+        // The bounds a package's manifest must keep (validation refuses
+        // more): every product the builder forms from them then fits.
+        for (key, value) in [
+            ("hidden_size", self.hidden_size),
+            ("num_layers", self.num_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_kv_heads", self.kv_heads()),
+            ("head_dim", self.head_dim()),
+            ("vocab_size", self.vocab_size),
+            ("max_sequence_length", self.max_sequence_length),
+        ] {
+            let bound = onnx_genai_package::validate::ARCHITECTURE_BOUNDS
+                .iter()
+                .find_map(|(k, b)| (*k == key).then_some(*b))
+                .unwrap_or(u32::MAX);
+            if value > bound {
+                return fail(format!("{key} {value} is above the {bound} a package may declare"));
+            }
+        }
+        let min_vocab = crate::tokenizer::BYTE_TOKENS
+            + (crate::tokenizer::SPECIAL_TOKENS.len() + self.extra_specials().len()) as u32;
         if self.vocab_size < min_vocab {
             return fail(format!("vocab_size {} is below the {min_vocab} byte and special tokens", self.vocab_size));
         }
         if let Some(v) = &self.vision {
-            if v.patch_size == 0 || v.channels == 0 || !v.image_size.is_multiple_of(v.patch_size) {
+            if v.patch_size == 0 || !v.image_size.is_multiple_of(v.patch_size) {
                 return fail(format!(
                     "vision image_size {} is not a positive multiple of patch_size {}",
                     v.image_size, v.patch_size
+                ));
+            }
+            // The package's preprocessing hands the encoder RGB pixels.
+            if v.channels != 3 {
+                return fail(format!("vision channels {} is not 3: images are preprocessed as RGB", v.channels));
+            }
+            let side = onnx_genai_package::manifest::MAX_IMAGE_SIDE;
+            if v.image_size > side {
+                return fail(format!("vision image_size {} is above the {side} a package may declare", v.image_size));
+            }
+            if v.tokens_per_image() >= self.max_sequence_length {
+                return fail(format!(
+                    "an image of {} tokens does not fit the context of {}",
+                    v.tokens_per_image(),
+                    self.max_sequence_length
                 ));
             }
             if self.family != Family::Llama || self.tie_embeddings {

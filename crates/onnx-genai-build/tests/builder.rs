@@ -92,11 +92,29 @@ fn tokenizer_round_trips_text_and_keeps_special_tokens_whole() {
     assert!(tok.encode("the capital", false).unwrap().get_ids().len() < "the capital".len());
 }
 
+/// Specs the builder cannot build are refused with the reason, before
+/// any size in them allocates: sizes beyond what a package may declare (a
+/// context of u32::MAX would ask for rotary tables of 512 GiB), a
+/// vocabulary without room for the vision placeholder (the tokenizer's
+/// merge count would underflow), an image larger than a package may
+/// preprocess, or whose tokens fill the context, or not RGB.
 #[test]
 fn invalid_specs_are_refused_with_the_reason() {
-    let gqa = spec_paths().into_iter().find(|p| p.to_string_lossy().contains("tiny-llama-gqa")).unwrap();
-    let text = std::fs::read_to_string(gqa).unwrap();
+    let read = |name: &str| {
+        let path = spec_paths().into_iter().find(|p| p.to_string_lossy().contains(name)).unwrap();
+        std::fs::read_to_string(path).unwrap()
+    };
+    let (text, vlm) = (read("tiny-llama-gqa"), read("tiny-vlm"));
     let cases = [
+        (text.replace("max_sequence_length: 256", "max_sequence_length: 4294967295"), "above the 16777216"),
+        (text.replace("vocab_size: 384", "vocab_size: 4294967295"), "vocab_size 4294967295 is above"),
+        (vlm.replace("vocab_size: 384", "vocab_size: 259"), "below the 260 byte and special tokens"),
+        (vlm.replace("image_size: 8", "image_size: 4294967292"), "above the 4096"),
+        (
+            vlm.replace("patch_size: 4", "patch_size: 1").replace("image_size: 8", "image_size: 16"),
+            "does not fit the context",
+        ),
+        (vlm.replace("channels: 3", "channels: 4294967295"), "channels 4294967295 is not 3"),
         (text.replace("num_kv_heads: 2", "num_kv_heads: 3"), "multiple of num_kv_heads"),
         (text.replace("seed: 1", "seed: 1\nsead: 2"), "unknown field `sead`"),
         (text.replace("vocab_size: 384", "vocab_size: 100"), "below the 259"),
