@@ -190,7 +190,12 @@ pub fn infer(op: &Op, inputs: &[Option<&Meta>], outputs: usize) -> Result<Vec<Ou
                 for (j, (x, y)) in acc.iter_mut().zip(&cur).enumerate() {
                     if j == a {
                         *x = match x.zip(*y) {
-                            Some((p, q)) => Some(p.checked_add(q).ok_or("the concat axis overflows")?),
+                            // (Within i64: later ops index these axes in i64.)
+                            Some((p, q)) => Some(
+                                p.checked_add(q)
+                                    .filter(|n| i64::try_from(*n).is_ok())
+                                    .ok_or("the concat axis overflows")?,
+                            ),
                             None => None,
                         };
                     } else if let (Some(p), Some(q)) = (*x, *y) {
@@ -434,7 +439,7 @@ pub fn infer(op: &Op, inputs: &[Option<&Meta>], outputs: usize) -> Result<Vec<Ou
                 let step = steps.as_ref().and_then(|s| s.get(i).copied()).unwrap_or(1);
                 x[a] = match x[a] {
                     Some(dim) if step > 0 => {
-                        let dim = dim as i64;
+                        let dim = i64::try_from(dim).map_err(|_| format!("axis {a} of {dim} is beyond i64"))?;
                         let norm = |v: i64| if v < 0 { v + dim } else { v };
                         let (b, e) = (norm(*start).clamp(0, dim), norm(*end).clamp(0, dim));
                         // Counted without forming `e - b + step`, which
@@ -518,7 +523,10 @@ fn linear_out(x: &Dims, t: Option<DType>, k: usize, n: usize) -> Result<Vec<Out>
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use super::*;
+    use crate::value::Value;
 
     /// Issue 20: a norm's declared dims whose product overflows are an
     /// error (as in `reshape_target`), not an overflow panic.
@@ -530,5 +538,36 @@ mod tests {
         let x: Dims = Some(vec![Some(2), Some(8)]);
         assert!(norm_check(&x, Some(1), &Some(vec![Some(8)])).is_ok());
         assert!(norm_check(&x, Some(1), &Some(vec![Some(4)])).is_err());
+    }
+
+    fn meta(dims: &[usize], konst: Option<Value>) -> Meta {
+        Meta {
+            name: "x".into(),
+            dtype: Some(DType::F32),
+            dims: Some(dims.iter().map(|d| Some(*d)).collect()),
+            konst: konst.map(Arc::new),
+        }
+    }
+
+    /// Axes stay within i64 (ONNX's own type for them): two concatenated
+    /// empty initializers of `[0, i64::MAX]` are an error, not an axis of
+    /// 2^64 − 2 that a `Slice` after them read as −2 and `clamp(0, −2)`
+    /// panicked on; a `Slice` of an axis beyond i64 is refused too.
+    #[test]
+    fn axes_beyond_i64_are_an_error() {
+        let half = i64::MAX as usize;
+        let z = meta(&[0, half], None);
+        let err = infer(&Op::Concat { axis: 1 }, &[Some(&z), Some(&z)], 1).unwrap_err();
+        assert!(err.contains("the concat axis overflows"), "{err}");
+        let fits = infer(&Op::Concat { axis: 1 }, &[Some(&meta(&[0, half - 1], None)), Some(&meta(&[0, 1], None))], 1);
+        assert!(fits.is_ok(), "{fits:?}");
+        let wide = meta(&[0, half + 2], None);
+        let (starts, ends, axes) = (
+            meta(&[1], Some(Value::i64([1], vec![0]))),
+            meta(&[1], Some(Value::i64([1], vec![1]))),
+            meta(&[1], Some(Value::i64([1], vec![1]))),
+        );
+        let err = infer(&Op::Slice, &[Some(&wide), Some(&starts), Some(&ends), Some(&axes)], 1).unwrap_err();
+        assert!(err.contains("beyond i64"), "{err}");
     }
 }

@@ -200,6 +200,39 @@ fn unsupported_fused_op_settings_are_errors() {
     }
 }
 
+/// `MatMulNBits` sizes whose weight count overflows are a compile error
+/// naming the node: K = i64::MAX over blocks of 32 made N x blocks x 16
+/// bytes wrap (a panic with overflow checks; in release a wrapped count
+/// that an empty initializer could match).
+#[test]
+fn matmul_nbits_sizes_that_overflow_are_errors() {
+    let b = binding();
+    let mut m = model(Variant::Contrib);
+    let i = first(&mut m, "MatMulNBits");
+    // Its input through a reshape to its own run-time shape: a last axis
+    // compile time does not know, so K is checked against nothing before.
+    let x = m.graph.nodes[i].inputs[0].clone();
+    let node = |op: &str, inputs: &[&str], output: &str| onnx_genai_onnx::ir::Node {
+        name: format!("unknown_{output}"),
+        op_type: op.into(),
+        domain: String::new(),
+        inputs: inputs.iter().map(|s| s.to_string()).collect(),
+        outputs: vec![output.into()],
+        attributes: Vec::new(),
+    };
+    m.graph.nodes.insert(i, node("Reshape", &[&x, "unknown_shape"], "unknown_rows"));
+    m.graph.nodes.insert(i, node("Shape", &[&x], "unknown_shape"));
+    let i = i + 2;
+    m.graph.nodes[i].inputs[0] = "unknown_rows".into();
+    m.graph.nodes[i].attributes.retain(|a| a.name != "K");
+    m.graph.nodes[i]
+        .attributes
+        .push(onnx_genai_onnx::ir::Attribute { name: "K".into(), value: AttrValue::Int(i64::MAX) });
+    let name = m.graph.nodes[i].name.clone();
+    let err = compile_err(&m, &b, "K = i64::MAX").to_string();
+    assert!(err.contains("more weights than can be addressed") && err.contains(&name), "{err}");
+}
+
 /// ONNX Runtime GenAI's forms: rotary inside attention needs its caches,
 /// and `GatherBlockQuantized` is supported for 4-bit rows only.
 #[test]

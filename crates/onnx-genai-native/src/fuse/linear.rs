@@ -47,8 +47,15 @@ pub(super) fn pack_nbits(g: &Graph, _u: &Uses, i: usize) -> Result<Option<Rewrit
         return Err(err("the quantized weight and scales must be initializers".into()));
     };
     let blocks = k.div_ceil(block);
+    // Counted checked: K and N come from the node's attributes, and a
+    // product that wraps could match an empty initializer.
+    let (Some(weight_bytes), Some(scale_count)) =
+        (outs.checked_mul(blocks).and_then(|c| c.checked_mul(block / 2)), outs.checked_mul(blocks))
+    else {
+        return Err(err(format!("N={outs} x K={k} in blocks of {block} is more weights than can be addressed")));
+    };
     let data = b.as_u8().map_err(|e| err(format!("B: {e}")))?;
-    if data.len() != outs * blocks * block / 2 {
+    if data.len() != weight_bytes {
         return Err(err(format!(
             "B has {} bytes; N={outs} x {blocks} blocks x {} bytes expected",
             data.len(),
@@ -56,7 +63,7 @@ pub(super) fn pack_nbits(g: &Graph, _u: &Uses, i: usize) -> Result<Option<Rewrit
         )));
     }
     let scales = scales.as_f32().map_err(|e| err(format!("scales: {e}")))?;
-    if scales.len() != outs * blocks {
+    if scales.len() != scale_count {
         return Err(err(format!("{} scales for N={outs} x {blocks} blocks", scales.len())));
     }
     let zeros = match M::input(n, 3) {
@@ -65,7 +72,7 @@ pub(super) fn pack_nbits(g: &Graph, _u: &Uses, i: usize) -> Result<Option<Rewrit
             let z = g.konst(v).ok_or_else(|| err("zero points must be an initializer".into()))?;
             let z =
                 z.as_u8().map_err(|e| err(format!("zero points: {e} (only packed u8 zero points are supported)")))?;
-            if z.len() != outs * blocks.div_ceil(2) {
+            if Some(z.len()) != outs.checked_mul(blocks.div_ceil(2)) {
                 return Err(err(format!("{} zero-point bytes for N={outs} x {blocks} blocks", z.len())));
             }
             Some(z.to_vec())

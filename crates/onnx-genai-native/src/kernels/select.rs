@@ -243,7 +243,9 @@ pub fn scatter_nd(data: &Value, indices: &Value, updates: &Value, how: Combine, 
 pub fn split(x: &Value, axis: i64, sizes: &[usize], outputs: &mut [Value]) -> Result<(), String> {
     let a = resolve(axis, x.shape.len())?;
     let (outer, len, inner) = around(&x.shape, a);
-    if sizes.iter().sum::<usize>() != len || sizes.len() != outputs.len() {
+    // (Summed checked: sizes from a graph can wrap around to the length.)
+    let total = sizes.iter().try_fold(0usize, |sum, s| sum.checked_add(*s));
+    if total != Some(len) || sizes.len() != outputs.len() {
         return Err(format!(
             "split sizes {sizes:?} into {} outputs do not cover axis {a} of {:?}",
             outputs.len(),
@@ -445,5 +447,24 @@ impl Contraction<'_> {
             }
         }
         o
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Split sizes from a graph are summed checked: sizes that wrap
+    /// around to the axis length (2^64 − 1 twice, then 2) are refused,
+    /// not taken as covering it and then allocated.
+    #[test]
+    fn split_sizes_that_wrap_are_refused() {
+        let x = Value::f32([1, 0], Vec::new());
+        let mut outputs = vec![Value::default(), Value::default(), Value::default()];
+        let err = split(&x, 1, &[usize::MAX, usize::MAX, 2], &mut outputs).unwrap_err();
+        assert!(err.contains("do not cover axis 1"), "{err}");
+        let y = Value::f32([1, 3], vec![1.0, 2.0, 3.0]);
+        split(&y, 1, &[1, 0, 2], &mut outputs).unwrap();
+        assert_eq!(outputs[2].shape.as_slice(), &[1, 2]);
     }
 }
