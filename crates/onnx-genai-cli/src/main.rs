@@ -10,6 +10,26 @@ use clap::{Parser, Subcommand, ValueEnum};
 use onnx_genai_engine::{BackendKind, ChatMessage, Engine, Flow, GenerateRequest, KvCache, Prompt, Sampling};
 use onnx_genai_package::Package;
 
+/// The longest wait a `serve` flag may set: a day (timeouts beyond are
+/// "never" in practice, and a deadline that far overflows a clock).
+const MAX_WAIT_S: u64 = 86_400;
+
+/// `println!` that returns a write error instead of panicking on it: a
+/// reader that closed the pipe early (`onnx-genai inspect PKG | head -1`)
+/// ends the command quietly (see `main`), where `println!` panicked.
+macro_rules! outln {
+    ($($arg:tt)*) => {
+        writeln!(std::io::stdout(), $($arg)*)?
+    };
+}
+
+/// `print!` as [`outln!`] is `println!`.
+macro_rules! out {
+    ($($arg:tt)*) => {
+        write!(std::io::stdout(), $($arg)*)?
+    };
+}
+
 #[derive(Parser)]
 #[command(name = "onnx-genai", version, about = "Compile, validate and run generative ONNX model packages")]
 struct Cli {
@@ -52,11 +72,15 @@ enum Command {
         #[arg(long, default_value_t = onnx_genai_server::DriverOptions::default().queue_limit)]
         queue_limit: usize,
         /// Milliseconds a request that does not fit the KV budget waits in
-        /// line (first come, first served) before it is refused with 429.
-        #[arg(long, default_value_t = onnx_genai_server::DriverOptions::default().admission_wait.as_millis() as u64)]
+        /// line (first come, first served) before it is refused with 429
+        /// (at most a day's).
+        #[arg(long, default_value_t = onnx_genai_server::DriverOptions::default().admission_wait.as_millis() as u64,
+              value_parser = clap::value_parser!(u64).range(0..=MAX_WAIT_S * 1000))]
         admission_wait_ms: u64,
-        /// Seconds a stream may go unread before its request is cancelled.
-        #[arg(long, default_value_t = onnx_genai_server::DriverOptions::default().stall_timeout.as_secs())]
+        /// Seconds a stream may go unread before its request is cancelled
+        /// (1 to 86,400).
+        #[arg(long, default_value_t = onnx_genai_server::DriverOptions::default().stall_timeout.as_secs(),
+              value_parser = clap::value_parser!(u64).range(1..=MAX_WAIT_S))]
         stall_timeout_s: u64,
         /// Decode backend (ort, native-cpu).
         #[arg(long, default_value = "ort")]
@@ -79,11 +103,14 @@ enum Command {
         #[arg(long = "allowed-host")]
         allowed_hosts: Vec<String>,
         /// Seconds a client may take to send a request head; also how long an
-        /// idle keep-alive connection stays open.
-        #[arg(long, default_value_t = onnx_genai_server::HttpOptions::default().header_timeout.as_secs())]
+        /// idle keep-alive connection stays open (1 to 86,400).
+        #[arg(long, default_value_t = onnx_genai_server::HttpOptions::default().header_timeout.as_secs(),
+              value_parser = clap::value_parser!(u64).range(1..=MAX_WAIT_S))]
         header_timeout_s: u64,
-        /// Seconds a request may take until its response starts (504 after).
-        #[arg(long, default_value_t = onnx_genai_server::HttpOptions::default().request_timeout.as_secs())]
+        /// Seconds a request may take until its response starts (504 after;
+        /// 1 to 86,400).
+        #[arg(long, default_value_t = onnx_genai_server::HttpOptions::default().request_timeout.as_secs(),
+              value_parser = clap::value_parser!(u64).range(1..=MAX_WAIT_S))]
         request_timeout_s: u64,
         /// Connections served at once; one more is answered 503.
         #[arg(long, default_value_t = onnx_genai_server::HttpOptions::default().max_connections)]
@@ -255,9 +282,9 @@ fn check(
         Some(Ok(())) => {}
         Some(Err((path, e))) => {
             eprintln!("error: cannot write {}: {e}; the report follows", path.display());
-            print!("{text}");
+            out!("{text}");
         }
-        None => print!("{text}"),
+        None => out!("{text}"),
     }
     Ok(ExitCode::from(c::exit_code(&checks) as u8))
 }
@@ -287,11 +314,18 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli) {
         Ok(code) => code,
+        // The reader of stdout has gone (`| head`): nothing to tell it.
+        Err(e) if closed_stdout(&e) => ExitCode::FAILURE,
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
         }
     }
+}
+
+/// Whether `e` is a write to a stdout whose reader has closed it.
+fn closed_stdout(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| c.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe))
 }
 
 /// Server logs on stderr: `info` and above, as text or one JSON object per
@@ -310,7 +344,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Build { spec, out, variant } => {
             let spec = onnx_genai_build::read_spec(&spec)?;
             onnx_genai_build::build_variant(&spec, variant, &out)?;
-            println!("built {} ({}) into {}", spec.name, variant.name(), out.display());
+            outln!("built {} ({}) into {}", spec.name, variant.name(), out.display());
             Ok(ExitCode::SUCCESS)
         }
         Command::Inspect { package } => inspect(&package),
@@ -322,7 +356,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             let mut spec = onnx_genai_build::hf::spec_from_hf(&checkpoint, &name)?;
             spec.dtype = dtype;
             onnx_genai_build::build_variant(&spec, variant, &out)?;
-            println!("imported {} ({}, {dtype:?}) into {}", checkpoint.display(), variant.name(), out.display());
+            outln!("imported {} ({}, {dtype:?}) into {}", checkpoint.display(), variant.name(), out.display());
             Ok(ExitCode::SUCCESS)
         }
         Command::Check { packages, prompts, steps, tier, threads, top_k, format, out, golden } => {
@@ -495,10 +529,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
 fn validate(dir: &std::path::Path, format: Format, verbose: bool) -> Result<ExitCode> {
     let (report, _) = onnx_genai_package::validate(dir);
     match format {
-        Format::Json => println!("{}", serde_json::to_string_pretty(&report)?),
-        Format::Text if report.diagnostics.is_empty() => println!("{}: ok", dir.display()),
-        Format::Text if verbose => print!("{}", report.verbose()),
-        Format::Text => print!("{report}"),
+        Format::Json => outln!("{}", serde_json::to_string_pretty(&report)?),
+        Format::Text if report.diagnostics.is_empty() => outln!("{}: ok", dir.display()),
+        Format::Text if verbose => out!("{}", report.verbose()),
+        Format::Text => out!("{report}"),
     }
     Ok(if report.has_errors() { ExitCode::FAILURE } else { ExitCode::SUCCESS })
 }
@@ -507,8 +541,8 @@ fn inspect(dir: &std::path::Path) -> Result<ExitCode> {
     let package = Package::open(dir)?;
     let m = &package.manifest;
     let a = &m.architecture;
-    println!("package   {} {} ({:?} dialect)", m.name, m.version, package.dialect);
-    println!(
+    outln!("package   {} {} ({:?} dialect)", m.name, m.version, package.dialect);
+    outln!(
         "arch      {:?}: hidden {}, layers {}, heads {}, kv heads {}, head dim {}, vocab {}, context {}",
         a.family,
         a.hidden_size,
@@ -519,19 +553,19 @@ fn inspect(dir: &std::path::Path) -> Result<ExitCode> {
         a.vocab_size,
         a.max_sequence_length
     );
-    println!("dtype     weights {:?}", m.dtype);
+    outln!("dtype     weights {:?}", m.dtype);
     match package.kv_geometry() {
         Some(g) => {
-            println!("kv cache  {:?}, {} layers, {} bytes per token", g.dtype, g.layers.len(), g.bytes_per_token())
+            outln!("kv cache  {:?}, {} layers, {} bytes per token", g.dtype, g.layers.len(), g.bytes_per_token())
         }
-        None => println!("kv cache  unknown geometry (admission reserves nothing)"),
+        None => outln!("kv cache  unknown geometry (admission reserves nothing)"),
     }
     let mut parameters = 0;
     for c in &m.components {
         let (_, path) = package.component(&c.name)?;
         let model = onnx_genai_onnx::read_model(path).with_context(|| format!("reading {}", path.display()))?;
         parameters += model.graph.parameter_count();
-        println!(
+        outln!(
             "component {} ({}, {} nodes, {} parameters)",
             c.name,
             c.file,
@@ -539,17 +573,17 @@ fn inspect(dir: &std::path::Path) -> Result<ExitCode> {
             model.graph.parameter_count()
         );
         for p in &c.ports {
-            println!("  {:<15} {}", p.role.as_str(), p.name);
+            outln!("  {:<15} {}", p.role.as_str(), p.name);
         }
     }
-    println!("params    {parameters}");
+    outln!("params    {parameters}");
     // What native-cpu makes of the decoder: a compile error here is the same
     // one `generate --backend native-cpu` would report.
     match onnx_genai_native::compile_package(&package) {
         Ok(plan) => {
             let s = &plan.stats;
             let fused: Vec<String> = s.fusions.iter().map(|(k, n)| format!("{k} x{n}")).collect();
-            println!(
+            outln!(
                 "native    {} nodes -> {} steps ({} folded; fused: {}); {} values in {} buffer slots",
                 s.imported_nodes,
                 s.planned_steps,
@@ -559,10 +593,10 @@ fn inspect(dir: &std::path::Path) -> Result<ExitCode> {
                 plan.slots()
             );
         }
-        Err(e) => println!("native    not compilable: {e}"),
+        Err(e) => outln!("native    not compilable: {e}"),
     }
     for w in &package.warnings {
-        println!("{w}");
+        outln!("{w}");
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -50,6 +50,29 @@ fn generate_is_greedy_deterministic_and_inspect_shows_geometry() {
     assert!(out.contains("past_key_values.{layer}.key"), "{out}");
 }
 
+/// A reader that closed stdout before the command wrote (`onnx-genai
+/// inspect PKG | head -0`) ends `inspect`, `validate` and `build` quietly
+/// with a failure exit code: no panic ("failed printing to stdout", exit
+/// 101, before), no error message for a reader that has gone.
+#[test]
+fn a_closed_stdout_ends_a_command_quietly() {
+    let dir = built("tiny-llama-gqa");
+    let p = dir.path().to_str().unwrap();
+    let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packages/tiny-llama-gqa/spec.yaml");
+    let out = tempfile::tempdir().unwrap();
+    for args in
+        [vec!["inspect", p], vec!["validate", p], vec!["build", spec.to_str().unwrap(), out.path().to_str().unwrap()]]
+    {
+        // The read end closed before the command starts: its first write fails.
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let o = Command::new(env!("CARGO_BIN_EXE_onnx-genai")).args(&args).stdout(writer).output().unwrap();
+        let (_, err) = text(&o);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.is_empty(), "{args:?} said something to a reader that has gone: {err}");
+    }
+}
+
 /// `--backend native-cpu` generates the same greedy text as ONNX Runtime,
 /// on a contrib (4-bit) export; `inspect` reports what the native compiler
 /// made of it.
@@ -168,7 +191,13 @@ fn bad_input_fails_cleanly() {
     assert_eq!(corrupt.status.code(), Some(1));
     assert!(text(&corrupt).1.contains("PKG020"), "{:?}", text(&corrupt));
 
-    for o in [missing, bad_arg, zero, bad_kv, ort_f16, corrupt] {
+    // A wait beyond a day is a usage error, not a deadline that overflows
+    // the clock in the driver once a stream stalls.
+    let forever = cli(&["serve", p, "--stall-timeout-s", "18446744073709551615"]);
+    assert_eq!(forever.status.code(), Some(2), "{:?}", text(&forever));
+    assert!(text(&forever).1.contains("is not in 1..=86400"), "{:?}", text(&forever));
+
+    for o in [missing, bad_arg, zero, bad_kv, ort_f16, corrupt, forever] {
         assert!(!text(&o).1.contains("panicked"), "{:?}", text(&o));
     }
 }

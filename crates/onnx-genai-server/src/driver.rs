@@ -123,6 +123,14 @@ pub struct DriverOptions {
     pub admission_wait: Duration,
 }
 
+/// `wait` from now, or as far as an `Instant` reaches (the options are a
+/// library's: a caller may pass `Duration::MAX` for "never", which
+/// `Instant + Duration` panics on).
+fn later(wait: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(wait).or_else(|| now.checked_add(Duration::from_secs(100 * 365 * 86_400))).unwrap_or(now)
+}
+
 impl Default for DriverOptions {
     fn default() -> Self {
         Self { queue_limit: 256, stall_timeout: Duration::from_secs(30), admission_wait: Duration::from_millis(500) }
@@ -514,7 +522,7 @@ impl<'a> Loop<'a> {
             Command::Generate { request, lease, admission, events, released } => {
                 self.queued.fetch_sub(1, Ordering::SeqCst);
                 self.counters.turns.fetch_add(1, Ordering::SeqCst);
-                let until = Instant::now() + self.options.admission_wait;
+                let until = later(self.options.admission_wait);
                 self.line.push_back(Waiting { request, lease, admission, events, until, released });
                 self.admit_waiting();
             }
@@ -717,7 +725,7 @@ impl<'a> Loop<'a> {
         if backlog.is_empty() {
             return;
         }
-        let deadline = Instant::now() + self.options.stall_timeout;
+        let deadline = later(self.options.stall_timeout);
         std::thread::spawn(move || {
             for mut event in backlog {
                 loop {

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use onnx_genai_engine::Scheduler;
-use onnx_genai_server::{start, Gauges, RunningServer};
+use onnx_genai_server::{start, start_with, DriverOptions, Gauges, RunningServer, ServerOptions};
 use serde_json::json;
 use support::{call, chat, engine, eventually, package, post, together, Fault, Gate};
 
@@ -155,4 +155,20 @@ fn a_flood_of_one_megabyte_bodies_is_refused_cleanly() {
         assert_eq!(*status, if i % 2 == 0 { 413 } else { 400 }, "client {i}: {statuses:?}");
     }
     settles(&s, base);
+}
+
+/// Waits a library caller sets to `Duration::MAX` (for "never") are
+/// deadlines as far as the clock reaches: before, the driver added the
+/// admission wait to `Instant::now()` as each request arrived, which
+/// panicked, and the model went down (503) on its first request.
+#[test]
+fn waits_of_duration_max_are_never_a_dead_driver() {
+    let gate = Gate::default();
+    let (_dir, p) = package(M);
+    let driver = DriverOptions { admission_wait: Duration::MAX, stall_timeout: Duration::MAX, ..Default::default() };
+    let engines = vec![engine(&p, &gate, Scheduler::new(u64::MAX))];
+    let s = start_with(engines, "127.0.0.1:0", ServerOptions { driver, ..Default::default() }).unwrap();
+    let r = turn(&s, None);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(s.gauges().models_down, 0);
 }
