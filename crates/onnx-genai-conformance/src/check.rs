@@ -253,7 +253,7 @@ fn top(logits: &[f32], k: usize, package: &Package) -> Top {
     order
         .into_iter()
         .map(|i| {
-            let text = package.tokenizer().decode(&[i as u32], false).unwrap_or_default();
+            let text = onnx_genai_package::decode(package.tokenizer(), &[i as u32], false).unwrap_or_default();
             (i as u32, logits[i], text)
         })
         .collect()

@@ -79,8 +79,8 @@ pub fn record(
             logits = backend.forward(&[next]).map_err(run)?;
         }
     }
-    let text =
-        package.tokenizer().decode(&tokens, false).map_err(|e| HarnessError::Build(format!("tokenizer: {e}")))?;
+    let text = onnx_genai_package::decode(package.tokenizer(), &tokens, false)
+        .map_err(|e| HarnessError::Build(format!("tokenizer: {e}")))?;
     let mut out = String::new();
     let _ = writeln!(out, "package: {name}\nvariant: {variant}");
     let _ = writeln!(out, "prompt: {:?}\nprompt_tokens: {prompt:?}", g.prompt);

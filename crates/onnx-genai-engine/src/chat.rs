@@ -351,7 +351,9 @@ impl Prompter {
     pub fn token_piece(&self, id: u32) -> (String, Vec<u8>) {
         let bytes = match self.words() {
             Ok(words) => words.get(id as usize).cloned().unwrap_or_default(),
-            Err(_) => self.package.tokenizer().decode(&[id], false).unwrap_or_default().into_bytes(),
+            Err(_) => {
+                onnx_genai_package::decode(self.package.tokenizer(), &[id], false).unwrap_or_default().into_bytes()
+            }
         };
         let bytes = match bytes.split_first() {
             Some((&crate::constraint::SPECIAL_TOKEN_MARKER, rest)) => rest.to_vec(),

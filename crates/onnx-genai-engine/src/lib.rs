@@ -287,9 +287,8 @@ impl Engine {
     }
 
     pub fn decode(&self, ids: &[u32]) -> Result<String, EngineError> {
-        self.tokenizer
-            .decode(ids, true)
-            .map_err(|e| EngineError::Tokenizer { path: "decode".into(), reason: e.to_string() })
+        onnx_genai_package::decode(&self.tokenizer, ids, true)
+            .map_err(|reason| EngineError::Tokenizer { path: "decode".into(), reason })
     }
 
     /// A fresh id for a session the engine opens itself, or (with

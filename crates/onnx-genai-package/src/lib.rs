@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 pub use diagnostics::{Code, Diagnostic, Report, Severity};
 pub use geometry::{KvGeometry, LayerKv};
 pub use manifest::{Component, ElementType, Family, Manifest, Port, Role};
+pub use tokenizer_file::decode;
 pub use validate::{validate, Dialect, MANIFEST_FILE};
 
 #[derive(Debug, thiserror::Error)]

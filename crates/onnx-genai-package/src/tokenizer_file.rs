@@ -75,15 +75,32 @@ pub(crate) fn check(ctx: &Ctx, m: &Manifest, report: &mut Report) -> Option<toke
 pub(crate) fn load(path: &Path) -> Result<tokenizers::Tokenizer, String> {
     match std::panic::catch_unwind(|| tokenizers::Tokenizer::from_file(path)) {
         Ok(loaded) => loaded.map_err(|e| e.to_string()),
+        Err(panic) => Err(format!("the tokenizers library failed on it ({})", panic_message(panic.as_ref()))),
+    }
+}
+
+/// The text of token ids, as `Tokenizer::decode` gives it — or an error
+/// where the tokenizers library panics decoding them: its `Strip`
+/// decoder slices out of range on a token that is only the stripped
+/// character with both `start` and `stop` set (`[1..0]`), or on an empty
+/// one with `stop` set. A package's tokenizer must not take down the
+/// engine (or the server's model) that decodes what it generates.
+pub fn decode(tokenizer: &tokenizers::Tokenizer, ids: &[u32], skip_special_tokens: bool) -> Result<String, String> {
+    let decoded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| tokenizer.decode(ids, skip_special_tokens)));
+    match decoded {
+        Ok(text) => text.map_err(|e| e.to_string()),
         Err(panic) => {
-            let what = panic
-                .downcast_ref::<String>()
-                .map(String::as_str)
-                .or_else(|| panic.downcast_ref::<&str>().copied())
-                .unwrap_or("no message");
-            Err(format!("the tokenizers library failed on it ({what})"))
+            Err(format!("the tokenizers library failed decoding {ids:?} ({})", panic_message(panic.as_ref())))
         }
     }
+}
+
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
+    panic
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| panic.downcast_ref::<&str>().copied())
+        .unwrap_or("no message")
 }
 
 #[cfg(test)]
@@ -98,5 +115,22 @@ mod tests {
         std::fs::write(&path, "{\"decoder\": {\"type\": \"ByteLevel\", \"add_prefix_space\": true\n  2}}").unwrap();
         let err = super::load(&path).unwrap_err();
         assert!(err.contains("tokenizers library failed"), "{err}");
+    }
+
+    /// A `Strip` decoder with `start` and `stop` both 1 panics the library
+    /// on a token that is only its character: decoding that token is an
+    /// error naming it, and the other tokens still decode.
+    #[test]
+    fn a_decode_that_panics_the_library_is_an_error() {
+        let json = r#"{
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": null, "post_processor": null,
+            "decoder": {"type": "Strip", "content": " ", "start": 1, "stop": 1},
+            "model": {"type": "WordLevel", "vocab": {" ": 0, "a": 1}, "unk_token": "a"}
+        }"#;
+        let tokenizer: tokenizers::Tokenizer = json.parse().unwrap();
+        let err = super::decode(&tokenizer, &[0], false).unwrap_err();
+        assert!(err.contains("failed decoding [0]"), "{err}");
+        assert_eq!(super::decode(&tokenizer, &[1], false).unwrap(), "a");
     }
 }
