@@ -225,10 +225,7 @@ impl Spec {
             ("vocab_size", self.vocab_size),
             ("max_sequence_length", self.max_sequence_length),
         ] {
-            let bound = onnx_genai_package::validate::ARCHITECTURE_BOUNDS
-                .iter()
-                .find_map(|(k, b)| (*k == key).then_some(*b))
-                .unwrap_or(u32::MAX);
+            let bound = onnx_genai_package::validate::bound_of(key);
             if value > bound {
                 return fail(format!("{key} {value} is above the {bound} a package may declare"));
             }

@@ -71,6 +71,15 @@ mod tests {
         (text, widest)
     }
 
+    /// `check` on the tokenizer of each tiny package with its own kind of
+    /// tokenizer (byte-level BPE with and without a llama-style template).
+    fn each_tokenizer(check: impl Fn(&str, &tokenizers::Tokenizer)) {
+        for name in ["tiny-gpt2", "tiny-llama-gqa"] {
+            let (_dir, package) = onnx_genai_test_support::build(name);
+            check(name, package.tokenizer());
+        }
+    }
+
     /// The streamed deltas add up to the text of the whole generation, for
     /// every tiny package's tokenizer, over token sequences that split
     /// multi-byte characters across tokens (single-byte tokens of UTF-8
@@ -79,9 +88,7 @@ mod tests {
     /// while the generation grows to 600 tokens.
     #[test]
     fn windowed_deltas_add_up_to_the_whole_text() {
-        for name in ["tiny-gpt2", "tiny-llama-gqa"] {
-            let (_dir, package) = onnx_genai_test_support::build(name);
-            let tokenizer = package.tokenizer().clone();
+        each_tokenizer(|name, tokenizer| {
             let vocab = tokenizer.get_vocab_size(true) as u64;
             let mut seed = 7u64;
             let tokens: Vec<u32> = (0..600)
@@ -90,12 +97,12 @@ mod tests {
                     ((seed >> 33) % vocab) as u32
                 })
                 .collect();
-            let (text, widest) = streamed(&tokenizer, &tokens);
+            let (text, widest) = streamed(tokenizer, &tokens);
             let whole = tokenizer.decode(&tokens, true).unwrap();
             let complete = whole.trim_end_matches('\u{FFFD}');
             assert!(whole.starts_with(&text) && text.len() >= complete.len(), "{name}: {text:?}\nvs {whole:?}");
             assert!(widest < 50, "{name}: a decode covered {widest} tokens");
-        }
+        });
     }
 
     /// A generation of stray byte tokens that never complete a UTF-8
@@ -106,9 +113,7 @@ mod tests {
     /// token decoded the whole generation again).
     #[test]
     fn stray_bytes_are_streamed_and_the_window_stays_bounded() {
-        for name in ["tiny-gpt2", "tiny-llama-gqa"] {
-            let (_dir, package) = onnx_genai_test_support::build(name);
-            let tokenizer = package.tokenizer().clone();
+        each_tokenizer(|name, tokenizer| {
             let vocab = tokenizer.get_vocab_size(true) as u32;
             // A token whose text alone is a replacement character and stays
             // one when repeated: a byte that never completes a character.
@@ -117,13 +122,13 @@ mod tests {
                     tokenizer.decode(&[id; 3], true).is_ok_and(|t| !t.is_empty() && t.chars().all(|c| c == '\u{FFFD}'))
                 })
                 .unwrap_or_else(|| panic!("{name}: no stray byte token"));
-            let (text, widest) = streamed(&tokenizer, &[stray; 600]);
+            let (text, widest) = streamed(tokenizer, &[stray; 600]);
             assert!(widest <= 2 * super::HOLD_AT_MOST, "{name}: a decode covered {widest} tokens");
             let sent = text.chars().filter(|c| *c == '\u{FFFD}').count();
             assert!(
                 sent >= 600 / super::HOLD_AT_MOST - 1,
                 "{name}: {sent} replacement characters streamed for 600 stray bytes"
             );
-        }
+        });
     }
 }

@@ -396,9 +396,6 @@ impl Engine {
         sessions + self.spare.iter().map(|s| s.resident_bytes()).sum::<u64>()
     }
 
-    /// Frees the KV of the least recently used idle session other than
-    /// `keep` (its history stays: its next turn prefills it again) and
-    /// releases what it held. Returns whether there was one to free.
     /// Frees the KV of this engine's least recently used idle session (its
     /// history stays, to be prefilled again by its next turn), giving its
     /// bytes back to the budget; whether there was one. A server calls it
@@ -409,6 +406,9 @@ impl Engine {
         self.spill_idle(None)
     }
 
+    /// Frees the KV of the least recently used idle session other than
+    /// `keep` (its history stays: its next turn prefills it again) and
+    /// releases what it held. Returns whether there was one to free.
     fn spill_idle(&mut self, keep: Option<SessionId>) -> bool {
         let victim = self
             .sessions

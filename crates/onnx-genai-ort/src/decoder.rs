@@ -191,11 +191,13 @@ fn check_present(
     total: usize,
     dtype: ElementType,
 ) -> Result<(), BackendError> {
-    let shape: Vec<i64> = match dtype {
-        ElementType::F32 => present.try_extract_tensor::<f32>().map_err(run_err)?.0.iter().copied().collect(),
-        ElementType::F16 => present.try_extract_tensor::<half::f16>().map_err(run_err)?.0.iter().copied().collect(),
-    };
     let want = [1, l.kv_heads as i64, total as i64, l.head_dim as i64];
+    // (Compared in place: two per layer every step, nothing allocated
+    // unless it is wrong.)
+    let shape: &[i64] = match dtype {
+        ElementType::F32 => present.try_extract_tensor::<f32>().map_err(run_err)?.0,
+        ElementType::F16 => present.try_extract_tensor::<half::f16>().map_err(run_err)?.0,
+    };
     if shape != want {
         return Err(run_err(format!(
             "the decoder's output `{name}` has shape {shape:?}, the whole cache {want:?} expected (past and new \

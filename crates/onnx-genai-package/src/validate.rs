@@ -11,6 +11,8 @@ use crate::genai;
 use crate::manifest::{Manifest, Role, FORMAT};
 use crate::schema::{deserialize_closed, SchemaCodes, Tree};
 
+mod workflow;
+
 pub const MANIFEST_FILE: &str = "package.yaml";
 
 /// Which format the package directory is written in.
@@ -90,7 +92,7 @@ pub fn validate(root: &Path) -> (Report, Checked) {
         }
     }
     check_roles_present(&ctx, m, &mut report);
-    check_workflow(&ctx, m, &models, &mut report);
+    workflow::check(&ctx, m, &models, &mut report);
     checked.tokenizer = crate::tokenizer_file::check(&ctx, m, &mut report);
     crate::sampling_defaults::check(&ctx, m, &mut report);
     check_chat_template(&ctx, m, template_source, &mut report);
@@ -260,7 +262,8 @@ pub const ARCHITECTURE_BOUNDS: [(&str, u32); 7] = [
     ("max_sequence_length", 1 << 24),
 ];
 
-fn bound_of(key: &str) -> u32 {
+/// The bound [`ARCHITECTURE_BOUNDS`] sets on `key` (none: `u32::MAX`).
+pub fn bound_of(key: &str) -> u32 {
     ARCHITECTURE_BOUNDS.iter().find(|(k, _)| *k == key).map_or(u32::MAX, |(_, b)| *b)
 }
 
@@ -682,112 +685,6 @@ fn check_roles_present(ctx: &Ctx, m: &Manifest, report: &mut Report) {
                 format!("decoder component `{}` binds no `{label}` port", m.components[ci].name),
                 "bind the role to the graph tensor that carries it",
             ));
-        }
-    }
-}
-
-fn check_workflow(ctx: &Ctx, m: &Manifest, models: &[Option<Model>], report: &mut Report) {
-    let Some(workflow) = &m.workflow else { return };
-    let known = |name: &str| m.components.iter().position(|c| c.name == name);
-    for (i, step) in workflow.steps.iter().enumerate() {
-        if known(&step.component).is_none() {
-            report.push(Diagnostic::error(
-                Code::PKG060,
-                ctx.manifest_file(),
-                format!("workflow.steps[{i}].component"),
-                format!("workflow step names unknown component `{}`", step.component),
-                "name one of the package's components",
-            ));
-        }
-    }
-    if let Some(image) = &workflow.image {
-        let field = "workflow.image.features";
-        match known(&image.features.component) {
-            None => report.push(Diagnostic::error(
-                Code::PKG060,
-                ctx.manifest_file(),
-                format!("{field}.component"),
-                format!("image features name unknown component `{}`", image.features.component),
-                "name one of the package's components",
-            )),
-            Some(ci) => {
-                if let Some(model) = &models[ci] {
-                    if model.graph.output(&image.features.port).is_none() {
-                        report.push(Diagnostic::error(
-                            Code::PKG060,
-                            ctx.manifest_file(),
-                            format!("{field}.port"),
-                            format!("`{}` is not an output of {}", image.features.port, m.components[ci].file),
-                            "name a graph output of that component",
-                        ));
-                    }
-                }
-            }
-        }
-        if image.tokens == 0
-            || image.preprocess.width == 0
-            || image.preprocess.height == 0
-            || image.preprocess.std.contains(&0.0)
-        {
-            report.push(Diagnostic::error(
-                Code::PKG060,
-                ctx.manifest_file(),
-                "workflow.image",
-                "image tokens, preprocess size and std must be positive",
-                "fix the declared image geometry",
-            ));
-        }
-        let side = crate::manifest::MAX_IMAGE_SIDE;
-        if image.preprocess.width > side || image.preprocess.height > side {
-            report.push(Diagnostic::error(
-                Code::PKG060,
-                ctx.manifest_file(),
-                "workflow.image.preprocess",
-                format!(
-                    "the image preprocessing resizes to {}x{} pixels, more than {side} on a side",
-                    image.preprocess.width, image.preprocess.height
-                ),
-                format!("declare the size the vision component takes, at most {side}x{side}"),
-            ));
-        }
-        if image.tokens >= m.architecture.max_sequence_length {
-            report.push(Diagnostic::error(
-                Code::PKG060,
-                ctx.manifest_file(),
-                "workflow.image.tokens",
-                format!(
-                    "an image takes {} positions, no fewer than the whole context of {}",
-                    image.tokens, m.architecture.max_sequence_length
-                ),
-                "declare the positions the vision component's features fill (fewer than the context)",
-            ));
-        }
-    }
-    for (i, input) in workflow.application_inputs.iter().enumerate() {
-        let field = format!("workflow.application_inputs[{i}]");
-        let Some(ci) = m.components.iter().position(|c| c.name == input.component) else {
-            report.push(Diagnostic::error(
-                Code::PKG060,
-                ctx.manifest_file(),
-                format!("{field}.component"),
-                format!("application input `{}` names unknown component `{}`", input.name, input.component),
-                "name one of the package's components",
-            ));
-            continue;
-        };
-        if let Some(model) = &models[ci] {
-            if model.graph.input(&input.port).is_none() {
-                report.push(Diagnostic::error(
-                    Code::PKG060,
-                    ctx.manifest_file(),
-                    format!("{field}.port"),
-                    format!(
-                        "application input `{}` feeds `{}`, which is not an input of {}",
-                        input.name, input.port, m.components[ci].file
-                    ),
-                    "name a graph input of that component",
-                ));
-            }
         }
     }
 }
