@@ -69,6 +69,13 @@ fn compile_on(package: &Package, form: WeightForm, pool: &ThreadPool) -> Result<
     compile_with(&model, &binding, form, pool).map_err(|e| load(path.display().to_string(), e.to_string()))
 }
 
+/// The most f32 values one of attention's scratch buffers may take (1
+/// GiB): a model of 8 KV heads, each shared by 8 query heads, width 128,
+/// over 131,072 positions needs 6.4 million at most. A geometry asking more is refused
+/// at load whatever the machine would lend (an allocation the OS grants
+/// lazily would otherwise fail only when touched).
+const MAX_ATTENTION_SCRATCH: usize = 1 << 28;
+
 fn pool_error(e: std::io::Error) -> BackendError {
     BackendError::Load { backend: NAME, what: "the thread pool".into(), reason: e.to_string() }
 }
@@ -107,17 +114,39 @@ impl NativeModel {
         let min_kv_heads = plan.binding.layers.iter().map(|l| l.kv_heads).min().unwrap_or(1).max(1);
         let n_rep = plan.binding.heads.div_ceil(min_kv_heads);
         let positions = plan.binding.max_sequence_length;
-        let scores = n_rep * positions.min(crate::kernels::attention::PART_POSITIONS);
         let widest =
             |f: fn(&onnx_genai_package::KvPorts) -> usize| plan.binding.layers.iter().map(f).max().unwrap_or(0);
+        let head_dim = widest(|l| l.head_dim);
+        // The manifest's geometry sizes these: what it asks is checked and
+        // allocated fallibly, so an absurd one is a load error, not an
+        // abort.
+        let unaffordable = |floats: Option<usize>| BackendError::Load {
+            backend: NAME,
+            what: "attention's scratch".into(),
+            reason: format!(
+                "{n_rep} query heads a KV head, {head_dim} wide, over {positions} positions need {} f32 values \
+                 in one buffer, past the {MAX_ATTENTION_SCRATCH} it may take or the memory there is; \
+                 lower the manifest's max_sequence_length (or num_attention_heads)",
+                floats.map_or_else(|| "more than usize::MAX".to_string(), |n| n.to_string())
+            ),
+        };
+        let scores = n_rep.checked_mul(positions.min(crate::kernels::attention::PART_POSITIONS));
         let (row_parts, step_parts) =
-            crate::kernels::attention::part_buffers(n_rep, widest(|l| l.head_dim), widest(|l| l.kv_heads), positions);
+            crate::kernels::attention::part_buffers(n_rep, head_dim, widest(|l| l.kv_heads), positions)
+                .ok_or_else(|| unaffordable(None))?;
+        let scores = scores.ok_or_else(|| unaffordable(None))?;
+        let reserve = |buffer: &mut Vec<f32>, floats: usize| {
+            if floats > MAX_ATTENTION_SCRATCH {
+                return Err(unaffordable(Some(floats)));
+            }
+            buffer.try_reserve(floats).map_err(|_| unaffordable(Some(floats)))
+        };
         for t in 0..runtime.scratch.len() {
             let scratch = runtime.scratch.get_mut(t);
-            scratch.b.reserve(scores);
-            scratch.c.reserve(row_parts);
+            reserve(&mut scratch.b, scores)?;
+            reserve(&mut scratch.c, row_parts)?;
         }
-        runtime.attention_parts.get_mut().unwrap_or_else(|p| p.into_inner()).reserve(step_parts);
+        reserve(runtime.attention_parts.get_mut().unwrap_or_else(|p| p.into_inner()), step_parts)?;
         let f16 = plan.binding.kv_f16 || kv == KvCache::F16;
         let layers: Vec<(usize, usize)> = plan.binding.layers.iter().map(|l| (l.kv_heads, l.head_dim)).collect();
         let kv_geometry = plan.binding.kv_geometry(if f16 { ElementType::F16 } else { ElementType::F32 });
@@ -316,7 +345,7 @@ impl Sequence for NativeSequence {
 mod tests {
     use std::time::Duration;
 
-    use onnx_genai_backend::{DecodeModel, Entry, Input};
+    use onnx_genai_backend::{BackendError, DecodeModel, Entry, Input};
     use onnx_genai_build::Variant;
 
     use super::NativeModel;
@@ -350,5 +379,29 @@ mod tests {
         std::thread::sleep(linger + Duration::from_millis(20));
         assert_eq!(model.release_idle_memory(), None, "nothing is left to age out");
         assert_eq!(model.kept_memory_bytes(), 0, "aged-out blocks are freed");
+    }
+
+    /// Bad input at load (DESIGN's no-abort rule): a package whose
+    /// geometry passes validation but whose attention scratch, reserved
+    /// for the whole context at load, cannot be allocated (4096 query
+    /// heads sharing the tiny model's 2 KV heads over 2^24 positions:
+    /// tens of GiB of score and part buffers) is a typed load error naming
+    /// that scratch, not an allocation abort.
+    #[test]
+    fn attention_scratch_past_memory_is_a_load_error_not_an_abort() {
+        let dir = tempfile::tempdir().unwrap();
+        onnx_genai_test_support::build_into("tiny-llama-gqa", Variant::Decomposed, dir.path());
+        let manifest = dir.path().join(onnx_genai_package::validate::MANIFEST_FILE);
+        let text = std::fs::read_to_string(&manifest).unwrap();
+        let absurd = text
+            .replace("num_attention_heads: 4\n", "num_attention_heads: 4096\n")
+            .replace("max_sequence_length: 256\n", "max_sequence_length: 16777216\n");
+        assert_ne!(absurd, text, "the manifest's geometry was rewritten");
+        std::fs::write(&manifest, absurd).unwrap();
+        let package = onnx_genai_package::Package::open(dir.path()).unwrap();
+        let err = NativeModel::load(&package, 1).err().expect("the scratch cannot be reserved");
+        let message = err.to_string();
+        assert!(matches!(err, BackendError::Load { .. }), "{message}");
+        assert!(message.contains("attention's scratch") && message.contains("max_sequence_length"), "{message}");
     }
 }

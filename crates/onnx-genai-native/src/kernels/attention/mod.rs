@@ -370,10 +370,14 @@ fn part_stride(n_rep: usize, hd: usize) -> usize {
 /// sequences hold up to `max_positions`: per thread (one row's parts,
 /// attended in turn) and in the runtime's `attention_parts` (every part
 /// of a decode step of few sequences, run as jobs). Reserved when a model
-/// loads, so no decode step allocates them.
-pub fn part_buffers(n_rep: usize, head_dim: usize, kv_heads: usize, max_positions: usize) -> (usize, usize) {
-    let row = max_positions.div_ceil(PART_POSITIONS) * part_stride(n_rep, head_dim);
-    (row, (PER_SEQUENCE_MIN - 1) * kv_heads * row + n_rep * head_dim)
+/// loads, so no decode step allocates them. `None` where the counts
+/// overflow (a manifest's geometry: checked, not trusted).
+pub fn part_buffers(n_rep: usize, head_dim: usize, kv_heads: usize, max_positions: usize) -> Option<(usize, usize)> {
+    let stride = n_rep.checked_mul(head_dim.checked_add(2)?)?;
+    let row = max_positions.div_ceil(PART_POSITIONS).checked_mul(stride)?;
+    let step =
+        (PER_SEQUENCE_MIN - 1).checked_mul(kv_heads)?.checked_mul(row)?.checked_add(n_rep.checked_mul(head_dim)?)?;
+    Some((row, step))
 }
 
 /// Whether `step` is a decode step of few sequences with a context long
