@@ -313,12 +313,33 @@ fn import_from<'a>(ir: &'a IrGraph, mut needed: HashSet<&'a str>, opset: i64) ->
     Ok(g)
 }
 
+/// Bytes of constants folding may make beyond [`FOLD_PER_INITIALIZER_BYTE`]
+/// times the graph's own: a decoder's folds are shapes, masks and
+/// weights transposed or dequantized (SmolLM2's int4 export folds one
+/// transposed f32 embedding, 113 MB, from initializers of that size and
+/// more).
+const FOLD_ALLOWANCE: usize = 256 << 20;
+
+/// Folded bytes allowed per byte of initializer: a 4-bit weight
+/// dequantized to f32 is 8 times its own.
+const FOLD_PER_INITIALIZER_BYTE: usize = 8;
+
 /// Infers every value's dtype and dims in order, and evaluates nodes whose
 /// inputs are all constant. Casts of f16 weights into a MatMul are kept so
 /// the weight can stay f16 (see `fuse::pack_linear`).
+///
+/// What folding makes is held to a budget from the graph's initializers:
+/// a fold's size is known before it runs (from the inferred dims, or for
+/// the ops that grow a constant from a shape, from those constants), so a
+/// crafted graph asking gigabytes of constants from a few bytes is an
+/// error naming the node, not a load that takes the machine's memory.
 fn infer_and_fold(g: &mut Graph) -> Result<usize, CompileError> {
     let uses = Uses::of(g);
     let mut folded = 0;
+    let initializers: usize =
+        g.values.iter().filter_map(|m| m.konst.as_ref()).map(|v| v.len() * v.dtype().size()).sum();
+    let budget = FOLD_ALLOWANCE.saturating_add(initializers.saturating_mul(FOLD_PER_INITIALIZER_BYTE));
+    let mut made = 0usize;
     let serial = crate::kernels::Runtime::serial();
     for i in 0..g.nodes.len() {
         let Some(node) = g.nodes[i].clone() else { continue };
@@ -334,10 +355,35 @@ fn infer_and_fold(g: &mut Graph) -> Result<usize, CompileError> {
             continue;
         }
         let inputs: Vec<Option<&Value>> = node.inputs.iter().map(|v| v.and_then(|v| g.konst(v))).collect();
+        let over = |bytes: usize| {
+            CompileError::node(
+                &node.name,
+                &node.origin,
+                format!(
+                    "folding it brings the graph's folded constants to {bytes} bytes, past the {budget} \
+                     folding may make for it ({FOLD_ALLOWANCE} plus {FOLD_PER_INITIALIZER_BYTE} per byte of \
+                     its {initializers} bytes of initializers): a decoder folds shapes, masks and weights, \
+                     not this"
+                ),
+            )
+        };
+        let ahead = node
+            .outputs
+            .iter()
+            .try_fold(0usize, |n, o| Some(n.saturating_add(fold_bytes(&node.op, &inputs, &g.values[*o])?)));
+        if let Some(total) = ahead.map(|bytes| made.saturating_add(bytes)) {
+            if total > budget {
+                return Err(over(total));
+            }
+        }
         let mut outputs = vec![Value::default(); node.outputs.len()];
         let mut env = crate::exec::Env { ctx: serial.ctx(), batch: None };
         crate::exec::run(&node.op, &inputs, &mut outputs, &mut env)
             .map_err(|e| CompileError::node(&node.name, &node.origin, e))?;
+        made = outputs.iter().fold(made, |made, v| made.saturating_add(v.len() * v.dtype().size()));
+        if made > budget {
+            return Err(over(made));
+        }
         for (o, value) in node.outputs.iter().zip(outputs) {
             g.values[*o].dtype = Some(value.dtype());
             g.values[*o].konst = Some(Arc::new(value));
@@ -346,6 +392,30 @@ fn infer_and_fold(g: &mut Graph) -> Result<usize, CompileError> {
         folded += 1;
     }
     Ok(folded)
+}
+
+/// The bytes folding `op` makes into `out`, where known before it runs:
+/// from `out`'s inferred dims, or for the ops inference leaves unsized
+/// (they grow a constant from a shape) from their constant inputs. `None`:
+/// not known (the fold then runs under the kernels' own element bound,
+/// and its size counts after).
+fn fold_bytes(op: &Op, inputs: &[Option<&Value>], out: &crate::graph::Meta) -> Option<usize> {
+    let dtype = out.dtype?;
+    let shape = |i: usize| inputs.get(i).copied().flatten().map(|v| v.shape.to_vec());
+    let ints = |i: usize| inputs.get(i).copied().flatten().and_then(|v| v.ints());
+    let dims: Vec<usize> = match (out.dims.as_ref().and_then(|d| d.iter().copied().collect()), op) {
+        (Some(dims), _) => dims,
+        (None, Op::ConstantOfShape(_)) => ints(0)?.iter().map(|d| (*d).max(0) as usize).collect(),
+        (None, Op::Tile) => {
+            shape(0)?.iter().zip(ints(1)?).map(|(d, r)| d.saturating_mul((*r).max(0) as usize)).collect()
+        }
+        (None, Op::Expand) => {
+            let target: Vec<usize> = ints(1)?.iter().map(|d| (*d).max(0) as usize).collect();
+            crate::kernels::elementwise::broadcast_shape(&shape(0)?, &target)?.to_vec()
+        }
+        _ => return None,
+    };
+    dims.iter().try_fold(dtype.size(), |n, d| n.checked_mul(*d)).or(Some(usize::MAX))
 }
 
 fn keeps_f16_weight(g: &Graph, uses: &Uses, node: &Node) -> bool {

@@ -37,6 +37,16 @@ impl DType {
         })
     }
 
+    /// Bytes one element takes in a [`Value`]'s buffer.
+    pub fn size(self) -> usize {
+        match self {
+            Self::F32 | Self::I32 => 4,
+            Self::F16 => 2,
+            Self::I64 | Self::F64 => 8,
+            Self::Bool | Self::U8 => 1,
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Self::F32 => "f32",

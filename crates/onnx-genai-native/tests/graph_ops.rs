@@ -132,7 +132,8 @@ fn einsum_covers_the_common_two_operand_forms() {
 
 /// Issue 20, finding 1: shapes a graph computes from its own constants are
 /// checked before anything is allocated. A `ConstantOfShape` of
-/// [2^21, 2^21] and a `Range` of 2^40 elements are compile errors naming the
+/// [2^21, 2^21] (now past the fold budget first) and a `Range` of 2^40
+/// elements are compile errors naming the
 /// node (they used to abort on an 8–35 TB allocation while folding), and a
 /// `Slice` with step i64::MAX visits one element instead of overflowing.
 #[test]
@@ -144,7 +145,7 @@ fn crafted_sizes_are_errors_not_aborts() {
         g.output(&y, DataType::Float, vec![]);
     });
     let err = compile_graph(&huge_fill).unwrap_err().to_string();
-    assert!(err.contains("ConstantOfShape") && err.contains("more than"), "{err}");
+    assert!(err.contains("ConstantOfShape") && err.contains("past the"), "{err}");
 
     let huge_range = graph(|g| {
         let start = g.scalar_i64(0);
@@ -178,6 +179,91 @@ fn crafted_sizes_are_errors_not_aborts() {
     });
     let out = run(&back, vec![("x", Value::f32([5], vec![0.0, 1.0, 2.0, 3.0, 4.0]))]);
     assert_eq!(out[0].as_f32().unwrap(), &[4.0]);
+}
+
+/// Folding has a budget (compile's `FOLD_ALLOWANCE`: 256 MiB plus 8 bytes
+/// per byte of initializers), checked before a fold allocates: a graph of
+/// a few bytes asking a gigabyte of constants — from a shape
+/// (`ConstantOfShape`, `Tile`, `Expand`) or by broadcasting two small
+/// constants (`Add`, `MatMul`) — is a compile error naming the node, under
+/// the kernels' own 2^32-element bound that alone let each through (and
+/// load a machine's memory with them). Four mebibytes still fold; and an
+/// operation on a run-time input that broadcasts past that bound is a run
+/// error, not an allocation.
+#[test]
+fn folding_a_gigabyte_from_a_few_bytes_is_an_error() {
+    use onnx_genai_onnx::Tensor;
+    const SIDE: i64 = 1 << 14;
+    type Build = Box<dyn Fn(&mut GraphBuilder) -> String>;
+    let cases: Vec<(&str, Build)> = vec![
+        (
+            "ConstantOfShape",
+            Box::new(|g| {
+                let shape = g.const_i64(&[SIDE, SIDE]);
+                g.op("ConstantOfShape", &[&shape])
+            }),
+        ),
+        (
+            "Tile",
+            Box::new(|g| {
+                let one = g.initializer(Tensor::from_f32("one", vec![1, 1], &[1.0]));
+                let repeats = g.const_i64(&[SIDE, SIDE]);
+                g.op("Tile", &[&one, &repeats])
+            }),
+        ),
+        (
+            "Expand",
+            Box::new(|g| {
+                let one = g.initializer(Tensor::from_f32("one", vec![1, 1], &[1.0]));
+                let target = g.const_i64(&[SIDE, SIDE]);
+                g.op("Expand", &[&one, &target])
+            }),
+        ),
+        (
+            "Add",
+            Box::new(|g| {
+                let column = g.initializer(Tensor::from_f32("column", vec![SIDE, 1], &vec![1.0; SIDE as usize]));
+                let row = g.initializer(Tensor::from_f32("row", vec![1, SIDE], &vec![2.0; SIDE as usize]));
+                g.op("Add", &[&column, &row])
+            }),
+        ),
+        (
+            "MatMul",
+            Box::new(|g| {
+                let column = g.initializer(Tensor::from_f32("column", vec![SIDE, 1], &vec![1.0; SIDE as usize]));
+                let row = g.initializer(Tensor::from_f32("row", vec![1, SIDE], &vec![2.0; SIDE as usize]));
+                g.op("MatMul", &[&column, &row])
+            }),
+        ),
+    ];
+    for (op, build) in &cases {
+        let model = graph(|g| {
+            let y = build(g);
+            g.output(&y, DataType::Float, vec![]);
+        });
+        let err = compile_graph(&model).err().unwrap_or_else(|| panic!("{op}: a 1 GiB fold compiled"));
+        let err = err.to_string();
+        assert!(err.contains(op) && err.contains("folded constants") && err.contains("past the"), "{op}: {err}");
+    }
+
+    let small = graph(|g| {
+        let shape = g.const_i64(&[1024, 1024]);
+        let y = g.op("ConstantOfShape", &[&shape]);
+        g.output(&y, DataType::Float, vec![]);
+    });
+    let out = run(&small, vec![]);
+    assert_eq!(out[0].shape.as_slice(), &[1024, 1024], "4 MiB is folded");
+
+    let at_run = graph(|g| {
+        f32_input(g, "x", &[1 << 16, 1]);
+        let row = g.initializer(Tensor::from_f32("row", vec![1, (1 << 16) + 1], &vec![1.0; (1 << 16) + 1]));
+        let y = g.op("Add", &["x", &row]);
+        g.output(&y, DataType::Float, vec![]);
+    });
+    let plan = compile_graph(&at_run).unwrap();
+    let x = Value::f32([1 << 16, 1], vec![0.0; 1 << 16]);
+    let err = plan.evaluate(&mut plan.workspace(), Runtime::serial().ctx(), vec![("x".to_string(), x)]).unwrap_err();
+    assert!(err.to_string().contains("more than"), "{err}");
 }
 
 /// SkipSimplifiedLayerNormalization on a batch large enough that its rows

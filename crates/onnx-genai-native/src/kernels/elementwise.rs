@@ -237,9 +237,13 @@ fn for_each_pair(out: &[usize], a: &[usize], b: &[usize], mut f: impl FnMut(usiz
     }
 }
 
+/// The broadcast shape of `a` and `b`, its size checked before anything
+/// of it is allocated (two small operands can broadcast to any size).
 fn shape_of(a: &Value, b: &Value) -> Result<Shape, String> {
-    broadcast_shape(&a.shape, &b.shape)
-        .ok_or_else(|| format!("shapes {:?} and {:?} do not broadcast", a.shape, b.shape))
+    let shape = broadcast_shape(&a.shape, &b.shape)
+        .ok_or_else(|| format!("shapes {:?} and {:?} do not broadcast", a.shape, b.shape))?;
+    super::layout::checked_elements(&shape)?;
+    Ok(shape)
 }
 
 fn apply_f32(op: BinOp, x: f32, y: f32) -> f32 {
@@ -472,7 +476,7 @@ pub fn where_(cond: &Value, a: &Value, b: &Value, out: &mut Value) -> Result<(),
     let ab = shape_of(a, b)?;
     let shape = broadcast_shape(&cond.shape, &ab)
         .ok_or_else(|| format!("condition {:?} does not broadcast with {ab:?}", cond.shape))?;
-    let n: usize = shape.iter().product();
+    let n = super::layout::checked_elements(&shape)?;
     // Expand the condition to the output first, then select pairwise.
     let mut mask = vec![false; n];
     for_each_pair(&shape, &cond.shape, &[], |i, ic, _| mask[i] = c[ic]);

@@ -266,7 +266,10 @@ pub fn matmul(a: &Value, b: &Value, out: &mut Value) -> Result<(), String> {
     }
     let batch = super::elementwise::broadcast_shape(&a.shape[..ra - 2], &b.shape[..rb - 2])
         .ok_or_else(|| format!("batch axes of {:?} and {:?} do not broadcast", a.shape, b.shape))?;
-    let batches: usize = batch.iter().product();
+    let batches = super::layout::checked_elements(&batch)?;
+    // An [m, 1] @ [1, n] product is m x n from m + n values: sized before
+    // it is allocated.
+    super::layout::checked_elements(&[batches, m, n])?;
     let index = |shape: &[usize], i: usize| -> usize {
         // Maps a broadcast batch index back to the operand's own batch index.
         let mut rem = i;
@@ -319,7 +322,7 @@ pub fn gemm(
     if k != k2 {
         return Err(format!("Gemm inner dimensions differ: {k} vs {k2}"));
     }
-    let mut o = out.recycle_f32(m * n);
+    let mut o = out.recycle_f32(super::layout::checked_elements(&[m, n])?);
     sgemm(m, k, n, x, sa, y, sb, &mut o);
     o.iter_mut().for_each(|v| *v *= alpha);
     let mut result = Value::f32([m, n], o);
