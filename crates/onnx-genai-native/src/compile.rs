@@ -330,7 +330,10 @@ const FOLD_PER_INITIALIZER_BYTE: usize = 8;
 ///
 /// What folding makes is held to a budget from the graph's initializers:
 /// a fold's size is known before it runs (from the inferred dims, or for
-/// the ops that grow a constant from a shape, from those constants), so a
+/// the ops that grow a constant from a shape or a pair of vectors —
+/// `ConstantOfShape`, `Tile`, `Expand`, `Range`, `Gemm` — from those
+/// constants; the rest make no more than their inputs or check their
+/// output against the kernels' element bound), so a
 /// crafted graph asking gigabytes of constants from a few bytes is an
 /// error naming the node, not a load that takes the machine's memory.
 fn infer_and_fold(g: &mut Graph) -> Result<usize, CompileError> {
@@ -396,7 +399,8 @@ fn infer_and_fold(g: &mut Graph) -> Result<usize, CompileError> {
 
 /// The bytes folding `op` makes into `out`, where known before it runs:
 /// from `out`'s inferred dims, or for the ops inference leaves unsized
-/// (they grow a constant from a shape) from their constant inputs. `None`:
+/// that grow a constant from a shape or two vectors, from their constant
+/// inputs. `None`:
 /// not known (the fold then runs under the kernels' own element bound,
 /// and its size counts after).
 fn fold_bytes(op: &Op, inputs: &[Option<&Value>], out: &crate::graph::Meta) -> Option<usize> {
@@ -412,6 +416,16 @@ fn fold_bytes(op: &Op, inputs: &[Option<&Value>], out: &crate::graph::Meta) -> O
         (None, Op::Expand) => {
             let target: Vec<usize> = ints(1)?.iter().map(|d| (*d).max(0) as usize).collect();
             crate::kernels::elementwise::broadcast_shape(&shape(0)?, &target)?.to_vec()
+        }
+        (None, Op::Range) => {
+            let arg = |i: usize| inputs.get(i).copied().flatten();
+            // (Past the kernels' own bound: the kernel refuses it, by name.)
+            vec![crate::kernels::layout::range_len(arg(0)?, arg(1)?, arg(2)?).ok()?]
+        }
+        (None, Op::Gemm { trans_a, trans_b, .. }) => {
+            let (a, b) = (shape(0)?, shape(1)?);
+            let (&[ra, ca], &[rb, cb]) = (a.as_slice(), b.as_slice()) else { return None };
+            vec![if *trans_a { ca } else { ra }, if *trans_b { rb } else { cb }]
         }
         _ => return None,
     };

@@ -282,7 +282,7 @@ pub fn run(op: &Op, inputs: &[Option<&Value>], outputs: &mut [Value], env: &mut 
             }
             let m = mask.as_i64()?;
             let past = total - seq;
-            let mut o = out.recycle_f32(reps * seq * total);
+            let mut o = out.recycle_f32(ly::checked_elements(&[*reps, seq, total])?);
             for (row, bias) in o.chunks_exact_mut(total).enumerate() {
                 let q = past + row % seq;
                 for (t, b) in bias.iter_mut().enumerate() {

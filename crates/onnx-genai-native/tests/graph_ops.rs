@@ -3,11 +3,48 @@
 //! cases cannot reach on native-cpu (their CumSum inputs are f64 and i32)
 //! and on the evaluator's own contract.
 
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use onnx_genai_native::kernels::Runtime;
 use onnx_genai_native::value::Value;
 use onnx_genai_native::{compile_graph, CompileError};
 use onnx_genai_onnx::builder::attr_int;
 use onnx_genai_onnx::{DataType, Dim, GraphBuilder, Model};
+
+/// The system allocator, noting the largest single allocation (on any
+/// thread): the fold budget's test shows a refused fold allocated nothing
+/// of its size first.
+struct Peak;
+
+static LARGEST: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: every call is forwarded unchanged to the system allocator; the
+// maximum is a side effect that touches no allocation.
+unsafe impl GlobalAlloc for Peak {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        LARGEST.fetch_max(layout.size(), Ordering::Relaxed);
+        // SAFETY: forwarded with the caller's layout.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` came from `System` with this layout.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        LARGEST.fetch_max(layout.size(), Ordering::Relaxed);
+        // SAFETY: forwarded with the caller's layout.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        LARGEST.fetch_max(new_size, Ordering::Relaxed);
+        // SAFETY: `ptr` came from `System` with `layout`.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Peak = Peak;
 
 fn graph(build: impl FnOnce(&mut GraphBuilder)) -> Model {
     let mut g = GraphBuilder::new("case", 18);
@@ -183,11 +220,13 @@ fn crafted_sizes_are_errors_not_aborts() {
 
 /// Folding has a budget (compile's `FOLD_ALLOWANCE`: 256 MiB plus 8 bytes
 /// per byte of initializers), checked before a fold allocates: a graph of
-/// a few bytes asking a gigabyte of constants — from a shape
-/// (`ConstantOfShape`, `Tile`, `Expand`) or by broadcasting two small
-/// constants (`Add`, `MatMul`) — is a compile error naming the node, under
+/// a few bytes asking a gigabyte of constants or more — from a shape
+/// (`ConstantOfShape`, `Tile`, `Expand`), a `Range`, or by multiplying or
+/// broadcasting two small constants (`Add`, `MatMul`, `Gemm`) — is a
+/// compile error naming the node, under
 /// the kernels' own 2^32-element bound that alone let each through (and
-/// load a machine's memory with them). Four mebibytes still fold; and an
+/// load a machine's memory with them), and before anything of its size is
+/// allocated. Four mebibytes still fold; and an
 /// operation on a run-time input that broadcasts past that bound is a run
 /// error, not an allocation.
 #[test]
@@ -228,6 +267,21 @@ fn folding_a_gigabyte_from_a_few_bytes_is_an_error() {
             }),
         ),
         (
+            "Range",
+            Box::new(|g| {
+                let (start, limit, delta) = (g.scalar_i64(0), g.scalar_i64(1 << 28), g.scalar_i64(1));
+                g.op("Range", &[&start, &limit, &delta])
+            }),
+        ),
+        (
+            "Gemm",
+            Box::new(|g| {
+                let column = g.initializer(Tensor::from_f32("column", vec![SIDE, 1], &vec![1.0; SIDE as usize]));
+                let row = g.initializer(Tensor::from_f32("row", vec![1, SIDE], &vec![2.0; SIDE as usize]));
+                g.op("Gemm", &[&column, &row])
+            }),
+        ),
+        (
             "MatMul",
             Box::new(|g| {
                 let column = g.initializer(Tensor::from_f32("column", vec![SIDE, 1], &vec![1.0; SIDE as usize]));
@@ -239,9 +293,13 @@ fn folding_a_gigabyte_from_a_few_bytes_is_an_error() {
     for (op, build) in &cases {
         let model = graph(|g| {
             let y = build(g);
-            g.output(&y, DataType::Float, vec![]);
+            g.output(&y, if *op == "Range" { DataType::Int64 } else { DataType::Float }, vec![]);
         });
+        // (Other tests running beside this one allocate under a MiB.)
+        LARGEST.store(0, Ordering::SeqCst);
         let err = compile_graph(&model).err().unwrap_or_else(|| panic!("{op}: a 1 GiB fold compiled"));
+        let largest = LARGEST.load(Ordering::SeqCst);
+        assert!(largest < 64 << 20, "{op}: {largest} bytes were allocated before the fold was refused");
         let err = err.to_string();
         assert!(err.contains(op) && err.contains("folded constants") && err.contains("past the"), "{op}: {err}");
     }
@@ -264,6 +322,40 @@ fn folding_a_gigabyte_from_a_few_bytes_is_an_error() {
     let x = Value::f32([1 << 16, 1], vec![0.0; 1 << 16]);
     let err = plan.evaluate(&mut plan.workspace(), Runtime::serial().ctx(), vec![("x".to_string(), x)]).unwrap_err();
     assert!(err.to_string().contains("more than"), "{err}");
+}
+
+/// Kernels that size their work by their inputs' axes check it before
+/// allocating or looping: an Einsum's output and its products visited
+/// (four vectors of 2^16 make 2^64 products; a repeated output letter,
+/// which ONNX forbids, is refused by name), and a Tile of an empty tensor
+/// by 2^40 (empty, at once — its index used to grow by the other axes).
+#[test]
+fn kernels_size_their_work_before_allocating_it() {
+    use onnx_genai_onnx::builder::attr_string;
+    use onnx_genai_onnx::Tensor;
+    let einsum = |equation: &'static str, inputs: usize, len: i64| {
+        graph(move |g| {
+            let names: Vec<String> = (0..inputs)
+                .map(|i| g.initializer(Tensor::from_f32(format!("v{i}"), vec![len], &vec![1.0; len as usize])))
+                .collect();
+            let ins: Vec<&str> = names.iter().map(String::as_str).collect();
+            let y = g.op_with("Einsum", &ins, vec![attr_string("equation", equation)]);
+            g.output(&y, DataType::Float, vec![]);
+        })
+    };
+    let err = compile_graph(&einsum("a,b,c,d->abcd", 4, 1 << 16)).unwrap_err().to_string();
+    assert!(err.contains("Einsum") && err.contains("more than"), "{err}");
+    let err = compile_graph(&einsum("i->iiii", 1, 16)).unwrap_err().to_string();
+    assert!(err.contains("Einsum") && err.contains("more than once"), "{err}");
+
+    let empty_tile = graph(|g| {
+        let empty = g.initializer(Tensor::from_f32("empty", vec![0, 1], &[]));
+        let repeats = g.const_i64(&[1, 1 << 40]);
+        let y = g.op("Tile", &[&empty, &repeats]);
+        g.output(&y, DataType::Float, vec![]);
+    });
+    let out = run(&empty_tile, vec![]);
+    assert_eq!((out[0].shape.as_slice(), out[0].len()), (&[0, 1 << 40][..], 0));
 }
 
 /// SkipSimplifiedLayerNormalization on a batch large enough that its rows

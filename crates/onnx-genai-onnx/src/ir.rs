@@ -367,12 +367,26 @@ fn value_info_from_proto(v: proto::ValueInfoProto) -> Result<ValueInfo, OnnxErro
     Ok(ValueInfo { name: v.name, dtype, shape })
 }
 
+/// The most elements an initializer's nonzero dims may span (2^32: 16 GiB
+/// of f32, as native-cpu's kernels bound any tensor they make).
+pub const MAX_TENSOR_SPAN: u64 = 1 << 32;
+
 pub(crate) fn tensor_from_proto(t: proto::TensorProto, ctx: Ctx) -> Result<Tensor, OnnxError> {
     let location = format!("initializer '{}'", t.name);
     let dtype = DataType::from_onnx(t.data_type)
         .ok_or_else(|| OnnxError::Unsupported { what: format!("{location}: element type {}", t.data_type) })?;
     if let Some(d) = t.dims.iter().find(|d| **d < 0) {
         return Err(OnnxError::Invalid { location, reason: format!("negative dimension {d}") });
+    }
+    // An empty tensor holds nothing whatever its other dims, but kernels
+    // size work and index buffers by its axes: no real initializer spans
+    // more than this even with a zero dim.
+    let span = t.dims.iter().filter(|d| **d > 0).try_fold(1u64, |acc, d| acc.checked_mul(*d as u64));
+    if span.is_none_or(|n| n > MAX_TENSOR_SPAN) {
+        return Err(OnnxError::Invalid {
+            location,
+            reason: format!("dims {:?} span more than {MAX_TENSOR_SPAN} elements (zero dims aside)", t.dims),
+        });
     }
     let count = t
         .dims

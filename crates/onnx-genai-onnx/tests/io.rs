@@ -55,6 +55,28 @@ fn short_payload_is_an_error_naming_the_tensor() {
     assert!(err.to_string().contains("initializer 'w'"), "{err}");
 }
 
+/// An empty initializer whose other dims are huge (`[0, 2^40]`: no
+/// bytes, but kernels size index buffers and loops by its axes) is a
+/// typed error naming it, as is one past 2^32 elements; `[0, 2^32]` and a
+/// real empty tensor read.
+#[test]
+fn an_empty_tensor_spanning_past_2_32_is_an_error_naming_it() {
+    for (dims, readable) in [
+        (vec![0, 1i64 << 40], false),
+        (vec![1i64 << 20, 0, 1 << 13], false),
+        (vec![0, 1 << 32], true),
+        (vec![0, 3], true),
+    ] {
+        let mut model = small_model();
+        model.graph.initializers.push(Tensor::from_f32("empty", dims.clone(), &[]));
+        let read = decode(&encode(&model));
+        assert_eq!(read.is_ok(), readable, "{dims:?}: {read:?}");
+        if let Err(err) = read {
+            assert!(err.to_string().contains("initializer 'empty'") && err.to_string().contains("span"), "{err}");
+        }
+    }
+}
+
 fn run_in_ort(bytes: &[u8], inputs: Vec<(&str, ort::value::DynValue)>) -> Vec<f32> {
     let env = onnx_genai_ort::environment().expect("ONNX Runtime (run `cargo xtask ort`)");
     let mut session = ort::session::Session::builder(env).unwrap().commit_from_memory(bytes).unwrap();

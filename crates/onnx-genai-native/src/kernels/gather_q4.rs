@@ -36,10 +36,15 @@ pub fn gather_q4(
         None => None,
     };
     let (data, scales, ids) = (data.as_u8()?, scales.as_f32()?, indices.as_i64()?);
-    let mut o = out.recycle_f32(ids.len() * cols);
-    for (dst, &id) in o.chunks_exact_mut(cols).zip(ids) {
-        let row =
-            usize::try_from(id).ok().filter(|r| *r < rows).ok_or_else(|| format!("index {id} is outside 0..{rows}"))?;
+    // Every index checked, and the output sized, before it is allocated.
+    let rows_of: Vec<usize> = ids
+        .iter()
+        .map(|&id| {
+            usize::try_from(id).ok().filter(|r| *r < rows).ok_or_else(|| format!("index {id} is outside 0..{rows}"))
+        })
+        .collect::<Result<_, _>>()?;
+    let mut o = out.recycle_f32(super::layout::checked_elements(&[ids.len(), cols])?);
+    for (dst, &row) in o.chunks_exact_mut(cols).zip(&rows_of) {
         let packed = &data[row * bytes..(row + 1) * bytes];
         for (c, d) in dst.iter_mut().enumerate() {
             let b = c / block;
@@ -57,6 +62,19 @@ pub fn gather_q4(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Indices are checked before the output is sized: a table of no rows
+    /// and 2^32 columns (no bytes) gathered at index 0 is an error, not a
+    /// 16 GiB output filled before the first index was looked at.
+    #[test]
+    fn a_bad_index_into_a_wide_empty_table_allocates_nothing() {
+        let data = Value::u8(vec![0, 1 << 31], vec![]);
+        let scales = Value::f32(vec![0, 1 << 16], vec![]);
+        let ids = Value::i64(vec![1, 1], vec![0]);
+        let mut out = Value::default();
+        let err = gather_q4(&data, &ids, &scales, None, 1 << 16, &mut out).unwrap_err();
+        assert!(err.contains("outside 0..0"), "{err}");
+    }
 
     /// Low nibble first, per-block scales and zero points, default zero point 8.
     #[test]

@@ -451,7 +451,11 @@ pub fn tile(src: &Value, repeats: &[i64], out: &mut Value) -> Result<(), String>
             d.checked_mul(*r as usize).ok_or_else(|| format!("tiling {:?} by {repeats:?} overflows", src.shape))
         })
         .collect::<Result<_, _>>()?;
-    checked_elements(&shape)?;
+    if checked_elements(&shape)? == 0 {
+        // (An empty result's index would still grow by its other axes.)
+        select(src, &[], &shape, out);
+        return Ok(());
+    }
     // Built axis by axis from the innermost: each axis repeats the block of
     // source indices assembled so far.
     let s = strides(&src.shape);
@@ -480,38 +484,41 @@ pub fn expand(src: &Value, target: &[i64], out: &mut Value) -> Result<(), String
     tile(&view, &reps, out)
 }
 
-pub fn range(start: &Value, limit: &Value, delta: &Value, out: &mut Value) -> Result<(), String> {
-    let scalar = |v: &Value| v.as_i64().ok().and_then(|x| (x.len() == 1).then(|| x[0]));
-    match (scalar(start), scalar(limit), scalar(delta)) {
+/// The elements `Range(start, limit, delta)` makes (three i64 or three f32
+/// scalars), checked against [`MAX_ELEMENTS`]: what [`range`] allocates,
+/// and what the compiler's fold budget counts before it runs one.
+pub fn range_len(start: &Value, limit: &Value, delta: &Value) -> Result<usize, String> {
+    let ints = |v: &Value| v.as_i64().ok().and_then(|x| (x.len() == 1).then(|| x[0]));
+    let floats = |v: &Value| v.as_f32().ok().and_then(|x| (x.len() == 1).then(|| x[0]));
+    let (n, what) = match (ints(start), ints(limit), ints(delta)) {
         (Some(s), Some(l), Some(d)) if d != 0 => {
-            let n = ((l as f64 - s as f64) / d as f64).ceil().max(0.0);
-            if n > MAX_ELEMENTS as f64 {
-                return Err(format!("Range({s}, {l}, {d}) has {n} elements, more than {MAX_ELEMENTS}"));
-            }
-            let n = n as usize;
-            let mut o = out.recycle_i64(n);
-            o.iter_mut().enumerate().for_each(|(i, o)| *o = s + i as i64 * d);
-            *out = Value::i64([n], o);
-            Ok(())
+            (((l as f64 - s as f64) / d as f64).ceil().max(0.0), format!("Range({s}, {l}, {d})"))
         }
-        _ => {
-            let scalar = |v: &Value| v.as_f32().ok().and_then(|x| (x.len() == 1).then(|| x[0]));
-            match (scalar(start), scalar(limit), scalar(delta)) {
-                (Some(s), Some(l), Some(d)) if d != 0.0 => {
-                    let n = ((l - s) / d).ceil().max(0.0);
-                    if n.is_nan() || n > MAX_ELEMENTS as f32 {
-                        return Err(format!("Range({s}, {l}, {d}) has {n} elements, more than {MAX_ELEMENTS}"));
-                    }
-                    let n = n as usize;
-                    let mut o = out.recycle_f32(n);
-                    o.iter_mut().enumerate().for_each(|(i, o)| *o = s + i as f32 * d);
-                    *out = Value::f32([n], o);
-                    Ok(())
-                }
-                _ => Err("Range needs three i64 or three f32 scalars and a non-zero delta".into()),
+        _ => match (floats(start), floats(limit), floats(delta)) {
+            (Some(s), Some(l), Some(d)) if d != 0.0 => {
+                (f64::from(((l - s) / d).ceil().max(0.0)), format!("Range({s}, {l}, {d})"))
             }
-        }
+            _ => return Err("Range needs three i64 or three f32 scalars and a non-zero delta".into()),
+        },
+    };
+    if n.is_nan() || n > MAX_ELEMENTS as f64 {
+        return Err(format!("{what} has {n} elements, more than {MAX_ELEMENTS}"));
     }
+    Ok(n as usize)
+}
+
+pub fn range(start: &Value, limit: &Value, delta: &Value, out: &mut Value) -> Result<(), String> {
+    let n = range_len(start, limit, delta)?;
+    if let (Ok(&[s]), Ok(&[d])) = (start.as_i64(), delta.as_i64()) {
+        let mut o = out.recycle_i64(n);
+        o.iter_mut().enumerate().for_each(|(i, o)| *o = s + i as i64 * d);
+        *out = Value::i64([n], o);
+    } else if let (Ok(&[s]), Ok(&[d])) = (start.as_f32(), delta.as_f32()) {
+        let mut o = out.recycle_f32(n);
+        o.iter_mut().enumerate().for_each(|(i, o)| *o = s + i as f32 * d);
+        *out = Value::f32([n], o);
+    }
+    Ok(())
 }
 
 #[cfg(test)]

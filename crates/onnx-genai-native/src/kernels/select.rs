@@ -394,7 +394,14 @@ pub fn einsum(equation: &str, inputs: &[&Value], out: &mut Value) -> Result<(), 
         |c: char| letters.iter().position(|l| *l == c).ok_or_else(|| format!("output letter `{c}` is not an input's"));
     let out_axes: Vec<usize> = rhs.chars().map(pos).collect::<Result<_, _>>()?;
     let in_axes: Vec<Vec<usize>> = terms.iter().map(|t| t.chars().map(pos).collect()).collect::<Result<_, _>>()?;
+    if let Some(c) = rhs.chars().enumerate().find_map(|(i, c)| rhs.chars().skip(i + 1).any(|d| d == c).then_some(c)) {
+        return Err(format!("output letter `{c}` appears more than once in `{equation}`"));
+    }
     let out_shape: Vec<usize> = out_axes.iter().map(|a| sizes[*a]).collect();
+    // Sized before anything is allocated or iterated: the output, and the
+    // products visited (every assignment of the letters).
+    super::layout::checked_elements(&out_shape)?;
+    super::layout::checked_elements(&sizes)?;
     let shapes: Vec<&[usize]> = inputs.iter().map(|x| x.shape.as_slice()).collect();
     let plan =
         Contraction { sizes: &sizes, in_axes: &in_axes, shapes: &shapes, out_axes: &out_axes, out_shape: &out_shape };
