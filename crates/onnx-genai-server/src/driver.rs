@@ -149,6 +149,8 @@ pub struct Counters {
     /// Turns parked now: their client has not taken what they sent, so
     /// they are not stepped until it does (or `stall_timeout` cancels them).
     pub parked: AtomicU64,
+    /// Ended turns whose events still trail their client (`Trailing`).
+    pub trailing: AtomicU64,
     /// The most turns one step advanced.
     pub widest_step: AtomicU64,
     /// Model steps run (each advancing at least one turn).
@@ -297,6 +299,7 @@ fn bury(counters: &Counters, rx: &std_mpsc::Receiver<Command>) {
     counters.dead.store(true, Ordering::SeqCst);
     counters.running.store(0, Ordering::SeqCst);
     counters.parked.store(0, Ordering::SeqCst);
+    counters.trailing.store(0, Ordering::SeqCst);
     counters.waiting.store(0, Ordering::SeqCst);
     counters.idle_kv_bytes.store(0, Ordering::SeqCst);
     counters.kept_bytes.store(0, Ordering::SeqCst);
@@ -382,6 +385,36 @@ struct Loop<'a> {
     peers: (String, Peers),
     /// When this driver last asked the others on its budget to give way.
     asked_way: Option<Instant>,
+    /// Ended turns whose clients have not yet taken every event.
+    trailing: Vec<Trailing>,
+}
+
+/// What an ended turn could not send at once (its client reads slower than
+/// it finished): sent from the driver's loop as the client takes it, until
+/// the client leaves or `until` passes. Held here, not by a thread of its
+/// own, so clients that never read cost the process no threads — one a
+/// choice could reach the OS's limit, whose spawn panic killed the driver.
+struct Trailing {
+    events: mpsc::Sender<Event>,
+    backlog: VecDeque<Event>,
+    until: Instant,
+}
+
+impl Trailing {
+    /// Sends what the channel takes; whether anything is left to send.
+    fn flush(&mut self, now: Instant) -> bool {
+        while let Some(event) = self.backlog.pop_front() {
+            match self.events.try_send(event) {
+                Ok(()) => {}
+                Err(mpsc::error::TrySendError::Closed(_)) => return false,
+                Err(mpsc::error::TrySendError::Full(event)) => {
+                    self.backlog.push_front(event);
+                    return now < self.until;
+                }
+            }
+        }
+        false
+    }
 }
 
 /// How often a driver whose next request waits for room asks the drivers
@@ -415,6 +448,7 @@ impl<'a> Loop<'a> {
             kept_panicked: std::cell::Cell::new(false),
             peers,
             asked_way: None,
+            trailing: Vec::new(),
         }
     }
 
@@ -439,10 +473,11 @@ impl<'a> Loop<'a> {
     fn run(mut self, rx: &std_mpsc::Receiver<Command>) {
         loop {
             // Idle: wait for work. Busy: take what arrived, then step. When
-            // every running turn is parked, wait a moment for commands
-            // instead of spinning on clients that do not read.
+            // every running turn is parked, or only ended turns' events
+            // trail, wait a moment for commands instead of spinning on
+            // clients that do not read.
             if self.running.iter().all(Running::parked) {
-                let next = if self.line.is_empty() && self.running.is_empty() {
+                let next = if self.line.is_empty() && self.running.is_empty() && self.trailing.is_empty() {
                     self.wait_idle(rx)
                 } else {
                     // Parked turns take and return no KV blocks: what
@@ -459,6 +494,9 @@ impl<'a> Loop<'a> {
             while let Ok(command) = rx.try_recv() {
                 self.take(command);
             }
+            let now = Instant::now();
+            self.trailing.retain_mut(|t| t.flush(now));
+            self.counters.trailing.store(self.trailing.len() as u64, Ordering::SeqCst);
             self.admit_waiting();
             if !self.running.is_empty() {
                 self.step();
@@ -710,39 +748,14 @@ impl<'a> Loop<'a> {
             return;
         }
         backlog.push_back(last);
-        // Usually everything fits the channel now; what does not goes to a
-        // thread that may wait for the client, so the driver never blocks.
-        while let Some(event) = backlog.pop_front() {
-            match events.try_send(event) {
-                Ok(()) => {}
-                Err(mpsc::error::TrySendError::Closed(_)) => return,
-                Err(mpsc::error::TrySendError::Full(event)) => {
-                    backlog.push_front(event);
-                    break;
-                }
-            }
+        // Usually everything fits the channel now; what does not trails,
+        // sent from the loop as the client reads, so the driver never
+        // blocks on it.
+        let mut trailing = Trailing { events, backlog, until: later(self.options.stall_timeout) };
+        if trailing.flush(Instant::now()) {
+            self.trailing.push(trailing);
+            self.counters.trailing.store(self.trailing.len() as u64, Ordering::SeqCst);
         }
-        if backlog.is_empty() {
-            return;
-        }
-        let deadline = later(self.options.stall_timeout);
-        std::thread::spawn(move || {
-            for mut event in backlog {
-                loop {
-                    match events.try_send(event) {
-                        Ok(()) => break,
-                        Err(mpsc::error::TrySendError::Closed(_)) => return,
-                        Err(mpsc::error::TrySendError::Full(back)) => {
-                            if Instant::now() >= deadline {
-                                return;
-                            }
-                            std::thread::sleep(Duration::from_millis(1));
-                            event = back;
-                        }
-                    }
-                }
-            }
-        });
     }
 }
 

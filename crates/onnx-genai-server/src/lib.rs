@@ -63,6 +63,7 @@ impl AppState {
             running: 0,
             stalled: 0,
             parked: 0,
+            trailing: 0,
             widest_step: 0,
             steps: 0,
             stepped: 0,
@@ -87,6 +88,7 @@ impl AppState {
             g.running += d.counters.running.load(Ordering::SeqCst);
             g.stalled += d.counters.stalled.load(Ordering::SeqCst);
             g.parked += d.counters.parked.load(Ordering::SeqCst);
+            g.trailing += d.counters.trailing.load(Ordering::SeqCst);
             g.widest_step = g.widest_step.max(d.counters.widest_step.load(Ordering::SeqCst));
             g.steps += d.counters.steps.load(Ordering::SeqCst);
             g.stepped += d.counters.stepped.load(Ordering::SeqCst);
@@ -128,7 +130,7 @@ impl Default for ServerOptions {
 /// `turns`, `stalled` and those marked a count) only grow, and
 /// `widest_step` until it is reset; what is held for work in flight
 /// (leases, reservations of running turns, `running`, `parked`,
-/// `waiting`) returns to its baseline when the server is idle, while
+/// `trailing`, `waiting`) returns to its baseline when the server is idle, while
 /// `sessions`, `idle_kv_bytes`, `kept_bytes` and `models_down` describe
 /// what stays between requests.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -144,6 +146,9 @@ pub struct Gauges {
     pub stalled: u64,
     /// Turns parked now, waiting for their client to read (not stepped).
     pub parked: u64,
+    /// Ended turns whose clients have not yet read every event: the
+    /// drivers send the rest as they read, until `stall_timeout`.
+    pub trailing: u64,
     /// The most turns one model step has advanced.
     pub widest_step: u64,
     /// Model steps run so far (a count: it only grows).

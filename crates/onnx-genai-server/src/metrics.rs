@@ -34,6 +34,7 @@ pub struct Metrics {
     queue_depth: Gauge,
     running: Gauge,
     parked: Gauge,
+    trailing: Gauge,
     kv_reserved: Gauge,
     kv_idle: Gauge,
     kv_kept: Gauge,
@@ -83,6 +84,11 @@ impl Metrics {
             "parked_turns",
             "Turns waiting for their client to read their stream (not stepped meanwhile)",
         );
+        let trailing = gauge(
+            &mut registry,
+            "trailing_turns",
+            "Ended turns whose client has not yet read every event (sent as it reads, until the stall timeout)",
+        );
         let kv_reserved = gauge(
             &mut registry,
             "kv_reserved_bytes",
@@ -108,6 +114,7 @@ impl Metrics {
             queue_depth,
             running,
             parked,
+            trailing,
             kv_reserved,
             kv_idle,
             kv_kept,
@@ -144,6 +151,7 @@ impl Metrics {
         set(&self.queue_depth, now.waiting);
         set(&self.running, now.running);
         set(&self.parked, now.parked);
+        set(&self.trailing, now.trailing);
         set(&self.kv_reserved, now.reserved_bytes);
         set(&self.kv_idle, now.idle_kv_bytes);
         set(&self.kv_kept, now.kept_bytes);

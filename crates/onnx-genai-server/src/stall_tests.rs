@@ -256,3 +256,79 @@ fn a_client_that_leaves_during_a_chunked_prefill_leaves_the_batch_at_the_next_st
     wait_for(|| server.gauges().reserved_bytes == baseline.reserved_bytes, "the reservation was not returned");
     server.stop();
 }
+
+/// Threads of this process named as a model's driver: the drivers, and
+/// any thread a driver spawns unnamed (Linux gives it its parent's name).
+fn driver_threads() -> usize {
+    let tasks = std::fs::read_dir("/proc/self/task").map(|d| d.flatten().collect::<Vec<_>>()).unwrap_or_default();
+    tasks
+        .iter()
+        .filter(|t| std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.starts_with("driver-")))
+        .count()
+}
+
+/// Back-pressure without threads (issue 16, item 5): turns that end
+/// before their clients read (48 of them, each client a one-event channel
+/// nobody drains) leave their events with the driver — the `trailing`
+/// gauge counts them — which delivers them as the client reads and drops
+/// what is left at `stall_timeout` — no thread a turn (a spawned thread
+/// each, before: clients that never read, n = 16 choices a request,
+/// reached the OS's thread limit, whose spawn panic killed the model's
+/// driver). The events still arrive, in order, once a client reads, and
+/// the gauge returns to its baseline either way.
+#[cfg(target_os = "linux")]
+#[test]
+fn ended_turns_whose_clients_do_not_read_cost_no_threads() {
+    let dir = tempfile::tempdir().unwrap();
+    let stall_timeout = Duration::from_secs(2);
+    let options = ServerOptions { driver: DriverOptions { stall_timeout, ..Default::default() }, ..Default::default() };
+    let server = start_with(vec![engine(dir.path())], "127.0.0.1:0", options).unwrap();
+    let silent_turns = |count: usize| {
+        let turns = server.gauges().turns;
+        let mut silent = Vec::new();
+        for i in 0..count {
+            // One token: its delta fills the channel, and the end trails.
+            let mut request = GenerateRequest::text(format!("Silent client {i}"));
+            request.max_new_tokens = Some(1);
+            let (events, _admitted, ended) = send_generate(&server, request, 1);
+            silent.push((events, ended));
+        }
+        let ended = || {
+            let g = server.gauges();
+            (g.turns, g.running, g.waiting) == (turns + count as u64, 0, 0)
+        };
+        wait_for(ended, "the silent turns never ended");
+        silent
+    };
+    let before = driver_threads();
+    let mut silent = silent_turns(48);
+    let grown = driver_threads().saturating_sub(before);
+    assert!(grown < 16, "{grown} threads more for 48 ended turns whose clients do not read");
+    assert_eq!(server.gauges().trailing, 48, "every ended turn's end trails its client");
+    // Each client still gets its whole answer, in order, as it reads.
+    for (events, _) in &mut silent {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut deltas = 0;
+        loop {
+            assert!(Instant::now() < deadline, "a trailing answer never completed");
+            match events.try_recv() {
+                Ok(Event::Delta(..)) => deltas += 1,
+                Ok(Event::Finished(r)) => {
+                    assert_eq!(r.token_ids.len(), deltas, "every token made was sent before the end");
+                    break;
+                }
+                Ok(Event::Failed(e)) => panic!("a silent turn failed: {}", e.message),
+                Err(_) => std::thread::sleep(Duration::from_millis(2)),
+            }
+        }
+    }
+    wait_for(|| server.gauges().trailing == 0, "delivered answers still trail");
+    // Clients that never read: what trails is dropped at the stall timeout.
+    let never = silent_turns(4);
+    let started = Instant::now();
+    assert_eq!(server.gauges().trailing, 4);
+    wait_for(|| server.gauges().trailing == 0, "undelivered events outlived the stall timeout");
+    assert!(started.elapsed() * 2 >= stall_timeout, "dropped long before the stall timeout");
+    drop(never);
+    server.stop();
+}
