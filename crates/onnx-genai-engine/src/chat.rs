@@ -336,6 +336,13 @@ impl Prompter {
     /// `format` compiled over this tokenizer for one request (`None` for
     /// text). A server calls it on a request thread first: that refuses a
     /// bad schema early and builds the shared compiler off the driver.
+    /// Response formats compiled into grammars so far: one per admitted
+    /// constrained turn (a turn waiting for room compiles nothing), and
+    /// one per route's check before it queues a request.
+    pub fn grammars_compiled(&self) -> u64 {
+        self.grammars.compiled()
+    }
+
     pub fn constraint(&self, format: &ResponseFormat) -> Result<Option<Constraint>, EngineError> {
         let eos = &self.package.manifest.generation.eos_token_ids;
         self.grammars.compile(format, self.words(), eos).map_err(EngineError::ResponseFormat)

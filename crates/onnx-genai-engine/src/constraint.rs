@@ -54,11 +54,17 @@ impl ResponseFormat {
 /// shared by every request of the model.
 pub(crate) struct Grammars {
     factory: OnceLock<Result<Arc<ParserFactory>, String>>,
+    /// Grammars compiled so far (formats other than text).
+    compiled: std::sync::atomic::AtomicU64,
 }
 
 impl Grammars {
     pub(crate) fn new() -> Self {
-        Self { factory: OnceLock::new() }
+        Self { factory: OnceLock::new(), compiled: Default::default() }
+    }
+
+    pub(crate) fn compiled(&self) -> u64 {
+        self.compiled.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// `format` compiled for one request: `None` for text; a schema the
@@ -70,6 +76,7 @@ impl Grammars {
         eos: &[u32],
     ) -> Result<Option<Constraint>, String> {
         let Some(grammar) = format.grammar()? else { return Ok(None) };
+        self.compiled.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let factory = self.factory.get_or_init(|| build_factory(words, eos).map(Arc::new)).clone()?;
         let parser = factory.create_parser(grammar).map_err(|e| e.to_string())?;
         let matcher = Matcher::new(Ok(parser));

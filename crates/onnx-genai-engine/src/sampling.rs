@@ -112,7 +112,12 @@ pub struct Sampler {
 
 impl Sampler {
     pub fn new(options: Sampling) -> Self {
-        let state = options.seed ^ 0x2545_F491_4F6C_DD1D;
+        // xorshift's one stuck state is 0: the seed that maps there (the
+        // multiplier itself) would draw 0 for ever, greedy in disguise.
+        let state = match options.seed ^ 0x2545_F491_4F6C_DD1D {
+            0 => 0x9E37_79B9_7F4A_7C15,
+            state => state,
+        };
         Self { options, state, generated: HashMap::new(), prompt: Default::default(), adjusted: Vec::new() }
     }
 
@@ -284,6 +289,20 @@ pub fn argmax(logits: &[f32]) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every seed draws: the one whose state would be xorshift's fixed
+    /// point 0 (seed 0x2545F4914F6CDD1D) gets varied draws like any other.
+    #[test]
+    fn no_seed_sticks_the_generator() {
+        for seed in [0, 1, 0x2545_F491_4F6C_DD1D, u64::MAX] {
+            let mut s = Sampler::new(Sampling { seed, ..Sampling::default() });
+            let draws: Vec<f64> = (0..8).map(|_| s.next_unit()).collect();
+            assert!(
+                draws.windows(2).any(|w| w[0] != w[1]) && draws.iter().any(|d| *d > 0.0),
+                "seed {seed:#x}: {draws:?}"
+            );
+        }
+    }
 
     /// The log-probabilities are those of the softmax, computed apart:
     /// they exponentiate to probabilities summing to one, the top list is

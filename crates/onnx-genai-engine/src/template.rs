@@ -66,12 +66,26 @@ fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, Error> {
         Style { indent, item, key, ensure_ascii: ensure_ascii.unwrap_or(false), sort_keys: sort_keys.unwrap_or(false) };
     let mut out = String::new();
     style.write(&json, 0, &mut out);
+    if out.len() > MAX_TOJSON_BYTES {
+        return Err(Error::new(
+            ErrorKind::InvalidOperation,
+            format!("tojson: the output passes {MAX_TOJSON_BYTES} bytes (its value is too large or too deeply nested)"),
+        ));
+    }
     // Safe to insert as it is: the output is the template's text, not HTML.
     Ok(Value::from_safe_string(out))
 }
 
 /// The widest `tojson` indent a template may ask for (templates use 2 or 4).
 const MAX_TOJSON_INDENT: usize = 64;
+
+/// The most text one `tojson` makes (4 MiB, four times the largest request
+/// body). Indentation repeats per level and per element, so a request's
+/// tool schema nested a hundred levels deep would otherwise render 250
+/// times its own size (a 1 MiB body, 260 MB) before anything could
+/// refuse it: past this no more indentation is written, and the call
+/// fails.
+const MAX_TOJSON_BYTES: usize = 4 << 20;
 
 struct Style {
     indent: Option<usize>,
@@ -126,14 +140,17 @@ impl Style {
         if i > 0 {
             out.push_str(&self.item);
         }
-        if let Some(n) = self.indent {
-            out.push('\n');
-            out.extend(std::iter::repeat_n(' ', n * depth));
-        }
+        self.newline(depth, out);
     }
 
     fn close(&self, depth: usize, out: &mut String) {
-        if let Some(n) = self.indent {
+        self.newline(depth, out);
+    }
+
+    /// A new line indented to `depth` (none past [`MAX_TOJSON_BYTES`]:
+    /// the call fails then, and the rest costs no more than its value).
+    fn newline(&self, depth: usize, out: &mut String) {
+        if let Some(n) = self.indent.filter(|_| out.len() <= MAX_TOJSON_BYTES) {
             out.push('\n');
             out.extend(std::iter::repeat_n(' ', n * depth));
         }
@@ -334,5 +351,22 @@ mod tests {
             let err = err.expect_err(indent).to_string();
             assert!(err.contains("indent is at most 64"), "{indent}: {err}");
         }
+    }
+
+    /// A request's value nested deep under an indenting `tojson` (tool
+    /// schemas reach Llama 3.1's `tojson(indent=4)`): 100 levels around
+    /// 20,000 elements would render 8 MB of indentation from 60 KB; the call
+    /// fails past `MAX_TOJSON_BYTES` (4 MiB) having written no more than
+    /// that and its value, and the same value without the indent renders.
+    #[test]
+    fn tojson_of_a_deep_value_under_indent_is_bounded() {
+        let mut deep = serde_json::json!(vec![0; 20_000]);
+        for _ in 0..100 {
+            deep = serde_json::json!([deep]);
+        }
+        let ctx = Value::from_serialize(serde_json::json!({ "v": deep }));
+        let err = environment().render_str("{{ v | tojson(indent=4) }}", ctx.clone()).unwrap_err().to_string();
+        assert!(err.contains("passes 4194304 bytes"), "{err}");
+        assert_eq!(render("{{ v | tojson }}", ctx).len(), 60_000 + 100 * 2);
     }
 }

@@ -192,7 +192,6 @@ impl Engine {
         // 2. Count tokens: carried plus new, rows as `rows * longest` (A5, A7).
         request.check()?;
         request.sampling.check_vocabulary(self.model.vocab_size()).map_err(EngineError::Request)?;
-        let constraint = self.prompter.constraint(&request.response_format)?;
         let mut rows = self.prompt_ids(&request.prompt)?;
         if let Some(wf) = &self.workflow {
             if rows.len() != 1 {
@@ -235,6 +234,12 @@ impl Engine {
             ..wanted
         };
         let admission = self.reserve(&wanted, request.session)?;
+        // The grammar is compiled once admitted (the route has compiled it
+        // already, so this rarely fails; failing, the guard releases the
+        // reservation): a request deferred for room is admitted again and
+        // again while it waits, and recompiling on every try kept the
+        // driver, and every stream of its model, waiting.
+        let constraint = self.prompter.constraint(&request.response_format)?;
         // 4. Signal, after the decision and before any backend work.
         on_admitted(Admitted {
             conversation,

@@ -24,7 +24,7 @@ pub(crate) struct WorkflowRuntime {
     embed: (String, String, String),
     hidden: usize,
     /// Image features by digest of the bound tensor and the prompt tokens.
-    cache: HashMap<[u8; 32], Arc<Vec<f32>>>,
+    cache: FeatureCache,
     /// Times the feature component actually ran (the cache's evidence).
     pub encoder_runs: usize,
 }
@@ -64,7 +64,7 @@ impl WorkflowRuntime {
             components,
             embed,
             hidden: package.manifest.architecture.hidden_size as usize,
-            cache: HashMap::new(),
+            cache: FeatureCache::default(),
             encoder_runs: 0,
         }))
     }
@@ -147,7 +147,7 @@ impl WorkflowRuntime {
         }
         let key = digest(t, ids);
         if let Some(hit) = self.cache.get(&key) {
-            return Ok(Some(hit.clone()));
+            return Ok(Some(hit));
         }
         let component = self.components.get_mut(&image.features.component).ok_or_else(|| {
             EngineError::Request(format!("component `{}` is not a workflow step", image.features.component))
@@ -234,6 +234,51 @@ fn f32s(t: &BoundTensor) -> Vec<f32> {
     t.bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
 }
 
+/// The most bytes of image features the encoder cache keeps (64 MiB: a
+/// few hundred SmolVLM-sized images, seven of LLaVA's 576 x 4096). Every
+/// request with a new image or prompt adds an entry, so without a bound
+/// a client changing one pixel a request grew the driver's memory until
+/// the process was killed.
+const FEATURE_CACHE_BYTES: usize = 64 << 20;
+
+/// Image features by key, the least recently used evicted past
+/// [`FEATURE_CACHE_BYTES`] (an entry larger than that is not kept).
+#[derive(Default)]
+struct FeatureCache {
+    entries: HashMap<[u8; 32], Arc<Vec<f32>>>,
+    /// Keys, least recently used first.
+    order: std::collections::VecDeque<[u8; 32]>,
+    bytes: usize,
+}
+
+impl FeatureCache {
+    fn get(&mut self, key: &[u8; 32]) -> Option<Arc<Vec<f32>>> {
+        let hit = self.entries.get(key)?.clone();
+        // (A few entries: a linear search costs nothing beside an encoder run.)
+        if let Some(at) = self.order.iter().position(|k| k == key) {
+            self.order.remove(at);
+        }
+        self.order.push_back(*key);
+        Some(hit)
+    }
+
+    fn insert(&mut self, key: [u8; 32], features: Arc<Vec<f32>>) {
+        let size = features.len() * std::mem::size_of::<f32>();
+        if size > FEATURE_CACHE_BYTES || self.entries.contains_key(&key) {
+            return;
+        }
+        while self.bytes + size > FEATURE_CACHE_BYTES {
+            let Some(oldest) = self.order.pop_front() else { break };
+            if let Some(gone) = self.entries.remove(&oldest) {
+                self.bytes -= gone.len() * std::mem::size_of::<f32>();
+            }
+        }
+        self.entries.insert(key, features);
+        self.order.push_back(key);
+        self.bytes += size;
+    }
+}
+
 /// The encoder-cache key: the bound tensor (name, type, shape, bytes) and
 /// the tokens it is encoded for, so two different images never share an
 /// entry.
@@ -270,4 +315,38 @@ pub fn pixel_values(rgb: &[u8], width: u32, height: u32, image: &ImageInput) -> 
         }
     }
     Ok(BoundTensor::f32("pixel_values", vec![1, 3, height as usize, width as usize], &values))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::{FeatureCache, FEATURE_CACHE_BYTES};
+
+    /// The encoder cache stays within `FEATURE_CACHE_BYTES` however many
+    /// distinct images arrive, evicting the least recently used: an entry
+    /// read again outlives those added before it, and one larger than the
+    /// whole cache is not kept.
+    #[test]
+    fn the_feature_cache_keeps_to_its_bytes_evicting_the_least_recently_used() {
+        let quarter = FEATURE_CACHE_BYTES / 4 / std::mem::size_of::<f32>();
+        let features = || Arc::new(vec![0.5f32; quarter]);
+        let mut cache = FeatureCache::default();
+        for k in 0..4u8 {
+            cache.insert([k; 32], features());
+        }
+        assert_eq!(cache.bytes, FEATURE_CACHE_BYTES);
+        assert!(cache.get(&[0; 32]).is_some(), "the first entry is still there");
+        for k in 4..40u8 {
+            cache.insert([k; 32], features());
+            assert!(cache.bytes <= FEATURE_CACHE_BYTES, "{} bytes after {k} images", cache.bytes);
+            if k == 4 {
+                assert!(cache.get(&[1; 32]).is_none(), "the least recently used went first");
+                assert!(cache.get(&[0; 32]).is_some(), "the one read again stayed");
+            }
+        }
+        assert_eq!((cache.entries.len(), cache.order.len()), (4, 4));
+        cache.insert([99; 32], Arc::new(vec![0.0; 2 * 4 * quarter]));
+        assert!(cache.get(&[99; 32]).is_none() && cache.entries.len() == 4, "a too-large entry is not kept");
+    }
 }

@@ -303,6 +303,32 @@ fn the_reservation_is_released_on_every_exit() {
     assert_eq!(e.scheduler().reserved_bytes(), resting(&e), "panic in the callback");
 }
 
+/// A9 beside a grammar: a constrained request deferred for room (a
+/// driver admits it again on every loop turn while it waits) compiles its
+/// grammar once admitted, not at every try — each compile ran on the
+/// model's driver, holding every stream of the model.
+#[test]
+fn a_deferred_constrained_request_compiles_its_grammar_once_admitted() {
+    let dir = tempfile::tempdir().unwrap();
+    let package = build(dir.path(), false);
+    let bpt = package.kv_geometry().unwrap().bytes_per_token();
+    let probe = Probe::default();
+    let mut e = engine(package, (PROMPT.len() as u64 + u64::from(NEW)) * bpt, &probe);
+    let req = request(Path_::DecodeCore);
+    let holder = e.admit(&req, &mut |_| {}).unwrap();
+    let constrained = GenerateRequest { response_format: onnx_genai_engine::ResponseFormat::JsonObject, ..req };
+    for _ in 0..5 {
+        let tried = e.admit(&constrained, &mut |_| {}).map(|_| ());
+        assert!(matches!(tried, Err(EngineError::Admission(AdmissionError::Deferred { .. }))), "{tried:?}");
+    }
+    assert_eq!(e.prompter().grammars_compiled(), 0, "a request waiting for room compiled its grammar");
+    drop(holder);
+    let turn = e.admit(&constrained, &mut |_| {}).unwrap();
+    assert_eq!(e.prompter().grammars_compiled(), 1);
+    drop(turn);
+    assert_eq!(e.scheduler().reserved_bytes(), 0);
+}
+
 /// Pins A11 through the engine: engines sharing one scheduler never hold
 /// more than the budget together (a second engine is refused while the
 /// first holds the room, and admitted once it is released).
