@@ -5,6 +5,14 @@ use serde::Deserialize;
 use crate::BuildError;
 use onnx_genai_package::{ElementType, Family};
 
+/// The most max_sequence_length x head_dim may be (2^28): the rotary cos
+/// and sin tables hold half that each, 512 MiB of f32; Llama 3.1's 131,072
+/// positions of 128 make 2^24.
+const MAX_ROTARY_VALUES: u64 = 1 << 28;
+
+/// The widest intermediate (feed-forward) size the builder takes.
+const MAX_INTERMEDIATE: u64 = 1 << 18;
+
 /// ONNX Runtime's `GroupQueryAttention` runs only head sizes that are a
 /// multiple of this (its CPU kernel: "head_size must be a multiple of 8").
 pub const GQA_HEAD_MULTIPLE: u32 = 8;
@@ -183,6 +191,8 @@ impl Spec {
         self.hidden_size / self.num_attention_heads.max(1)
     }
 
+    /// Checks the spec before anything is built from it, so that every
+    /// size the builder forms from it is bounded.
     pub(crate) fn check(&self, origin: &str) -> Result<(), BuildError> {
         let fail = |reason: String| Err(BuildError::Spec { origin: origin.into(), reason });
         if self.num_attention_heads == 0 || !self.hidden_size.is_multiple_of(self.num_attention_heads) {
@@ -229,6 +239,26 @@ impl Spec {
             if value > bound {
                 return fail(format!("{key} {value} is above the {bound} a package may declare"));
             }
+        }
+        // Tables the builder allocates whole, sized by products of these:
+        // a file of a few megabytes may declare any of them.
+        let rotary = u64::from(self.max_sequence_length) * u64::from(self.head_dim());
+        if self.family == Family::Llama && rotary > MAX_ROTARY_VALUES {
+            return fail(format!(
+                "max_sequence_length {} x head_dim {} is above the {MAX_ROTARY_VALUES} the builder's rotary \
+                 tables take",
+                self.max_sequence_length,
+                self.head_dim()
+            ));
+        }
+        let widest = (u64::from(self.hidden_size) * 64).clamp(4096, MAX_INTERMEDIATE);
+        if u64::from(self.intermediate_size) > widest {
+            return fail(format!(
+                "intermediate_size {} is above the {widest} the builder takes for hidden_size {} (64 times it, \
+                 at least 4096 and at most {MAX_INTERMEDIATE}): a 4-bit down projection's block sums grow with \
+                 its square",
+                self.intermediate_size, self.hidden_size
+            ));
         }
         let min_vocab = crate::tokenizer::BYTE_TOKENS
             + (crate::tokenizer::SPECIAL_TOKENS.len() + self.extra_specials().len()) as u32;

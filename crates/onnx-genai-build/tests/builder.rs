@@ -94,7 +94,10 @@ fn tokenizer_round_trips_text_and_keeps_special_tokens_whole() {
 
 /// Specs the builder cannot build are refused with the reason, before
 /// any size in them allocates: sizes beyond what a package may declare (a
-/// context of u32::MAX would ask for rotary tables of 512 GiB), a
+/// context of u32::MAX would ask for rotary tables of 512 GiB) or whose
+/// products the builder's tables cannot take (rotary tables of 2^24
+/// positions of 32; a 4-bit down projection's block sums, quadratic in an
+/// intermediate size 78 times the hidden one), a
 /// vocabulary without room for the vision placeholder (the tokenizer's
 /// merge count would underflow), an image larger than a package may
 /// preprocess, or whose tokens fill the context, or not RGB.
@@ -115,6 +118,12 @@ fn invalid_specs_are_refused_with_the_reason() {
             "does not fit the context",
         ),
         (vlm.replace("channels: 3", "channels: 4294967295"), "channels 4294967295 is not 3"),
+        (
+            text.replace("max_sequence_length: 256", "max_sequence_length: 16777216")
+                .replace("hidden_size: 64", "hidden_size: 128"),
+            "above the 268435456 the builder's rotary tables take",
+        ),
+        (text.replace("intermediate_size: 128", "intermediate_size: 5000"), "intermediate_size 5000 is above the 4096"),
         (text.replace("num_kv_heads: 2", "num_kv_heads: 3"), "multiple of num_kv_heads"),
         (text.replace("seed: 1", "seed: 1\nsead: 2"), "unknown field `sead`"),
         (text.replace("vocab_size: 384", "vocab_size: 100"), "below the 259"),

@@ -228,6 +228,19 @@ impl Gguf {
                 }
             }
         }
+        // Each tensor's data its own: ranges that overlap would let a file
+        // of a few megabytes declare a model of any size, every tensor
+        // reading the same bytes (and each dequantized apart).
+        let mut ranges: Vec<(u64, u64, &str)> =
+            infos.iter().map(|t| (t.offset, t.offset + t.bytes, t.name.as_str())).collect();
+        ranges.sort_unstable();
+        if let Some(w) = ranges.windows(2).find(|w| w[1].0 < w[0].1) {
+            return Err(GgufError::Corrupt {
+                offset: w[1].0,
+                field: format!("data of tensor `{}`", w[1].2),
+                reason: format!("overlaps the data of `{}`", w[0].2),
+            });
+        }
         Ok(Self { version, metadata, tensors: infos, alignment, bytes })
     }
 
@@ -262,6 +275,10 @@ struct Cursor<'a> {
     bytes: &'a [u8],
     pos: u64,
 }
+
+/// The most elements a metadata array may hold (2^24: a tokenizer's
+/// tokens, scores and merges are the largest, a few hundred thousand).
+const MAX_ARRAY_ELEMENTS: u64 = 1 << 24;
 
 /// Nested arrays deeper than this are corrupt, not data.
 const MAX_DEPTH: u32 = 4;
@@ -340,7 +357,18 @@ impl<'a> Cursor<'a> {
                         left: self.left(),
                     });
                 }
-                let mut items = Vec::with_capacity(count as usize);
+                if count > MAX_ARRAY_ELEMENTS {
+                    return Err(self.corrupt(
+                        at,
+                        field,
+                        format!("an array of {count} elements, more than the {MAX_ARRAY_ELEMENTS} read"),
+                    ));
+                }
+                // Reserved for at most what the file could hold one byte an
+                // element, and never all at once: an element takes 32
+                // bytes here, so a count the bytes left allow could still
+                // ask many times the file.
+                let mut items = Vec::with_capacity((count as usize).min(1 << 16));
                 for _ in 0..count {
                     items.push(self.value(elem, field, depth + 1)?);
                 }

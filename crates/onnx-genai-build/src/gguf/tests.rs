@@ -120,6 +120,41 @@ fn corrupt_headers_are_named() {
     assert!(err.contains("`huge`") && err.contains("overflow 64 bits"), "{err}");
 }
 
+/// Sizes a small file may declare but not hold: a metadata array of more
+/// than 2^24 elements (each 32 bytes once read: a 17 MB file asked 540 MB),
+/// and tensors whose data overlap (every tensor of a model reading the
+/// same bytes: a 10 MB file declared a model of 100 GB).
+#[test]
+fn sizes_a_file_cannot_hold_are_refused() {
+    let count = (1u64 << 24) + 1;
+    let mut w = Writer::default();
+    w.kv("many", 9, {
+        let mut p = 0u32.to_le_bytes().to_vec();
+        p.extend(count.to_le_bytes());
+        p.extend(vec![0u8; count as usize]);
+        p
+    });
+    let err = Gguf::parse(w.bytes()).unwrap_err().to_string();
+    assert!(err.contains("16777217 elements, more than the 16777216"), "{err}");
+
+    let values = |n: usize| vec![0u8; 4 * n];
+    let mut w = Writer::default();
+    w.tensor("a", &[8], 0, values(8)).tensor("b", &[8], 0, values(8));
+    let bytes = w.bytes();
+    assert!(Gguf::parse(bytes.clone()).is_ok(), "the file as written reads");
+    // Tensor `b`'s info: its name, one dim of 8, F32, then its offset (32).
+    let mut info = string("b");
+    info.extend(1u32.to_le_bytes());
+    info.extend(8u64.to_le_bytes());
+    info.extend(0u32.to_le_bytes());
+    let at = bytes.windows(info.len()).position(|w| w == info.as_slice()).unwrap() + info.len();
+    assert_eq!(bytes[at..at + 8], 32u64.to_le_bytes());
+    let mut shared = bytes;
+    shared[at..at + 8].copy_from_slice(&0u64.to_le_bytes());
+    let err = Gguf::parse(shared).unwrap_err().to_string();
+    assert!(err.contains("data of tensor `b`") && err.contains("overlaps the data of `a`"), "{err}");
+}
+
 /// Q8_0: d = 0.5; q = -128, -1, 0, 1, 127, then zeros.
 #[test]
 fn q8_0_block_by_hand() {

@@ -12,7 +12,9 @@ use crate::pretrained::Weight;
 /// The checkpoint's safetensors files, memory-mapped, and which holds
 /// which tensor.
 pub(super) struct Tensors {
-    maps: Vec<(String, memmap2::Mmap)>,
+    /// Each file, its map and its header (read once: a header may be 100
+    /// MB, and a checkpoint has thousands of tensors).
+    maps: Vec<(String, memmap2::Mmap, Header)>,
     /// Tensor name → index into `maps`.
     at: HashMap<String, usize>,
     /// The names [`Self::get`] was asked for.
@@ -50,16 +52,12 @@ impl Tensors {
             // reader assumes); a truncated file is caught by the header
             // check below, not by reading past the end.
             let map = unsafe { memmap2::Mmap::map(&handle) }.map_err(|source| HfError::Io { path, source })?;
-            let names = safetensors::SafeTensors::deserialize(&map)
-                .map_err(|e| HfError::Invalid { file: file.clone(), reason: e.to_string() })?
-                .names()
-                .into_iter()
-                .map(|n| n.to_string())
-                .collect::<Vec<_>>();
-            for name in names {
+            let (size, metadata) = safetensors::SafeTensors::read_metadata(&map)
+                .map_err(|e| HfError::Invalid { file: file.clone(), reason: e.to_string() })?;
+            for name in metadata.tensors().into_keys() {
                 at.insert(name, maps.len());
             }
-            maps.push((file, map));
+            maps.push((file, map, Header { data_start: HEADER_LENGTH_BYTES + size, metadata }));
         }
         Ok(Self { maps, at, read: HashSet::new() })
     }
@@ -81,15 +79,18 @@ impl Tensors {
         let err = |reason: String| HfError::Tensor { name: name.into(), reason };
         self.read.insert(name.to_string());
         let &i = self.at.get(name).ok_or_else(|| err("missing from the checkpoint's safetensors files".into()))?;
-        let (file, map) = &self.maps[i];
-        let st = safetensors::SafeTensors::deserialize(map).map_err(|e| err(format!("{file}: {e}")))?;
-        let view = st.tensor(name).map_err(|e| err(format!("{file}: {e}")))?;
+        let (file, map, header) = &self.maps[i];
+        let info = header.metadata.info(name).ok_or_else(|| err(format!("{file}: not in its header")))?;
         let want: Vec<usize> = shape.iter().map(|d| *d as usize).collect();
-        if view.shape() != want.as_slice() {
-            return Err(err(format!("has shape {:?}, the config implies {want:?}", view.shape())));
+        if info.shape != want {
+            return Err(err(format!("has shape {:?}, the config implies {want:?}", info.shape)));
         }
-        let bytes = view.data();
-        let values: Vec<f32> = match view.dtype() {
+        // (The header's offsets were validated against the file when read.)
+        let (start, end) = info.data_offsets;
+        let bytes = map
+            .get(header.data_start + start..header.data_start + end)
+            .ok_or_else(|| err(format!("{file}: its data lies past the end of the file")))?;
+        let values: Vec<f32> = match info.dtype {
             safetensors::Dtype::F32 => {
                 bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
             }
@@ -103,4 +104,14 @@ impl Tensors {
         };
         Ok(Weight { dims: shape.to_vec(), values, q4: None })
     }
+}
+
+/// Bytes of a safetensors file before its JSON header: the header's length.
+const HEADER_LENGTH_BYTES: usize = 8;
+
+/// A safetensors file's header, as validated against the file.
+struct Header {
+    /// Where the tensors' data starts (after the length and the header).
+    data_start: usize,
+    metadata: safetensors::tensor::Metadata,
 }
