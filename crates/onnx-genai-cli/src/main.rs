@@ -262,7 +262,11 @@ fn check(
     let mut opts = opts;
     if let Some(path) = prompts {
         let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        let list: Vec<String> = serde_yaml_ng::from_str(&text)
+        // Read under the manifest's bounds: YAML aliases could expand a
+        // small file into terabytes of prompts.
+        let list: Vec<String> = onnx_genai_package::yaml::from_str(&text)
+            .map_err(anyhow::Error::from)
+            .and_then(|v| serde_json::from_value(v).map_err(anyhow::Error::from))
             .with_context(|| format!("{}: expected a YAML list of prompt strings", path.display()))?;
         if list.is_empty() || list.iter().any(String::is_empty) {
             anyhow::bail!("{}: give at least one prompt, none empty", path.display());

@@ -93,7 +93,8 @@ fn check_passes_on_our_layout_and_on_ort_genais() {
 }
 
 /// A prompts file replaces the built-in prompts; one that is not a list of
-/// strings is exit 2 naming the file, as is a directory that is no package
+/// strings, or whose YAML aliases expand past the manifest's bounds, is
+/// exit 2 naming the file, as is a directory that is no package
 /// (validation's error quoted) and a package whose model is not ONNX.
 #[test]
 fn check_reads_prompts_and_says_when_it_could_not_run() {
@@ -111,6 +112,16 @@ fn check_reads_prompts_and_says_when_it_could_not_run() {
     let out = cli(&["check", dir, "--prompts", prompts.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("a YAML list of prompt strings"));
+    // A 1 MB prompt named by a thousand aliases (1 GB of prompts) is
+    // refused as it expands.
+    std::fs::write(&prompts, format!("- &p \"{}\"\n{}", "x".repeat(1 << 20), "- *p\n".repeat(1000))).unwrap();
+    let out = cli(&["check", dir, "--prompts", prompts.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("expand to more than"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 
     let empty = tempfile::tempdir().unwrap();
     let out = cli(&["check", empty.path().to_str().unwrap(), "--format", "json"]);

@@ -70,7 +70,8 @@ pub enum Code {
     /// A sampling default out of its range (temperature below 0, top_p
     /// outside (0, 1], repetition_penalty not above 0).
     PKG044,
-    /// The chat template does not parse.
+    /// The chat template does not parse, or a tag of it holds more code than
+    /// its parser may recurse through.
     PKG050,
     /// A workflow application input or step that the graph does not have.
     PKG060,
@@ -235,12 +236,23 @@ impl std::fmt::Display for Report {
     }
 }
 
+/// The longest word a "did you mean" hint compares (the distance costs
+/// the product of two words' lengths: tensor names of millions of
+/// characters took hours).
+const MAX_HINT_CHARS: usize = 256;
+
 /// The known word nearest to `unknown` (Levenshtein distance at most a third of
-/// its length, at least 2), for "did you mean" hints.
+/// its length, at least 2), for "did you mean" hints; none for words longer
+/// than [`MAX_HINT_CHARS`].
 pub fn nearest<'a>(unknown: &str, known: &[&'a str]) -> Option<&'a str> {
-    let limit = (unknown.chars().count() / 3).max(2);
+    let length = unknown.chars().count();
+    if length > MAX_HINT_CHARS {
+        return None;
+    }
+    let limit = (length / 3).max(2);
     known
         .iter()
+        .filter(|k| k.len() <= 4 * MAX_HINT_CHARS && k.chars().count() <= MAX_HINT_CHARS)
         .map(|k| (levenshtein(unknown, k), *k))
         .filter(|(d, _)| *d <= limit)
         .min_by_key(|(d, k)| (*d, *k))
@@ -265,6 +277,17 @@ fn levenshtein(a: &str, b: &str) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Hints compare words of up to 256 characters: a two-million-character
+    /// name gets none, at once, and a long known word is passed over while
+    /// a near one is still found.
+    #[test]
+    fn hints_skip_words_too_long_to_compare() {
+        assert_eq!(nearest("tokn_ids", &["token_ids", "logits"]), Some("token_ids"));
+        let long = "a".repeat(2_000_000);
+        assert_eq!(nearest(&long, &["a", &"a".repeat(2_000_001)]), None);
+        assert_eq!(nearest("aaaa", &[&long, "aaab"]), Some("aaab"));
+    }
 
     #[test]
     fn nearest_suggests_close_keys_only() {

@@ -11,6 +11,7 @@ mod sampling_defaults;
 pub mod schema;
 mod tokenizer_file;
 pub mod validate;
+pub mod yaml;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -72,9 +72,19 @@ pub(crate) fn check(ctx: &Ctx, m: &Manifest, report: &mut Report) -> Option<toke
 /// malformed files (an `unwrap` in its decoder deserialisation, found by
 /// fuzzing): a bad file must be a diagnostic, not a crash of the validator
 /// or the server.
+///
+/// A generative model's prompt is encoded whole, so the file's padding
+/// and truncation are dropped: padding makes every encoding a fixed
+/// length (a length of 10^12 aborted the process at the first prompt),
+/// and truncation would cut prompts without a word.
 pub(crate) fn load(path: &Path) -> Result<tokenizers::Tokenizer, String> {
     match std::panic::catch_unwind(|| tokenizers::Tokenizer::from_file(path)) {
-        Ok(loaded) => loaded.map_err(|e| e.to_string()),
+        Ok(loaded) => {
+            let mut tokenizer = loaded.map_err(|e| e.to_string())?;
+            tokenizer.with_padding(None);
+            tokenizer.with_truncation(None).map_err(|e| e.to_string())?;
+            Ok(tokenizer)
+        }
         Err(panic) => Err(format!("the tokenizers library failed on it ({})", panic_message(panic.as_ref()))),
     }
 }
@@ -132,5 +142,24 @@ mod tests {
         let err = super::decode(&tokenizer, &[0], false).unwrap_err();
         assert!(err.contains("failed decoding [0]"), "{err}");
         assert_eq!(super::decode(&tokenizer, &[1], false).unwrap(), "a");
+    }
+
+    /// A file's padding (to a fixed 10^12 tokens) and truncation (to 1
+    /// token) do not reach a prompt: it is encoded whole, as its own tokens.
+    #[test]
+    fn a_tokenizers_padding_and_truncation_are_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokenizer.json");
+        let json = r#"{
+            "version": "1.0", "added_tokens": [],
+            "truncation": {"direction": "Right", "max_length": 1, "strategy": "LongestFirst", "stride": 0},
+            "padding": {"strategy": {"Fixed": 1000000000000}, "direction": "Right", "pad_to_multiple_of": null,
+                        "pad_id": 0, "pad_type_id": 0, "pad_token": "a"},
+            "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
+            "model": {"type": "WordLevel", "vocab": {"a": 0, "b": 1}, "unk_token": "a"}
+        }"#;
+        std::fs::write(&path, json).unwrap();
+        let tokenizer = super::load(&path).unwrap();
+        assert_eq!(tokenizer.encode("b a b", false).unwrap().get_ids(), &[1, 0, 1]);
     }
 }

@@ -11,6 +11,7 @@ use crate::genai;
 use crate::manifest::{Manifest, Role, FORMAT};
 use crate::schema::{deserialize_closed, SchemaCodes, Tree};
 
+mod template;
 mod workflow;
 
 pub const MANIFEST_FILE: &str = "package.yaml";
@@ -64,6 +65,18 @@ pub fn validate(root: &Path) -> (Report, Checked) {
     if !check_architecture(&ctx, m, &mut report) {
         // Later checks walk the layers and heads; with sizes out of bounds
         // they would allocate per layer (billions of entries) first.
+        return (report, checked);
+    }
+    if m.components.len() > MAX_COMPONENTS {
+        // Each is read and decoded whole and kept while the package is
+        // checked: thousands naming one large file took the memory.
+        report.push(Diagnostic::error(
+            Code::PKG004,
+            ctx.manifest_file(),
+            "components",
+            format!("{} components; a package has at most {MAX_COMPONENTS}", m.components.len()),
+            "a model is one decoder and a few encoders or embedders",
+        ));
         return (report, checked);
     }
     let mut models = Vec::new();
@@ -221,7 +234,7 @@ pub fn parse_native(text: &str, report: &mut Report) -> Option<Manifest> {
         ));
         return None;
     }
-    let tree: Tree = match serde_yaml_ng::from_str(text) {
+    let tree: Tree = match crate::yaml::from_str(text) {
         Ok(t) => t,
         Err(e) => {
             report.push(Diagnostic::error(
@@ -691,11 +704,24 @@ fn check_roles_present(ctx: &Ctx, m: &Manifest, report: &mut Report) {
 
 /// `source`: the file and field the template came from when not the
 /// manifest's own `chat_template` (an imported package's).
+/// The most components a package may list.
+pub const MAX_COMPONENTS: usize = 16;
+
 fn check_chat_template(ctx: &Ctx, m: &Manifest, source: Option<(&str, &str)>, report: &mut Report) {
     let Some(template) = &m.chat_template else { return };
+    let (file, field) = source.unwrap_or((ctx.manifest_file(), "chat_template"));
+    if let Err(e) = template::check_tags(template) {
+        report.push(Diagnostic::error(
+            Code::PKG050,
+            file,
+            field,
+            format!("the chat template is refused before it is compiled: {e}"),
+            "split the expression (`{% set %}` its parts)",
+        ));
+        return;
+    }
     let env = minijinja::Environment::new();
     if let Err(e) = env.template_from_str(template) {
-        let (file, field) = source.unwrap_or((ctx.manifest_file(), "chat_template"));
         report.push(Diagnostic::error(
             Code::PKG050,
             file,
