@@ -101,7 +101,7 @@ pub fn render_chat_template(
         eos_token => eos_token,
     };
     let context = minijinja::context! { ..fixed, ..minijinja::Value::from_serialize(&chat.template_vars) };
-    tmpl.render(context).map_err(|e| EngineError::ChatTemplate(template_error(&e)))
+    crate::template::render_bounded(&tmpl, context).map_err(|e| EngineError::ChatTemplate(template_error(&e)))
 }
 
 /// A render error with its cause (minijinja puts the template's own

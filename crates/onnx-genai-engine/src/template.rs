@@ -20,9 +20,21 @@ use minijinja::{Environment, Error, ErrorKind, Value};
 pub const RESERVED: [&str; 7] =
     ["messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception", "strftime_now"];
 
+/// Instructions one render may run (a package's template could loop
+/// without end: three nested `range(100000)` loops pinned a request
+/// thread); ample for real conversations (the test renders 2,000
+/// messages through Llama 3.1's template within a tenth of it).
+pub const RENDER_FUEL: u64 = 20_000_000;
+
+/// The most text one render may make (64 MiB; minijinja repeats a string
+/// up to 100 MB at once, and a loop would repeat that): past it the render
+/// fails instead of taking the memory.
+pub const MAX_RENDERED_BYTES: usize = 64 << 20;
+
 /// A fresh environment with Hugging Face's settings and functions.
 pub fn environment() -> Environment<'static> {
     let mut env = Environment::new();
+    env.set_fuel(Some(RENDER_FUEL));
     env.set_trim_blocks(true);
     env.set_lstrip_blocks(true);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
@@ -30,6 +42,30 @@ pub fn environment() -> Environment<'static> {
     env.add_function("raise_exception", raise_exception);
     env.add_function("strftime_now", strftime_now);
     env
+}
+
+/// `template` rendered with `context`, at most [`MAX_RENDERED_BYTES`] of it.
+pub fn render_bounded(template: &minijinja::Template<'_, '_>, context: Value) -> Result<String, Error> {
+    let mut out = Bounded(Vec::new());
+    template.render_captured_to(context, &mut out)?;
+    String::from_utf8(out.0).map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))
+}
+
+/// A writer that refuses to grow past [`MAX_RENDERED_BYTES`].
+struct Bounded(Vec<u8>);
+
+impl std::io::Write for Bounded {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.0.len() + buf.len() > MAX_RENDERED_BYTES {
+            return Err(std::io::Error::other(format!("the rendered text passes {MAX_RENDERED_BYTES} bytes")));
+        }
+        self.0.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 /// What a template raises: the render fails with the template's message.
@@ -368,5 +404,32 @@ mod tests {
         let err = environment().render_str("{{ v | tojson(indent=4) }}", ctx.clone()).unwrap_err().to_string();
         assert!(err.contains("passes 4194304 bytes"), "{err}");
         assert_eq!(render("{{ v | tojson }}", ctx).len(), 60_000 + 100 * 2);
+    }
+
+    /// A template that loops without end runs out of fuel, one that makes
+    /// text without end stops at `MAX_RENDERED_BYTES`, each an error
+    /// (it pinned a request thread or took the memory), while a real
+    /// template renders a long conversation within both.
+    #[test]
+    fn renders_are_bounded_in_steps_and_text() {
+        let env = environment();
+        let endless = "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}";
+        let err = render_bounded(&env.template_from_str(endless).unwrap(), Value::UNDEFINED).unwrap_err();
+        assert!(matches!(err.kind(), ErrorKind::OutOfFuel), "{err}");
+        let wide = "{% for i in range(1000) %}{{ 'x' * 100000 }}{% endfor %}";
+        let err = render_bounded(&env.template_from_str(wide).unwrap(), Value::UNDEFINED).unwrap_err();
+        let cause = std::error::Error::source(&err).map(ToString::to_string).unwrap_or_default();
+        assert!(cause.contains("passes 67108864 bytes"), "{err}: {cause}");
+        let llama = include_str!("../tests/data/chat_templates/llama-3.1-8b-instruct.jinja");
+        let messages: Vec<serde_json::Value> = (0..2000)
+            .map(|i| serde_json::json!({"role": if i % 2 == 0 { "user" } else { "assistant" }, "content": format!("message {i}")}))
+            .collect();
+        let ctx = Value::from_serialize(
+            serde_json::json!({"messages": messages, "add_generation_prompt": true, "bos_token": "<s>"}),
+        );
+        let mut small = environment();
+        small.set_fuel(Some(RENDER_FUEL / 10));
+        let text = render_bounded(&small.template_from_str(llama).unwrap(), ctx).unwrap();
+        assert!(text.contains("message 1999"), "{}", &text[text.len().saturating_sub(200)..]);
     }
 }
