@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use onnx_genai_engine::{Engine, Flow, GenerateRequest, GenerateResult, SessionId, Turn, TurnState};
 use tokio::sync::{mpsc, oneshot};
 
+use crate::backlog::{send_backlog, Sent};
 use crate::error::{from_engine, ApiError};
 use crate::sessions::Lease;
 
@@ -341,23 +342,21 @@ impl Running {
 
     /// Sends what the channel takes; returns whether everything went out.
     fn flush(&mut self) -> bool {
-        while let Some(event) = self.backlog.pop_front() {
-            match self.events.try_send(event) {
-                Ok(()) => {}
-                Err(mpsc::error::TrySendError::Full(event)) => {
-                    self.backlog.push_front(event);
-                    self.stalled_since.get_or_insert_with(Instant::now);
-                    return false;
-                }
-                Err(mpsc::error::TrySendError::Closed(_)) => {
-                    self.gone = true;
-                    self.backlog.clear();
-                    return false;
-                }
+        match send_backlog(&self.events, &mut self.backlog) {
+            Sent::Drained => {
+                self.stalled_since = None;
+                true
+            }
+            Sent::Full => {
+                self.stalled_since.get_or_insert_with(Instant::now);
+                false
+            }
+            Sent::Closed => {
+                self.gone = true;
+                self.backlog.clear();
+                false
             }
         }
-        self.stalled_since = None;
-        true
     }
 }
 
@@ -403,17 +402,10 @@ struct Trailing {
 impl Trailing {
     /// Sends what the channel takes; whether anything is left to send.
     fn flush(&mut self, now: Instant) -> bool {
-        while let Some(event) = self.backlog.pop_front() {
-            match self.events.try_send(event) {
-                Ok(()) => {}
-                Err(mpsc::error::TrySendError::Closed(_)) => return false,
-                Err(mpsc::error::TrySendError::Full(event)) => {
-                    self.backlog.push_front(event);
-                    return now < self.until;
-                }
-            }
+        match send_backlog(&self.events, &mut self.backlog) {
+            Sent::Full => now < self.until,
+            Sent::Drained | Sent::Closed => false,
         }
-        false
     }
 }
 

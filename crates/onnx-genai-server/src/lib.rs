@@ -5,6 +5,7 @@
 
 mod answer;
 mod api;
+mod backlog;
 pub mod client;
 #[cfg(test)]
 mod death_tests;
