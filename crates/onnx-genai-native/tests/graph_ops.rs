@@ -234,6 +234,23 @@ fn folding_a_gigabyte_from_a_few_bytes_is_an_error() {
     use onnx_genai_onnx::Tensor;
     const SIDE: i64 = 1 << 14;
     type Build = Box<dyn Fn(&mut GraphBuilder) -> String>;
+    // `op` of one value spread to [SIDE, SIDE] (its second input says so).
+    let spread = |op: &'static str| -> Build {
+        Box::new(move |g| {
+            let one = g.initializer(Tensor::from_f32("one", vec![1, 1], &[1.0]));
+            let to = g.const_i64(&[SIDE, SIDE]);
+            g.op(op, &[&one, &to])
+        })
+    };
+    // `op` of a column [SIDE, 1] and a row [1, SIDE]: SIDE^2 values from
+    // 2 SIDE (a broadcast or an outer product).
+    let outer = |op: &'static str| -> Build {
+        Box::new(move |g| {
+            let column = g.initializer(Tensor::from_f32("column", vec![SIDE, 1], &vec![1.0; SIDE as usize]));
+            let row = g.initializer(Tensor::from_f32("row", vec![1, SIDE], &vec![2.0; SIDE as usize]));
+            g.op(op, &[&column, &row])
+        })
+    };
     let cases: Vec<(&str, Build)> = vec![
         (
             "ConstantOfShape",
@@ -242,30 +259,9 @@ fn folding_a_gigabyte_from_a_few_bytes_is_an_error() {
                 g.op("ConstantOfShape", &[&shape])
             }),
         ),
-        (
-            "Tile",
-            Box::new(|g| {
-                let one = g.initializer(Tensor::from_f32("one", vec![1, 1], &[1.0]));
-                let repeats = g.const_i64(&[SIDE, SIDE]);
-                g.op("Tile", &[&one, &repeats])
-            }),
-        ),
-        (
-            "Expand",
-            Box::new(|g| {
-                let one = g.initializer(Tensor::from_f32("one", vec![1, 1], &[1.0]));
-                let target = g.const_i64(&[SIDE, SIDE]);
-                g.op("Expand", &[&one, &target])
-            }),
-        ),
-        (
-            "Add",
-            Box::new(|g| {
-                let column = g.initializer(Tensor::from_f32("column", vec![SIDE, 1], &vec![1.0; SIDE as usize]));
-                let row = g.initializer(Tensor::from_f32("row", vec![1, SIDE], &vec![2.0; SIDE as usize]));
-                g.op("Add", &[&column, &row])
-            }),
-        ),
+        ("Tile", spread("Tile")),
+        ("Expand", spread("Expand")),
+        ("Add", outer("Add")),
         (
             "Range",
             Box::new(|g| {
@@ -273,22 +269,8 @@ fn folding_a_gigabyte_from_a_few_bytes_is_an_error() {
                 g.op("Range", &[&start, &limit, &delta])
             }),
         ),
-        (
-            "Gemm",
-            Box::new(|g| {
-                let column = g.initializer(Tensor::from_f32("column", vec![SIDE, 1], &vec![1.0; SIDE as usize]));
-                let row = g.initializer(Tensor::from_f32("row", vec![1, SIDE], &vec![2.0; SIDE as usize]));
-                g.op("Gemm", &[&column, &row])
-            }),
-        ),
-        (
-            "MatMul",
-            Box::new(|g| {
-                let column = g.initializer(Tensor::from_f32("column", vec![SIDE, 1], &vec![1.0; SIDE as usize]));
-                let row = g.initializer(Tensor::from_f32("row", vec![1, SIDE], &vec![2.0; SIDE as usize]));
-                g.op("MatMul", &[&column, &row])
-            }),
-        ),
+        ("Gemm", outer("Gemm")),
+        ("MatMul", outer("MatMul")),
     ];
     for (op, build) in &cases {
         let model = graph(|g| {

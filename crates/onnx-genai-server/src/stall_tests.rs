@@ -63,6 +63,12 @@ fn send_generate(
 /// The admission decision a route waits for.
 type Decision = oneshot::Receiver<Result<u64, crate::error::ApiError>>;
 
+/// Server options whose drivers cancel a turn its client has not read
+/// from for `stall_timeout` (the rest default).
+fn stalling_after(stall_timeout: Duration) -> ServerOptions {
+    ServerOptions { driver: DriverOptions { stall_timeout, ..Default::default() }, ..Default::default() }
+}
+
 /// Waits (bounded) until `what` holds, failing with `never` otherwise.
 fn wait_for(what: impl Fn() -> bool, never: &str) {
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -81,7 +87,7 @@ fn wait_for(what: impl Fn() -> bool, never: &str) {
 fn a_client_that_stops_reading_parks_out_of_the_batch_then_is_cancelled() {
     let dir = tempfile::tempdir().unwrap();
     let stall_timeout = Duration::from_secs(3);
-    let options = ServerOptions { driver: DriverOptions { stall_timeout, ..Default::default() }, ..Default::default() };
+    let options = stalling_after(stall_timeout);
     let server = start_with(vec![engine(dir.path())], "127.0.0.1:0", options).unwrap();
     let baseline = server.gauges();
     let started = Instant::now();
@@ -187,7 +193,7 @@ fn a_driver_whose_every_turn_is_parked_still_gives_back_idle_memory() {
     let hook = std::sync::Arc::new(CountReleases::default());
     let engine = hooked_engine(dir.path(), hook.clone());
     let stall_timeout = Duration::from_secs(20);
-    let options = ServerOptions { driver: DriverOptions { stall_timeout, ..Default::default() }, ..Default::default() };
+    let options = stalling_after(stall_timeout);
     let server = start_with(vec![engine], "127.0.0.1:0", options).unwrap();
     let (_silent, _ended) = park_silent_turn(&server);
     let asks = || hook.0.load(std::sync::atomic::Ordering::SeqCst);
@@ -281,7 +287,7 @@ fn driver_threads() -> usize {
 fn ended_turns_whose_clients_do_not_read_cost_no_threads() {
     let dir = tempfile::tempdir().unwrap();
     let stall_timeout = Duration::from_secs(2);
-    let options = ServerOptions { driver: DriverOptions { stall_timeout, ..Default::default() }, ..Default::default() };
+    let options = stalling_after(stall_timeout);
     let server = start_with(vec![engine(dir.path())], "127.0.0.1:0", options).unwrap();
     let silent_turns = |count: usize| {
         let turns = server.gauges().turns;
