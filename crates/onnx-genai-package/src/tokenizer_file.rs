@@ -43,15 +43,23 @@ pub(crate) fn check(ctx: &Ctx, m: &Manifest, report: &mut Report) -> Option<toke
     };
     match load(&path) {
         Ok(tokenizer) => {
-            let size = tokenizer.get_vocab_size(true);
-            if size > vocab as usize {
-                report.push(Diagnostic::error(
-                    Code::PKG041,
-                    &m.tokenizer.file,
-                    "",
-                    format!("the tokenizer has {size} tokens but the model's vocab_size is {vocab}"),
-                    "use the model's own tokenizer, or raise vocab_size to the logits width",
-                ));
+            // Its largest id, not its count: ids may be sparse (an added
+            // token numbered past the rest), and every id a prompt encodes
+            // to indexes the embedding and every sampled one the logits.
+            if let Some((token, id)) = tokenizer.get_vocab(true).into_iter().max_by_key(|(_, id)| *id) {
+                if id >= vocab {
+                    // (A token's text is the tokenizer's: shown clipped.)
+                    let shown: String = token.chars().take(40).collect();
+                    report.push(Diagnostic::error(
+                        Code::PKG041,
+                        &m.tokenizer.file,
+                        "",
+                        format!(
+                            "the tokenizer's token {shown:?} has id {id} but the model's vocab_size is {vocab} (ids must lie below it)"
+                        ),
+                        "use the model's own tokenizer, or raise vocab_size to the logits width",
+                    ));
+                }
             }
             Some(tokenizer)
         }
