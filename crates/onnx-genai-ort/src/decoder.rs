@@ -25,10 +25,18 @@ struct Ports {
     /// Exactly one of `token_ids` and `inputs_embeds` is bound.
     token_ids: Option<String>,
     inputs_embeds: Option<String>,
+    /// The element types the graph declares where the package allows
+    /// either (validation accepts int32 or int64 ids, masks and
+    /// positions, and f32 or f16 embeddings and logits): values are
+    /// converted at the session's edge, so every such package runs.
     token_ids_i32: bool,
+    embeds_f16: bool,
     attention_mask: Option<String>,
+    attention_mask_i32: bool,
     position_ids: Option<String>,
+    position_ids_i32: bool,
     logits: String,
+    logits_f16: bool,
     layers: Vec<LayerPorts>,
     kv_dtype: ElementType,
     /// KV bytes per cached position (all layers, key and value).
@@ -76,21 +84,26 @@ impl OrtModel {
         if token_ids.is_none() && inputs_embeds.is_none() {
             return Err(load_err("neither `token_ids` nor `inputs_embeds` is bound".into()));
         }
-        let token_ids_i32 = session
-            .inputs()
-            .iter()
-            .find(|o| Some(o.name()) == token_ids.as_deref())
-            .and_then(|o| o.dtype().tensor_type())
-            == Some(TensorElementType::Int32);
+        let declared = |ports: &[ort::value::Outlet], name: Option<&str>| {
+            ports.iter().find(|o| Some(o.name()) == name).and_then(|o| o.dtype().tensor_type())
+        };
+        let input_is = |name: Option<&str>, ty| declared(session.inputs(), name) == Some(ty);
+        let attention_mask = component.port(Role::AttentionMask).map(str::to_string);
+        let position_ids = component.port(Role::PositionIds).map(str::to_string);
+        let logits = required(Role::Logits)?;
         let layers = package.kv_ports(component).map_err(|e| load_err(e.to_string()))?;
         let bytes_per_token = KvGeometry::from_ports(geometry.dtype, &layers).bytes_per_token();
         let ports = Ports {
+            token_ids_i32: input_is(token_ids.as_deref(), TensorElementType::Int32),
+            embeds_f16: input_is(inputs_embeds.as_deref(), TensorElementType::Float16),
+            attention_mask_i32: input_is(attention_mask.as_deref(), TensorElementType::Int32),
+            position_ids_i32: input_is(position_ids.as_deref(), TensorElementType::Int32),
+            logits_f16: declared(session.outputs(), Some(&logits)) == Some(TensorElementType::Float16),
             token_ids,
             inputs_embeds,
-            token_ids_i32,
-            attention_mask: component.port(Role::AttentionMask).map(str::to_string),
-            position_ids: component.port(Role::PositionIds).map(str::to_string),
-            logits: required(Role::Logits)?,
+            attention_mask,
+            position_ids,
+            logits,
             layers,
             kv_dtype: geometry.dtype,
             bytes_per_token,
@@ -133,8 +146,14 @@ impl OrtModel {
                 if hidden == 0 || !values.len().is_multiple_of(hidden) {
                     return Err(run_err(format!("{} embedding values are not rows of {hidden}", values.len())));
                 }
-                let value = Tensor::from_array(([1usize, count, hidden], values.to_vec())).map_err(run_err)?;
-                (port, value.into_dyn())
+                let shape = [1usize, count, hidden];
+                let value = if p.embeds_f16 {
+                    let narrow: Vec<half::f16> = values.iter().map(|v| half::f16::from_f32(*v)).collect();
+                    Tensor::from_array((shape, narrow)).map_err(run_err)?.into_dyn()
+                } else {
+                    Tensor::from_array((shape, values.to_vec())).map_err(run_err)?.into_dyn()
+                };
+                (port, value)
             }
         };
         if seq.past.is_empty() {
@@ -143,10 +162,11 @@ impl OrtModel {
         let mut inputs: Vec<(String, SessionInputValue<'_>)> = Vec::with_capacity(3 + 2 * p.layers.len());
         inputs.push((first.0, first.1.into()));
         if let Some(name) = &p.attention_mask {
-            inputs.push((name.clone(), int_input(vec![1; total], false)?.into()));
+            inputs.push((name.clone(), int_input(vec![1; total], p.attention_mask_i32)?.into()));
         }
         if let Some(name) = &p.position_ids {
-            inputs.push((name.clone(), int_input((seq.kv_len as i64..total as i64).collect(), false)?.into()));
+            let positions = (seq.kv_len as i64..total as i64).collect();
+            inputs.push((name.clone(), int_input(positions, p.position_ids_i32)?.into()));
         }
         for (l, (key, value)) in p.layers.iter().zip(&seq.past) {
             inputs.push((l.past_key.clone(), key.into()));
@@ -155,11 +175,6 @@ impl OrtModel {
         let mut session = self.session.lock().unwrap_or_else(|e| e.into_inner());
         let mut outputs = session.run(inputs).map_err(run_err)?;
         let out = outputs.remove(&p.logits).ok_or_else(|| run_err(format!("no `{}` output", p.logits)))?;
-        let (shape, data) = out.try_extract_tensor::<f32>().map_err(run_err)?;
-        let width = shape.last().copied().unwrap_or(0) as usize;
-        if width != p.vocab || data.len() < p.vocab {
-            return Err(run_err(format!("logits shape {shape:?} does not end in vocab {}", p.vocab)));
-        }
         let mut next = Vec::with_capacity(p.layers.len());
         for l in &p.layers {
             let mut take = |name: &str| {
@@ -169,8 +184,24 @@ impl OrtModel {
             };
             next.push((take(&l.present_key)?, take(&l.present_value)?));
         }
-        logits.clear();
-        logits.extend_from_slice(&data[data.len() - p.vocab..]);
+        let last_row = |shape: &[i64], len: usize| {
+            let width = shape.last().copied().unwrap_or(0) as usize;
+            if width != p.vocab || len < p.vocab {
+                return Err(run_err(format!("logits shape {shape:?} does not end in vocab {}", p.vocab)));
+            }
+            Ok(len - p.vocab..len)
+        };
+        if p.logits_f16 {
+            let (shape, data) = out.try_extract_tensor::<half::f16>().map_err(run_err)?;
+            let row = &data[last_row(shape, data.len())?];
+            logits.clear();
+            logits.extend(row.iter().map(|v| v.to_f32()));
+        } else {
+            let (shape, data) = out.try_extract_tensor::<f32>().map_err(run_err)?;
+            let row = &data[last_row(shape, data.len())?];
+            logits.clear();
+            logits.extend_from_slice(row);
+        }
         drop(outputs);
         drop(session);
         seq.past = next;

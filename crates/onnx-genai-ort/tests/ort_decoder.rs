@@ -109,3 +109,106 @@ fn a_present_output_that_is_not_the_whole_cache_is_refused() {
     );
     assert_eq!(d.kv_len(), 3, "a refused step leaves the sequence as it was");
 }
+
+/// Makes graph input `name` take `to` and cast it back to its type, for
+/// every node that read it.
+fn retype_input(model: &mut onnx_genai_onnx::Model, name: &str, to: onnx_genai_onnx::DataType) {
+    use onnx_genai_onnx::{AttrValue, Attribute, Node};
+    let input = model.graph.inputs.iter_mut().find(|i| i.name == name).expect("the input exists");
+    let was = std::mem::replace(&mut input.dtype, to);
+    let wide = format!("{name}.as_declared");
+    for node in &mut model.graph.nodes {
+        node.inputs.iter_mut().filter(|i| *i == name).for_each(|i| i.clone_from(&wide));
+    }
+    let cast = Attribute { name: "to".into(), value: AttrValue::Int(was.onnx_code().into()) };
+    let node = Node {
+        name: format!("cast {name}"),
+        op_type: "Cast".into(),
+        domain: String::new(),
+        inputs: vec![name.into()],
+        outputs: vec![wide],
+        attributes: vec![cast],
+    };
+    model.graph.nodes.insert(0, node);
+}
+
+/// Makes graph output `name` a cast of what it was to `to`.
+fn retype_output(model: &mut onnx_genai_onnx::Model, name: &str, to: onnx_genai_onnx::DataType) {
+    use onnx_genai_onnx::{AttrValue, Attribute, Node};
+    let output = model.graph.outputs.iter_mut().find(|o| o.name == name).expect("the output exists");
+    output.dtype = to;
+    let computed = format!("{name}.as_computed");
+    for node in &mut model.graph.nodes {
+        node.outputs.iter_mut().chain(&mut node.inputs).filter(|o| *o == name).for_each(|o| o.clone_from(&computed));
+    }
+    model.graph.value_infos.retain(|v| v.name != name);
+    let cast = Attribute { name: "to".into(), value: AttrValue::Int(to.onnx_code().into()) };
+    let node = Node {
+        name: format!("cast {name}"),
+        op_type: "Cast".into(),
+        domain: String::new(),
+        inputs: vec![computed],
+        outputs: vec![name.into()],
+        attributes: vec![cast],
+    };
+    model.graph.nodes.push(node);
+}
+
+/// Every element type validation accepts for a non-KV port runs: a
+/// decoder graph that takes int32 attention masks and positions (as well
+/// as ids) and f16 embeddings, and returns f16 logits, decodes on ONNX
+/// Runtime, its values converted at the session's edge — the masks and
+/// positions exactly, the embeddings and logits as f16 rounds them.
+/// Before, the backend always sent int64 masks and positions, f32
+/// embeddings and read f32 logits: such a package passed `validate` and
+/// then failed every request with ONNX Runtime's type error.
+#[test]
+fn every_port_type_the_package_may_declare_runs() {
+    use onnx_genai_onnx::DataType;
+    use onnx_genai_package::Role;
+    let mut embeds_retyped = false;
+    for spec in specs() {
+        let (_dir, package) = onnx_genai_test_support::build(&spec);
+        let (decoder, path) = package.decoder().unwrap();
+        let tokens = [5u32, 77, 300, 12, 9, 150];
+        let h = package.manifest.architecture.hidden_size as usize;
+        let takes_embeds = decoder.port(Role::InputsEmbeds).is_some();
+        // The reference: the graph as built, on inputs as the narrowed
+        // graph will see them (embeddings rounded to f16).
+        let rounded = |d: &mut Decoder| {
+            if takes_embeds {
+                let rows: Vec<f32> = tokens
+                    .iter()
+                    .flat_map(|t| (0..h).map(move |i| ((*t as usize * 31 + i * 7) % 17) as f32 / 17.0 - 0.5))
+                    .map(|v| half::f16::from_f32(v).to_f32())
+                    .collect();
+                d.forward_embeds(&rows[..3 * h], h)?;
+                d.forward_embeds(&rows[3 * h..], h)
+            } else {
+                d.forward(&tokens[..3])?;
+                d.forward(&tokens[3..])
+            }
+        };
+        let expected: Vec<f32> = rounded(&mut load(&package)).expect("the built graph runs");
+        let mut model = onnx_genai_onnx::read_model(path).unwrap();
+        let mut retyped = Vec::new();
+        for (role, to) in [
+            (Role::AttentionMask, DataType::Int32),
+            (Role::PositionIds, DataType::Int32),
+            (Role::InputsEmbeds, DataType::Float16),
+        ] {
+            if let Some(name) = decoder.port(role) {
+                retype_input(&mut model, name, to);
+                retyped.push(role);
+            }
+        }
+        retype_output(&mut model, decoder.port(Role::Logits).unwrap(), DataType::Float16);
+        onnx_genai_onnx::write_model(path, &model).unwrap();
+        let package = onnx_genai_package::Package::open(&package.root).expect("the retyped package validates");
+        let got = rounded(&mut load(&package)).unwrap_or_else(|e| panic!("{spec} with {retyped:?} retyped: {e}"));
+        let want: Vec<f32> = expected.iter().map(|v| half::f16::from_f32(*v).to_f32()).collect();
+        assert_eq!(got, want, "{spec}: logits through the retyped ports differ beyond f16 rounding");
+        embeds_retyped |= retyped.contains(&Role::InputsEmbeds);
+    }
+    assert!(embeds_retyped, "no shipped package's decoder reads embeddings: f16 embeddings went untried");
+}

@@ -475,10 +475,11 @@ fn allowed_dtypes(m: &Manifest, role: Role) -> Vec<DataType> {
     match role {
         Role::TokenIds | Role::PositionIds | Role::AttentionMask => vec![DataType::Int64, DataType::Int32],
         Role::InputsEmbeds | Role::Logits => vec![DataType::Float, DataType::Float16],
-        _ => match &m.kv_cache {
-            Some(kv) => vec![kv.dtype.onnx()],
-            None => vec![DataType::Float, DataType::Float16],
-        },
+        // The KV cache's type where declared, else the weights' (what
+        // backends carry it in: `Package::kv_tensors`); a graph whose past
+        // is another type ran into ONNX Runtime's type error at the first
+        // step.
+        _ => vec![m.kv_cache.as_ref().map_or(m.dtype, |kv| kv.dtype).onnx()],
     }
 }
 
@@ -565,7 +566,11 @@ fn check_ports(ctx: &Ctx, m: &Manifest, ci: usize, model: &Model, report: &mut R
                         port.role.as_str(),
                         names.join(" or ")
                     ),
-                    if port.role.per_layer() {
+                    if port.role.per_layer() && m.kv_cache.is_none() {
+                        "with no kv_cache section the KV cache takes `dtype`: declare kv_cache.dtype as the graph's \
+                         KV tensors' type"
+                            .to_string()
+                    } else if port.role.per_layer() {
                         "make kv_cache.dtype match the graph's KV tensors".to_string()
                     } else {
                         "re-export the graph with the expected element type".to_string()
