@@ -23,11 +23,30 @@ macro_rules! outln {
     };
 }
 
-/// `print!` as [`outln!`] is `println!`.
-macro_rules! out {
-    ($($arg:tt)*) => {
-        write!(std::io::stdout(), $($arg)*)?
-    };
+/// The most threads `--threads` may ask for (a count past it is a typo:
+/// `--threads 100000` started that many threads, and ONNX Runtime's C
+/// `int` wrapped 2^32 + 1 to one).
+const MAX_THREADS: u64 = 1024;
+
+/// The largest image file `generate --image` reads (a PNG or JPEG the
+/// decoder accepts is far smaller; `--image /dev/zero` read until the
+/// process was killed).
+const MAX_IMAGE_FILE: u64 = 64 << 20;
+
+/// Writes a command's report or closing line where its exit code is the
+/// verdict (`validate`, `check`) or its product is already written
+/// (`build`, `import`): a reader that closed stdout loses the text, not
+/// the code. Other write errors are said on stderr.
+fn report_out(text: &str) {
+    if let Err(e) = std::io::stdout().write_all(text.as_bytes()).and_then(|()| std::io::stdout().flush()) {
+        if e.kind() != std::io::ErrorKind::BrokenPipe {
+            eprintln!("error: cannot write to stdout: {e}");
+        }
+    }
+}
+
+fn threads_arg() -> clap::builder::RangedU64ValueParser<usize> {
+    clap::builder::RangedU64ValueParser::<usize>::new().range(0..=MAX_THREADS)
 }
 
 #[derive(Parser)]
@@ -58,7 +77,9 @@ enum Command {
         #[arg(long, default_value_t = onnx_genai_server::ServerOptions::default().max_sessions)]
         max_sessions: usize,
         /// Choices (`n`) one request may ask for (1 to 16); more is a 400.
-        #[arg(long, default_value_t = onnx_genai_server::ServerOptions::default().max_choices)]
+        #[arg(long, default_value_t = onnx_genai_server::ServerOptions::default().max_choices,
+              value_parser = clap::builder::RangedU64ValueParser::<usize>::new()
+                  .range(1..=onnx_genai_engine::MAX_CHOICES as u64))]
         max_choices: usize,
         /// KV cache bytes all models may reserve together (default: half of
         /// the memory available when the server starts).
@@ -85,7 +106,9 @@ enum Command {
         /// Decode backend (ort, native-cpu).
         #[arg(long, default_value = "ort")]
         backend: BackendKind,
-        #[arg(long, default_value_t = 0)]
+        /// Intra-op threads of each model (0: the backend decides; at most
+        /// 1,024).
+        #[arg(long, default_value_t = 0, value_parser = threads_arg())]
         threads: usize,
         /// How the KV cache is stored: `model` (the type the package
         /// declares) or `f16` (half an f32 cache's bytes, so twice the
@@ -95,7 +118,7 @@ enum Command {
         /// Require `Authorization: Bearer <KEY>` on every route but /health
         /// (repeatable: any of the keys; each key is one client, and
         /// sessions belong to the key that created them).
-        #[arg(long = "api-key")]
+        #[arg(long = "api-key", value_parser = clap::builder::NonEmptyStringValueParser::new())]
         api_keys: Vec<String>,
         /// A Host name requests may be addressed to (repeatable). A server on
         /// a loopback address accepts only loopback names and these; one on
@@ -182,8 +205,8 @@ enum Command {
         /// Decode backend (ort, native-cpu).
         #[arg(long, default_value = "ort")]
         backend: BackendKind,
-        /// Intra-op threads (0: the backend decides).
-        #[arg(long, default_value_t = 0)]
+        /// Intra-op threads (0: the backend decides; at most 1,024).
+        #[arg(long, default_value_t = 0, value_parser = threads_arg())]
         threads: usize,
         /// How the KV cache is stored: `model` (the type the package
         /// declares) or `f16` (native-cpu only).
@@ -215,8 +238,8 @@ enum Command {
         /// the compiled plan computes in).
         #[arg(long, value_parser = parse_tier)]
         tier: Option<onnx_genai_conformance::tolerance::Tier>,
-        /// Threads of every backend.
-        #[arg(long, default_value_t = 2)]
+        /// Threads of every backend (at most 1,024).
+        #[arg(long, default_value_t = 2, value_parser = threads_arg())]
         threads: usize,
         /// Alternatives shown on each side where the backends part.
         #[arg(long, default_value_t = 5)]
@@ -281,14 +304,15 @@ fn check(
         CheckFormat::Junit => c::report(&checks).junit(),
     };
     // The verdict's exit code stands even when the report cannot be
-    // written: it then goes to stdout.
+    // written: it then goes to stdout (and where stdout is closed too,
+    // the code is all that is left).
     match out.map(|path| std::fs::write(path, &text).map_err(|e| (path, e))) {
         Some(Ok(())) => {}
         Some(Err((path, e))) => {
             eprintln!("error: cannot write {}: {e}; the report follows", path.display());
-            out!("{text}");
+            report_out(&text);
         }
-        None => out!("{text}"),
+        None => report_out(&text),
     }
     Ok(ExitCode::from(c::exit_code(&checks) as u8))
 }
@@ -348,7 +372,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Build { spec, out, variant } => {
             let spec = onnx_genai_build::read_spec(&spec)?;
             onnx_genai_build::build_variant(&spec, variant, &out)?;
-            outln!("built {} ({}) into {}", spec.name, variant.name(), out.display());
+            report_out(&format!("built {} ({}) into {}\n", spec.name, variant.name(), out.display()));
             Ok(ExitCode::SUCCESS)
         }
         Command::Inspect { package } => inspect(&package),
@@ -360,7 +384,12 @@ fn run(cli: Cli) -> Result<ExitCode> {
             let mut spec = onnx_genai_build::hf::spec_from_hf(&checkpoint, &name)?;
             spec.dtype = dtype;
             onnx_genai_build::build_variant(&spec, variant, &out)?;
-            outln!("imported {} ({}, {dtype:?}) into {}", checkpoint.display(), variant.name(), out.display());
+            report_out(&format!(
+                "imported {} ({}, {dtype:?}) into {}\n",
+                checkpoint.display(),
+                variant.name(),
+                out.display()
+            ));
             Ok(ExitCode::SUCCESS)
         }
         Command::Check { packages, prompts, steps, tier, threads, top_k, format, out, golden } => {
@@ -474,7 +503,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             let mut prompt = prompt;
             let prompter = engine.prompter();
             if let Some(path) = &image {
-                let encoded = std::fs::read(path).with_context(|| format!("cannot read image {}", path.display()))?;
+                let encoded = read_image(path).with_context(|| format!("cannot read image {}", path.display()))?;
                 inputs.push(prompter.image(&encoded).with_context(|| format!("cannot read image {}", path.display()))?);
             }
             let prompt = if chat {
@@ -532,13 +561,25 @@ fn run(cli: Cli) -> Result<ExitCode> {
 
 fn validate(dir: &std::path::Path, format: Format, verbose: bool) -> Result<ExitCode> {
     let (report, _) = onnx_genai_package::validate(dir);
-    match format {
-        Format::Json => outln!("{}", serde_json::to_string_pretty(&report)?),
-        Format::Text if report.diagnostics.is_empty() => outln!("{}: ok", dir.display()),
-        Format::Text if verbose => out!("{}", report.verbose()),
-        Format::Text => out!("{report}"),
-    }
+    let text = match format {
+        Format::Json => format!("{}\n", serde_json::to_string_pretty(&report)?),
+        Format::Text if report.diagnostics.is_empty() => format!("{}: ok\n", dir.display()),
+        Format::Text if verbose => report.verbose().to_string(),
+        Format::Text => report.to_string(),
+    };
+    report_out(&text);
     Ok(if report.has_errors() { ExitCode::FAILURE } else { ExitCode::SUCCESS })
+}
+
+/// An image file's bytes, at most [`MAX_IMAGE_FILE`] of them.
+fn read_image(path: &Path) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)?.take(MAX_IMAGE_FILE + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > MAX_IMAGE_FILE {
+        anyhow::bail!("it holds more than {} MiB (a PNG or JPEG of at most that)", MAX_IMAGE_FILE >> 20);
+    }
+    Ok(bytes)
 }
 
 fn inspect(dir: &std::path::Path) -> Result<ExitCode> {

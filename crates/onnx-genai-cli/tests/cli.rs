@@ -51,24 +51,35 @@ fn generate_is_greedy_deterministic_and_inspect_shows_geometry() {
 }
 
 /// A reader that closed stdout before the command wrote (`onnx-genai
-/// inspect PKG | head -0`) ends `inspect`, `validate` and `build` quietly
-/// with a failure exit code: no panic ("failed printing to stdout", exit
-/// 101, before), no error message for a reader that has gone.
+/// inspect PKG | head -0`) ends a command quietly, with the exit code its
+/// work earned: `inspect`, whose output is its product, fails; `validate`
+/// and `check` keep their verdict (0 for a good package, 1 for a bad one
+/// or a mismatch) and `build` its success. Never a panic ("failed printing
+/// to stdout", exit 101, before) nor an error message for a reader that
+/// has gone; before, every one of them exited 1 (`check` 2, "could not
+/// run", saying `Broken pipe`), losing the verdict a script piped into
+/// `head` tests.
 #[test]
 fn a_closed_stdout_ends_a_command_quietly() {
     let dir = built("tiny-llama-gqa");
     let p = dir.path().to_str().unwrap();
+    let bad = built("tiny-llama-gqa");
+    std::fs::write(bad.path().join("tokenizer.json"), "not json").unwrap();
     let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packages/tiny-llama-gqa/spec.yaml");
     let out = tempfile::tempdir().unwrap();
-    for args in
-        [vec!["inspect", p], vec!["validate", p], vec!["build", spec.to_str().unwrap(), out.path().to_str().unwrap()]]
-    {
+    for (args, code) in [
+        (vec!["inspect", p], 1),
+        (vec!["validate", p], 0),
+        (vec!["validate", bad.path().to_str().unwrap()], 1),
+        (vec!["check", p, "--steps", "2"], 0),
+        (vec!["build", spec.to_str().unwrap(), out.path().to_str().unwrap()], 0),
+    ] {
         // The read end closed before the command starts: its first write fails.
         let (reader, writer) = std::io::pipe().unwrap();
         drop(reader);
         let o = Command::new(env!("CARGO_BIN_EXE_onnx-genai")).args(&args).stdout(writer).output().unwrap();
         let (_, err) = text(&o);
-        assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+        assert_eq!(o.status.code(), Some(code), "{args:?}: {err}");
         assert!(err.is_empty(), "{args:?} said something to a reader that has gone: {err}");
     }
 }
@@ -186,6 +197,12 @@ fn bad_input_fails_cleanly() {
         cli(&["generate", p, "--prompt", "x", "--backend", "native-cpu", "--kv-cache", "f16", "--max-new-tokens", "3"]);
     assert_eq!(native_f16.status.code(), Some(0), "{:?}", text(&native_f16));
 
+    // An image file is read up to 64 MiB: `/dev/zero` was read until the
+    // process was killed.
+    let endless = cli(&["generate", p, "--prompt", "x", "--image", "/dev/zero"]);
+    assert_eq!(endless.status.code(), Some(1), "{:?}", text(&endless));
+    assert!(text(&endless).1.contains("more than 64 MiB"), "{:?}", text(&endless));
+
     std::fs::write(dir.path().join("model.onnx"), b"\x08\x01garbage").unwrap();
     let corrupt = cli(&["generate", p, "--prompt", "x"]);
     assert_eq!(corrupt.status.code(), Some(1));
@@ -197,8 +214,27 @@ fn bad_input_fails_cleanly() {
     assert_eq!(forever.status.code(), Some(2), "{:?}", text(&forever));
     assert!(text(&forever).1.contains("is not in 1..=86400"), "{:?}", text(&forever));
 
-    for o in [missing, bad_arg, zero, bad_kv, ort_f16, corrupt, forever] {
-        assert!(!text(&o).1.contains("panicked"), "{:?}", text(&o));
+    // Counts no machine runs are usage errors before anything loads: a
+    // thread count past 1,024 (100,000 threads were started; 2^32 + 1
+    // wrapped to one in ONNX Runtime's C int), choices outside 1-16, an
+    // empty API key (auth on with a key no header can match).
+    let mut usage = Vec::new();
+    for (args, says) in [
+        (vec!["generate", p, "--prompt", "x", "--threads", "100000"], "is not in 0..=1024"),
+        (vec!["generate", p, "--prompt", "x", "--threads", "4294967297"], "is not in 0..=1024"),
+        (vec!["check", p, "--threads", "100000"], "is not in 0..=1024"),
+        (vec!["serve", p, "--threads", "100000"], "is not in 0..=1024"),
+        (vec!["serve", p, "--max-choices", "0"], "is not in 1..=16"),
+        (vec!["serve", p, "--api-key", ""], "--api-key"),
+    ] {
+        let o = cli(&args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {:?}", text(&o));
+        assert!(text(&o).1.contains(says), "{args:?}: {:?}", text(&o));
+        usage.push(o);
+    }
+
+    for o in [missing, bad_arg, zero, bad_kv, ort_f16, corrupt, forever, endless].iter().chain(&usage) {
+        assert!(!text(o).1.contains("panicked"), "{:?}", text(o));
     }
 }
 
