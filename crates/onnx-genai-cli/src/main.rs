@@ -103,7 +103,7 @@ enum Command {
         #[arg(long, default_value_t = onnx_genai_server::DriverOptions::default().stall_timeout.as_secs(),
               value_parser = clap::value_parser!(u64).range(1..=MAX_WAIT_S))]
         stall_timeout_s: u64,
-        /// Decode backend (ort, native-cpu).
+        /// Decode backend (ort, native-cpu, native-cuda).
         #[arg(long, default_value = "ort")]
         backend: BackendKind,
         /// Intra-op threads of each model (0: the backend decides; at most
@@ -202,7 +202,7 @@ enum Command {
         top_p: Option<f32>,
         #[arg(long, default_value_t = 0)]
         seed: u64,
-        /// Decode backend (ort, native-cpu).
+        /// Decode backend (ort, native-cpu, native-cuda).
         #[arg(long, default_value = "ort")]
         backend: BackendKind,
         /// Intra-op threads (0: the backend decides; at most 1,024).

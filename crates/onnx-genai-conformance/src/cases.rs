@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use onnx_genai_build::Variant;
+use onnx_genai_engine::BackendKind;
 use serde::Deserialize;
 
 use crate::real::RealModel;
@@ -14,13 +15,13 @@ use crate::tolerance::Tier;
 use crate::HarnessError;
 
 /// Backends compared against the reference.
-pub const CANDIDATES: &[&str] = &["native-cpu", "native-cuda"];
+pub const CANDIDATES: &[&str] = &[BackendKind::NativeCpu.name(), BackendKind::NativeCuda.name()];
 /// Candidates that need hardware most machines lack: their checks are
 /// selected only when a run names the backend (`--backend native-cuda`, the
 /// gpu lane), never by default.
-pub const ON_REQUEST: &[&str] = &["native-cuda"];
+pub const ON_REQUEST: &[&str] = &[BackendKind::NativeCuda.name()];
 /// The reference backend.
-pub const REFERENCE: &str = "ort";
+pub const REFERENCE: &str = BackendKind::Ort.name();
 
 /// `conformance/parity/<file>.yaml`.
 #[derive(Clone, Debug, Deserialize)]
@@ -317,7 +318,7 @@ impl Filter {
         let selected = self.apply(checks);
         if selected.is_empty() {
             let hint = match (self.backend.as_deref(), self.suite) {
-                (Some("ort"), Some(Suite::Parity)) => {
+                (Some(REFERENCE), Some(Suite::Parity)) => {
                     "; parity compares a native backend against ONNX Runtime, so it has no ort checks"
                 }
                 _ => "",

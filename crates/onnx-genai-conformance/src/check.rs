@@ -18,6 +18,7 @@ use onnx_genai_engine::{BackendKind, Engine, Flow, GenerateRequest};
 use onnx_genai_package::{ElementType, Package};
 use serde::Serialize;
 
+use crate::cases::REFERENCE;
 use crate::parity::{self, Divergence};
 use crate::report::Report;
 use crate::run::{open_backend, CheckResult, Status};
@@ -188,7 +189,7 @@ pub fn ort_load_stage(dir: &Path, name: &str, threads: usize) -> CheckResult {
         }
         Ok(format!("loaded; greedy deterministic: {:?}", first.token_ids))
     })();
-    finish(result("ort-load", name, "ort", started), outcome, started)
+    finish(result("ort-load", name, REFERENCE, started), outcome, started)
 }
 
 /// The native compiler's plan of the package at `dir`, summarized; and the
@@ -215,7 +216,7 @@ pub fn native_compile_stage(dir: &Path, name: &str) -> (CheckResult, Option<Tier
         }
         Err(e) => (Err(e), None),
     };
-    (finish(result("native-compile", name, "native-cpu", started), outcome, started), tier)
+    (finish(result("native-compile", name, BackendKind::NativeCpu.name(), started), outcome, started), tier)
 }
 
 /// The tier a package's arithmetic calls for: int8 activations (4-bit
@@ -308,8 +309,8 @@ fn parity_stage(
     partings: &mut Vec<Parting>,
 ) -> Vec<(CheckResult, Verdict)> {
     let mut out = Vec::new();
-    let opened =
-        open_backend("ort", package, opts.threads).and_then(|r| Ok((r, open_backend(backend, package, opts.threads)?)));
+    let opened = open_backend(REFERENCE, package, opts.threads)
+        .and_then(|r| Ok((r, open_backend(backend, package, opts.threads)?)));
     let (mut reference, mut candidate) = match opened {
         Ok(pair) => pair,
         Err(e) => {
@@ -355,7 +356,7 @@ fn parity_stage(
                     }
                 }
                 let verdict_text = if verdict == Verdict::NearTie { "near-tie (not a failure): " } else { "" };
-                format!("{verdict_text}{}", parity::describe(d, tier, "ort", backend))
+                format!("{verdict_text}{}", parity::describe(d, tier, REFERENCE, backend))
             }
         };
         r.status = if verdict <= Verdict::NearTie { Status::Passed } else { Status::Failed };
@@ -411,7 +412,7 @@ fn golden_stage(
             decimals: 5,
         };
         let path = golden_path(dir, name, package_dir, i);
-        for backend in std::iter::once("ort".to_string()).chain(native_backends()) {
+        for backend in std::iter::once(REFERENCE.to_string()).chain(native_backends()) {
             let started = Instant::now();
             let mut r = result("golden", name, &backend, started);
             r.name = format!("golden::{name}::{backend}::prompt{i}");
@@ -421,7 +422,7 @@ fn golden_stage(
                 });
             let (verdict, outcome) = match recorded {
                 Err(e) => (Verdict::CouldNotRun, Err(e)),
-                Ok(rec) if backend == "ort" && !path.exists() => {
+                Ok(rec) if backend == REFERENCE && !path.exists() => {
                     let written = std::fs::create_dir_all(dir)
                         .and_then(|()| std::fs::write(&path, crate::golden::snapshot_file("onnx-genai check", &rec)));
                     match written {
@@ -567,7 +568,7 @@ pub fn check_dir(dir: &Path, opts: &CheckOptions) -> PackageCheck {
             check.results.push(r);
         }
     }
-    for backend in std::iter::once("ort".to_string()).chain(native_backends()) {
+    for backend in std::iter::once(REFERENCE.to_string()).chain(native_backends()) {
         let started = Instant::now();
         let outcome = speed(&package, &backend, &prompts[0], opts.steps.max(1), opts.threads);
         let summary = outcome.map(|s| {
@@ -616,7 +617,7 @@ fn partings_text(c: &PackageCheck, md: bool) -> String {
             p.backend,
             p.candidate_margin
         );
-        for (side, top) in [("ort", &p.reference_top), (p.backend.as_str(), &p.candidate_top)] {
+        for (side, top) in [(REFERENCE, &p.reference_top), (p.backend.as_str(), &p.candidate_top)] {
             let items: Vec<String> = top.iter().map(|(t, l, text)| format!("{t} {text:?} {l:.4}")).collect();
             let _ = writeln!(s, "{}{side:>10}: {}", if md { "  - " } else { "    " }, items.join(" | "));
         }

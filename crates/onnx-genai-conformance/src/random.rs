@@ -24,6 +24,7 @@ use std::fmt::Write;
 use onnx_genai_backend::Decoder;
 use onnx_genai_build::rng::SplitMix64;
 use onnx_genai_build::{Spec, Variant};
+use onnx_genai_engine::BackendKind;
 use onnx_genai_package::Package;
 
 use crate::parity::{self, ParityOutcome};
@@ -115,7 +116,10 @@ impl ExportOutcome {
                 None => {
                     format!("{head}: {} steps, worst {:.1}% of the tolerance", o.steps, 100.0 * o.worst.worst_ratio)
                 }
-                Some(d) => format!("{head}: {}", parity::describe(d, self.tier, "ort", "native-cpu")),
+                Some(d) => format!(
+                    "{head}: {}",
+                    parity::describe(d, self.tier, crate::cases::REFERENCE, BackendKind::NativeCpu.name())
+                ),
             },
             Err(e) => format!("{head}: {e}"),
         }
@@ -140,7 +144,7 @@ pub fn check(yaml: &str, steps: usize, threads: usize) -> Result<Vec<ExportOutco
             .and_then(|package| {
                 let open = |b: &str| crate::run::open_backend(b, &package, threads).map_err(|e| e.to_string());
                 let (mut reference, mut candidate): (Decoder, Decoder) =
-                    (open(crate::cases::REFERENCE)?, open("native-cpu")?);
+                    (open(crate::cases::REFERENCE)?, open(BackendKind::NativeCpu.name())?);
                 Ok(parity::run(&mut reference, &mut candidate, &prompt, steps, tier))
             });
         outcomes.push(ExportOutcome { variant, tier, outcome });

@@ -21,9 +21,9 @@ pub enum BackendKind {
 impl BackendKind {
     pub const ALL: [BackendKind; 3] = [BackendKind::Ort, BackendKind::NativeCpu, BackendKind::NativeCuda];
 
-    pub fn name(self) -> &'static str {
+    pub const fn name(self) -> &'static str {
         match self {
-            BackendKind::Ort => "ort",
+            BackendKind::Ort => onnx_genai_ort::NAME,
             BackendKind::NativeCpu => onnx_genai_native::NAME,
             BackendKind::NativeCuda => onnx_genai_cuda::NAME,
         }

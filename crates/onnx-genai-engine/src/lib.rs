@@ -191,13 +191,21 @@ impl Engine {
     pub fn open_with(dir: &Path, backend: BackendKind, threads: usize, kv: KvCache) -> Result<Self, EngineError> {
         let package = Package::open(dir)?;
         let model = backend.load_with(&package, threads, kv)?;
-        Self::new(package, model)
+        Self::assemble(package, model, threads)
     }
 
-    /// An engine over `package` running on `model` (loaded from it).
+    /// An engine over `package` running on `model` (loaded from it); a
+    /// workflow's other components get ONNX Runtime's default threads.
     pub fn new(package: Package, model: Arc<dyn DecodeModel>) -> Result<Self, EngineError> {
+        Self::assemble(package, model, 0)
+    }
+
+    /// [`Engine::new`], a workflow's other components (vision encoder,
+    /// embedding table: stateless, on ONNX Runtime whatever the decoder
+    /// runs on) on `component_threads` threads (0: ONNX Runtime decides).
+    fn assemble(package: Package, model: Arc<dyn DecodeModel>, component_threads: usize) -> Result<Self, EngineError> {
         let tokenizer = package.tokenizer().clone();
-        let workflow = WorkflowRuntime::load(&package)?;
+        let workflow = WorkflowRuntime::load(&package, component_threads)?;
         let prompter = Arc::new(Prompter::new(package.clone()).with_vocab_size(model.vocab_size()));
         Ok(Self {
             package,

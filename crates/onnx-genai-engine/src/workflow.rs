@@ -34,8 +34,10 @@ fn bad(name: &str, reason: impl Into<String>) -> EngineError {
 }
 
 impl WorkflowRuntime {
-    /// `None` for a package without declared steps (it runs on a decode core).
-    pub fn load(package: &Package) -> Result<Option<Self>, EngineError> {
+    /// `None` for a package without declared steps (it runs on a decode
+    /// core). Components other than the decoder get `threads` threads each
+    /// (0: ONNX Runtime decides).
+    pub fn load(package: &Package, threads: usize) -> Result<Option<Self>, EngineError> {
         let Some(spec) = package.manifest.workflow.clone().filter(|w| !w.steps.is_empty()) else { return Ok(None) };
         let decoder = package.decoder()?.0.name.clone();
         let mut components = BTreeMap::new();
@@ -45,7 +47,7 @@ impl WorkflowRuntime {
             if let (Some(i), Some(o)) = (component.port(Role::TokenIds), component.port(Role::InputsEmbeds)) {
                 embed = Some((step.component.clone(), i.to_string(), o.to_string()));
             }
-            components.insert(step.component.clone(), OrtComponent::load(package, &step.component, 0)?);
+            components.insert(step.component.clone(), OrtComponent::load(package, &step.component, threads)?);
         }
         let embed = embed.ok_or_else(|| {
             EngineError::Request("the workflow has no embedding component (token_ids -> inputs_embeds)".into())
@@ -225,7 +227,7 @@ impl WorkflowRuntime {
 /// fault, not the request's (a server answers 500 and logs it).
 fn inconsistent(what: String) -> EngineError {
     EngineError::Backend(onnx_genai_backend::BackendError::Run {
-        backend: "ort",
+        backend: onnx_genai_ort::NAME,
         reason: format!("the package is inconsistent: {what}; re-export it or correct its manifest"),
     })
 }

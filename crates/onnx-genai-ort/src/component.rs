@@ -6,7 +6,7 @@ use onnx_genai_package::Package;
 use ort::session::Session;
 use ort::value::{DynValue, Tensor};
 
-const NAME: &str = "ort";
+use crate::NAME;
 
 fn run_err(reason: impl std::fmt::Display) -> BackendError {
     BackendError::Run { backend: NAME, reason: reason.to_string() }

@@ -12,7 +12,7 @@ use onnx_genai_package::{ElementType, KvGeometry, Package, Role};
 use ort::session::{Session, SessionInputValue};
 use ort::value::{DynValue, Tensor, TensorElementType};
 
-const NAME: &str = "ort";
+use crate::NAME;
 
 fn run_err(reason: impl std::fmt::Display) -> BackendError {
     BackendError::Run { backend: NAME, reason: reason.to_string() }

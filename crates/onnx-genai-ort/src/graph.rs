@@ -13,7 +13,7 @@ use ort::value::TensorElementType as Ty;
 use ort::value::{DynValue, Tensor as OrtTensor, ValueType};
 
 fn run_err(reason: impl std::fmt::Display) -> BackendError {
-    BackendError::Run { backend: "ort", reason: reason.to_string() }
+    BackendError::Run { backend: crate::NAME, reason: reason.to_string() }
 }
 
 pub struct OrtGraph {

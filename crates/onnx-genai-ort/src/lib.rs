@@ -13,6 +13,9 @@ pub use component::{ComponentInput, OrtComponent};
 pub use decoder::{OrtModel, OrtSequence};
 pub use graph::OrtGraph;
 
+/// This backend's name, as `--backend` takes it and errors report it.
+pub const NAME: &str = "ort";
+
 /// The ONNX Runtime release this crate targets (the `ort` crate's `api-31`).
 pub const ORT_VERSION: &str = "1.31.1";
 
@@ -83,7 +86,7 @@ pub(crate) fn open_session_logging(
     log_level: Option<ort::logging::LogLevel>,
 ) -> Result<ort::session::Session, onnx_genai_backend::BackendError> {
     let load_err =
-        |what: String, reason: String| onnx_genai_backend::BackendError::Load { backend: "ort", what, reason };
+        |what: String, reason: String| onnx_genai_backend::BackendError::Load { backend: NAME, what, reason };
     let env = environment().map_err(|e| load_err("ONNX Runtime".into(), e.to_string()))?;
     let file = |e: &dyn std::fmt::Display| load_err(path.display().to_string(), e.to_string());
     let mut builder = ort::session::Session::builder(env).map_err(|e| file(&e))?;
