@@ -13,6 +13,13 @@ const MAX_ROTARY_VALUES: u64 = 1 << 28;
 /// The widest intermediate (feed-forward) size the builder takes.
 const MAX_INTERMEDIATE: u64 = 1 << 18;
 
+/// The most parameters a spec without pretrained weights may draw (2^30:
+/// 4 GiB of f32, held in memory while the graph is written). Random
+/// weights test the toolchain, which a billion of them already does; a
+/// spec asking for a Llama-70B shape took the machine's memory until the
+/// process was killed.
+const MAX_RANDOM_PARAMETERS: u64 = 1 << 30;
+
 /// ONNX Runtime's `GroupQueryAttention` runs only head sizes that are a
 /// multiple of this (its CPU kernel: "head_size must be a multiple of 8").
 pub const GQA_HEAD_MULTIPLE: u32 = 8;
@@ -300,6 +307,32 @@ impl Spec {
         if self.num_layers == 0 || self.intermediate_size == 0 || self.max_sequence_length == 0 {
             return fail("num_layers, intermediate_size and max_sequence_length must be positive".into());
         }
+        let drawn = self.decoder_parameters();
+        if self.pretrained.is_none() && drawn > MAX_RANDOM_PARAMETERS {
+            return fail(format!(
+                "the spec draws about {:.1} billion random parameters, above the {MAX_RANDOM_PARAMETERS} the builder \
+                 draws (a model that size wants its trained weights: `onnx-genai import` a checkpoint)",
+                drawn as f64 / 1e9
+            ));
+        }
         Ok(())
+    }
+
+    /// The decoder's parameters: projections, norms left out, embeddings
+    /// (the learned positions too for gpt2). The bounds checked before it
+    /// keep every product far below u64's range.
+    fn decoder_parameters(&self) -> u64 {
+        let (hidden, inter) = (u64::from(self.hidden_size), u64::from(self.intermediate_size));
+        let q = u64::from(self.num_attention_heads) * u64::from(self.head_dim());
+        let kv = u64::from(self.kv_heads()) * u64::from(self.head_dim());
+        // (A `decoder`-family spec is refused when built; counted as llama.)
+        let mlp = match self.family {
+            Family::Gpt2 => 2 * hidden * inter,
+            Family::Llama | Family::Decoder => 3 * hidden * inter,
+        };
+        let per_layer = 2 * hidden * q + 2 * hidden * kv + mlp;
+        let tables = if self.tie_embeddings { 1 } else { 2 };
+        let positions = if self.family == Family::Gpt2 { u64::from(self.max_sequence_length) * hidden } else { 0 };
+        u64::from(self.num_layers) * per_layer + tables * u64::from(self.vocab_size) * hidden + positions
     }
 }

@@ -124,6 +124,12 @@ fn invalid_specs_are_refused_with_the_reason() {
             "above the 268435456 the builder's rotary tables take",
         ),
         (text.replace("intermediate_size: 128", "intermediate_size: 5000"), "intermediate_size 5000 is above the 4096"),
+        // 1.8 billion random parameters (was: drawn until memory ran out).
+        (
+            text.replace("hidden_size: 64", "hidden_size: 8192")
+                .replace("intermediate_size: 128", "intermediate_size: 28672"),
+            "about 1.8 billion random parameters",
+        ),
         (text.replace("num_kv_heads: 2", "num_kv_heads: 3"), "multiple of num_kv_heads"),
         (text.replace("seed: 1", "seed: 1\nsead: 2"), "unknown field `sead`"),
         (text.replace("vocab_size: 384", "vocab_size: 100"), "below the 259"),
