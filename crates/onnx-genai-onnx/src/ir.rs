@@ -252,14 +252,46 @@ impl Graph {
     }
 
     /// Inputs that are not also initializers: what a caller must feed.
+    /// (The initializers' names are hashed once: looked up per input, a
+    /// graph of 10^5 of each took 10^10 comparisons.)
     pub fn runtime_inputs(&self) -> impl Iterator<Item = &ValueInfo> {
-        self.inputs.iter().filter(|i| self.initializer(&i.name).is_none())
+        let initialized: std::collections::HashSet<&str> = self.initializers.iter().map(|t| t.name.as_str()).collect();
+        self.inputs.iter().filter(move |i| !initialized.contains(i.name.as_str()))
+    }
+
+    /// Inputs by name (the first of each name, as [`Graph::input`] finds
+    /// it), for code that looks up many: `input`, `output` and
+    /// `initializer` scan the whole list each call.
+    pub fn inputs_by_name(&self) -> std::collections::HashMap<&str, &ValueInfo> {
+        first_by_name(&self.inputs, |v| &v.name)
+    }
+
+    /// Outputs by name, as [`Graph::inputs_by_name`].
+    pub fn outputs_by_name(&self) -> std::collections::HashMap<&str, &ValueInfo> {
+        first_by_name(&self.outputs, |v| &v.name)
+    }
+
+    /// Initializers by name, as [`Graph::inputs_by_name`].
+    pub fn initializers_by_name(&self) -> std::collections::HashMap<&str, &Tensor> {
+        first_by_name(&self.initializers, |t| &t.name)
     }
 
     /// Total number of scalar parameters held in initializers.
     pub fn parameter_count(&self) -> usize {
         self.initializers.iter().map(Tensor::element_count).sum()
     }
+}
+
+/// `values` by name, the first of each name kept.
+fn first_by_name<'a, T>(
+    values: &'a [T],
+    name: impl Fn(&'a T) -> &'a String,
+) -> std::collections::HashMap<&'a str, &'a T> {
+    let mut map = std::collections::HashMap::with_capacity(values.len());
+    for v in values {
+        map.entry(name(v).as_str()).or_insert(v);
+    }
+    map
 }
 
 #[derive(Clone, Debug, PartialEq)]

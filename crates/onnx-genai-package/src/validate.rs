@@ -358,6 +358,7 @@ fn check_architecture(ctx: &Ctx, m: &Manifest, report: &mut Report) -> bool {
 /// refused up front, naming the key that sets it.
 fn check_rotary_positions(ctx: &Ctx, m: &Manifest, ci: usize, model: &Model, report: &mut Report) {
     let context = u64::from(m.architecture.max_sequence_length);
+    let initializers = model.graph.initializers_by_name();
     for node in &model.graph.nodes {
         let cos_input = match (node.domain.as_str(), node.op_type.as_str()) {
             ("com.microsoft", "GroupQueryAttention") => 7,
@@ -365,7 +366,7 @@ fn check_rotary_positions(ctx: &Ctx, m: &Manifest, ci: usize, model: &Model, rep
             ("" | "ai.onnx", "RotaryEmbedding") => 1,
             _ => continue,
         };
-        let Some(cache) = node.inputs.get(cos_input).and_then(|name| model.graph.initializer(name)) else { continue };
+        let Some(cache) = node.inputs.get(cos_input).and_then(|name| initializers.get(name.as_str())) else { continue };
         let Some(rows) = cache.dims.first().and_then(|r| u64::try_from(*r).ok()) else { continue };
         if context > rows {
             report.push(Diagnostic::error(
@@ -401,10 +402,14 @@ fn check_reference_operator_limits(ctx: &Ctx, m: &Manifest, ci: usize, model: &M
     if let Some(layers) = m.kv_cache.as_ref().and_then(|k| k.layers.as_ref()) {
         head_dims.extend(layers.iter().map(|l| l.head_dim));
     }
+    // The first head size off each multiple, found once (per node, the
+    // scan of every layer's was nodes x layers).
+    let first_off = |multiple: u32| head_dims.iter().copied().find(|d| !d.is_multiple_of(multiple));
+    let (off_8, off_16) = (first_off(8), first_off(16));
     let gqa = model.graph.nodes.iter().filter(|n| n.domain == "com.microsoft" && n.op_type == "GroupQueryAttention");
     for node in gqa {
         let multiple = gqa_head_multiple(node);
-        let Some(&head) = head_dims.iter().find(|d| !d.is_multiple_of(multiple)) else { continue };
+        let Some(head) = (if multiple == 16 { off_16 } else { off_8 }) else { continue };
         report.push(Diagnostic::error(
             Code::PKG033,
             ctx.manifest_file(),
@@ -486,6 +491,9 @@ fn allowed_dtypes(m: &Manifest, role: Role) -> Vec<DataType> {
 fn check_ports(ctx: &Ctx, m: &Manifest, ci: usize, model: &Model, report: &mut Report) {
     let component = &m.components[ci];
     let graph = &model.graph;
+    // Looked up once per port and layer: a scan of the graph's list each
+    // time was layers x inputs comparisons (quadratic in a crafted graph).
+    let (inputs, outputs) = (graph.inputs_by_name(), graph.outputs_by_name());
     let file = ctx.manifest_file();
     let mut seen_roles = HashSet::new();
     let mut bound_names = HashSet::new();
@@ -529,13 +537,14 @@ fn check_ports(ctx: &Ctx, m: &Manifest, ci: usize, model: &Model, report: &mut R
                 ));
                 continue;
             }
+            let (input, output) = (inputs.get(name.as_str()).copied(), outputs.get(name.as_str()).copied());
             let (found, kind, pool) = if port.role.is_output() {
-                (graph.output(&name), "output", &graph.outputs)
-            } else if port.role == Role::InputsEmbeds && graph.input(&name).is_none() {
+                (output, "output", &graph.outputs)
+            } else if port.role == Role::InputsEmbeds && input.is_none() {
                 // A decoder reads embeddings; an embedding component writes them.
-                (graph.output(&name), "output", &graph.outputs)
+                (output, "output", &graph.outputs)
             } else {
-                (graph.input(&name), "input", &graph.inputs)
+                (input, "input", &graph.inputs)
             };
             let Some(value) = found else {
                 let names: Vec<&str> = pool.iter().map(|v| v.name.as_str()).collect();
