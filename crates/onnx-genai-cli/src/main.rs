@@ -241,8 +241,9 @@ enum Command {
         /// Threads of every backend (at most 1,024).
         #[arg(long, default_value_t = 2, value_parser = threads_arg())]
         threads: usize,
-        /// Alternatives shown on each side where the backends part.
-        #[arg(long, default_value_t = 5)]
+        /// Alternatives shown on each side where the backends part (1 to
+        /// 100).
+        #[arg(long, default_value_t = 5, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=100))]
         top_k: usize,
         #[arg(long, value_enum, default_value = "table")]
         format: CheckFormat,
@@ -306,7 +307,7 @@ fn check(
     // The verdict's exit code stands even when the report cannot be
     // written: it then goes to stdout (and where stdout is closed too,
     // the code is all that is left).
-    match out.map(|path| std::fs::write(path, &text).map_err(|e| (path, e))) {
+    match out.map(|path| c::write_whole(path, text.as_bytes()).map_err(|e| (path, e))) {
         Some(Ok(())) => {}
         Some(Err((path, e))) => {
             eprintln!("error: cannot write {}: {e}; the report follows", path.display());

@@ -123,6 +123,17 @@ fn check_reads_prompts_and_says_when_it_could_not_run() {
         String::from_utf8_lossy(&out.stderr)
     );
 
+    // Steps past the context could never run: refused before any stage
+    // decodes (`--steps 10^12` ran to the context's end for every prompt,
+    // backend and stage first). Alternatives past 100 are a usage error.
+    let out = cli(&["check", dir, "--steps", "1000000000000"]);
+    assert_eq!(out.status.code(), Some(2));
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(said.contains("do not fit the context of 256 positions"), "{said}");
+    let out = cli(&["check", dir, "--top-k", "1000000000"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("1..=100"), "{}", String::from_utf8_lossy(&out.stderr));
+
     let empty = tempfile::tempdir().unwrap();
     let out = cli(&["check", empty.path().to_str().unwrap(), "--format", "json"]);
     assert_eq!(out.status.code(), Some(2));
@@ -220,4 +231,13 @@ fn check_records_goldens_then_holds_every_backend_to_them() {
 
     std::fs::write(&snap, text.replacen("top5: [[", "top5: nonsense [[", 1)).unwrap();
     assert_eq!(run().status.code(), Some(2));
+
+    // A record that is there but cannot be read (not UTF-8) could not be
+    // judged: exit 2, not a mismatch of the model (exit 1, before).
+    std::fs::write(&snap, [0xff, 0xfe, 0xfd]).unwrap();
+    let out = run();
+    assert_eq!(out.status.code(), Some(2), "{:?}", summaries(&out));
+    assert!(summaries(&out)[0].contains("cannot be read"), "{:?}", summaries(&out));
+    // Records are written whole, through no leftover partial file.
+    assert!(std::fs::read_dir(&golden).unwrap().all(|e| !e.unwrap().path().to_string_lossy().ends_with(".partial")));
 }

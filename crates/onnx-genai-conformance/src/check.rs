@@ -371,8 +371,9 @@ fn parity_stage(
 /// The golden record of prompt `i` of the package at `package_dir` (named
 /// `name`) in `dir`: `<name>__<directory>__prompt<i>.snap` — two exports
 /// of one model are two records — in the format of the repository's own
-/// goldens (`golden/decode/`). Only letters, digits, `.`, `-` and `_` are
-/// kept, so no manifest name can place a file outside `dir`.
+/// goldens (`golden/decode/`). Only ASCII letters, digits, `-` and `_` are
+/// kept (anything else becomes `_`), so no manifest name can place a file
+/// outside `dir`.
 fn golden_path(dir: &Path, name: &str, package_dir: &Path, i: usize) -> PathBuf {
     let safe = |s: &str| -> String {
         let kept: String =
@@ -403,6 +404,15 @@ fn golden_stage(
     at.retain(|s| *s < steps);
     at.sort_unstable();
     at.dedup();
+    // Each backend opened once for every prompt (a native compile, an ONNX
+    // Runtime session: once a prompt multiplied them by the prompts file).
+    let mut backends: Vec<(String, Result<Decoder, String>)> = std::iter::once(REFERENCE.to_string())
+        .chain(native_backends())
+        .map(|b| {
+            let opened = open_backend(&b, package, opts.threads).map_err(|e| e.to_string());
+            (b, opened)
+        })
+        .collect();
     let mut out = Vec::new();
     for (i, (text, tokens)) in prompts.iter().enumerate() {
         let g = crate::cases::GoldenFile {
@@ -412,19 +422,20 @@ fn golden_stage(
             decimals: 5,
         };
         let path = golden_path(dir, name, package_dir, i);
-        for backend in std::iter::once(REFERENCE.to_string()).chain(native_backends()) {
+        for (backend, decoder) in &mut backends {
+            let backend = backend.clone();
             let started = Instant::now();
             let mut r = result("golden", name, &backend, started);
             r.name = format!("golden::{name}::{backend}::prompt{i}");
-            let recorded =
-                open_backend(&backend, package, opts.threads).map_err(|e| e.to_string()).and_then(|mut d| {
-                    crate::golden::record(name, "package", package, &mut d, tokens, &g).map_err(|e| e.to_string())
-                });
+            let recorded = decoder.as_mut().map_err(|e| e.clone()).and_then(|d| {
+                crate::golden::record(name, "package", package, d, tokens, &g).map_err(|e| e.to_string())
+            });
             let (verdict, outcome) = match recorded {
                 Err(e) => (Verdict::CouldNotRun, Err(e)),
                 Ok(rec) if backend == REFERENCE && !path.exists() => {
-                    let written = std::fs::create_dir_all(dir)
-                        .and_then(|()| std::fs::write(&path, crate::golden::snapshot_file("onnx-genai check", &rec)));
+                    let written = std::fs::create_dir_all(dir).and_then(|()| {
+                        write_whole(&path, crate::golden::snapshot_file("onnx-genai check", &rec).as_bytes())
+                    });
                     match written {
                         Ok(()) => (Verdict::Pass, Ok(format!("recorded {} from ONNX Runtime", path.display()))),
                         Err(e) => (Verdict::CouldNotRun, Err(format!("cannot write {}: {e}", path.display()))),
@@ -434,7 +445,7 @@ fn golden_stage(
                     crate::golden::Judgement::Matches => {
                         (Verdict::Pass, Ok(format!("matches {} (logits at tier {})", path.display(), tier.name())))
                     }
-                    j @ crate::golden::Judgement::Malformed { .. } => {
+                    j @ (crate::golden::Judgement::Malformed { .. } | crate::golden::Judgement::Missing) => {
                         (Verdict::CouldNotRun, Err(format!("{j} ({})", path.display())))
                     }
                     crate::golden::Judgement::Differs { ref committed, .. } if committed.starts_with("prompt") => (
@@ -455,6 +466,29 @@ fn golden_stage(
         }
     }
     out
+}
+
+/// Writes `bytes` to `path` whole or not at all: into a sibling file first,
+/// then renamed over `path` — an interrupted or failed write leaves `path`
+/// as it was (a truncated golden record read later as a mismatch), and a
+/// symlink at `path` is replaced, not written through.
+pub fn write_whole(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let mut partial = path.as_os_str().to_owned();
+    partial.push(".partial");
+    let partial = PathBuf::from(partial);
+    // (A file left there by an earlier failure goes first: `create_new`
+    // then also refuses a symlink put in its place.)
+    let _ = std::fs::remove_file(&partial);
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&partial)
+        .and_then(|mut f| std::io::Write::write_all(&mut f, bytes).and_then(|()| f.sync_all()))
+        .and_then(|()| std::fs::rename(&partial, path));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&partial);
+    }
+    written
 }
 
 /// Prefill and greedy decode speed of `backend` on `prompt` (one warm-up
@@ -534,6 +568,22 @@ pub fn check_dir(dir: &Path, opts: &CheckOptions) -> PackageCheck {
         .iter()
         .map(|p| package.tokenizer().encode(p.as_str(), false).map(|e| e.get_ids().to_vec()).map_err(|e| e.to_string()))
         .collect();
+    // Every prompt and its compared steps must fit the context: the
+    // backends refuse what does not, after running every step before it
+    // (`--steps 10^12` decoded to the context's end for every prompt,
+    // backend and stage, then could not run).
+    let context = package.manifest.architecture.max_sequence_length as usize;
+    let longest = prompts.as_ref().map_or(0, |p| p.iter().map(Vec::len).max().unwrap_or(0));
+    if longest.saturating_add(opts.steps) > context {
+        let started = Instant::now();
+        let why = format!(
+            "the longest prompt ({longest} tokens) and {} steps do not fit the context of {context} positions: \
+             give fewer --steps or shorter prompts",
+            opts.steps
+        );
+        check.results.push(finish(result("parity", &name, "-", started), Err(why), started));
+        return check;
+    }
     let prompts = match prompts {
         Ok(p) if !p.is_empty() && p.iter().all(|t| !t.is_empty()) => p,
         Ok(_) => {

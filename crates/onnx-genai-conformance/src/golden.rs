@@ -140,7 +140,13 @@ pub fn snapshot_file(source: &str, rec: &Recording) -> String {
 /// after its metadata header) at `tier`; `decimals` is the rounding of the
 /// committed logits.
 pub fn judge(path: &Path, rec: &Recording, tier: Tier, decimals: u32) -> Judgement {
-    let Ok(file) = std::fs::read_to_string(path) else { return Judgement::Missing };
+    let file = match std::fs::read_to_string(path) {
+        Ok(file) => file,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Judgement::Missing,
+        // Not UTF-8, a directory, no permission: a record that is there
+        // but cannot be judged, never a mismatch of the model.
+        Err(e) => return Judgement::Malformed { line: 0, reason: format!("it cannot be read: {e}") },
+    };
     judge_text(file.splitn(3, "---\n").nth(2).unwrap_or(""), rec, tier, decimals)
 }
 
@@ -169,6 +175,10 @@ fn judge_text(committed: &str, rec: &Recording, tier: Tier, decimals: u32) -> Ju
         let Some(pairs) = parse_pairs(pairs) else { return malformed("top5 is not a list of [token, logit] pairs") };
         for (token, value) in pairs {
             let Some(&current) = logits.get(token) else { return malformed("a token id outside the vocabulary") };
+            if current == value {
+                // (The same infinity too, whose difference is NaN.)
+                continue;
+            }
             let ratio = (current - value).abs() / (atol + rtol * value.abs() + slack);
             if ratio.is_nan() || ratio > 1.0 {
                 return Judgement::OutOfTier { step: step.unwrap_or(0), token, committed: value, current, ratio };
@@ -224,5 +234,24 @@ mod tests {
         assert!(matches!(judge_text(&body, &other, Tier::F16, 3), Judgement::Differs { line: 3, .. }));
         let garbled = body.replace("top5: [[0,", "top5: [[zero,");
         assert!(matches!(judge_text(&garbled, &reference, Tier::F32, 3), Judgement::Malformed { .. }));
+    }
+
+    /// A recorded logit of minus infinity (a masked token) matches the
+    /// same now: their difference is NaN, which failed the record against
+    /// itself. A record that exists but cannot be read is malformed (the
+    /// check could not run), not missing, which `check` counted as a
+    /// mismatch of the model.
+    #[test]
+    fn masked_logits_match_and_unreadable_records_are_malformed() {
+        let masked = recording(vec![2.0, 1.5, f32::NEG_INFINITY, f32::NEG_INFINITY, f32::NEG_INFINITY, -3.0]);
+        assert!(masked.text.contains("-inf"), "{}", masked.text);
+        assert_eq!(judge_text(&masked.text.clone(), &masked, Tier::F32, 3), Judgement::Matches);
+
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(judge(&dir.path().join("none.snap"), &masked, Tier::F32, 3), Judgement::Missing);
+        let not_text = dir.path().join("bytes.snap");
+        std::fs::write(&not_text, [0xff, 0xfe, 0x00]).unwrap();
+        assert!(matches!(judge(&not_text, &masked, Tier::F32, 3), Judgement::Malformed { line: 0, .. }));
+        assert!(matches!(judge(dir.path(), &masked, Tier::F32, 3), Judgement::Malformed { line: 0, .. }));
     }
 }

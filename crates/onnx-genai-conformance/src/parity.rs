@@ -182,7 +182,9 @@ pub(crate) fn judge_step(
     let ((rt, gap), (ct, _)) = (top2(reference), top2(candidate));
     let token = if rt != ct {
         let (atol, rtol) = tier.bounds();
-        let near_tie = gap <= 2.0 * (atol + rtol * reference[rt as usize].abs());
+        // (A gap an infinity made, or NaN, is no near-tie: an infinite
+        // allowance would have passed any parting.)
+        let near_tie = gap.is_finite() && gap <= 2.0 * (atol + rtol * reference[rt as usize].abs());
         Err(Divergence::Token { step, reference: rt, candidate: ct, top2_gap: gap, max_abs: dev.max_abs, near_tie })
     } else if dev.worst_ratio > 1.0 {
         Err(Divergence::Logits { step, deviation: dev })
@@ -321,6 +323,23 @@ mod tests {
             Some(Divergence::Token { near_tie: true, step: 0, .. }) => {}
             other => panic!("expected a near-tie, got {other:?}"),
         }
+    }
+
+    /// A reference whose winner is infinite parts from a candidate that
+    /// picks another token as a plain mismatch: the gap an infinity makes
+    /// is no near-tie (its allowance, twice `rtol · inf`, was infinite, so
+    /// the flip passed as a near-tie; audit of `check`); and logits both
+    /// sides mask to minus infinity agree.
+    #[test]
+    fn an_infinite_winner_is_no_near_tie() {
+        let (inf, ninf) = (f32::INFINITY, f32::NEG_INFINITY);
+        let out = run_pair(vec![vec![inf, 1.0, ninf]], vec![vec![5.0, 6.0, ninf]]);
+        match out.divergence {
+            Some(Divergence::Token { near_tie: false, reference: 0, candidate: 1, .. }) => {}
+            other => panic!("expected a plain token mismatch, got {other:?}"),
+        }
+        let masked = vec![vec![ninf, 2.0, 1.0, ninf], vec![ninf, 0.5, 3.0, ninf]];
+        assert!(run_pair(masked.clone(), masked).passed());
     }
 
     /// The arbiter names the side whose token the f32 run prefers, with the

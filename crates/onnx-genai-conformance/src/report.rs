@@ -112,8 +112,17 @@ impl Report {
     }
 }
 
+/// `s` as XML 1.0 text: markup escaped, and the control characters it
+/// cannot hold at all (a NUL or an ESC in a golden record's line made the
+/// JUnit report one no CI parser reads) replaced by U+FFFD.
 fn xml(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
+    s.chars()
+        .map(|c| if c.is_control() && !matches!(c, '\t' | '\n' | '\r') { '\u{fffd}' } else { c })
+        .collect::<String>()
+        .replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
 }
 
 #[cfg(test)]
@@ -136,16 +145,22 @@ mod tests {
         }
     }
 
-    /// JUnit output counts failures and escapes what it quotes.
+    /// JUnit output counts failures and escapes what it quotes; control
+    /// characters XML 1.0 cannot hold (a NUL, an ESC quoted from a golden
+    /// record) become U+FFFD, so the report stays one a CI parser reads.
     #[test]
     fn junit_counts_and_escapes() {
         let r = Report {
             commit: "abc".into(),
-            results: vec![result("a", Status::Passed, "ok"), result("b", Status::Failed, "x < y & \"z\"")],
+            results: vec![
+                result("a", Status::Passed, "ok"),
+                result("b", Status::Failed, "x < y & \"z\"\u{0}\u{1b}[1m"),
+            ],
         };
         let x = r.junit();
         assert!(x.contains("tests=\"2\" failures=\"1\""));
-        assert!(x.contains("x &lt; y &amp; &quot;z&quot;"));
+        assert!(x.contains("x &lt; y &amp; &quot;z&quot;\u{fffd}\u{fffd}[1m"), "{x}");
+        assert!(!x.contains('\u{0}') && !x.contains('\u{1b}'));
         assert!(r.markdown().contains("**FAIL**"));
         assert_eq!(r.failures(), 1);
     }

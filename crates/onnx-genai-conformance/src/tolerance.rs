@@ -76,9 +76,24 @@ pub fn compare(reference: &[f32], candidate: &[f32], tier: Tier) -> Deviation {
     let (atol, rtol) = tier.bounds();
     let mut dev = Deviation { max_abs: 0.0, worst_index: 0, worst_ratio: 0.0 };
     for (i, (r, c)) in reference.iter().zip(candidate).enumerate() {
-        let d = (r - c).abs();
-        let ratio = if d.is_nan() { f32::INFINITY } else { d / (atol + rtol * r.abs()) };
-        dev.max_abs = dev.max_abs.max(if d.is_nan() { f32::INFINITY } else { d });
+        // Equal values (the same infinity included: a token both sides
+        // mask) deviate by nothing; any other difference the arithmetic
+        // cannot size (a NaN, an infinity against a finite value, whose
+        // ratio is inf / inf) is infinitely far. (As NaN, the ratio was
+        // never the worst: an infinite logit where the candidate had a
+        // finite one passed.)
+        let (d, ratio) = if r == c {
+            (0.0, 0.0)
+        } else {
+            let d = (r - c).abs();
+            let ratio = d / (atol + rtol * r.abs());
+            if ratio.is_nan() {
+                (f32::INFINITY, f32::INFINITY)
+            } else {
+                (d, ratio)
+            }
+        };
+        dev.max_abs = dev.max_abs.max(d);
         if ratio > dev.worst_ratio {
             dev.worst_ratio = ratio;
             dev.worst_index = i;
@@ -116,6 +131,23 @@ mod tests {
         assert!(compare(&r, &[10.001, -2.0], Tier::F32).worst_ratio <= 1.0);
         assert!(compare(&r, &[10.0012, -2.0], Tier::F32).worst_ratio > 1.0);
         assert!(compare(&r, &[f32::NAN, -2.0], Tier::F32).worst_ratio > 1.0);
+    }
+
+    /// Infinities compare as values (from an audit of `check`): an
+    /// infinite reference logit where the candidate's is finite (or the
+    /// reverse) is infinitely far — before, its ratio was inf / inf = NaN,
+    /// never the worst, and the comparison passed — while the same
+    /// infinity on both sides (a token both mask) deviates by nothing, not
+    /// by NaN.
+    #[test]
+    fn infinities_compare_as_values() {
+        let inf = f32::INFINITY;
+        for (reference, candidate) in [([inf, 1.0], [5.0, 1.0]), ([-inf, 1.0], [-3.0, 1.0]), ([2.0, 1.0], [inf, 1.0])] {
+            let dev = compare(&reference, &candidate, Tier::Int4);
+            assert_eq!((dev.worst_ratio, dev.worst_index), (inf, 0), "{reference:?} against {candidate:?}");
+        }
+        let masked = compare(&[-inf, 1.0, inf], &[-inf, 1.0, inf], Tier::F32);
+        assert_eq!((masked.worst_ratio, masked.max_abs), (0.0, 0.0));
     }
 
     /// The tier table is pinned (issue 21): the code's bounds equal
