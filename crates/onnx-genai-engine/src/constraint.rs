@@ -33,18 +33,20 @@ impl ResponseFormat {
             ResponseFormat::JsonObject => serde_json::json!({"type": "object"}),
             ResponseFormat::JsonSchema(schema) => schema.clone(),
         };
-        let Some(object) = schema.as_object() else {
+        let Some(object) = schema.as_object_mut() else {
             return Err(format!("a JSON schema is a JSON object, got {schema}"));
         };
-        if !object.contains_key("x-guidance") {
-            let options = JsonCompileOptions {
-                item_separator: ", ".into(),
-                key_separator: ": ".into(),
-                whitespace_flexible: false,
-                ..JsonCompileOptions::default()
-            };
-            options.apply_to(&mut schema);
-        }
+        // The compiler's options are the server's, not the client's: a
+        // schema's own `x-guidance` (llguidance's options key) could turn
+        // flexible whitespace back on, and the padding with it.
+        object.remove("x-guidance");
+        let options = JsonCompileOptions {
+            item_separator: ", ".into(),
+            key_separator: ": ".into(),
+            whitespace_flexible: false,
+            ..JsonCompileOptions::default()
+        };
+        options.apply_to(&mut schema);
         Ok(Some(TopLevelGrammar::from_json_schema(schema)))
     }
 }
@@ -56,11 +58,21 @@ pub(crate) struct Grammars {
     factory: OnceLock<Result<Arc<ParserFactory>, String>>,
     /// Grammars compiled so far (formats other than text).
     compiled: std::sync::atomic::AtomicU64,
+    /// The formats compiled last, each in its start state, most recent
+    /// first. A server's route compiles a request's format (refusing a bad
+    /// one before it queues) and the engine compiles it again when it
+    /// admits the request, on the model's driver, where every stream of
+    /// the model waits for it: that second one is a copy from here.
+    recent: std::sync::Mutex<std::collections::VecDeque<(ResponseFormat, Constraint)>>,
 }
+
+/// How many compiled formats [`Grammars`] keeps: enough for the requests
+/// between a route's compile and its admission under a burst.
+const RECENT_GRAMMARS: usize = 8;
 
 impl Grammars {
     pub(crate) fn new() -> Self {
-        Self { factory: OnceLock::new(), compiled: Default::default() }
+        Self { factory: OnceLock::new(), compiled: Default::default(), recent: Default::default() }
     }
 
     pub(crate) fn compiled(&self) -> u64 {
@@ -75,6 +87,13 @@ impl Grammars {
         words: &Result<Vec<Vec<u8>>, String>,
         eos: &[u32],
     ) -> Result<Option<Constraint>, String> {
+        if *format == ResponseFormat::Text {
+            return Ok(None);
+        }
+        let recent = || self.recent.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((_, fresh)) = recent().iter().find(|(f, _)| f == format) {
+            return Ok(Some(fresh.clone()));
+        }
         let Some(grammar) = format.grammar()? else { return Ok(None) };
         self.compiled.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let factory = self.factory.get_or_init(|| build_factory(words, eos).map(Arc::new)).clone()?;
@@ -84,7 +103,11 @@ impl Grammars {
             return Err(e);
         }
         let tok_eos = factory.tok_env().tok_trie().eos_token();
-        Ok(Some(Constraint { matcher, tok_eos, allowed: Vec::new() }))
+        let fresh = Constraint { matcher, tok_eos, allowed: Vec::new() };
+        let mut recent = recent();
+        recent.push_front((format.clone(), fresh.clone()));
+        recent.truncate(RECENT_GRAMMARS);
+        Ok(Some(fresh))
     }
 }
 

@@ -185,3 +185,36 @@ fn a_schema_that_cannot_compile_is_refused_before_admission() {
         assert_eq!(engine.scheduler().reserved_bytes(), 0, "{schema}: bytes left reserved");
     }
 }
+
+/// A format compiled once serves the requests after it: a server's route
+/// compiles a request's format before the request queues (refusing a bad
+/// one there), and the engine's compile when it admits the request — on
+/// the model's driver, where every stream of the model waits for it — is
+/// a copy of that one in its start state (two sampled turns from it both
+/// write schema JSON of their own). And a client's `x-guidance` options
+/// are dropped, the server's compact JSON kept: greedy, a schema carrying
+/// `whitespace_flexible` writes exactly what the plain schema does.
+#[test]
+fn a_format_compiled_before_admission_is_not_compiled_again() {
+    let dir = tempfile::tempdir().unwrap();
+    package(dir.path());
+    let mut engine = Engine::open(dir.path(), BackendKind::NativeCpu, 1).unwrap();
+    let format = ResponseFormat::JsonSchema(schema());
+    engine.prompter().constraint(&format).unwrap();
+    assert_eq!(engine.prompter().grammars_compiled(), 1);
+    let reqs = [request(&engine, 1, format.clone()), request(&engine, 2, format.clone())];
+    let answers = together(&mut engine, &reqs);
+    assert_eq!(engine.prompter().grammars_compiled(), 1, "admission compiled the format again");
+    for (text, finish) in &answers {
+        assert_eq!(*finish, FinishReason::Eos, "{text}");
+        assert_eq!(violation(text), None, "{text}");
+    }
+
+    let mut flexible = schema();
+    flexible["x-guidance"] = json!({"whitespace_flexible": true});
+    let greedy = |engine: &mut Engine, schema: Value| {
+        together(engine, &[request(engine, 0, ResponseFormat::JsonSchema(schema))]).remove(0).0
+    };
+    let (plain, with_options) = (greedy(&mut engine, schema()), greedy(&mut engine, flexible));
+    assert_eq!(with_options, plain, "the client's x-guidance options changed the grammar");
+}
