@@ -281,10 +281,16 @@ pub fn run(op: &Op, inputs: &[Option<&Value>], outputs: &mut [Value], env: &mut 
                 return Err(format!("mask {:?} does not cover {seq} new tokens of batch 1", mask.shape));
             }
             let m = mask.as_i64()?;
+            // (The fused pattern reads the mask's length from another
+            // tensor's shape: a mask that is not `[1, total]` indexed past
+            // its end.)
+            if m.len() != total {
+                return Err(format!("mask {:?} is not [1, {total}]", mask.shape));
+            }
             let past = total - seq;
             let mut o = out.recycle_f32(ly::checked_elements(&[*reps, seq, total])?);
-            for (row, bias) in o.chunks_exact_mut(total).enumerate() {
-                let q = past + row % seq;
+            for (row, bias) in o.chunks_exact_mut(total.max(1)).enumerate() {
+                let q = past + row % seq.max(1);
                 for (t, b) in bias.iter_mut().enumerate() {
                     *b = if t <= q && m[t] != 0 { 0.0 } else { *closed };
                 }

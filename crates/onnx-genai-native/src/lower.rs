@@ -363,12 +363,23 @@ pub fn lower(node: &Node, opset: i64) -> Result<(Op, Vec<usize>), CompileError> 
                         return Err(a.unsupported("attention without a mask or is_causal would see future tokens"))
                     }
                 };
-                let heads = a.int("q_num_heads")?;
+                // Head counts as GroupQueryAttention's are bounded: a
+                // negative one cast to usize wrapped the products the
+                // kernels size their buffers by.
+                let count = |name: &str| -> Result<Option<usize>, CompileError> {
+                    match a.int(name)? {
+                        Some(h) if h <= 0 || h > i64::from(u32::MAX) => {
+                            Err(a.err(format!("{name} {h} must be positive (at most {})", u32::MAX)))
+                        }
+                        h => Ok(h.map(|h| h as usize)),
+                    }
+                };
+                let heads = count("q_num_heads")?;
                 let layout = if heads.is_some() { Layout::SeqFirst } else { Layout::HeadsFirst };
                 Op::Attention {
                     spec: PartialAttention {
-                        heads: heads.map(|h| h as usize),
-                        kv_heads: a.int("kv_num_heads")?.map(|h| h as usize),
+                        heads,
+                        kv_heads: count("kv_num_heads")?,
                         scale: a.float("scale")?,
                         q_layout: layout,
                         kv_layout: layout,
@@ -471,8 +482,13 @@ pub fn lower(node: &Node, opset: i64) -> Result<(Op, Vec<usize>), CompileError> 
                 let k = a.int("K")?.ok_or_else(|| a.err("missing attribute `K`"))?;
                 let n = a.int("N")?.ok_or_else(|| a.err("missing attribute `N`"))?;
                 let block = a.int("block_size")?.ok_or_else(|| a.err("missing attribute `block_size`"))?;
-                if k <= 0 || n <= 0 || block < 2 || block % 2 != 0 {
-                    return Err(a.err(format!("invalid K={k}, N={n}, block_size={block}")));
+                // (ONNX Runtime's rule, as GatherBlockQuantized's: a block
+                // of 48 passed as even, and the int8-input path, which
+                // takes blocks a multiple of 32, read other blocks' scales.)
+                if k <= 0 || n <= 0 || block < 16 || (block & (block - 1)) != 0 {
+                    return Err(
+                        a.err(format!("invalid K={k}, N={n}, block_size={block} (a power of two, at least 16)"))
+                    );
                 }
                 let accuracy_level = match a.int_or("accuracy_level", 0)? {
                     level @ 0..=4 => level as u8,

@@ -188,6 +188,17 @@ fn unsupported_fused_op_settings_are_errors() {
         (Variant::Genai, "GroupQueryAttention", "rotary_interleaved", AttrValue::Int(1), "interleaved rotary"),
         (Variant::Genai, "GroupQueryAttention", "do_rotary", AttrValue::Int(2), "do_rotary=2"),
         (Variant::Genai, "MatMulNBits", "accuracy_level", AttrValue::Int(7), "accuracy_level=7"),
+        // A block off ONNX Runtime's powers of two (the int8-input path
+        // read other blocks' scales), and a head count whose cast to usize
+        // wrapped the kernels' buffer sizes.
+        (Variant::Genai, "MatMulNBits", "block_size", AttrValue::Int(48), "block_size=48 (a power of two"),
+        (
+            Variant::Opset23,
+            "Attention",
+            "q_num_heads",
+            AttrValue::Int(-4_611_686_018_427_387_900),
+            "q_num_heads -4611686018427387900 must be positive",
+        ),
     ];
     for (variant, op, attr, value, want) in cases {
         let mut m = model(variant);

@@ -454,3 +454,61 @@ fn empty_normalized_axes_are_errors_not_panics() {
         assert!(err.to_string().contains("[2, 0]"), "{name}: {err}");
     }
 }
+
+/// Degenerate shapes and positions a graph can hold are empty results or
+/// errors at run time, never panics (from an audit of the compiler on
+/// crafted graphs): a 4-bit embedding table of rows with no columns
+/// gathers empty rows, a projection to no outputs with its bias gives an
+/// empty row (both were `chunks_exact_mut(0)`), and a rotary position id
+/// of 2^63 - 1, whose `(p + 1) * half` wrapped to 0 and passed the cache
+/// bound before slicing out of range, is an error naming the position.
+#[test]
+fn degenerate_shapes_and_positions_are_not_panics() {
+    use onnx_genai_onnx::{Tensor, TensorData};
+    let gathered = graph(|g| {
+        g.opset("com.microsoft", 1);
+        g.input("ids", DataType::Int64, vec![Dim::Fixed(1), Dim::Fixed(2)]);
+        let data = g.initializer(Tensor {
+            name: "data".into(),
+            dtype: DataType::Uint8,
+            dims: vec![4, 0],
+            raw: TensorData::from(Vec::new()),
+        });
+        let scales = g.initializer(Tensor::from_f32("scales", vec![4, 0], &[]));
+        g.node_in(
+            "com.microsoft",
+            "GatherBlockQuantized",
+            &[&data, "ids", &scales],
+            &["rows"],
+            vec![attr_int("bits", 4), attr_int("block_size", 32)],
+        );
+        g.output("rows", DataType::Float, vec![]);
+    });
+    let out = run(&gathered, vec![("ids", Value::i64([1, 2], vec![0, 3]))]);
+    assert_eq!(out[0].shape.as_slice(), &[1, 2, 0]);
+
+    let narrow = graph(|g| {
+        f32_input(g, "x", &[1, 3]);
+        let w = g.initializer(Tensor::from_f32("w", vec![3, 0], &[]));
+        let b = g.initializer(Tensor::from_f32("b", vec![0], &[]));
+        let y = g.op("MatMul", &["x", &w]);
+        let y = g.op("Add", &[&y, &b]);
+        g.output(&y, DataType::Float, vec![]);
+    });
+    let out = run(&narrow, vec![("x", Value::f32([1, 3], vec![1.0, 2.0, 3.0]))]);
+    assert_eq!(out[0].shape.as_slice(), &[1, 0]);
+
+    let far = graph(|g| {
+        g.opset("com.microsoft", 1);
+        f32_input(g, "x", &[1, 1, 4]);
+        let positions = g.initializer(Tensor::from_i64("positions", vec![1, 1], &[i64::MAX]));
+        let cos = g.initializer(Tensor::from_f32("cos", vec![2, 2], &[1.0; 4]));
+        let sin = g.initializer(Tensor::from_f32("sin", vec![2, 2], &[0.0; 4]));
+        g.node_in("com.microsoft", "RotaryEmbedding", &["x", &positions, &cos, &sin], &["y"], vec![]);
+        g.output("y", DataType::Float, vec![]);
+    });
+    let plan = compile_graph(&far).unwrap_or_else(|e| panic!("compile: {e}"));
+    let x = Value::f32([1, 1, 4], vec![1.0; 4]);
+    let err = plan.evaluate(&mut plan.workspace(), Runtime::serial().ctx(), vec![("x".to_string(), x)]).unwrap_err();
+    assert!(err.to_string().contains("beyond the rotary cache"), "{err}");
+}

@@ -44,7 +44,9 @@ pub fn gather_q4(
         })
         .collect::<Result<_, _>>()?;
     let mut o = out.recycle_f32(super::layout::checked_elements(&[ids.len(), cols])?);
-    for (dst, &row) in o.chunks_exact_mut(cols).zip(&rows_of) {
+    // (Rows of no columns have nothing to write: `chunks_exact_mut(0)`
+    // panics.)
+    for (dst, &row) in o.chunks_exact_mut(cols.max(1)).zip(&rows_of) {
         let packed = &data[row * bytes..(row + 1) * bytes];
         for (c, d) in dst.iter_mut().enumerate() {
             let b = c / block;

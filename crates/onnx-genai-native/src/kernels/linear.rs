@@ -30,7 +30,9 @@ pub fn linear(x: &[f32], m: usize, w: &Weight, bias: Option<&[f32]>, y: &mut Vec
         _ => reference(x, m, w, y, ctx),
     }
     if let Some(b) = bias {
-        for row in y.chunks_exact_mut(n) {
+        // (A projection to no outputs has no rows to add to:
+        // `chunks_exact_mut(0)` panics.)
+        for row in y.chunks_exact_mut(n.max(1)) {
             row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
         }
     }

@@ -63,9 +63,18 @@ pub fn rotary(x: &Value, head_dim: usize, layout: Layout, angles: &Angles, out: 
             let (cos, sin, stride) = match angles {
                 Angles::Gathered { cos, sin } => (&cos[t * head_dim..], &sin[t * head_dim..], 1),
                 Angles::Cached { cos, sin, positions } => {
-                    let pos = if positions.len() == 1 { positions[0] + t as i64 } else { positions[b * seq + t] };
+                    let pos = if positions.len() == 1 {
+                        positions[0]
+                            .checked_add(t as i64)
+                            .ok_or_else(|| format!("position id {} overflows", positions[0]))?
+                    } else {
+                        positions[b * seq + t]
+                    };
                     let p = usize::try_from(pos).map_err(|_| format!("negative position id {pos}"))?;
-                    if (p + 1) * half > cos.len() || (p + 1) * half > sin.len() {
+                    // (Checked: a position near 2^63 wrapped the product to
+                    // a small number that passed, and sliced out of range.)
+                    let end = p.checked_add(1).and_then(|e| e.checked_mul(half)).unwrap_or(usize::MAX);
+                    if end > cos.len() || end > sin.len() {
                         return Err(format!(
                             "position {p} is beyond the rotary cache ({} positions)",
                             cos.len() / half.max(1)
