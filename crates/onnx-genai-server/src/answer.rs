@@ -101,10 +101,19 @@ fn finish_reason(r: FinishReason) -> &'static str {
 }
 
 /// Cuts `text` at the first stop string; `true` when one was found.
-fn apply_stops(text: &mut String, stops: &[String]) -> bool {
-    let cut = stops.iter().filter_map(|s| text.find(s.as_str())).min();
+/// `text[..before]` holds none (it was searched when it grew), so a stop
+/// string there must end past `before`: only the bytes from the longest
+/// one's length before it are searched. (Searching the whole answer after
+/// every token was quadratic in its length, times the choices and stops.)
+fn apply_stops(text: &mut String, before: usize, stops: &[String]) -> bool {
+    let longest = stops.iter().map(String::len).max().unwrap_or(0);
+    let mut from = before.min(text.len()).saturating_sub(longest.saturating_sub(1));
+    while !text.is_char_boundary(from) {
+        from -= 1;
+    }
+    let cut = stops.iter().filter_map(|s| text[from..].find(s.as_str())).min();
     if let Some(at) = cut {
-        text.truncate(at);
+        text.truncate(from + at);
         return true;
     }
     false
@@ -216,11 +225,12 @@ impl Choices {
                 let Some(c) = self.all.get_mut(k).filter(|c| c.finish.is_none()) else { return Ok(Took::Nothing) };
                 c.tokens += 1;
                 c.scored.extend(logprob.map(|logprob| reply.scored(c.text.len(), &d, logprob)));
+                let before = c.text.len();
                 c.text.push_str(&d);
                 if k == 0 {
                     turn.ends.push((!d.is_empty()).then_some(c.text.len()));
                 }
-                if apply_stops(&mut c.text, &reply.stops) {
+                if apply_stops(&mut c.text, before, &reply.stops) {
                     c.finish = Some("stop");
                     c.cut = true;
                     return Ok(Took::Cut(k));
@@ -375,9 +385,13 @@ fn closing(reply: &Reply, index: usize, c: &mut Choice) -> Vec<Value> {
     out
 }
 
-/// What of a choice's new text a stream sends now.
+/// What of a choice's new text a stream sends now. Only the unsent text
+/// is looked at: what was sent holds no stop string or call, nor the start
+/// of one (`sendable` held those back), so the answer is the same as over
+/// the whole text, without scanning it all after every token.
 fn progress(reply: &Reply, index: usize, c: &mut Choice) -> Option<Value> {
-    let ready = reply.sendable(&c.text);
+    let sent = c.sent.min(c.text.len());
+    let ready = sent + reply.sendable(&c.text[sent..]);
     if ready <= c.sent {
         // All of it may yet be a stop string or a call: nothing to send.
         return None;
@@ -419,7 +433,13 @@ pub fn stream_events(
             let StreamState::Open { mut turn, mut choices } = state else { return None };
             let data = |v: Value| SseEvent::default().data(v.to_string());
             let done = SseEvent::default().data("[DONE]");
-            let event = turn.rx.recv().await?;
+            // The driver let go of the turn before it ended (a driver that
+            // died; a stalled client's last events given up on): the
+            // stream ends as a failure does, with an error event and
+            // `[DONE]`, not cut off mid-answer.
+            let Some(event) = turn.rx.recv().await else {
+                return Some((stream::iter(vec![Ok(data(ApiError::internal().body())), Ok(done)]), StreamState::Done));
+            };
             let mut events = Vec::new();
             match choices.take(&reply, &mut turn, event) {
                 Err(e) => return Some((stream::iter(vec![Ok(data(e.body())), Ok(done)]), StreamState::Done)),
@@ -528,14 +548,40 @@ mod tests {
         assert_eq!(chunks[0]["choices"][0]["delta"]["content"], &not_a_call[5..], "the held text goes out as text");
     }
 
-    /// `stop` cuts at the earliest stop string, and only when one occurs.
+    /// `stop` cuts at the earliest stop string, and only when one occurs;
+    /// after text that held none (`before`), a stop string straddling the
+    /// old end is found and one wholly inside the old text is not searched
+    /// for (it cannot be there: it was cut when that text came). Grown one
+    /// character at a time, every split of a stop string across tokens
+    /// (multi-byte characters included) cuts where a whole search does.
     #[test]
     fn stop_strings_cut_at_the_earliest_match() {
         let mut t = "one two. three\nfour".to_string();
-        assert!(apply_stops(&mut t, &["\n".into(), ".".into()]));
+        assert!(apply_stops(&mut t, 0, &["\n".into(), ".".into()]));
         assert_eq!(t, "one two");
         let mut u = "no stops here".to_string();
-        assert!(!apply_stops(&mut u, &["###".into()]));
+        assert!(!apply_stops(&mut u, 0, &["###".into()]));
         assert_eq!(u, "no stops here");
+        // `before` is trusted: a match wholly before the searched tail
+        // (impossible in a stream) is not looked for.
+        let mut old = "a### and more".to_string();
+        assert!(!apply_stops(&mut old, 9, &["###".into()]));
+
+        let stops: Vec<String> = vec!["<|é末|>".into(), "zz".into()];
+        for answer in ["abc<|é末|>def", "ab<|é<|é末|>", "é末zz<|", "a<|é末|", "zzz"] {
+            let mut whole = answer.to_string();
+            let cut = apply_stops(&mut whole, 0, &stops);
+            let mut grown = String::new();
+            let mut grown_cut = false;
+            for ch in answer.chars() {
+                let before = grown.len();
+                grown.push(ch);
+                if apply_stops(&mut grown, before, &stops) {
+                    grown_cut = true;
+                    break;
+                }
+            }
+            assert_eq!((grown_cut, &grown), (cut, &whole), "{answer}");
+        }
     }
 }

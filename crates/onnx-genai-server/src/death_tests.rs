@@ -72,3 +72,34 @@ fn a_dead_driver_answers_503_turns_health_red_and_holds_nothing() {
     assert!(metrics.body.contains("models_down 1"), "{}", metrics.body);
     server.stop();
 }
+
+/// Model steps of at least 2 ms: a 200-token answer outlives the test's
+/// command to die.
+struct Slow;
+
+impl onnx_genai_test_support::Hook for Slow {
+    fn step(&self, _: &[onnx_genai_backend::Entry<'_>]) -> Result<(), onnx_genai_backend::BackendError> {
+        std::thread::sleep(Duration::from_millis(2));
+        Ok(())
+    }
+}
+
+/// A stream whose driver dies mid-answer ends as a failed stream does: an
+/// error event in OpenAI's shape, then `[DONE]` — before, the stream just
+/// stopped, and a client could not tell a cut answer from a whole one.
+#[test]
+fn a_stream_whose_driver_dies_ends_with_an_error_and_done() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = crate::stall_tests::hooked_engine(dir.path(), Slow);
+    let server = start_with(vec![engine], "127.0.0.1:0", ServerOptions::default()).unwrap();
+    let body = json!({"model": MODEL, "prompt": "Once", "max_tokens": 200, "stream": true});
+    let mut stream = crate::client::Stream::open(server.addr, "/v1/completions", &[], &body).unwrap();
+    let first = stream.next_data();
+    assert!(first.as_deref().is_some_and(|d| d.contains("\"choices\"")), "the stream started: {first:?}");
+    server.state.drivers[MODEL].send(Command::Die).unwrap();
+    let rest: Vec<String> = std::iter::from_fn(|| stream.next_data()).collect();
+    assert_eq!(rest.last().map(String::as_str), Some("[DONE]"), "{rest:?}");
+    let error: serde_json::Value = serde_json::from_str(&rest[rest.len() - 2]).unwrap();
+    assert_eq!(error["error"]["type"], "server_error", "{rest:?}");
+    server.stop();
+}

@@ -73,6 +73,21 @@ impl ApiError {
     }
 
     /// A failure inside the server; the client sees no internal text.
+    /// A path the server does not serve (OpenAI's shape; axum's own 404
+    /// has an empty body).
+    pub fn unknown_url() -> Self {
+        Self::not_found("unknown_url", "no such route: see GET /openapi.json for the ones served")
+    }
+
+    /// A served path asked with a method it does not take.
+    pub fn method_not_allowed() -> Self {
+        Self::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "invalid_request_error",
+            "this route does not take that method: see GET /openapi.json",
+        )
+    }
+
     pub fn internal() -> Self {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "the server failed to generate; see its log")
     }
@@ -105,7 +120,7 @@ pub fn from_engine(err: &onnx_genai_engine::EngineError) -> ApiError {
         EngineError::Admission(AdmissionError::NeverFits { needed_bytes, budget_bytes, .. }) => {
             ApiError::invalid(format!(
                 "the request needs at least {needed_bytes} bytes of KV cache, more than the server's whole budget of \
-             {budget_bytes}; shorten the prompt"
+             {budget_bytes}; shorten the prompt (or, with n above 1, ask for fewer choices: each holds its own KV)"
             ))
         }
         EngineError::Admission(AdmissionError::Invalid(m)) | EngineError::Request(m) => ApiError::invalid(m.clone()),

@@ -263,6 +263,8 @@ pub fn router(state: Arc<AppState>) -> Router {
     ROUTES
         .iter()
         .fold(Router::new(), |router, (method, path)| router.route(path, handler(method, path)))
+        .fallback(|| async { ApiError::unknown_url() })
+        .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() })
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .layer(axum::middleware::from_fn_with_state(state.clone(), guard::gate))
         .with_state(state)

@@ -112,8 +112,10 @@ pub async fn create_session(
 pub async fn delete_session(
     State(state): State<Arc<AppState>>,
     Extension(owner): Extension<Owner>,
-    Path(id): Path<String>,
+    id: Result<Path<String>, axum::extract::rejection::PathRejection>,
 ) -> Result<Json<Value>, ApiError> {
+    // (Axum's own rejection is plain text, not OpenAI's error shape.)
+    let Path(id) = id.map_err(|e| ApiError::param("id", format!("the session id in the path is not valid: {e}")))?;
     let placement = state.registry.close(&id, &owner)?;
     if let Some(d) = state.drivers.get(&placement.model) {
         let _ = d.send(Command::CloseSession { id: placement.engine });

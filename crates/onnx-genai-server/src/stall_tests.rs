@@ -156,7 +156,7 @@ fn a_client_that_stops_reading_parks_out_of_the_batch_then_is_cancelled() {
 
 /// The tiny llama built into `dir`, on native-cpu (one thread), behind
 /// `hook`.
-fn hooked_engine(
+pub(crate) fn hooked_engine(
     dir: &std::path::Path,
     hook: impl onnx_genai_test_support::Hook + 'static,
 ) -> onnx_genai_engine::Engine {

@@ -411,7 +411,10 @@ fn the_admission_promise_decides_the_status() {
 }
 
 /// Bad input: each error in OpenAI's shape with the right status and a
-/// message that says what to fix; no internal text.
+/// message that says what to fix; no internal text. Routes the server does
+/// not serve, a method a route does not take and a path id that is not
+/// text are errors in the same shape (axum answered them with an empty or
+/// a plain-text body).
 #[test]
 fn bad_requests_get_openai_errors() {
     let gate = Gate::default();
@@ -468,6 +471,17 @@ fn bad_requests_get_openai_errors() {
         assert!(!msg.contains("panicked") && !msg.contains("src/"), "internal text leaked: {msg}");
     }
     assert_eq!(call(s.addr, "DELETE", "/v1/sessions/sess_nope", &[], "").status, 404);
+    for (method, path, status, want) in [
+        ("POST", "/v1/nope", 404, "no such route"),
+        ("GET", "/v1/chat/completions", 405, "does not take that method"),
+        ("DELETE", "/v1/sessions/%FF", 400, "session id in the path is not valid"),
+    ] {
+        let r = call(s.addr, method, path, &[], "");
+        assert_eq!(r.status, status, "{method} {path}: {}", r.body);
+        let error = &r.json()["error"];
+        let msg = error["message"].as_str().unwrap_or_default();
+        assert!(msg.contains(want) && error["type"].is_string(), "{method} {path}: {}", r.body);
+    }
 }
 
 /// The OpenAI wire format: models, chat (JSON and SSE with usage), text
