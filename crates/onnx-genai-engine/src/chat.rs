@@ -336,9 +336,10 @@ impl Prompter {
     /// `format` compiled over this tokenizer for one request (`None` for
     /// text). A server calls it on a request thread first: that refuses a
     /// bad schema early and builds the shared compiler off the driver.
-    /// Response formats compiled into grammars so far: one per admitted
-    /// constrained turn (a turn waiting for room compiles nothing), and
-    /// one per route's check before it queues a request.
+    /// Response formats compiled into grammars so far: a format the route
+    /// compiled before it queued the request is copied, not compiled
+    /// again, when the turn is admitted (a turn waiting for room compiles
+    /// nothing).
     pub fn grammars_compiled(&self) -> u64 {
         self.grammars.compiled()
     }

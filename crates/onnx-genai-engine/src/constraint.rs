@@ -62,7 +62,11 @@ pub(crate) struct Grammars {
     /// first. A server's route compiles a request's format (refusing a bad
     /// one before it queues) and the engine compiles it again when it
     /// admits the request, on the model's driver, where every stream of
-    /// the model waits for it: that second one is a copy from here.
+    /// the model waits for it: that second one is a copy from here — a
+    /// deep one, its lexer's caches its own (llguidance's `clone` shares
+    /// them, which a request's choices may, but requests must not: one
+    /// request's lexer error would stick to every later one's, and the
+    /// shared caches would grow for as long as the format is used).
     recent: std::sync::Mutex<std::collections::VecDeque<(ResponseFormat, Constraint)>>,
 }
 
@@ -92,7 +96,7 @@ impl Grammars {
         }
         let recent = || self.recent.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((_, fresh)) = recent().iter().find(|(f, _)| f == format) {
-            return Ok(Some(fresh.clone()));
+            return Ok(Some(fresh.detached()));
         }
         let Some(grammar) = format.grammar()? else { return Ok(None) };
         self.compiled.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -105,7 +109,7 @@ impl Grammars {
         let tok_eos = factory.tok_env().tok_trie().eos_token();
         let fresh = Constraint { matcher, tok_eos, allowed: Vec::new() };
         let mut recent = recent();
-        recent.push_front((format.clone(), fresh.clone()));
+        recent.push_front((format.clone(), fresh.detached()));
         recent.truncate(RECENT_GRAMMARS);
         Ok(Some(fresh))
     }
@@ -154,6 +158,12 @@ pub struct Constraint {
 }
 
 impl Constraint {
+    /// A copy that shares nothing with this one (a `clone` shares the
+    /// lexer's caches, as a request's choices may).
+    fn detached(&self) -> Constraint {
+        Constraint { matcher: self.matcher.deep_clone(), tok_eos: self.tok_eos, allowed: Vec::new() }
+    }
+
     /// Sets the logit of every token the grammar forbids next to -inf. The
     /// package's end-of-sequence tokens are allowed exactly when the text
     /// may end here.

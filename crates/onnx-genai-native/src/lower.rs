@@ -468,7 +468,7 @@ pub fn lower(node: &Node, opset: i64) -> Result<(Op, Vec<usize>), CompileError> 
                 a.require("gather_axis", 0, "only rows (axis 0) are gathered")?;
                 a.require("quantize_axis", 1, "only blocks along the row (axis 1) are supported")?;
                 let block = a.int("block_size")?.ok_or_else(|| a.err("missing attribute `block_size`"))?;
-                if block < 16 || (block & (block - 1)) != 0 {
+                if !onnx_runtime_block(block) {
                     return Err(a.err(format!("block_size={block} must be a power of two, at least 16")));
                 }
                 Op::GatherQ4 { block: block as usize }
@@ -485,7 +485,7 @@ pub fn lower(node: &Node, opset: i64) -> Result<(Op, Vec<usize>), CompileError> 
                 // (ONNX Runtime's rule, as GatherBlockQuantized's: a block
                 // of 48 passed as even, and the int8-input path, which
                 // takes blocks a multiple of 32, read other blocks' scales.)
-                if k <= 0 || n <= 0 || block < 16 || (block & (block - 1)) != 0 {
+                if k <= 0 || n <= 0 || !onnx_runtime_block(block) {
                     return Err(
                         a.err(format!("invalid K={k}, N={n}, block_size={block} (a power of two, at least 16)"))
                     );
@@ -501,4 +501,10 @@ pub fn lower(node: &Node, opset: i64) -> Result<(Op, Vec<usize>), CompileError> 
         _ => return Err(a.no_kernel()),
     };
     Ok((op, all))
+}
+
+/// A 4-bit block size ONNX Runtime's contrib ops take: a power of two, at
+/// least 16 (`MatMulNBits` and `GatherBlockQuantized` alike).
+fn onnx_runtime_block(block: i64) -> bool {
+    block >= 16 && (block & (block - 1)) == 0
 }

@@ -72,7 +72,6 @@ impl ApiError {
         Self { retry_after: Some(1), ..Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", message) }
     }
 
-    /// A failure inside the server; the client sees no internal text.
     /// A path the server does not serve (OpenAI's shape; axum's own 404
     /// has an empty body).
     pub fn unknown_url() -> Self {
@@ -88,6 +87,7 @@ impl ApiError {
         )
     }
 
+    /// A failure inside the server; the client sees no internal text.
     pub fn internal() -> Self {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "the server failed to generate; see its log")
     }
