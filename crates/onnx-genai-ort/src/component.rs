@@ -4,7 +4,7 @@
 use onnx_genai_backend::BackendError;
 use onnx_genai_package::Package;
 use ort::session::Session;
-use ort::value::{DynValue, Tensor};
+use ort::value::{DynValue, Tensor, TensorElementType};
 
 use crate::NAME;
 
@@ -21,6 +21,11 @@ pub enum ComponentInput {
 pub struct OrtComponent {
     name: String,
     session: Session,
+}
+
+/// The element type the session declares for one of its inputs or outputs.
+fn declared(ports: &[ort::value::Outlet], name: &str) -> Option<TensorElementType> {
+    ports.iter().find(|o| o.name() == name).and_then(|o| o.dtype().tensor_type())
 }
 
 impl OrtComponent {
@@ -40,11 +45,25 @@ impl OrtComponent {
         inputs: Vec<(String, ComponentInput)>,
         output: &str,
     ) -> Result<(Vec<usize>, Vec<f32>), BackendError> {
+        // Ids and floats go in as the graph declares them (validation lets a
+        // component take int32 ids and f16 values, as a decoder may).
         let mut fed: Vec<(String, DynValue)> = Vec::with_capacity(inputs.len());
         for (name, input) in inputs {
+            let wanted = declared(self.session.inputs(), &name);
             let value = match input {
+                ComponentInput::F32 { shape, values } if wanted == Some(TensorElementType::Float16) => {
+                    let narrow: Vec<half::f16> = values.iter().map(|v| half::f16::from_f32(*v)).collect();
+                    Tensor::from_array((shape, narrow)).map_err(run_err)?.into_dyn()
+                }
                 ComponentInput::F32 { shape, values } => {
                     Tensor::from_array((shape, values)).map_err(run_err)?.into_dyn()
+                }
+                ComponentInput::I64 { shape, values } if wanted == Some(TensorElementType::Int32) => {
+                    let narrow = values
+                        .iter()
+                        .map(|v| i32::try_from(*v).map_err(|_| run_err(format!("`{name}` value {v} is past int32"))))
+                        .collect::<Result<Vec<i32>, _>>()?;
+                    Tensor::from_array((shape, narrow)).map_err(run_err)?.into_dyn()
                 }
                 ComponentInput::I64 { shape, values } => {
                     Tensor::from_array((shape, values)).map_err(run_err)?.into_dyn()
@@ -52,13 +71,20 @@ impl OrtComponent {
             };
             fed.push((name, value));
         }
+        let f16_out = declared(self.session.outputs(), output) == Some(TensorElementType::Float16);
         let component = self.name.clone();
         let mut outputs = self.session.run(fed).map_err(|e| run_err(format!("component `{component}`: {e}")))?;
         let value = outputs
             .remove(output)
             .ok_or_else(|| run_err(format!("component `{component}` has no output `{output}`")))?;
-        let (shape, data) = value.try_extract_tensor::<f32>().map_err(run_err)?;
+        let (shape, data) = if f16_out {
+            let (shape, data) = value.try_extract_tensor::<half::f16>().map_err(run_err)?;
+            (shape, data.iter().map(|v| v.to_f32()).collect())
+        } else {
+            let (shape, data) = value.try_extract_tensor::<f32>().map_err(run_err)?;
+            (shape, data.to_vec())
+        };
         let shape = shape.iter().map(|d| usize::try_from(*d).unwrap_or(0)).collect();
-        Ok((shape, data.to_vec()))
+        Ok((shape, data))
     }
 }

@@ -212,3 +212,41 @@ fn every_port_type_the_package_may_declare_runs() {
     }
     assert!(embeds_retyped, "no shipped package's decoder reads embeddings: f16 embeddings went untried");
 }
+
+/// A workflow's stateless components take the same latitude as the
+/// decoder: an embedding component that reads int32 token ids and writes
+/// f16 embeddings runs, its ids converted exactly and its embeddings the
+/// f16 rounding of the built graph's (before, ids always went in as int64
+/// and outputs were read as f32: a type error at every request).
+#[test]
+fn a_component_takes_int32_ids_and_gives_f16_values() {
+    use onnx_genai_onnx::DataType;
+    use onnx_genai_ort::{ComponentInput, OrtComponent};
+    use onnx_genai_package::Role;
+    let (_dir, package) = onnx_genai_test_support::build("tiny-vlm");
+    let decoder = package.decoder().unwrap().0.name.clone();
+    let embed = package
+        .manifest
+        .components
+        .iter()
+        .find(|c| c.name != decoder && c.port(Role::TokenIds).is_some() && c.port(Role::InputsEmbeds).is_some())
+        .expect("tiny-vlm has an embedding component")
+        .clone();
+    let (ids, values) = (embed.port(Role::TokenIds).unwrap(), embed.port(Role::InputsEmbeds).unwrap());
+    let run = |package: &onnx_genai_package::Package| {
+        let mut component = OrtComponent::load(package, &embed.name, 1).expect("the component loads");
+        let input = ComponentInput::I64 { shape: vec![1, 4], values: vec![5, 77, 300, 12] };
+        component.run(vec![(ids.to_string(), input)], values).expect("the component runs")
+    };
+    let (shape, built) = run(&package);
+    let (_, path) = package.component(&embed.name).unwrap();
+    let mut model = onnx_genai_onnx::read_model(path).unwrap();
+    retype_input(&mut model, ids, DataType::Int32);
+    retype_output(&mut model, values, DataType::Float16);
+    onnx_genai_onnx::write_model(path, &model).unwrap();
+    let retyped = onnx_genai_package::Package::open(&package.root).expect("the retyped package validates");
+    let (retyped_shape, got) = run(&retyped);
+    assert_eq!(retyped_shape, shape);
+    let want: Vec<f32> = built.iter().map(|v| half::f16::from_f32(*v).to_f32()).collect();
+    assert_eq!(got, want, "the embeddings through the retyped ports differ beyond f16 rounding");
+}
