@@ -238,6 +238,6 @@ fn check_records_goldens_then_holds_every_backend_to_them() {
     let out = run();
     assert_eq!(out.status.code(), Some(2), "{:?}", summaries(&out));
     assert!(summaries(&out)[0].contains("cannot be read"), "{:?}", summaries(&out));
-    // Records are written whole, through no leftover partial file.
+    // No partial file is left beside the records.
     assert!(std::fs::read_dir(&golden).unwrap().all(|e| !e.unwrap().path().to_string_lossy().ends_with(".partial")));
 }

@@ -405,25 +405,22 @@ fn golden_stage(
     at.sort_unstable();
     at.dedup();
     // Each backend opened once for every prompt (a native compile, an ONNX
-    // Runtime session: once a prompt multiplied them by the prompts file).
-    let mut backends: Vec<(String, Result<Decoder, String>)> = std::iter::once(REFERENCE.to_string())
-        .chain(native_backends())
-        .map(|b| {
-            let opened = open_backend(&b, package, opts.threads).map_err(|e| e.to_string());
-            (b, opened)
-        })
-        .collect();
-    let mut out = Vec::new();
-    for (i, (text, tokens)) in prompts.iter().enumerate() {
-        let g = crate::cases::GoldenFile {
-            prompt: text.clone(),
-            max_new_tokens: steps,
-            top5_at_steps: at.clone(),
-            decimals: 5,
-        };
-        let path = golden_path(dir, name, package_dir, i);
-        for (backend, decoder) in &mut backends {
-            let backend = backend.clone();
+    // Runtime session: once a prompt multiplied them by the prompts file)
+    // and one at a time (a large model's backends side by side multiply
+    // its memory). The reference runs first, so every record a missing
+    // one makes is written before another backend is judged against it;
+    // the results are given prompt by prompt.
+    let mut by_prompt: Vec<Vec<(CheckResult, Verdict)>> = prompts.iter().map(|_| Vec::new()).collect();
+    for backend in std::iter::once(REFERENCE.to_string()).chain(native_backends()) {
+        let mut decoder = open_backend(&backend, package, opts.threads).map_err(|e| e.to_string());
+        for (i, (text, tokens)) in prompts.iter().enumerate() {
+            let g = crate::cases::GoldenFile {
+                prompt: text.clone(),
+                max_new_tokens: steps,
+                top5_at_steps: at.clone(),
+                decimals: 5,
+            };
+            let path = golden_path(dir, name, package_dir, i);
             let started = Instant::now();
             let mut r = result("golden", name, &backend, started);
             r.name = format!("golden::{name}::{backend}::prompt{i}");
@@ -462,19 +459,25 @@ fn golden_stage(
                     j => (Verdict::Mismatch, Err(format!("{j} ({})", path.display()))),
                 },
             };
-            out.push((finish(r, outcome, started), verdict));
+            by_prompt[i].push((finish(r, outcome, started), verdict));
         }
     }
-    out
+    by_prompt.into_iter().flatten().collect()
 }
 
 /// Writes `bytes` to `path` whole or not at all: into a sibling file first,
 /// then renamed over `path` — an interrupted or failed write leaves `path`
 /// as it was (a truncated golden record read later as a mismatch), and a
-/// symlink at `path` is replaced, not written through.
+/// symlink at `path` is replaced, not written through. A `path` that
+/// leads to something other than a regular file (`/dev/stdout`, a pipe) is
+/// written to as it is: a rename would replace the link, or the device.
 pub fn write_whole(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    if std::fs::metadata(path).is_ok_and(|m| !m.is_file()) {
+        return std::fs::write(path, bytes);
+    }
+    // (The process id keeps two checks writing one record apart.)
     let mut partial = path.as_os_str().to_owned();
-    partial.push(".partial");
+    partial.push(format!(".{}.partial", std::process::id()));
     let partial = PathBuf::from(partial);
     // (A file left there by an earlier failure goes first: `create_new`
     // then also refuses a symlink put in its place.)
@@ -574,7 +577,9 @@ pub fn check_dir(dir: &Path, opts: &CheckOptions) -> PackageCheck {
     // backend and stage, then could not run).
     let context = package.manifest.architecture.max_sequence_length as usize;
     let longest = prompts.as_ref().map_or(0, |p| p.iter().map(Vec::len).max().unwrap_or(0));
-    if longest.saturating_add(opts.steps) > context {
+    // (The stages decode at least one step: `--steps 0` compares the
+    // prefill and still runs one.)
+    if longest.saturating_add(opts.steps.max(1)) > context {
         let started = Instant::now();
         let why = format!(
             "the longest prompt ({longest} tokens) and {} steps do not fit the context of {context} positions: \
@@ -731,6 +736,41 @@ pub fn json(checks: &[PackageCheck]) -> String {
 mod tests {
     use super::*;
     use crate::tolerance::Deviation;
+
+    /// A record is written whole through a sibling file, which is not left
+    /// behind; a dangling symlink where the record goes is replaced, its
+    /// target not created (a plain write followed the link); and a path
+    /// leading to a pipe is written into as it is (a rename would replace
+    /// the link to it).
+    #[test]
+    fn records_are_written_whole_and_never_through_a_link() {
+        let dir = tempfile::tempdir().unwrap();
+        let record = dir.path().join("a.snap");
+        write_whole(&record, b"first").unwrap();
+        write_whole(&record, b"second").unwrap();
+        assert_eq!(std::fs::read(&record).unwrap(), b"second");
+        let names: Vec<String> =
+            std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into()).collect();
+        assert_eq!(names, ["a.snap"], "a partial file was left behind");
+
+        let (link, target) = (dir.path().join("b.snap"), dir.path().join("elsewhere"));
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        write_whole(&link, b"record").unwrap();
+        assert!(!target.exists(), "the write followed the link");
+        assert!(std::fs::symlink_metadata(&link).unwrap().is_file());
+
+        let fifo = dir.path().join("pipe");
+        assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+        let reader = {
+            let fifo = fifo.clone();
+            std::thread::spawn(move || std::fs::read(fifo).unwrap())
+        };
+        let piped = dir.path().join("to-pipe");
+        std::os::unix::fs::symlink(&fifo, &piped).unwrap();
+        write_whole(&piped, b"report").unwrap();
+        assert_eq!(reader.join().unwrap(), b"report");
+        assert!(std::fs::symlink_metadata(&piped).unwrap().is_symlink(), "the link to the pipe was replaced");
+    }
 
     fn run(divergence: Option<Divergence>, worst_ratio: f32) -> parity::ParityOutcome {
         parity::ParityOutcome {
