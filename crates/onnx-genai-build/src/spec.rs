@@ -298,6 +298,15 @@ impl Spec {
                 return fail("vision packages are llama-family with untied embeddings".into());
             }
         }
+        // Values that make every logit NaN (a rotary base of 0 or less, a
+        // norm epsilon of 0 or less) or every norm 0 (one past f32's range)
+        // build a package that validates: refused here, for every source.
+        if self.rope_theta.is_some_and(|t| !(t.is_finite() && t > 0.0)) {
+            return fail(format!("rope_theta {:?} is not a positive number", self.rope_theta.unwrap_or(0.0)));
+        }
+        if !(self.norm_epsilon.is_finite() && self.norm_epsilon > 0.0 && self.norm_epsilon <= 1.0) {
+            return fail(format!("norm_epsilon {} is not above 0 and at most 1", self.norm_epsilon));
+        }
         if self.genai.accuracy_level > 4 {
             return fail(format!("genai.accuracy_level {} is not 0–4", self.genai.accuracy_level));
         }

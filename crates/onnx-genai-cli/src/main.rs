@@ -385,6 +385,13 @@ fn run(cli: Cli) -> Result<ExitCode> {
             let mut spec = onnx_genai_build::hf::spec_from_hf(&checkpoint, &name)?;
             spec.dtype = dtype;
             onnx_genai_build::build_variant(&spec, variant, &out)?;
+            // What the checkpoint's files hold beside its weights (token
+            // ids, tokenizer, template) is checked as every package is: an
+            // import that wrote a package `validate` refuses says so now.
+            let (report, _) = onnx_genai_package::validate(&out);
+            if report.has_errors() {
+                anyhow::bail!("the package imported into {} does not validate:\n{report}", out.display());
+            }
             report_out(&format!(
                 "imported {} ({}, {dtype:?}) into {}\n",
                 checkpoint.display(),

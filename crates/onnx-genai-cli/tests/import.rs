@@ -210,6 +210,68 @@ fn what_the_importer_cannot_take_is_named() {
     let hf = checkpoint(direct.path(), &wrong, 1, "LlamaForCausalLM");
     let e = failed(hf.path());
     assert!(e.contains("model.norm.weight") && e.contains("shape"), "{e}");
+
+    // A text file that is no regular file (here a link to /dev/zero, read
+    // until the process was killed) is named, not read.
+    let hf = checkpoint(direct.path(), &tensors, 1, "LlamaForCausalLM");
+    std::fs::remove_file(hf.path().join("tokenizer.json")).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", hf.path().join("tokenizer.json")).unwrap();
+    let e = failed(hf.path());
+    assert!(e.contains("tokenizer.json") && e.contains("not a regular file"), "{e}");
+}
+
+/// transformers v5 writes the rotary base inside `rope_parameters` (no
+/// top-level `rope_theta`): it is read there — the package's base is the
+/// checkpoint's, and the default type decodes the direct build's tokens —
+/// and a scaled type, or a base disagreeing with a top-level one, is
+/// refused by name (before, `rope_parameters` was ignored: a base of
+/// 10,000 where the checkpoint said 500,000, a package that validated and
+/// wrote wrong text). Bases and norm epsilons that make every logit NaN
+/// are refused too.
+#[test]
+fn rope_parameters_are_read_and_what_they_cannot_mean_is_refused() {
+    let direct = built("decomposed");
+    let tensors = checkpoint_tensors(direct.path());
+    let out = tempfile::tempdir().unwrap();
+    let with = |edit: &dyn Fn(&mut serde_json::Value)| {
+        let mut config = llama_config(direct.path(), "LlamaForCausalLM");
+        edit(&mut config);
+        checkpoint_with(direct.path(), &tensors, 1, &config)
+    };
+    let v5 = with(&|c| {
+        c.as_object_mut().unwrap().remove("rope_theta");
+        c["rope_parameters"] = json!({"rope_theta": 10000.0, "rope_type": "default"});
+    });
+    let imported = out.path().join("v5");
+    ok(import(v5.path(), &imported, "decomposed"));
+    assert_eq!(greedy(&imported), greedy(direct.path()));
+    let based = with(&|c| {
+        c.as_object_mut().unwrap().remove("rope_theta");
+        c["rope_parameters"] = json!({"rope_theta": 500000.0});
+    });
+    let imported = out.path().join("based");
+    ok(import(based.path(), &imported, "decomposed"));
+    let manifest: serde_yaml_ng::Value =
+        serde_yaml_ng::from_str(&std::fs::read_to_string(imported.join("package.yaml")).unwrap()).unwrap();
+    assert_eq!(manifest["architecture"]["rope_theta"].as_f64(), Some(500000.0));
+
+    let refused = |edit: &dyn Fn(&mut serde_json::Value), says: &str| {
+        let hf = with(edit);
+        let o = import(hf.path(), &out.path().join("refused"), "decomposed");
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert_eq!(o.status.code(), Some(1), "{says}: {err}");
+        assert!(err.contains(says), "expected `{says}` in: {err}");
+    };
+    refused(&|c| c["rope_parameters"] = json!({"rope_type": "llama3", "factor": 8.0}), "rope_type \"llama3\"");
+    refused(&|c| c["rope_parameters"] = json!({"rope_theta": 500000.0}), "differs from the top-level rope_theta");
+    refused(&|c| c["rope_theta"] = json!(0.0), "rope_theta 0.0 is not a positive number");
+    refused(&|c| c["rms_norm_eps"] = json!(-1.0), "norm_epsilon -1 is not above 0");
+    // Special ids: a malformed one is named (was dropped), and one outside
+    // the vocabulary fails the import's validation (the package was
+    // written, and refused only when opened).
+    refused(&|c| c["eos_token_id"] = json!([2, -1]), "`eos_token_id` must be a token id");
+    refused(&|c| c["bos_token_id"] = json!(1.5), "`bos_token_id` must be a token id");
+    refused(&|c| c["eos_token_id"] = json!(400), "PKG043");
 }
 
 fn tiny_qwen2_spec(dir: &Path) -> std::path::PathBuf {

@@ -109,10 +109,42 @@ pub(super) fn spec(
         ffn,
         vocab,
         context,
-        rope_theta: config.float_or("rope_theta", 10_000.0)?,
+        rope_theta: rope_theta(config)?,
         norm_epsilon: config.float_or("rms_norm_eps", 1e-6)?,
         tied,
         qkv_bias: qwen2,
     };
     Ok(shape.spec(name, pretrained))
+}
+
+/// The rotary base. transformers v5 writes it inside `rope_parameters`
+/// (with the scaling's type beside it) and no top-level `rope_theta`: read
+/// there, the default type only — a base read as absent (10,000 where
+/// Llama 3 says 500,000) or a scaling dropped makes a package that
+/// validates and writes wrong text.
+fn rope_theta(config: &super::Keys<'_>) -> Result<f64, HfError> {
+    let top = config.float("rope_theta")?;
+    let parameters = &config.value["rope_parameters"];
+    if parameters.is_null() {
+        return Ok(top.unwrap_or(10_000.0));
+    }
+    let unsupported = |what: String| HfError::Unsupported(format!("config.json rope_parameters: {what}"));
+    let Some(parameters) = parameters.as_object() else {
+        return Err(unsupported(format!("{parameters} is not an object")));
+    };
+    let kind = parameters.get("rope_type").or_else(|| parameters.get("type"));
+    if let Some(kind) = kind.filter(|k| k.as_str() != Some("default")) {
+        return Err(unsupported(format!("rope_type {kind} is not supported (only the default)")));
+    }
+    let theta = match parameters.get("rope_theta") {
+        None => top.unwrap_or(10_000.0),
+        Some(v) => v.as_f64().ok_or_else(|| unsupported(format!("rope_theta {v} is not a number")))?,
+    };
+    if top.is_some_and(|t| t != theta) {
+        return Err(unsupported(format!(
+            "rope_theta {theta} differs from the top-level rope_theta {}",
+            top.unwrap_or(0.0)
+        )));
+    }
+    Ok(theta)
 }

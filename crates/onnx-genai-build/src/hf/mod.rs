@@ -40,9 +40,30 @@ pub const ARCHITECTURES: [&str; 4] = ["LlamaForCausalLM", "MistralForCausalLM", 
 
 const GENERATION_CONFIG: &str = "generation_config.json";
 
+/// The most bytes a checkpoint's text file (config, tokenizer, template)
+/// is read to: a large vocabulary's `tokenizer.json` is tens of MB.
+const MAX_TEXT_FILE: u64 = 256 << 20;
+
+/// A text file of the checkpoint: a regular file (through symlinks, as the
+/// Hugging Face cache links its files) of at most [`MAX_TEXT_FILE`] bytes —
+/// a `tokenizer.json` linked to `/dev/zero` was read until the process was
+/// killed, one linked to a pipe waited for good.
 fn read(dir: &Path, file: &str) -> Result<String, HfError> {
+    use std::io::Read;
     let path = dir.join(file);
-    std::fs::read_to_string(&path).map_err(|source| HfError::Io { path, source })
+    let io = |source| HfError::Io { path: path.clone(), source };
+    if !std::fs::metadata(&path).map_err(io)?.is_file() {
+        return Err(HfError::Invalid { file: file.into(), reason: "is not a regular file".into() });
+    }
+    let mut text = String::new();
+    std::fs::File::open(&path).map_err(io)?.take(MAX_TEXT_FILE + 1).read_to_string(&mut text).map_err(io)?;
+    if text.len() as u64 > MAX_TEXT_FILE {
+        return Err(HfError::Invalid {
+            file: file.into(),
+            reason: format!("holds more than {} MiB", MAX_TEXT_FILE >> 20),
+        });
+    }
+    Ok(text)
 }
 
 fn json(dir: &Path, file: &str) -> Result<Value, HfError> {
@@ -175,9 +196,22 @@ fn text_files(dir: &Path, config: &Keys) -> Result<Pretrained, HfError> {
         if dir.join(GENERATION_CONFIG).is_file() { json(dir, GENERATION_CONFIG)? } else { Value::Null };
     let generation = Keys { file: GENERATION_CONFIG, value: &generation_value };
     let special = |key: &str| if generation.present(key) { &generation.value[key] } else { &config.value[key] };
+    // A malformed id is an error naming its file, not dropped: a BOS of -1
+    // silently became none, and an end-of-sequence list kept what parsed.
+    let id = |key: &str, v: &Value| {
+        as_u32(v).ok_or_else(|| HfError::Invalid {
+            file: if generation.present(key) { GENERATION_CONFIG } else { "config.json" }.into(),
+            reason: format!("`{key}` must be a token id (or a list of them), got {v}"),
+        })
+    };
     let eos_token_ids: Vec<u32> = match special("eos_token_id") {
-        Value::Array(ids) => ids.iter().filter_map(as_u32).collect(),
-        v => as_u32(v).into_iter().collect(),
+        Value::Array(ids) => ids.iter().map(|v| id("eos_token_id", v)).collect::<Result<_, _>>()?,
+        Value::Null => Vec::new(),
+        v => vec![id("eos_token_id", v)?],
+    };
+    let bos_token_id = match special("bos_token_id") {
+        Value::Null => None,
+        v => Some(id("bos_token_id", v)?),
     };
     if eos_token_ids.is_empty() {
         let file = if generation.present("eos_token_id") { GENERATION_CONFIG } else { "config.json" };
@@ -210,7 +244,7 @@ fn text_files(dir: &Path, config: &Keys) -> Result<Pretrained, HfError> {
         weights: Default::default(),
         tokenizer_json,
         chat_template,
-        bos_token_id: as_u32(special("bos_token_id")),
+        bos_token_id,
         eos_token_ids,
         sampling,
         max_new_tokens,
