@@ -4,13 +4,10 @@
 use onnx_genai_backend::BackendError;
 use onnx_genai_package::Package;
 use ort::session::Session;
-use ort::value::{DynValue, Tensor, TensorElementType};
+use ort::value::{DynValue, TensorElementType};
 
+use crate::edge::{declared, float_input, float_output, int_input, run_err};
 use crate::NAME;
-
-fn run_err(reason: impl std::fmt::Display) -> BackendError {
-    BackendError::Run { backend: NAME, reason: reason.to_string() }
-}
 
 /// A tensor fed to a component.
 pub enum ComponentInput {
@@ -21,11 +18,6 @@ pub enum ComponentInput {
 pub struct OrtComponent {
     name: String,
     session: Session,
-}
-
-/// The element type the session declares for one of its inputs or outputs.
-fn declared(ports: &[ort::value::Outlet], name: &str) -> Option<TensorElementType> {
-    ports.iter().find(|o| o.name() == name).and_then(|o| o.dtype().tensor_type())
 }
 
 impl OrtComponent {
@@ -51,22 +43,11 @@ impl OrtComponent {
         for (name, input) in inputs {
             let wanted = declared(self.session.inputs(), &name);
             let value = match input {
-                ComponentInput::F32 { shape, values } if wanted == Some(TensorElementType::Float16) => {
-                    let narrow: Vec<half::f16> = values.iter().map(|v| half::f16::from_f32(*v)).collect();
-                    Tensor::from_array((shape, narrow)).map_err(run_err)?.into_dyn()
-                }
                 ComponentInput::F32 { shape, values } => {
-                    Tensor::from_array((shape, values)).map_err(run_err)?.into_dyn()
-                }
-                ComponentInput::I64 { shape, values } if wanted == Some(TensorElementType::Int32) => {
-                    let narrow = values
-                        .iter()
-                        .map(|v| i32::try_from(*v).map_err(|_| run_err(format!("`{name}` value {v} is past int32"))))
-                        .collect::<Result<Vec<i32>, _>>()?;
-                    Tensor::from_array((shape, narrow)).map_err(run_err)?.into_dyn()
+                    float_input(shape, &values, wanted == Some(TensorElementType::Float16))?
                 }
                 ComponentInput::I64 { shape, values } => {
-                    Tensor::from_array((shape, values)).map_err(run_err)?.into_dyn()
+                    int_input(shape, values, wanted == Some(TensorElementType::Int32), &name)?
                 }
             };
             fed.push((name, value));
@@ -77,13 +58,8 @@ impl OrtComponent {
         let value = outputs
             .remove(output)
             .ok_or_else(|| run_err(format!("component `{component}` has no output `{output}`")))?;
-        let (shape, data) = if f16_out {
-            let (shape, data) = value.try_extract_tensor::<half::f16>().map_err(run_err)?;
-            (shape, data.iter().map(|v| v.to_f32()).collect())
-        } else {
-            let (shape, data) = value.try_extract_tensor::<f32>().map_err(run_err)?;
-            (shape, data.to_vec())
-        };
+        let mut data = Vec::new();
+        let shape = float_output(&value, f16_out, |_, len| Ok(0..len), &mut data)?;
         let shape = shape.iter().map(|d| usize::try_from(*d).unwrap_or(0)).collect();
         Ok((shape, data))
     }

@@ -12,11 +12,8 @@ use onnx_genai_package::{ElementType, KvGeometry, Package, Role};
 use ort::session::{Session, SessionInputValue};
 use ort::value::{DynValue, Tensor, TensorElementType};
 
+use crate::edge::{declared, float_input, float_output, int_input, run_err};
 use crate::NAME;
-
-fn run_err(reason: impl std::fmt::Display) -> BackendError {
-    BackendError::Run { backend: NAME, reason: reason.to_string() }
-}
 
 type LayerPorts = onnx_genai_package::KvPorts;
 
@@ -84,10 +81,7 @@ impl OrtModel {
         if token_ids.is_none() && inputs_embeds.is_none() {
             return Err(load_err("neither `token_ids` nor `inputs_embeds` is bound".into()));
         }
-        let declared = |ports: &[ort::value::Outlet], name: Option<&str>| {
-            ports.iter().find(|o| Some(o.name()) == name).and_then(|o| o.dtype().tensor_type())
-        };
-        let input_is = |name: Option<&str>, ty| declared(session.inputs(), name) == Some(ty);
+        let input_is = |name: Option<&str>, ty| name.and_then(|n| declared(session.inputs(), n)) == Some(ty);
         let attention_mask = component.port(Role::AttentionMask).map(str::to_string);
         let position_ids = component.port(Role::PositionIds).map(str::to_string);
         let logits = required(Role::Logits)?;
@@ -98,7 +92,7 @@ impl OrtModel {
             embeds_f16: input_is(inputs_embeds.as_deref(), TensorElementType::Float16),
             attention_mask_i32: input_is(attention_mask.as_deref(), TensorElementType::Int32),
             position_ids_i32: input_is(position_ids.as_deref(), TensorElementType::Int32),
-            logits_f16: declared(session.outputs(), Some(&logits)) == Some(TensorElementType::Float16),
+            logits_f16: declared(session.outputs(), &logits) == Some(TensorElementType::Float16),
             token_ids,
             inputs_embeds,
             attention_mask,
@@ -136,7 +130,8 @@ impl OrtModel {
                     .clone()
                     .ok_or_else(|| run_err("this decoder reads `inputs_embeds`; run it through its workflow"))?;
                 let ids = tokens.iter().map(|t| i64::from(*t)).collect();
-                (port, int_input(ids, p.token_ids_i32)?)
+                let value = int_input(vec![1, count], ids, p.token_ids_i32, &port)?;
+                (port, value)
             }
             Input::Embeds { values, hidden } => {
                 let port = p
@@ -146,13 +141,7 @@ impl OrtModel {
                 if hidden == 0 || !values.len().is_multiple_of(hidden) {
                     return Err(run_err(format!("{} embedding values are not rows of {hidden}", values.len())));
                 }
-                let shape = [1usize, count, hidden];
-                let value = if p.embeds_f16 {
-                    let narrow: Vec<half::f16> = values.iter().map(|v| half::f16::from_f32(*v)).collect();
-                    Tensor::from_array((shape, narrow)).map_err(run_err)?.into_dyn()
-                } else {
-                    Tensor::from_array((shape, values.to_vec())).map_err(run_err)?.into_dyn()
-                };
+                let value = float_input(vec![1, count, hidden], values, p.embeds_f16)?;
                 (port, value)
             }
         };
@@ -162,11 +151,11 @@ impl OrtModel {
         let mut inputs: Vec<(String, SessionInputValue<'_>)> = Vec::with_capacity(3 + 2 * p.layers.len());
         inputs.push((first.0, first.1.into()));
         if let Some(name) = &p.attention_mask {
-            inputs.push((name.clone(), int_input(vec![1; total], p.attention_mask_i32)?.into()));
+            inputs.push((name.clone(), int_input(vec![1, total], vec![1; total], p.attention_mask_i32, name)?.into()));
         }
         if let Some(name) = &p.position_ids {
             let positions = (seq.kv_len as i64..total as i64).collect();
-            inputs.push((name.clone(), int_input(positions, p.position_ids_i32)?.into()));
+            inputs.push((name.clone(), int_input(vec![1, count], positions, p.position_ids_i32, name)?.into()));
         }
         for (l, (key, value)) in p.layers.iter().zip(&seq.past) {
             inputs.push((l.past_key.clone(), key.into()));
@@ -191,17 +180,7 @@ impl OrtModel {
             }
             Ok(len - p.vocab..len)
         };
-        if p.logits_f16 {
-            let (shape, data) = out.try_extract_tensor::<half::f16>().map_err(run_err)?;
-            let row = &data[last_row(shape, data.len())?];
-            logits.clear();
-            logits.extend(row.iter().map(|v| v.to_f32()));
-        } else {
-            let (shape, data) = out.try_extract_tensor::<f32>().map_err(run_err)?;
-            let row = &data[last_row(shape, data.len())?];
-            logits.clear();
-            logits.extend_from_slice(row);
-        }
+        float_output(&out, p.logits_f16, last_row, logits)?;
         drop(outputs);
         drop(session);
         seq.past = next;
@@ -251,16 +230,6 @@ fn empty_cache(layers: &[LayerPorts], dtype: ElementType) -> Result<Vec<(DynValu
         .iter()
         .map(|l| Ok((empty_kv(l.kv_heads, l.head_dim, dtype)?, empty_kv(l.kv_heads, l.head_dim, dtype)?)))
         .collect()
-}
-
-fn int_input(values: Vec<i64>, as_i32: bool) -> Result<DynValue, BackendError> {
-    let shape = [1usize, values.len()];
-    Ok(if as_i32 {
-        let v: Vec<i32> = values.into_iter().map(|x| x as i32).collect();
-        Tensor::from_array((shape, v)).map_err(run_err)?.into_dyn()
-    } else {
-        Tensor::from_array((shape, values)).map_err(run_err)?.into_dyn()
-    })
 }
 
 impl DecodeModel for OrtModel {

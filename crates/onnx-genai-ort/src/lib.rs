@@ -4,6 +4,7 @@
 
 mod component;
 mod decoder;
+mod edge;
 mod graph;
 
 use std::path::{Path, PathBuf};

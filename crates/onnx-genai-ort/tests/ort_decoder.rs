@@ -110,31 +110,34 @@ fn a_present_output_that_is_not_the_whole_cache_is_refused() {
     assert_eq!(d.kv_len(), 3, "a refused step leaves the sequence as it was");
 }
 
+/// A `Cast` of `input` to `to`, written to `output`.
+fn cast(input: String, output: String, to: onnx_genai_onnx::DataType) -> onnx_genai_onnx::Node {
+    use onnx_genai_onnx::{AttrValue, Attribute, Node};
+    let to = Attribute { name: "to".into(), value: AttrValue::Int(to.onnx_code().into()) };
+    Node {
+        name: format!("cast {input}"),
+        op_type: "Cast".into(),
+        domain: String::new(),
+        inputs: vec![input],
+        outputs: vec![output],
+        attributes: vec![to],
+    }
+}
+
 /// Makes graph input `name` take `to` and cast it back to its type, for
 /// every node that read it.
 fn retype_input(model: &mut onnx_genai_onnx::Model, name: &str, to: onnx_genai_onnx::DataType) {
-    use onnx_genai_onnx::{AttrValue, Attribute, Node};
     let input = model.graph.inputs.iter_mut().find(|i| i.name == name).expect("the input exists");
     let was = std::mem::replace(&mut input.dtype, to);
     let wide = format!("{name}.as_declared");
     for node in &mut model.graph.nodes {
         node.inputs.iter_mut().filter(|i| *i == name).for_each(|i| i.clone_from(&wide));
     }
-    let cast = Attribute { name: "to".into(), value: AttrValue::Int(was.onnx_code().into()) };
-    let node = Node {
-        name: format!("cast {name}"),
-        op_type: "Cast".into(),
-        domain: String::new(),
-        inputs: vec![name.into()],
-        outputs: vec![wide],
-        attributes: vec![cast],
-    };
-    model.graph.nodes.insert(0, node);
+    model.graph.nodes.insert(0, cast(name.into(), wide, was));
 }
 
 /// Makes graph output `name` a cast of what it was to `to`.
 fn retype_output(model: &mut onnx_genai_onnx::Model, name: &str, to: onnx_genai_onnx::DataType) {
-    use onnx_genai_onnx::{AttrValue, Attribute, Node};
     let output = model.graph.outputs.iter_mut().find(|o| o.name == name).expect("the output exists");
     output.dtype = to;
     let computed = format!("{name}.as_computed");
@@ -142,16 +145,7 @@ fn retype_output(model: &mut onnx_genai_onnx::Model, name: &str, to: onnx_genai_
         node.outputs.iter_mut().chain(&mut node.inputs).filter(|o| *o == name).for_each(|o| o.clone_from(&computed));
     }
     model.graph.value_infos.retain(|v| v.name != name);
-    let cast = Attribute { name: "to".into(), value: AttrValue::Int(to.onnx_code().into()) };
-    let node = Node {
-        name: format!("cast {name}"),
-        op_type: "Cast".into(),
-        domain: String::new(),
-        inputs: vec![computed],
-        outputs: vec![name.into()],
-        attributes: vec![cast],
-    };
-    model.graph.nodes.push(node);
+    model.graph.nodes.push(cast(computed, name.into(), to));
 }
 
 /// Every element type validation accepts for a non-KV port runs: a
