@@ -217,7 +217,7 @@ pub fn run_dirs(dirs: &[std::path::PathBuf], threads: usize) -> Result<()> {
     // Read by the in-process reference backend; set before any thread starts.
     std::env::set_var("ORT_DYLIB_PATH", &lib);
     let opts = check::CheckOptions { threads: threads.max(1), ..Default::default() };
-    let checks: Vec<_> = dirs.iter().map(|d| check::check_dir(d, &opts)).collect();
+    let checks = check::check_dirs(dirs, &opts);
     print!("{}", check::table(&checks));
     let out = util::target().join("conformance");
     std::fs::create_dir_all(&out)?;

@@ -297,7 +297,7 @@ fn check(
         }
         opts.prompts = list;
     }
-    let checks: Vec<c::PackageCheck> = packages.iter().map(|p| c::check_dir(p, &opts)).collect();
+    let checks: Vec<c::PackageCheck> = c::check_dirs(packages, &opts);
     let text = match format {
         CheckFormat::Table => c::table(&checks),
         CheckFormat::Markdown => c::markdown(&checks),

@@ -212,13 +212,23 @@ fn check_records_goldens_then_holds_every_backend_to_them() {
         summaries(&again)
     );
 
-    // Another token in the record: every backend differs from it.
+    // Another first token in the record: every backend differs from it.
     let token_line = text.lines().find(|l| l.starts_with("token_ids: [")).unwrap();
-    let changed = token_line.replacen("[", "[1, ", 1);
+    let first: u32 = token_line["token_ids: [".len()..].split(',').next().unwrap().parse().unwrap();
+    let changed = token_line.replacen(&format!("[{first},"), &format!("[{},", first + 1), 1);
+    assert_ne!(changed, token_line);
     std::fs::write(&snap, text.replace(token_line, &changed)).unwrap();
     let out = run();
     assert_eq!(out.status.code(), Some(1));
     assert!(summaries(&out)[0].contains("differs from the snapshot"), "{:?}", summaries(&out));
+
+    // A record of another number of steps is another question, not a
+    // mismatch of the model: exit 2, naming the steps it holds (was exit 1,
+    // "differs").
+    std::fs::write(&snap, text.replace(token_line, &token_line.replacen("[", "[1, ", 1))).unwrap();
+    let out = run();
+    assert_eq!(out.status.code(), Some(2), "{:?}", summaries(&out));
+    assert!(summaries(&out)[0].contains("records 5 steps, this check decodes 4"), "{:?}", summaries(&out));
 
     // A recorded logit moved by 0.1: outside the f32 tier.
     let top = text.lines().find(|l| l.trim_start().starts_with("top5: [[")).unwrap();
@@ -240,4 +250,43 @@ fn check_records_goldens_then_holds_every_backend_to_them() {
     assert!(summaries(&out)[0].contains("cannot be read"), "{:?}", summaries(&out));
     // No partial file is left beside the records.
     assert!(std::fs::read_dir(&golden).unwrap().all(|e| !e.unwrap().path().to_string_lossy().ends_with(".partial")));
+}
+
+/// Golden records are named by manifest name and directory name, so
+/// `a/model` and `b/model` of one model would share them: the second is
+/// not judged against the first's records (a mismatch of two packages,
+/// reported as the model's), its golden stage could not run, naming the
+/// first (exit 2). The same directory given twice is one package and is
+/// judged against its own records.
+#[test]
+fn two_packages_never_share_golden_records() {
+    let root = tempfile::tempdir().unwrap();
+    let spec = onnx_genai_test_support::spec_path("tiny-llama-gqa");
+    let (a, b) = (root.path().join("a/model"), root.path().join("b/model"));
+    for dir in [&a, &b] {
+        let out = cli(&["build", spec.to_str().unwrap(), dir.to_str().unwrap(), "--variant", "decomposed"]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+    let golden = root.path().join("golden");
+    let (a, b) = (a.to_str().unwrap(), b.to_str().unwrap());
+    let out = cli(&["check", a, b, a, "--steps", "2", "--golden", golden.to_str().unwrap(), "--format", "json"]);
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stdout));
+    let report = json_of(&out);
+    let golden_of = |p: usize| -> Vec<(String, String)> {
+        report["packages"][p]["results"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|r| r["suite"] == "golden")
+            .map(|r| (r["status"].as_str().unwrap().to_string(), r["summary"].as_str().unwrap().to_string()))
+            .collect()
+    };
+    assert!(golden_of(0).iter().all(|(status, _)| status == "passed"), "{:?}", golden_of(0));
+    let second = golden_of(1);
+    assert_eq!(second.len(), 1, "{second:?}");
+    assert_eq!(second[0].0, "failed");
+    assert!(second[0].1.contains("would be named as") && second[0].1.contains("a/model"), "{second:?}");
+    let again = golden_of(2);
+    assert!(!again.is_empty() && again.iter().all(|(s, m)| s == "passed" && m.contains("matches")), "{again:?}");
+    assert_eq!(report["packages"][2]["verdict"], "pass");
 }

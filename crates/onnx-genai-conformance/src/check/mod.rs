@@ -26,8 +26,8 @@ use crate::tolerance::Tier;
 
 mod records;
 
-use records::golden_stage;
 pub use records::write_whole;
+use records::{golden_stage, golden_stem};
 
 /// The prompts a check runs when none are given: prose, code, a list and
 /// a fact, so a divergence is not one prompt's accident.
@@ -408,6 +408,22 @@ pub fn native_backends() -> Vec<String> {
 /// Every stage on the package at `dir`; stops after the first stage that
 /// could not run.
 pub fn check_dir(dir: &Path, opts: &CheckOptions) -> PackageCheck {
+    check_claiming(dir, opts, &mut Vec::new())
+}
+
+/// [`check_dir`] on each of `dirs` in turn. Two packages whose golden
+/// records would share names (`a/model` and `b/model` of one manifest
+/// name) cannot both be held to records in one `--golden` directory: the
+/// later one's golden stage could not run, naming the earlier one (it was
+/// judged against the earlier one's records: a mismatch of two models).
+pub fn check_dirs(dirs: &[PathBuf], opts: &CheckOptions) -> Vec<PackageCheck> {
+    let mut claimed = Vec::new();
+    dirs.iter().map(|d| check_claiming(d, opts, &mut claimed)).collect()
+}
+
+/// [`check_dir`], with the golden record stems earlier packages of the
+/// run claimed (and the package directory each belongs to).
+fn check_claiming(dir: &Path, opts: &CheckOptions, claimed: &mut Vec<(String, PathBuf)>) -> PackageCheck {
     let dir_path = dir;
     let dir_name = dir.file_name().map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned());
     let (validated, name) = validate_stage(dir, &dir_name);
@@ -496,10 +512,28 @@ pub fn check_dir(dir: &Path, opts: &CheckOptions) -> PackageCheck {
         }
     }
     if let Some(dir) = &opts.golden {
-        let texts: Vec<(String, Vec<u32>)> = opts.prompts.iter().cloned().zip(prompts.iter().cloned()).collect();
-        for (r, v) in golden_stage(&package, (&name, dir_path), dir, &texts, opts, tier, &near_ties) {
-            verdict = verdict.max(v);
-            check.results.push(r);
+        let stem = golden_stem(&name, dir_path);
+        let here = dir_path.canonicalize().unwrap_or_else(|_| dir_path.to_path_buf());
+        match claimed.iter().find(|(s, _)| *s == stem) {
+            Some((_, other)) if *other != here => {
+                let started = Instant::now();
+                let why = format!(
+                    "its golden records would be named as {}'s ({stem}__prompt*.snap): check them with \
+                     separate --golden directories",
+                    other.display()
+                );
+                check.results.push(finish(result("golden", &name, REFERENCE, started), Err(why), started));
+                verdict = verdict.max(Verdict::CouldNotRun);
+            }
+            _ => {
+                claimed.push((stem, here));
+                let texts: Vec<(String, Vec<u32>)> =
+                    opts.prompts.iter().cloned().zip(prompts.iter().cloned()).collect();
+                for (r, v) in golden_stage(&package, (&name, dir_path), dir, &texts, opts, tier, &near_ties) {
+                    verdict = verdict.max(v);
+                    check.results.push(r);
+                }
+            }
         }
     }
     for backend in std::iter::once(REFERENCE.to_string()).chain(native_backends()) {

@@ -14,19 +14,25 @@ use crate::run::{open_backend, CheckResult};
 use crate::tolerance::Tier;
 
 /// The golden record of prompt `i` of the package at `package_dir` (named
-/// `name`) in `dir`: `<name>__<directory>__prompt<i>.snap` — two exports
-/// of one model are two records — in the format of the repository's own
-/// goldens (`golden/decode/`). Only ASCII letters, digits, `-` and `_` are
-/// kept (anything else becomes `_`), so no manifest name can place a file
-/// outside `dir`.
-pub(super) fn golden_path(dir: &Path, name: &str, package_dir: &Path, i: usize) -> PathBuf {
+/// `name`) in `dir`: `<stem>__prompt<i>.snap` ([`golden_stem`]), in the
+/// format of the repository's own goldens (`golden/decode/`).
+fn golden_path(dir: &Path, name: &str, package_dir: &Path, i: usize) -> PathBuf {
+    dir.join(format!("{}__prompt{i}.snap", golden_stem(name, package_dir)))
+}
+
+/// `<name>__<directory>`: two exports of one model are two records. Only
+/// ASCII letters, digits, `-` and `_` are kept (anything else becomes
+/// `_`), so no manifest name can place a file outside the records'
+/// directory — and two packages can share a stem (`a/model` and
+/// `b/model`), which [`super::check_dirs`] refuses.
+pub(super) fn golden_stem(name: &str, package_dir: &Path) -> String {
     let safe = |s: &str| -> String {
         let kept: String =
             s.chars().map(|c| if c.is_ascii_alphanumeric() || matches!(c, '-' | '_') { c } else { '_' }).collect();
         kept.trim_start_matches('_').to_string()
     };
     let dir_name = package_dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    dir.join(format!("{}__{}__prompt{i}.snap", safe(name), safe(&dir_name)))
+    format!("{}__{}", safe(name), safe(&dir_name))
 }
 
 /// `--golden DIR`: per prompt, ONNX Runtime's greedy record is written
@@ -97,6 +103,19 @@ pub(super) fn golden_stage(
                             path.display()
                         )),
                     ),
+                    crate::golden::Judgement::Differs { ref committed, .. }
+                        if recorded_steps(committed).is_some_and(|n| n != steps) =>
+                    {
+                        let n = recorded_steps(committed).unwrap_or(0);
+                        (
+                            Verdict::CouldNotRun,
+                            Err(format!(
+                                "{} records {n} steps, this check decodes {steps}: run it with --steps {n}, \
+                                 or delete it to record these",
+                                path.display()
+                            )),
+                        )
+                    }
                     j if near_ties.contains(&(backend.clone(), i)) => (
                         Verdict::NearTie,
                         Ok(format!("{j} ({}): where parity found a near-tie (not a failure)", path.display())),
@@ -108,6 +127,14 @@ pub(super) fn golden_stage(
         }
     }
     by_prompt.into_iter().flatten().collect()
+}
+
+/// The greedy steps a record holds, from its `token_ids: [..]` line (a
+/// record holds exactly the steps it was made with: a check with another
+/// `--steps` asks another question, which is no mismatch of the model).
+fn recorded_steps(line: &str) -> Option<usize> {
+    let ids = line.strip_prefix("token_ids: [")?.strip_suffix(']')?;
+    Some(if ids.trim().is_empty() { 0 } else { ids.split(',').count() })
 }
 
 /// Writes `bytes` to `path` whole or not at all: into a sibling file first,
