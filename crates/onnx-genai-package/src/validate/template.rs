@@ -17,7 +17,10 @@ pub(crate) fn check_tags(template: &str) -> Result<(), String> {
     let mut at = 0;
     while let Some(open) = find(bytes, at, |b, i| b[i] == b'{' && matches!(b.get(i + 1), Some(b'{' | b'%'))) {
         let close = if bytes[open + 1] == b'{' { b'}' } else { b'%' };
-        let (mut i, mut code, mut quote) = (open + 2, 0usize, None::<u8>);
+        // (Brackets are counted as minijinja's lexer counts them: a `}}`
+        // inside `[{'a': {}}, …]` does not end the tag, and counting ended
+        // there let the operators after it through.)
+        let (mut i, mut code, mut quote, mut depth) = (open + 2, 0usize, None::<u8>, 0isize);
         while i < bytes.len() {
             let b = bytes[i];
             match quote {
@@ -25,8 +28,15 @@ pub(crate) fn check_tags(template: &str) -> Result<(), String> {
                 Some(q) if b == q => quote = None,
                 Some(_) => {}
                 None if b == b'\'' || b == b'"' => quote = Some(b),
-                None if b == close && bytes.get(i + 1) == Some(&b'}') => break,
-                None => code += 1,
+                None if depth == 0 && b == close && bytes.get(i + 1) == Some(&b'}') => break,
+                None => {
+                    match b {
+                        b'(' | b'[' | b'{' => depth += 1,
+                        b')' | b']' | b'}' => depth -= 1,
+                        _ => {}
+                    }
+                    code += 1;
+                }
             }
             i += 1;
         }
@@ -65,6 +75,10 @@ mod tests {
             let err = check_tags(&template).unwrap_err();
             assert!(err.contains("line 2") && err.contains("more than the 1024"), "{err}");
         }
+        // A `}}` inside brackets does not end the tag (minijinja reads on).
+        let nested = format!("{{{{ [{{'a': {{}}}}, {}1] }}}}", "-".repeat(1_000_000));
+        assert!(check_tags(&nested).unwrap_err().contains("more than the 1024"));
+        assert_eq!(check_tags("{{ [{'a': {}}, -1] }}{% if x %}}{% endif %}"), Ok(()));
         let literal = format!("{{% set system = \"{}\" %}}{{{{ system }}}}", "a }} %} ".repeat(10_000));
         assert_eq!(check_tags(&literal), Ok(()));
         let data = concat!(env!("CARGO_MANIFEST_DIR"), "/../onnx-genai-engine/tests/data/chat_templates");
