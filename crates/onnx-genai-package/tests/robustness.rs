@@ -96,3 +96,31 @@ fn validation_is_not_quadratic_in_the_graph() {
     let (report, _) = validate(&dir);
     assert!(!report.has_errors(), "{report}");
 }
+
+/// A role bound again is one diagnostic however often and over however
+/// many layers: 1,000 copies of a per-layer port (YAML aliases make them
+/// cheap) each walked every layer, a diagnostic a layer, and two ports of
+/// one per-layer name were a diagnostic a layer each.
+#[test]
+fn ports_bound_twice_are_reported_once() {
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path().join("pkg");
+    build("tiny-llama-gqa", Layout::Native, &dir);
+    let manifest = std::fs::read_to_string(dir.join("package.yaml")).unwrap();
+    let port = "  - role: past_key\n    name: past_key_values.{layer}.key\n";
+    assert!(manifest.contains(port), "{manifest}");
+    std::fs::write(dir.join("package.yaml"), manifest.replacen(port, &port.repeat(1_000), 1)).unwrap();
+    let (report, _) = validate(&dir);
+    let twice: Vec<_> = report.errors().filter(|d| d.message.contains("bound twice")).collect();
+    assert_eq!(twice.len(), 1, "{report}");
+    assert!(twice[0].message.contains("role `past_key` is bound twice"), "{report}");
+
+    // Another role over the same per-layer names: once, not once a layer.
+    let value = "    name: past_key_values.{layer}.value\n";
+    std::fs::write(dir.join("package.yaml"), manifest.replacen(value, "    name: past_key_values.{layer}.key\n", 1))
+        .unwrap();
+    let (report, _) = validate(&dir);
+    let twice: Vec<_> = report.errors().filter(|d| d.message.contains("bound twice")).collect();
+    assert_eq!(twice.len(), 1, "{report}");
+    assert!(twice[0].message.contains("tensor `past_key_values.0.key` is bound twice"), "{report}");
+}
