@@ -57,7 +57,14 @@ pub fn decode_in(bytes: &[u8], dir: &Path) -> Result<Model, OnnxError> {
 /// Reads a model file; external data is mapped from beside it.
 pub fn read_model(path: &Path) -> Result<Model, OnnxError> {
     let bytes = std::fs::read(path).map_err(|source| OnnxError::Io { path: path.into(), source })?;
-    decode_in(&bytes, path.parent().unwrap_or(Path::new(".")))
+    decode_in(&bytes, model_dir(path))
+}
+
+/// The directory a model file's external data is resolved from: `.` for
+/// a bare file name (whose parent is the empty path, which cannot be
+/// canonicalized: every external tensor was refused as leaving it).
+fn model_dir(path: &Path) -> &Path {
+    path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."))
 }
 
 pub fn write_model(path: &Path, model: &Model) -> Result<(), OnnxError> {
@@ -81,4 +88,17 @@ pub fn write_model_external(path: &Path, model: &Model, min_tensor_bytes: usize)
     std::io::Write::flush(&mut sink).map_err(io(&data_path))?;
     std::fs::write(path, proto.encode_to_vec()).map_err(io(path))?;
     Ok(moved)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A bare file name's external data lies in the working directory.
+    #[test]
+    fn a_bare_file_name_resolves_from_the_working_directory() {
+        assert_eq!(model_dir(Path::new("model.onnx")), Path::new("."));
+        assert_eq!(model_dir(Path::new("pkg/model.onnx")), Path::new("pkg"));
+        assert_eq!(model_dir(Path::new("/model.onnx")), Path::new("/"));
+    }
 }
