@@ -48,8 +48,7 @@ pub fn reference(x: &[f32], m: usize, w: &Weight, y: &mut [f32], ctx: &Ctx) {
     }
     let out = Disjoint::new(y);
     let work = |range: std::ops::Range<usize>, t: usize| {
-        // SAFETY: thread `t` is the only user of its scratch here.
-        let scratch = unsafe { ctx.scratch.get(t) };
+        let mut scratch = ctx.scratch.take(t);
         for r in range {
             let row = w.row(r, &mut scratch.a);
             for mi in 0..m {
@@ -62,7 +61,7 @@ pub fn reference(x: &[f32], m: usize, w: &Weight, y: &mut [f32], ctx: &Ctx) {
     if m * n * k >= PARALLEL_MIN_MACS {
         ctx.pool.for_ranges(n, TILE, &work);
     } else {
-        work(0..n, 0);
+        work(0..n, ctx.pool.inline_index());
     }
 }
 

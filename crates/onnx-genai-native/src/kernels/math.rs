@@ -359,9 +359,19 @@ pub fn sgemm(
         c.iter_mut().for_each(|v| *v = 0.0);
         return;
     }
-    let max_a = (m - 1) * sa.0 + (k - 1) * sa.1;
-    let max_b = (k - 1) * sb.0 + (n - 1) * sb.1;
-    assert!(max_a < a.len() && max_b < b.len() && c.len() >= m * n, "sgemm operands are smaller than their strides");
+    // Checked: a wrapped product would pass the bound and read elsewhere.
+    let last = |rows: usize, s0: usize, cols: usize, s1: usize| {
+        (rows - 1).checked_mul(s0)?.checked_add((cols - 1).checked_mul(s1)?)
+    };
+    let (max_a, max_b) = (last(m, sa.0, k, sa.1), last(k, sb.0, n, sb.1));
+    let strides_fit = [sa.0, sa.1, sb.0, sb.1].iter().all(|s| isize::try_from(*s).is_ok());
+    assert!(
+        strides_fit
+            && max_a.is_some_and(|i| i < a.len())
+            && max_b.is_some_and(|i| i < b.len())
+            && m.checked_mul(n).is_some_and(|mn| c.len() >= mn),
+        "sgemm operands are smaller than their strides"
+    );
     // SAFETY: the assertion above proves every element matrixmultiply reads
     // (a up to max_a, b up to max_b) and writes (c, row-major m x n) lies in
     // the slices; the slices do not alias because `c` is borrowed mutably.
@@ -404,6 +414,17 @@ mod tests {
                 assert!((c[i * n + j] - want).abs() < 1e-5, "c[{i},{j}] = {} want {want}", c[i * n + j]);
             }
         }
+    }
+
+    /// Strides whose last element's index wraps `usize` are refused, not
+    /// let past the bound (3 rows 2^63 apart wrapped to index 0 of a
+    /// one-element slice, and matrixmultiply read at a negative offset).
+    #[test]
+    fn sgemm_refuses_strides_that_wrap() {
+        let mut c = vec![0.0; 3];
+        let wrapped = std::panic::catch_unwind(move || sgemm(3, 1, 1, &[1.0], (1 << 63, 1), &[1.0], (1, 1), &mut c));
+        let message = wrapped.expect_err("wrapping strides were taken");
+        assert!(message.downcast_ref::<&str>().is_some_and(|m| m.contains("smaller than their strides")));
     }
 
     #[test]

@@ -135,6 +135,12 @@ pub fn scores<E: KvElem>(
     scores_on(true, q, rows, keys, hd, out, ld, alongside)
 }
 
+/// Whether `len` values hold `rows` rows `ld` apart, the last `width`
+/// long (checked: a wrapped product passed the bound before).
+fn holds(len: usize, rows: usize, ld: usize, width: usize) -> bool {
+    rows == 0 || (rows - 1).checked_mul(ld).and_then(|at| at.checked_add(width)).is_some_and(|end| len >= end)
+}
+
 #[allow(clippy::too_many_arguments)]
 fn scores_on<E: KvElem>(
     vector: bool,
@@ -148,7 +154,7 @@ fn scores_on<E: KvElem>(
 ) {
     let total = keys.len().checked_div(hd).unwrap_or(0);
     assert!(
-        q.len() >= rows * hd && ld >= total && (rows == 0 || out.len() >= (rows - 1) * ld + total),
+        holds(q.len(), rows, hd, hd) && ld >= total && holds(out.len(), rows, ld, total),
         "attention score buffers are too small"
     );
     #[cfg(target_arch = "x86_64")]
@@ -198,7 +204,7 @@ fn weighted_sum_on<E: KvElem>(
 ) {
     let total = values.len().checked_div(hd).unwrap_or(0);
     assert!(
-        ld >= total && (rows == 0 || p.len() >= (rows - 1) * ld + total) && out.len() >= rows * hd,
+        ld >= total && holds(p.len(), rows, ld, total) && holds(out.len(), rows, hd, hd),
         "attention output buffers are too small"
     );
     #[cfg(target_arch = "x86_64")]
@@ -373,6 +379,15 @@ mod x86;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Row bounds are checked without wrapping: 3 rows 2^63 apart do not
+    /// fit any slice (unchecked, `(rows - 1) * ld` wrapped to 0 and passed).
+    #[test]
+    fn row_bounds_do_not_wrap() {
+        assert!(holds(10, 2, 4, 4) && holds(8, 2, 4, 4) && !holds(7, 2, 4, 4) && holds(0, 0, 4, 4));
+        assert!(!holds(4, 3, 1 << 63, 4));
+        assert!(!holds(usize::MAX, 2, usize::MAX, 2));
+    }
 
     /// The paths this machine can run: portable always, AVX2+FMA where
     /// the CPU has it.

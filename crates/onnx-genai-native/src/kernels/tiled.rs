@@ -125,6 +125,16 @@ fn split_own(s: &mut Scratch, a: &[f32], kp: usize) {
 /// `y[m, n] = x[m, :] . W[n, :]` for a tiled weight on `isa` (which must be
 /// available on this CPU).
 pub fn linear(t: &Tiled, x: &[f32], m: usize, y: &mut [f32], ctx: &Ctx, isa: Isa) {
+    // (The kernels read `m` rows through raw pointers: a short input read
+    // past its end.)
+    assert!(
+        x.len() >= m * t.k && y.len() >= m * t.n,
+        "{} inputs, {} outputs for {m} rows of {} x {}",
+        x.len(),
+        y.len(),
+        t.k,
+        t.n
+    );
     let mut staged = ctx.staging();
     let s = &mut *staged;
     #[cfg(target_arch = "x86_64")]
@@ -188,19 +198,17 @@ pub fn linear(t: &Tiled, x: &[f32], m: usize, y: &mut [f32], ctx: &Ctx, isa: Isa
     let out = Disjoint::new(y);
     let amx = isa == Isa::Avx512Amx && m >= AMX_MIN_ROWS && int8_block.is_some() && isa.available();
     let prepare = |th: usize| {
-        // SAFETY: thread `th` is the only user of its scratch in this
-        // region.
-        let scratch = unsafe { ctx.scratch.get(th) };
+        let mut scratch = ctx.scratch.take(th);
         if let Some(x_block) = int8_block {
-            quantize_own(scratch, a, m, kp, x_block);
+            quantize_own(&mut scratch, a, m, kp, x_block);
         } else if let Some(first) = limb_rows {
-            split_own(scratch, &a[first * kp..m * kp], kp);
+            split_own(&mut scratch, &a[first * kp..m * kp], kp);
         }
     };
     let work = |range: std::ops::Range<usize>, th: usize| {
-        // SAFETY: thread `th` is the only user of its scratch in this
-        // region; `prepare` ran on this thread before its first range.
-        let Scratch { bytes, own_rows, own_scales, own_sums, .. } = unsafe { ctx.scratch.get(th) };
+        // (`prepare` ran on this thread before its first range.)
+        let mut scratch = ctx.scratch.take(th);
+        let Scratch { bytes, own_rows, own_scales, own_sums, .. } = &mut *scratch;
         let own;
         let rows = match (int8_block, limb_rows) {
             (Some(x_block), _) => {
@@ -217,7 +225,8 @@ pub fn linear(t: &Tiled, x: &[f32], m: usize, y: &mut [f32], ctx: &Ctx, isa: Isa
         };
         #[cfg(target_arch = "x86_64")]
         if amx {
-            debug_assert!(rows.q.len() >= rows.m * rows.kp);
+            assert!(rows.q.len() >= rows.m * rows.kp && range.start.is_multiple_of(2) && range.end <= t.tiles);
+            assert!(out.len() >= rows.m * t.n);
             // SAFETY: AMX was granted and AVX-512 is there (checked); the
             // weight takes int8 inputs, which `prepare` quantized into this
             // thread's `rows`.
@@ -240,8 +249,9 @@ pub fn linear(t: &Tiled, x: &[f32], m: usize, y: &mut [f32], ctx: &Ctx, isa: Isa
             work(2 * r.start..(2 * r.end).min(t.tiles), th)
         });
     } else {
-        prepare(0);
-        work(0..t.tiles, 0);
+        let th = ctx.pool.inline_index();
+        prepare(th);
+        work(0..t.tiles, th);
     }
 }
 
@@ -283,8 +293,7 @@ fn gemm(t: &Tiled, packed: &mut Vec<f32>, x: &[f32], m: usize, y: &mut [f32], ct
     let n = t.n;
     let pairs = t.tiles.div_ceil(2);
     ctx.pool.for_claimed(pairs, &|pair, th| {
-        // SAFETY: thread `th` is the only user of its scratch here.
-        let scratch = unsafe { ctx.scratch.get(th) };
+        let mut scratch = ctx.scratch.take(th);
         // `decode_pair` writes every value of the panel.
         super::grow_to(&mut scratch.a, kp * 32);
         let panel = &mut scratch.a[..kp * 32];
@@ -319,10 +328,13 @@ fn gemm(t: &Tiled, packed: &mut Vec<f32>, x: &[f32], m: usize, y: &mut [f32], ct
 /// / 84.9, 12 150.2 / 103.4 (VNNI takes 7 rows as calls of 4, 2 and 1).
 pub const AMX_MIN_ROWS: usize = 7;
 
-/// The kernel of `isa` over `tiles`.
-pub fn run(isa: Isa, t: &Tiled, rows: &Rows<'_>, tiles: std::ops::Range<usize>, y: &Disjoint<'_, f32>) {
-    debug_assert!(rows.x.len() >= rows.m * rows.kp);
-    debug_assert!(tiles.end <= t.tiles && y.len() >= rows.m * t.n);
+/// The kernel of `isa` over `tiles`, which start on a pair (the vector
+/// kernels read two tiles interleaved). Checked in every build: the
+/// kernels read and write through raw pointers by these counts.
+fn run(isa: Isa, t: &Tiled, rows: &Rows<'_>, tiles: std::ops::Range<usize>, y: &Disjoint<'_, f32>) {
+    assert!(rows.x.len() >= rows.m * rows.kp, "{} input values for {} rows of {}", rows.x.len(), rows.m, rows.kp);
+    assert!(tiles.start.is_multiple_of(2) && tiles.end <= t.tiles, "tiles {tiles:?} of {}", t.tiles);
+    assert!(y.len() >= rows.m * t.n, "{} outputs for {} rows of {}", y.len(), rows.m, t.n);
     #[cfg(target_arch = "x86_64")]
     {
         if isa.wide() && isa.available() {
@@ -345,4 +357,32 @@ pub fn run(isa: Isa, t: &Tiled, rows: &Rows<'_>, tiles: std::ops::Range<usize>, 
 /// Output columns tile `tile` covers.
 pub fn tile_width(t: &Tiled, tile: usize) -> usize {
     TILE.min(t.n - tile * TILE)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::weights::{Packed, Weight};
+    use crate::kernels::Runtime;
+
+    /// An input shorter than its rows is refused on every path this CPU
+    /// has, before a kernel reads past it (the padding copy took only the
+    /// rows present and the kernels read `m` rows on, by raw pointer).
+    #[test]
+    fn a_short_input_is_refused_before_any_kernel_reads_it() {
+        let (n, k, m) = (40, 64, 3);
+        let w = Weight { n, k, packed: Packed::F32((0..n * k).map(|i| (i % 13) as f32 * 0.1).collect()) };
+        let t = Tiled::from_rows(&w).expect("tileable");
+        for isa in Isa::all_available() {
+            let rt = Runtime::serial();
+            let x = vec![0.5; m * k - 1];
+            let mut y = vec![0.0; m * n];
+            let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                linear(&t, &x, m, &mut y, &rt.ctx(), isa);
+            }));
+            let message = refused.expect_err("a short input was read");
+            let message = message.downcast_ref::<String>().cloned().unwrap_or_default();
+            assert!(message.contains("191 inputs"), "{isa:?}: {message}");
+        }
+    }
 }

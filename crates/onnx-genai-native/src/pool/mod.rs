@@ -216,7 +216,7 @@ impl ThreadPool {
     /// never that of another thread, which may be using it at that moment.
     /// (A region of another pool with more threads would give an index past
     /// this pool's: the last is taken, and regions do not nest that way.)
-    fn inline_index(&self) -> usize {
+    pub fn inline_index(&self) -> usize {
         enclosing().map_or(0, |t| t.min(self.threads() - 1))
     }
 
@@ -473,36 +473,44 @@ fn worker(s: &Shared, index: usize) {
 }
 
 /// One value per pool thread, each touched only by its own thread while a
-/// region runs (per-thread scratch buffers).
+/// region runs (per-thread scratch buffers). A slot is taken for as long
+/// as its [`Slot`] lives, and taking one already taken panics: a runtime
+/// shared by two callers (its kernels are safe functions, and it is
+/// `Sync`) would otherwise hand both slot 0 at once.
 pub struct PerThread<T> {
-    slots: Vec<UnsafeCell<T>>,
+    slots: Vec<(UnsafeCell<T>, AtomicBool)>,
 }
 
-// SAFETY: a slot is only reached through `get`, whose contract gives each
-// thread index to one thread at a time.
+// SAFETY: a slot's value is only reached through `take`, whose flag gives
+// it to one `Slot` at a time, or through `&mut self`.
 unsafe impl<T: Send> Sync for PerThread<T> {}
 
 impl<T: Default> PerThread<T> {
     pub fn new(threads: usize) -> Self {
-        Self { slots: (0..threads.max(1)).map(|_| UnsafeCell::new(T::default())).collect() }
+        Self { slots: (0..threads.max(1)).map(|_| (UnsafeCell::new(T::default()), AtomicBool::new(false))).collect() }
     }
 }
 
 impl<T> PerThread<T> {
-    /// Thread `t`'s value.
+    /// Thread `t`'s value, for as long as the returned [`Slot`] lives.
     ///
-    /// # Safety
-    /// No other reference to slot `t` may be live: call it only from pool
-    /// thread `t` inside a region (or with exclusive access to `self`), and
-    /// do not call it twice for the same `t` while the first borrow lives.
-    #[allow(clippy::mut_from_ref)]
-    pub unsafe fn get(&self, t: usize) -> &mut T {
-        // SAFETY: exclusivity is the caller's obligation (above).
-        unsafe { &mut *self.slots[t].get() }
+    /// # Panics
+    /// Where slot `t` is already taken: two callers ran kernels on one
+    /// runtime at once, or a thread took another's index.
+    pub fn take(&self, t: usize) -> Slot<'_, T> {
+        let (value, taken) = &self.slots[t];
+        assert!(
+            !taken.swap(true, Ordering::Acquire),
+            "per-thread slot {t} is already in use: one runtime runs one caller's kernels at a time"
+        );
+        // SAFETY: the flag was clear and is now set: no other `Slot` of
+        // this index lives until this one drops and clears it, and `&mut
+        // self` (`get_mut`) cannot coexist with the `&self` it borrows.
+        Slot { value: unsafe { &mut *value.get() }, taken }
     }
 
     pub fn get_mut(&mut self, t: usize) -> &mut T {
-        self.slots[t].get_mut()
+        self.slots[t].0.get_mut()
     }
 
     pub fn len(&self) -> usize {
@@ -511,6 +519,31 @@ impl<T> PerThread<T> {
 
     pub fn is_empty(&self) -> bool {
         self.slots.is_empty()
+    }
+}
+
+/// One thread's value of a [`PerThread`], taken until dropped.
+pub struct Slot<'a, T> {
+    value: &'a mut T,
+    taken: &'a AtomicBool,
+}
+
+impl<T> std::ops::Deref for Slot<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        self.value
+    }
+}
+
+impl<T> std::ops::DerefMut for Slot<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        self.value
+    }
+}
+
+impl<T> Drop for Slot<'_, T> {
+    fn drop(&mut self) {
+        self.taken.store(false, Ordering::Release);
     }
 }
 

@@ -264,3 +264,60 @@ fn a_worker_panic_is_reraised_and_the_pool_survives() {
     });
     assert_eq!(n.load(Ordering::Relaxed), 2);
 }
+
+/// A per-thread slot is one holder's at a time: taken again while held,
+/// it panics naming the slot (two callers running kernels on one runtime
+/// got the same scratch, a data race, before), and it is free again once
+/// its holder drops it. Two threads on a barrier taking slot 0 in a loop
+/// never hold it together: each take either has it alone or panics.
+#[test]
+fn a_slot_is_one_holders_at_a_time() {
+    let slots: PerThread<Vec<u8>> = PerThread::new(2);
+    let held = slots.take(0);
+    let again = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(slots.take(0))));
+    let message = again.expect_err("a taken slot was taken again");
+    let message = message.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(message.contains("per-thread slot 0 is already in use"), "{message}");
+    drop(slots.take(1));
+    drop(held);
+    slots.take(0).push(7);
+    assert_eq!(*slots.take(0), [7]);
+
+    let holders = AtomicUsize::new(0);
+    let start = std::sync::Barrier::new(2);
+    let (mut alone, mut refused) = (0, 0);
+    std::thread::scope(|scope| {
+        let runs: Vec<_> = (0..2)
+            .map(|_| {
+                scope.spawn(|| {
+                    start.wait();
+                    let (mut alone, mut refused) = (0, 0);
+                    for _ in 0..5_000 {
+                        let took = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            let mut slot = slots.take(0);
+                            let together = holders.fetch_add(1, Ordering::SeqCst) + 1;
+                            slot.push(1);
+                            slot.clear();
+                            holders.fetch_sub(1, Ordering::SeqCst);
+                            together
+                        }));
+                        match took {
+                            Ok(together) => {
+                                assert_eq!(together, 1, "two holders of one slot");
+                                alone += 1;
+                            }
+                            Err(_) => refused += 1,
+                        }
+                    }
+                    (alone, refused)
+                })
+            })
+            .collect();
+        for run in runs {
+            let (a, r) = run.join().unwrap();
+            (alone, refused) = (alone + a, refused + r);
+        }
+    });
+    assert_eq!(alone + refused, 10_000);
+    assert!(alone > 0);
+}

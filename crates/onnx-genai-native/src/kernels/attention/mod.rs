@@ -205,9 +205,14 @@ pub fn attention(
     if hd > MAX_HEAD_DIM {
         return Err(format!("head_dim {hd} is larger than native-cpu supports ({MAX_HEAD_DIM})"));
     }
+    // In order and apart: two jobs writing one row's output at once would
+    // race.
+    let mut free_from = 0;
     for seg in step.segments {
-        if seg.start + seg.len > rows {
-            return Err(format!("segment {seg:?} is outside the step's {rows} rows"));
+        match seg.start.checked_add(seg.len) {
+            Some(end) if end <= rows && seg.start >= free_from => free_from = end,
+            Some(end) if end <= rows => return Err(format!("segment {seg:?} overlaps the one before it")),
+            _ => return Err(format!("segment {seg:?} is outside the step's {rows} rows")),
         }
     }
     let n_rep = heads / kvh;
@@ -245,13 +250,12 @@ pub fn attention(
             for s in jobs {
                 // SAFETY: sequence `s`'s cache belongs to this job alone.
                 let kv: &mut SeqKv = unsafe { caches.slice(s, 1)[0] };
-                // SAFETY: thread `t` is the only user of its scratch in this region.
-                let scratch = unsafe { ctx.scratch.get(t) };
+                let mut scratch = ctx.scratch.take(t);
                 let seg = step.segments[s];
                 let then = Some(firsts.get(s + 1).copied().unwrap_or(Alongside::NONE));
                 let result = append(step, seg, kv, kvh, hd).and_then(|()| {
                     (0..kvh).try_for_each(|g| {
-                        attend_group(spec, step, kv, seg, g, 0..seg.len, n_rep, &target, scratch, then)
+                        attend_group(spec, step, kv, seg, g, 0..seg.len, n_rep, &target, &mut scratch, then)
                     })
                 });
                 if let Err(e) = result {
@@ -275,15 +279,14 @@ pub fn attention(
         //    across threads, and claimed because later rows see more keys.
         let jobs: usize = step.segments.iter().map(|seg| seg.len.div_ceil(ATTENTION_ROW_CHUNK) * kvh).sum();
         ctx.pool.for_claimed(jobs, &|job, t| {
-            // SAFETY: thread `t` is the only user of its scratch in this region.
-            let scratch = unsafe { ctx.scratch.get(t) };
+            let mut scratch = ctx.scratch.take(t);
             // A decode step (one chunk per segment) maps jobs directly; only
             // steps with a long segment walk the segments.
             let place = if one_chunk_each { Some((job / kvh, job % kvh, 0)) } else { job_at(step.segments, kvh, job) };
             let Some((s, g, first)) = place else { return };
             let seg = step.segments[s];
             let rows = first..(first + ATTENTION_ROW_CHUNK).min(seg.len);
-            if let Err(e) = attend_group(spec, step, kvs[s], seg, g, rows, n_rep, &target, scratch, None) {
+            if let Err(e) = attend_group(spec, step, kvs[s], seg, g, rows, n_rep, &target, &mut scratch, None) {
                 fail(e);
             }
         });
@@ -418,10 +421,8 @@ fn attend_in_parts(
             let parts = parts_of(seg);
             if job < first + kvh * parts {
                 let (g, p) = ((job - first) / parts, (job - first) % parts);
-                // SAFETY: thread `t` is the only user of its scratch in
-                // this region.
-                let scratch = unsafe { ctx.scratch.get(t) };
-                let super::Scratch { a: q, b: srow, .. } = scratch;
+                let mut scratch = ctx.scratch.take(t);
+                let super::Scratch { a: q, b: srow, .. } = &mut *scratch;
                 let q = super::sized(q, n_rep * hd);
                 // SAFETY: job `job` alone writes slot `job`.
                 let slot = unsafe { slots.slice(job * stride, stride) };

@@ -258,6 +258,43 @@ fn a_masked_part_weighs_nothing() {
     }
 }
 
+/// Segments must lie in order and apart, inside the step: two segments
+/// over one row would have two jobs write its output at once (a race on
+/// the output through `Disjoint`), and an end past `usize` wrapped under
+/// the bound. Each is refused by name, nothing written.
+#[test]
+fn overlapping_or_outside_segments_are_refused() {
+    let (heads, kvh, hd) = (2, 1, 8);
+    let spec = AttentionSpec {
+        heads,
+        kv_heads: kvh,
+        head_dim: hd,
+        scale: 0.4,
+        q_layout: Layout::SeqFirst,
+        kv_layout: Layout::SeqFirst,
+        out_layout: Layout::SeqFirst,
+        bias: Bias::Causal,
+    };
+    let rows = 4;
+    let (q, k, v) = (vec![0.5; rows * heads * hd], vec![0.25; rows * kvh * hd], vec![1.0; rows * kvh * hd]);
+    let cases: [(&[Segment], &str); 3] = [
+        (&[Segment { start: 0, len: 1, past: 0 }, Segment { start: 0, len: 1, past: 0 }], "overlaps"),
+        (&[Segment { start: 2, len: 2, past: 0 }, Segment { start: 0, len: 1, past: 0 }], "overlaps"),
+        (&[Segment { start: 1, len: usize::MAX, past: 0 }], "outside"),
+    ];
+    for (segments, why) in cases {
+        let pool = KvPool::new(KvLayout::new(&[(kvh, hd)], false), 0, std::time::Duration::ZERO);
+        let mut caches: Vec<SeqKv> = segments.iter().map(|_| SeqKv::new(pool.clone(), 64)).collect();
+        caches.iter_mut().for_each(|c| c.reserve(4));
+        let mut kvs: Vec<&mut SeqKv> = caches.iter_mut().collect();
+        let step = plain_step(segments, [&q, &k, &v], (heads, kvh, hd), rows);
+        let mut out = vec![f32::NAN; rows * heads * hd];
+        let err = attention(&spec, &step, &mut kvs, &mut out, &Runtime::new(2).unwrap().ctx()).unwrap_err();
+        assert!(err.contains(why), "{segments:?}: {err}");
+        assert!(out.iter().all(|v| v.is_nan()), "{segments:?}: written before refused");
+    }
+}
+
 /// Layer 0 of a step over `rows` rows of plain (seq-first) query, key and
 /// value tensors, no rotary, no bias.
 fn plain_step<'a>(
