@@ -11,7 +11,7 @@ pub struct Sampling {
     pub temperature: f32,
     /// 0 means no top-k cut.
     pub top_k: usize,
-    /// 1.0 means no nucleus cut.
+    /// 1.0 means no nucleus cut; 0 keeps only the likeliest token.
     pub top_p: f32,
     /// Drops tokens less likely than `min_p` times the likeliest (after
     /// temperature); 0 keeps every token.
@@ -58,8 +58,8 @@ impl Sampling {
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
             return Err(format!("temperature must be a finite number >= 0, got {}", self.temperature));
         }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
+        if !(0.0..=1.0).contains(&self.top_p) {
+            return Err(format!("top_p must be in [0, 1], got {}", self.top_p));
         }
         if !(0.0..=1.0).contains(&self.min_p) {
             return Err(format!("min_p must be in [0, 1], got {}", self.min_p));

@@ -68,7 +68,7 @@ pub enum Code {
     /// A special token id (eos/bos) outside the vocabulary.
     PKG043,
     /// A sampling default out of its range (temperature below 0, top_p
-    /// outside (0, 1], repetition_penalty not above 0).
+    /// outside [0, 1], repetition_penalty not above 0).
     PKG044,
     /// The chat template does not parse, or a tag of it holds more code than
     /// its parser may recurse through.

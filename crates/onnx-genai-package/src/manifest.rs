@@ -285,7 +285,7 @@ impl SamplingDefaults {
                 "a finite number >= 0 (0 is greedy)",
                 self.temperature.is_none_or(|t| t.is_finite() && t >= 0.0),
             ),
-            ("top_p", self.top_p, "in (0, 1]", self.top_p.is_none_or(|p| p > 0.0 && p <= 1.0)),
+            ("top_p", self.top_p, "in [0, 1]", self.top_p.is_none_or(|p| (0.0..=1.0).contains(&p))),
             (
                 "repetition_penalty",
                 self.repetition_penalty,

@@ -26,6 +26,17 @@ pub struct ChatMessage {
     pub tool_calls: Option<Vec<WireToolCall>>,
     #[serde(default)]
     pub tool_call_id: Option<String>,
+    /// Fields OpenAI's assistant messages carry, which a client sends back
+    /// with its history (the Python client's `model_dump()` writes them as
+    /// `null`): accepted empty, refused with a value (none is read).
+    #[serde(default)]
+    pub refusal: Option<Value>,
+    #[serde(default)]
+    pub audio: Option<Value>,
+    #[serde(default)]
+    pub function_call: Option<Value>,
+    #[serde(default)]
+    pub annotations: Option<Value>,
 }
 
 /// A call in an assistant message the client sends back.
@@ -87,6 +98,7 @@ pub enum Stop {
 }
 
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct StreamOptions {
     #[serde(default)]
     pub include_usage: bool,
@@ -105,8 +117,10 @@ pub struct Sampling {
     pub temperature: Option<f32>,
     #[serde(default)]
     pub top_p: Option<f32>,
+    /// OpenAI's is an int64: negative seeds (some clients send -1) are
+    /// seeds like any other.
     #[serde(default)]
-    pub seed: Option<u64>,
+    pub seed: Option<i64>,
     #[serde(default)]
     pub stop: Option<Stop>,
     #[serde(default)]
@@ -278,9 +292,12 @@ impl Sampling {
             }
         }
         if let Some(p) = self.top_p {
-            if !(p > 0.0 && p <= 1.0) {
-                return Err(ApiError::param("top_p", format!("top_p must be in (0, 1], got {p}")));
+            if !(0.0..=1.0).contains(&p) {
+                return Err(ApiError::param("top_p", format!("top_p must be in [0, 1], got {p}")));
             }
+        }
+        if self.stream_options.is_some() && !self.stream {
+            return Err(ApiError::param("stream_options", "stream_options is only allowed when stream is true"));
         }
         if let Err(message) = self.engine_sampling(&SamplingDefaults::default(), || 0)?.check() {
             // The engine's messages start with the field's name.
@@ -360,7 +377,8 @@ impl Sampling {
             },
             top_p: self.top_p.or(defaults.top_p).unwrap_or(1.0),
             min_p: self.min_p.unwrap_or(0.0),
-            seed: self.seed.unwrap_or_else(seed),
+            // (The same bits: -1 is 2^64 - 1.)
+            seed: self.seed.map_or_else(seed, |s| s as u64),
             presence_penalty: self.presence_penalty.unwrap_or(0.0),
             frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
             repetition_penalty: self.repetition_penalty.or(defaults.repetition_penalty).unwrap_or(1.0),

@@ -40,6 +40,13 @@ pub fn read(wire: Vec<api::ChatMessage>) -> Result<(Vec<ChatMessage>, Vec<SentIm
                 ))
             }
         };
+        let unread = [("refusal", &m.refusal), ("audio", &m.audio), ("function_call", &m.function_call)];
+        let given = unread.into_iter().find(|(_, v)| v.is_some());
+        let annotated = m.annotations.as_ref().is_some_and(|a| a.as_array().is_none_or(|a| !a.is_empty()));
+        if let Some((field, _)) = given.or(annotated.then_some(("annotations", &m.annotations))) {
+            let instead = if field == "function_call" { "; send `tool_calls`" } else { "" };
+            return Err(ApiError::param(&at(field), format!("`{field}` is not read: send it as null{instead}")));
+        }
         let calls = m.tool_calls.unwrap_or_default();
         let mut image_at = Vec::new();
         let content = match m.content {

@@ -216,8 +216,8 @@ pub(crate) fn field_schema(field: &Field) -> Option<Value> {
         "prompt" => json!({"type": "string", "minLength": 1}),
         "max_tokens" | "max_completion_tokens" => integer(1, i64::from(u32::MAX)),
         "temperature" => number(0.0, 2.0),
-        "top_p" => json!({"type": "number", "minimum": 0, "exclusiveMinimum": true, "maximum": 1}),
-        "seed" => integer(0, i64::MAX),
+        "top_p" => json!({"type": "number", "minimum": 0, "maximum": 1}),
+        "seed" => integer(i64::MIN, i64::MAX),
         "stop" => json!({"oneOf": [
             {"type": "string", "maxLength": crate::api::MAX_STOP_CHARS},
             {"type": "array", "maxItems": crate::api::MAX_STOPS, "items": {"type": "string", "maxLength": crate::api::MAX_STOP_CHARS}}

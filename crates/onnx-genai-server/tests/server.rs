@@ -551,12 +551,14 @@ fn every_request_field_is_served_or_refused_by_name() {
             let example: serde_json::Value = serde_json::from_str(f.example).unwrap();
             match f.support {
                 Support::Served if base.get(f.name).is_some() || f.name == "max_tokens" => {}
-                Support::Served if f.name == "top_logprobs" => {
-                    // Served only beside `logprobs: true` (OpenAI's rule).
+                Support::Served if matches!(f.name, "top_logprobs" | "stream_options") => {
+                    // Served only beside `logprobs: true` and `stream: true`
+                    // (OpenAI's rules).
                     refused(&send(f.name, example.clone()), f.name);
                     let mut body = base.clone();
                     body["max_tokens"] = json!(2);
-                    body["logprobs"] = json!(true);
+                    let beside = if f.name == "top_logprobs" { "logprobs" } else { "stream" };
+                    body[beside] = json!(true);
                     body[f.name] = example;
                     let r = call(s.addr, "POST", path, &[], &body.to_string());
                     assert_eq!(r.status, 200, "{path} {}: {}", f.name, r.body);
@@ -583,7 +585,15 @@ fn every_request_field_is_served_or_refused_by_name() {
         assert!(unknown.body.contains("unrecognized request argument"), "{}", unknown.body);
         // A value of the wrong type is refused naming its field too.
         refused(&send("temperature", json!("hot")), "temperature");
-        refused(&send("seed", json!(-1)), "seed");
+        refused(&send("seed", json!("7")), "seed");
+        // OpenAI's seed is an int64: -1 is one, 2^64 - 1 is not.
+        assert_eq!(send("seed", json!(-1)).status, 200);
+        refused(&send("seed", json!(u64::MAX)), "seed");
+        // stream_options takes OpenAI's keys only.
+        let mut body = base.clone();
+        body["stream"] = json!(true);
+        body["stream_options"] = json!({"include_usage": true, "bogus": 1});
+        refused(&call(s.addr, "POST", path, &[], &body.to_string()), "stream_options.bogus");
     }
     let r = call(
         s.addr,
@@ -657,7 +667,7 @@ fn sampling_adjustments_shape_the_output_and_bad_ones_are_refused() {
         assert_ne!(text(complete(extra.clone())), greedy, "{extra} changed nothing");
     }
     assert_ne!(text(complete(json!({"temperature": 1.5, "seed": 3}))), greedy);
-    for extra in [json!({"top_k": 1}), json!({"min_p": 1.0}), json!({"top_k": 1, "min_p": 0.5})] {
+    for extra in [json!({"top_k": 1}), json!({"min_p": 1.0}), json!({"top_k": 1, "min_p": 0.5}), json!({"top_p": 0})] {
         let mut sampled = json!({"temperature": 1.5, "seed": 3});
         sampled.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
         assert_eq!(text(complete(sampled)), greedy, "{extra} left more than the likeliest token");
@@ -675,6 +685,7 @@ fn sampling_adjustments_shape_the_output_and_bad_ones_are_refused() {
         (json!({"frequency_penalty": -3}), "frequency_penalty", "between -2 and 2"),
         (json!({"repetition_penalty": 0}), "repetition_penalty", "> 0"),
         (json!({"min_p": 1.5}), "min_p", "[0, 1]"),
+        (json!({"top_p": 1.5}), "top_p", "[0, 1]"),
         (json!({"top_k": -2}), "top_k", "-1 (every token) or at least 1"),
         (json!({"logit_bias": {"1": 1, "01": 2}}), "logit_bias", "names token 1 twice"),
     ] {
@@ -773,4 +784,34 @@ fn a_stop_string_answer_has_usage() {
         }
     }
     assert_eq!(last_usage, v["usage"], "the stream's usage agrees with the JSON answer's");
+}
+
+/// An assistant message sent back with the fields OpenAI's answers carry
+/// (`refusal`, `audio`, `function_call`, `annotations`) is served where
+/// they are empty — the Python client's `model_dump()` writes them as
+/// null, and was refused as unknown fields — and refused naming the field
+/// where one holds a value the server would not read.
+#[test]
+fn echoed_assistant_fields_are_taken_empty_and_refused_with_a_value() {
+    let gate = Gate::default();
+    let (_d, s) = serve(&[M], &gate, u64::MAX, 8);
+    let with = |extra: serde_json::Value| {
+        let mut answer = json!({"role": "assistant", "content": "yo"});
+        answer.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        let messages = json!([{"role": "user", "content": "hi"}, answer, {"role": "user", "content": "again"}]);
+        post(s.addr, "/v1/chat/completions", &json!({"model": M, "messages": messages, "max_tokens": 2}))
+    };
+    let empty = json!({"refusal": null, "audio": null, "function_call": null, "annotations": null});
+    assert_eq!(with(empty).status, 200);
+    assert_eq!(with(json!({"annotations": []})).status, 200);
+    for (extra, field) in [
+        (json!({"refusal": "I cannot"}), "refusal"),
+        (json!({"audio": {"id": "a"}}), "audio"),
+        (json!({"function_call": {"name": "f", "arguments": "{}"}}), "function_call"),
+        (json!({"annotations": [{"type": "url_citation"}]}), "annotations"),
+    ] {
+        let r = with(extra);
+        assert_eq!(r.status, 400, "{}", r.body);
+        assert_eq!(r.json()["error"]["param"], format!("messages[1].{field}"), "{}", r.body);
+    }
 }

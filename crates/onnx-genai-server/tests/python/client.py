@@ -22,6 +22,17 @@ chat = client.chat.completions.create(
 assert chat.object == "chat.completion", chat
 assert chat.choices[0].message.role == "assistant"
 assert chat.usage.completion_tokens == 6, chat.usage
+# The answer sent back with the history as the client dumps it: its
+# `refusal`, `audio`, `function_call` and `annotations` as null.
+dumped = chat.choices[0].message.model_dump()
+assert "refusal" in dumped and dumped["refusal"] is None, dumped
+again = client.chat.completions.create(
+    model=model,
+    messages=[{"role": "user", "content": "Hello"}, dumped, {"role": "user", "content": "More"}],
+    max_tokens=2,
+    temperature=0,
+)
+assert again.choices[0].message.role == "assistant", again
 print("chat ok")
 
 parts = []
@@ -238,7 +249,7 @@ for choice in ["required", {"type": "function", "function": {"name": "weather"}}
         finish = chunk.choices[0].finish_reason or None
     assert finish == "tool_calls" and list(calls) == [0], calls
     assert (calls[0]["name"], calls[0]["arguments"]) == (made.function.name, made.function.arguments), (calls, made)
-follow = ask + [message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": made.id, "content": "sunny"}]
+follow = ask + [message.model_dump(), {"role": "tool", "tool_call_id": made.id, "content": "sunny"}]
 r = client.chat.completions.create(model=model, messages=follow, max_tokens=4, tools=tools)
 assert r.choices[0].finish_reason in ("length", "stop", "tool_calls"), r
 try:
