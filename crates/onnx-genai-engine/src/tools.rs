@@ -153,14 +153,33 @@ pub fn parse_calls(text: &str, tools: &[Tool]) -> Option<Calls> {
     let mut calls = Vec::new();
     while text[at..].trim_start().starts_with(CALL_OPEN) {
         let open = at + (text[at..].len() - text[at..].trim_start().len()) + CALL_OPEN.len();
-        let (body, next) = match text[open..].find(CALL_CLOSE) {
-            Some(end) => (&text[open..open + end], open + end + CALL_CLOSE.len()),
+        let (body, next) = match block_end(&text[open..]) {
+            Some((end, next)) => (&text[open..open + end], open + next),
             None => (&text[open..], text.len()),
         };
         calls.push(parse_call(body, tools)?);
         at = next;
     }
     Some(Calls { calls, before, after: at })
+}
+
+/// Where a call block's body ends, and where the text after its closing
+/// tag begins, in `rest` (what follows `<tool_call>`): after the one JSON
+/// value the block holds — a `</tool_call>` inside one of its strings is
+/// text of the call's (found by its first occurrence, it cut the call in
+/// two and the whole answer became text) — else at the first closing tag.
+/// `None`: no closing tag (the model ended the turn after its JSON).
+fn block_end(rest: &str) -> Option<(usize, usize)> {
+    let mut values = serde_json::Deserializer::from_str(rest).into_iter::<serde::de::IgnoredAny>();
+    if let Some(Ok(_)) = values.next() {
+        let end = values.byte_offset();
+        let after = rest[end..].trim_start();
+        if let Some(tail) = after.strip_prefix(CALL_CLOSE) {
+            return Some((end, rest.len() - tail.len()));
+        }
+    }
+    let end = rest.find(CALL_CLOSE)?;
+    Some((end, end + CALL_CLOSE.len()))
 }
 
 /// Where a free answer's text may be sent while it is still being
@@ -258,6 +277,16 @@ mod tests {
         assert_eq!(parsed.calls[1], FunctionCall { name: "now".into(), arguments: "{}".into() });
         assert_eq!(&text[..parsed.before], "Let me look.\n");
         assert_eq!(&text[parsed.after..], " done");
+
+        // A closing tag inside an argument's string is the argument's.
+        let quoted =
+            "<tool_call>{\"name\": \"get_weather\", \"arguments\": {\"city\": \"a</tool_call>b\"}}</tool_call> ok";
+        let parsed = parse_calls(quoted, &tools).expect("one call");
+        assert_eq!(
+            serde_json::from_str::<Value>(&parsed.calls[0].arguments).unwrap(),
+            json!({"city": "a</tool_call>b"})
+        );
+        assert_eq!(&quoted[parsed.after..], " ok");
 
         let unclosed = "<tool_call>{\"name\": \"now\", \"arguments\": \"{}\"}";
         assert_eq!(parse_calls(unclosed, &tools).map(|c| c.calls.len()), Some(1));

@@ -92,7 +92,7 @@ const CHAT_ONLY: [Field; 17] = [
     served("top_logprobs", "0 to 20 likeliest alternatives per token; needs `logprobs: true`", "2"),
     served(
         "response_format",
-        "`text`, `json_object`, or `json_schema` (`strict` or not): every token is drawn under a mask from the schema's grammar (llguidance), JSON written compactly; a schema it cannot compile is refused",
+        "`text`, `json_object`, or `json_schema` (`strict` or not): every token is drawn under a mask from the schema's grammar (llguidance), JSON written compactly; a schema it cannot compile is refused, and so is any format but `text` beside tools the model may call (its grammar leaves no room for a call)",
         "{\"type\": \"json_object\"}",
     ),
     served(

@@ -146,13 +146,17 @@ pub async fn chat_completions(
         let mut format = api::response_format(req.response_format.as_ref())?;
         let logprobs = req.logprobs()?;
         let (tools, tool_use) = tool_calls::read(&req)?;
+        // A response format's grammar leaves no room for a call: with
+        // tools the model may call, the calls could never be made (the
+        // answer was always text, silently).
+        if let (Some(tool_use), false) = (&tool_use, format == ResponseFormat::Text) {
+            let why = match tool_use.format() {
+                Some(_) => "a required tool call is JSON of its own: drop response_format",
+                None => "its grammar leaves the model no way to call the tools: drop response_format, or the tools",
+            };
+            return Err(ApiError::param("response_format", why));
+        }
         if let Some(call) = tool_use.as_ref().and_then(ToolUse::format) {
-            if format != ResponseFormat::Text {
-                return Err(ApiError::param(
-                    "response_format",
-                    "a required tool call is JSON of its own: drop response_format, or set tool_choice to \"auto\"",
-                ));
-            }
             format = call;
         }
         let template_vars = req.template_vars()?;

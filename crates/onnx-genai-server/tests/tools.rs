@@ -147,7 +147,7 @@ fn required_calls_follow_the_schema_and_go_back_in_the_next_turn() {
 }
 
 /// Issue 19, tools (bad input): malformed tools, an unknown or unsatisfiable
-/// choice, a required call with a response format, and malformed tool
+/// choice, a response format beside tools (required or auto), and malformed tool
 /// messages are 400s naming the field, refused before anything is admitted,
 /// reserved or leased (A2, L1): the session's next turn runs.
 #[test]
@@ -179,6 +179,12 @@ fn bad_tools_and_tool_messages_are_refused_naming_the_field() {
             json!({"tools": tools(), "tool_choice": "required", "response_format": {"type": "json_object"}}),
             "response_format",
             "drop response_format",
+        ),
+        // Under `auto` the JSON grammar leaves no room for a call either.
+        (
+            json!({"tools": tools(), "response_format": {"type": "json_object"}}),
+            "response_format",
+            "no way to call the tools",
         ),
         (json!({"messages": [user, {"role": "tool", "content": "x"}]}), "messages[1].tool_call_id", "names the call"),
         (
