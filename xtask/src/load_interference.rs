@@ -59,7 +59,7 @@ pub(crate) fn interference(
     let addr = server.addr;
     let short = |n: usize| -> Result<f64> {
         let v: Vec<f64> = (0..n)
-            .map(|i| stream_one(addr, model, &format!("Quick question {i}:"), 4).map(|r| r.secs * 1e3))
+            .map(|i| stream_one(addr, model, &format!("Quick question {i}:"), 4, 0.0).map(|r| r.secs * 1e3))
             .collect::<Result<_>>()?;
         Ok(median(v))
     };
@@ -94,7 +94,7 @@ pub(crate) fn interference(
                 std::thread::spawn(move || {
                     // Four times the sweep's answers: a rate over a second
                     // or more, not a few hundred milliseconds of a noisy VM.
-                    stream_one(addr, &model, &format!("Reader {c}: once upon a time"), 4 * max_tokens)
+                    stream_one(addr, &model, &format!("Reader {c}: once upon a time"), 4 * max_tokens, 0.0)
                 })
             })
             .collect();

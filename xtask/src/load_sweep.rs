@@ -42,6 +42,8 @@ pub struct Options {
     pub turns: usize,
     /// Times the whole sweep runs (each column: the median over them).
     pub rounds: usize,
+    /// The sweep's requests' sampling temperature (0: greedy).
+    pub temperature: f32,
 }
 
 /// Requests a client of a sweep makes one after another by default: with
@@ -79,8 +81,14 @@ pub(crate) struct Reply {
     events: Vec<Instant>,
 }
 
-pub(crate) fn stream_one(addr: std::net::SocketAddr, model: &str, prompt: &str, max_tokens: u32) -> Result<Reply> {
-    let body = json!({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+pub(crate) fn stream_one(
+    addr: std::net::SocketAddr,
+    model: &str,
+    prompt: &str,
+    max_tokens: u32,
+    temperature: f32,
+) -> Result<Reply> {
+    let body = json!({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
         "stream": true, "stream_options": {"include_usage": true}});
     let t0 = Instant::now();
     let mut s = Stream::open(addr, "/v1/completions", &[], &body)?;
@@ -161,6 +169,7 @@ fn run_clients(
     clients: usize,
     turns: usize,
     max_tokens: u32,
+    temperature: f32,
     prompt: fn(usize, usize) -> String,
 ) -> Result<Vec<Vec<Reply>>> {
     let barrier = Arc::new(Barrier::new(clients));
@@ -169,7 +178,7 @@ fn run_clients(
             let (barrier, model) = (barrier.clone(), model.to_string());
             std::thread::spawn(move || -> Result<Vec<Reply>> {
                 barrier.wait();
-                (0..turns).map(|t| stream_one(addr, &model, &prompt(c, t), max_tokens)).collect()
+                (0..turns).map(|t| stream_one(addr, &model, &prompt(c, t), max_tokens, temperature)).collect()
             })
         })
         .collect();
@@ -213,7 +222,7 @@ fn measure(
     server.reset_widest_step();
     let before = server.gauges();
     let started = Instant::now();
-    let replies = run_clients(server.addr, model, clients, opts.turns, opts.max_tokens, |c, t| {
+    let replies = run_clients(server.addr, model, clients, opts.turns, opts.max_tokens, opts.temperature, |c, t| {
         format!("Client {c} asks question {t}: tell me a story about")
     })?;
     let wall = started.elapsed().as_secs_f64();
@@ -340,10 +349,11 @@ pub fn run(opts: Options) -> Result<()> {
     let server = onnx_genai_server::start_with(vec![engine], "127.0.0.1:0", Default::default())?;
     let addr = server.addr;
     println!(
-        "==> {model} on {} ({} threads, KV cache {kv}), max_tokens {}, peak {}",
+        "==> {model} on {} ({} threads, KV cache {kv}), max_tokens {}, temperature {}, peak {}",
         kind.name(),
         opts.threads,
         opts.max_tokens,
+        opts.temperature,
         peaks.said()
     );
     // One unmeasured round at the widest client count first: the first
@@ -352,8 +362,10 @@ pub fn run(opts: Options) -> Result<()> {
     // ms against 16-33 ms warm and its aggregate at 195.3 against 286.1
     // tok/s, which inflated every "x one client" ratio after it).
     let widest = opts.clients.iter().copied().max().unwrap_or(1);
-    run_clients(addr, &model, widest, 1, opts.max_tokens, |c, _| format!("Warm-up {c}: tell me a story about"))
-        .context("the warm-up round")?;
+    run_clients(addr, &model, widest, 1, opts.max_tokens, opts.temperature, |c, _| {
+        format!("Warm-up {c}: tell me a story about")
+    })
+    .context("the warm-up round")?;
     let mut rounds: Vec<Vec<Row>> = Vec::new();
     for round in 0..opts.rounds.max(1) {
         if opts.rounds > 1 {
@@ -383,7 +395,7 @@ pub fn run(opts: Options) -> Result<()> {
         String::new()
     };
     let mut md = format!(
-        "# Load: {model}\n\n{} on {} thread(s), KV cache `{kv}`, streaming `/v1/completions`, max_tokens {}, {} request(s) per \
+        "# Load: {model}\n\n{} on {} thread(s), KV cache `{kv}`, streaming `/v1/completions`, max_tokens {}, temperature {}, {} request(s) per \
          client; clients start together, after one unmeasured warm-up round at the widest count.{rounds_said} Aggregate \
          tok/s: the tokens that arrived while every client was streaming, over that time (from the last client's \
          first token to the first client's last: at the end, clients whose answers stopped early, at an end of \
@@ -399,6 +411,7 @@ pub fn run(opts: Options) -> Result<()> {
         kind.name(),
         opts.threads,
         opts.max_tokens,
+        opts.temperature,
         opts.turns,
         macs as f64 / 1e6,
         opts.threads,

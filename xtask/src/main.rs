@@ -184,6 +184,11 @@ enum Command {
         /// range beside it).
         #[arg(long, default_value_t = 1)]
         rounds: usize,
+        /// With --package: the sweep's sampling temperature, 0 to 2 (0:
+        /// greedy; above, each request draws with its own seed, as a
+        /// served chat does; the interference runs stay greedy).
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f32,
     },
     /// Mutation batteries over the admission and lease invariants (conformance/mutations).
     Mutants {
@@ -293,8 +298,20 @@ fn main() -> ExitCode {
             bench::run(bench::Options { threads, rounds: rounds.max(1), steps: steps.max(1), package })
         }
         Command::Load {
-            package: Some(package), sweep, threads, max_tokens, backend, turns, kv_cache, rounds, ..
+            package: Some(package),
+            sweep,
+            threads,
+            max_tokens,
+            backend,
+            turns,
+            kv_cache,
+            rounds,
+            temperature,
+            ..
         } => load_sweep::shape(&sweep, turns).and_then(|(clients, turns)| {
+            if !(0.0..=2.0).contains(&temperature) {
+                anyhow::bail!("--temperature is 0 to 2, got {temperature}");
+            }
             load_sweep::run(load_sweep::Options {
                 package,
                 clients,
@@ -304,6 +321,7 @@ fn main() -> ExitCode {
                 kv_cache,
                 turns,
                 rounds: rounds.max(1),
+                temperature,
             })
         }),
         Command::Load { clients, turns, max_tokens, backend, .. } => load::run(load::Options {
