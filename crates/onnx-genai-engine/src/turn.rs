@@ -239,7 +239,15 @@ impl Engine {
         // reservation): a request deferred for room is admitted again and
         // again while it waits, and recompiling on every try kept the
         // driver, and every stream of its model, waiting.
-        let constraint = self.prompter.constraint(&request.response_format)?;
+        let constraint = match self.prompter.constraint(&request.response_format) {
+            Ok(constraint) => constraint,
+            Err(e) => {
+                // A continuing turn's admission holds its session's idle
+                // bytes: they go back to the session, not with the rest.
+                self.keep_idle(admission, request.session);
+                return Err(e);
+            }
+        };
         // 4. Signal, after the decision and before any backend work.
         on_admitted(Admitted {
             conversation,
@@ -302,6 +310,17 @@ impl Engine {
         turn.feed.extend_from_slice(&new);
         turn.sequence = Some(sequence);
         Ok(())
+    }
+
+    /// What of `admission` the session's KV holds stays reserved as its
+    /// idle bytes (B2); the rest is released (the guard drops). Without a
+    /// session, or a session without its sequence, all is released.
+    fn keep_idle(&mut self, mut admission: onnx_genai_scheduler::Admission, session: Option<SessionId>) {
+        let Some(s) = session.and_then(|id| self.sessions.get_mut(&id)) else { return };
+        if let Some(bytes) = s.sequence.as_ref().map(|seq| seq.resident_bytes()) {
+            admission.shrink_to(bytes);
+            s.idle = Some(admission);
+        }
     }
 
     /// Ends a turn that failed before it ran; its error.
@@ -605,7 +624,6 @@ impl Engine {
         self.clock += 1;
         // What the session's sequence keeps stays reserved while it is idle
         // (B2); the rest of the turn's reservation goes back.
-        let mut keep = None;
         match turn.session {
             Some(id) => {
                 if let Some(s) = self.sessions.get_mut(&id) {
@@ -619,7 +637,6 @@ impl Engine {
                         s.sequence = sequence;
                     }
                     s.last_used = self.clock;
-                    keep = s.sequence.as_ref().map(|seq| seq.resident_bytes());
                 }
             }
             None => {
@@ -631,16 +648,9 @@ impl Engine {
         }
         let Turn { admission, generated, finish, prompt_tokens, session, logprobs, choice, .. } = turn;
         let budget_cap = admission.budget_cap;
-        let mut admission = Some(admission);
-        if let (Some(bytes), Some(s)) = (keep, session.and_then(|id| self.sessions.get_mut(&id))) {
-            if let Some(mut idle) = admission.take() {
-                idle.shrink_to(bytes);
-                s.idle = Some(idle);
-            }
-        }
-        // Release the rest of the reservation on every exit (the guard drops
-        // here).
-        drop(admission);
+        // What the session keeps stays reserved; the rest is released on
+        // every exit.
+        self.keep_idle(admission, session);
         outcome?;
         let text = self.decode(&generated)?;
         Ok(GenerateResult {

@@ -717,3 +717,36 @@ fn choices_share_the_prefill_and_match_single_requests() {
         ));
     }
 }
+
+/// B2 and A11: a continuing session turn refused once admitted — its
+/// response format fails to compile — leaves the session's reservation as
+/// it was: the bytes its idle KV holds stay reserved (before, the refused
+/// admission, which had taken the session's idle bytes over, released them
+/// all while the KV stayed resident), and the next turn on it runs.
+#[test]
+fn a_session_turn_refused_once_admitted_keeps_the_sessions_reservation() {
+    let dir = tempfile::tempdir().unwrap();
+    let probe = Probe::default();
+    let mut e = engine(build(dir.path(), false), u64::MAX / 2, &probe);
+    let id = e.create_session().unwrap();
+    let mut first = GenerateRequest::new(Prompt::TokenIds(PROMPT.to_vec()));
+    first.session = Some(id);
+    first.max_new_tokens = Some(3);
+    e.generate(&first, &mut |_| Flow::Continue).unwrap();
+    let idle = e.idle_kv_bytes();
+    assert!(idle > 0 && e.scheduler().reserved_bytes() == idle);
+    let mut bad = GenerateRequest::new(Prompt::TokenIds(vec![70, 80]));
+    bad.session = Some(id);
+    bad.max_new_tokens = Some(3);
+    let schema = serde_json::json!({"type": "integer", "minimum": 5, "maximum": 1});
+    bad.response_format = onnx_genai_engine::ResponseFormat::JsonSchema(schema);
+    let refused = e.generate(&bad, &mut |_| Flow::Continue);
+    assert!(matches!(refused, Err(EngineError::ResponseFormat(_))), "{refused:?}");
+    assert_eq!(e.idle_kv_bytes(), idle, "the session's KV stayed resident");
+    assert_eq!(e.scheduler().reserved_bytes(), idle, "the session's idle bytes were released with the refusal");
+    let mut next = GenerateRequest::new(Prompt::TokenIds(vec![70, 80]));
+    next.session = Some(id);
+    next.max_new_tokens = Some(2);
+    e.generate(&next, &mut |_| Flow::Continue).unwrap();
+    assert_eq!(e.scheduler().reserved_bytes(), e.idle_kv_bytes());
+}
