@@ -90,6 +90,12 @@ pub enum Code {
     /// A `tokenizer_config.json` tokenizer class without the
     /// `tokenizer.json` this runtime reads.
     PKG107,
+    /// A `genai_config.json` search setting this runtime does not apply
+    /// (beam search, a minimum length, n-gram blocking): a warning.
+    PKG108,
+    /// A `genai_config.json` model type ONNX Runtime GenAI does not list,
+    /// read as a text decoder: a warning.
+    PKG109,
 }
 
 impl std::fmt::Display for Code {

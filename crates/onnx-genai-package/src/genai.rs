@@ -21,6 +21,11 @@ struct GenaiConfig {
     model: GenaiModel,
     #[serde(default)]
     search: Option<GenaiSearch>,
+    /// Their runtime's own engine settings (batching, devices): known to
+    /// the format, not read here.
+    #[serde(default)]
+    #[allow(dead_code)]
+    engine: Option<Tree>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -33,27 +38,36 @@ enum OneOrMany {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct GenaiModel {
+    /// Signed, as their parser reads ids: a negative one is "none" (Olive
+    /// writes -1 for a token the tokenizer lacks).
     #[serde(default)]
-    bos_token_id: Option<u32>,
+    bos_token_id: Option<i64>,
     context_length: u32,
     decoder: GenaiDecoder,
     eos_token_id: OneOrMany,
+    // Not used for decoding (signed for the same reason).
     #[serde(default)]
-    pad_token_id: Option<u32>,
+    #[allow(dead_code)]
+    pad_token_id: Option<i64>,
     #[serde(default)]
-    sep_token_id: Option<u32>,
+    #[allow(dead_code)]
+    sep_token_id: Option<i64>,
     #[serde(default)]
-    decoder_start_token_id: Option<u32>,
-    // Reasoning and tool-call markers some of their exports carry; not
-    // used for decoding.
+    #[allow(dead_code)]
+    decoder_start_token_id: Option<i64>,
+    // Reasoning and tool-call markers some of their exports carry.
     #[serde(default)]
-    bot_token_id: Option<u32>,
+    #[allow(dead_code)]
+    bot_token_id: Option<i64>,
     #[serde(default)]
-    eot_token_id: Option<u32>,
+    #[allow(dead_code)]
+    eot_token_id: Option<i64>,
     #[serde(default)]
-    bor_token_id: Option<u32>,
+    #[allow(dead_code)]
+    bor_token_id: Option<i64>,
     #[serde(default)]
-    eor_token_id: Option<u32>,
+    #[allow(dead_code)]
+    eor_token_id: Option<i64>,
     #[serde(rename = "type")]
     model_type: String,
     vocab_size: u32,
@@ -72,7 +86,11 @@ struct GenaiModel {
 #[serde(deny_unknown_fields)]
 struct GenaiDecoder {
     #[serde(default)]
+    #[allow(dead_code)]
     session_options: Option<Tree>,
+    #[serde(default)]
+    #[allow(dead_code)]
+    run_options: Option<Tree>,
     filename: String,
     head_size: u32,
     hidden_size: u32,
@@ -160,7 +178,33 @@ struct GenaiSearch {
     /// Prefill chunk length (their paged-attention exports).
     #[serde(default)]
     chunk_size: Option<u32>,
+    /// Their runtime's seed for sampling (a request here brings its own).
+    #[serde(default)]
+    random_seed: Option<i64>,
+    #[serde(default)]
+    batch_size: Option<u32>,
 }
+
+/// ONNX Runtime GenAI's text decoder model types besides those named in
+/// [`import`]'s match (`model_type.h` of its 0.x releases).
+const TEXT_DECODER_TYPES: &[&str] = &[
+    "decoder",
+    "chatglm",
+    "ernie4_5",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "gptoss",
+    "nemotron",
+    "phi",
+    "phimoe",
+    "phi3",
+    "phi3small",
+];
+
+/// Its model types whose `genai_config.json` describes a multimodal
+/// pipeline (vision, speech) this runtime does not run.
+const MULTIMODAL_TYPES: &[&str] = &["phi3v", "phi4mm", "gemma3", "qwen2_5_vl", "fara", "whisper"];
 
 /// Where a port of an imported manifest came from, so diagnostics point at
 /// the user's `genai_config.json` key rather than at a manifest they never wrote.
@@ -219,17 +263,64 @@ pub fn import(text: &str, report: &mut Report) -> Option<Manifest> {
             ok = false;
         }
     }
+    // The type is a label here: what runs is decided by the graph (its
+    // ports, then what each backend compiles). Every text decoder type of
+    // their runtime is read as one; its multimodal types are refused.
     let family = match m.model_type.as_str() {
-        "llama" | "mistral" | "qwen2" | "qwen3" | "smollm" | "granite" | "olmo" => Family::Llama,
+        "llama" | "mistral" | "qwen2" | "qwen3" | "smollm" | "smollm3" | "granite" | "olmo" => Family::Llama,
         "gpt2" => Family::Gpt2,
-        "decoder" => Family::Decoder,
-        other => {
-            report.push(unsupported("model.type", &format!("model type `{other}`")));
+        t if TEXT_DECODER_TYPES.contains(&t) => Family::Decoder,
+        t if MULTIMODAL_TYPES.contains(&t) => {
+            report.push(unsupported("model.type", &format!("model type `{t}` (a multimodal pipeline)")));
             return None;
         }
+        other => {
+            report.push(Diagnostic::warning(
+                Code::PKG109,
+                CONFIG_FILE,
+                "model.type",
+                format!("model type `{other}` is not one ONNX Runtime GenAI lists; it is read as a text decoder"),
+                "check the spelling; the graph decides what runs either way",
+            ));
+            Family::Decoder
+        }
     };
-    let _ = (&d.session_options, m.pad_token_id, m.sep_token_id, m.decoder_start_token_id);
-    let _ = (m.bot_token_id, m.eot_token_id, m.bor_token_id, m.eor_token_id);
+    let bos_token_id = match m.bos_token_id {
+        Some(id) if id >= 0 => match u32::try_from(id) {
+            Ok(id) => Some(id),
+            Err(_) => {
+                report.push(Diagnostic::error(
+                    Code::PKG103,
+                    CONFIG_FILE,
+                    "model.bos_token_id",
+                    format!("bos_token_id {id} is past any vocabulary"),
+                    "write the tokenizer's beginning-of-sequence id, or -1 for none",
+                ));
+                ok = false;
+                None
+            }
+        },
+        _ => None,
+    };
+    if let Some(search) = &config.search {
+        let unapplied = [
+            ("num_beams", search.num_beams.is_some_and(|n| n > 1), "beam search"),
+            ("num_return_sequences", search.num_return_sequences.is_some_and(|n| n > 1), "several sequences a prompt"),
+            ("min_length", search.min_length.is_some_and(|n| n > 0), "a minimum length"),
+            ("no_repeat_ngram_size", search.no_repeat_ngram_size.is_some_and(|n| n > 0), "n-gram blocking"),
+        ];
+        for (key, set, what) in unapplied {
+            if set {
+                report.push(Diagnostic::warning(
+                    Code::PKG108,
+                    CONFIG_FILE,
+                    format!("search.{key}"),
+                    format!("{what} is not applied here: generation samples (or decodes greedily) one sequence"),
+                    "expect other text than ONNX Runtime GenAI generates with these settings",
+                ));
+            }
+        }
+    }
     let mut ports = Vec::new();
     let mut bind = |role: Role, name: &Option<String>| {
         if let Some(name) = name {
@@ -313,7 +404,7 @@ pub fn import(text: &str, report: &mut Report) -> Option<Manifest> {
         tokenizer: TokenizerRef { file: "tokenizer.json".into() },
         chat_template: None,
         generation: Generation {
-            bos_token_id: m.bos_token_id,
+            bos_token_id,
             eos_token_ids: match m.eos_token_id {
                 OneOrMany::One(id) => vec![id],
                 OneOrMany::Many(ids) => ids,

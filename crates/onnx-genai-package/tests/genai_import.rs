@@ -110,7 +110,7 @@ fn search_becomes_the_sampling_defaults() {
         p.manifest.generation.sampling,
         SamplingDefaults { temperature: Some(0.7), top_k: Some(40), ..Default::default() }
     );
-    yaml["generation"]["sampling"] = serde_yaml_ng::from_str("{top_p: 0}").unwrap();
+    yaml["generation"]["sampling"] = serde_yaml_ng::from_str("{top_p: 1.5}").unwrap();
     std::fs::write(&manifest, serde_yaml_ng::to_string(&yaml).unwrap()).unwrap();
     let (report, _) = onnx_genai_package::validate(&ours);
     let d = report.errors().find(|d| d.code == Code::PKG044).unwrap_or_else(|| panic!("{report}"));
@@ -134,4 +134,57 @@ fn a_tokenizer_class_without_tokenizer_json_is_named() {
     let d = report.errors().find(|d| d.code == Code::PKG107).unwrap_or_else(|| panic!("{report}"));
     assert_eq!((d.file.as_str(), d.field.as_str()), ("tokenizer_config.json", "tokenizer_class"));
     assert!(d.message.contains("`LlamaTokenizer`") && d.hint.contains("save_pretrained"), "{d:?}");
+}
+
+/// A folder ONNX Runtime GenAI's model builder or Olive wrote opens as
+/// their runtime reads it: every text decoder type (`phi3`, `smollm3`,
+/// `gemma2`: refused by an allowlist of seven before; the type is a label,
+/// the graph decides what runs), an unknown type with a warning naming it,
+/// a multimodal type refused; ids of -1 meaning none (Olive's pad; were a
+/// type error); the keys their parser knows that this runtime does not
+/// read (`search.random_seed`, `decoder.run_options`, `engine`: were
+/// unknown keys); and search settings it does not apply (beam search) a
+/// warning naming the key.
+#[test]
+fn what_onnx_runtime_genai_reads_opens() {
+    use onnx_genai_package::Code;
+    let parent = tempfile::tempdir().unwrap();
+    let dir = parent.path().join("exported");
+    build("tiny-llama-gqa", Layout::OrtGenai, &dir);
+    let path = dir.join("genai_config.json");
+    let original = std::fs::read_to_string(&path).unwrap();
+    let opened = |config: &str| {
+        std::fs::write(&path, config).unwrap();
+        Package::open(&dir)
+    };
+    for t in ["phi3", "smollm3", "gemma2", "decoder"] {
+        let p = opened(&original.replace("\"type\": \"llama\"", &format!("\"type\": \"{t}\"")));
+        let p = p.unwrap_or_else(|e| panic!("type {t}: {e}"));
+        assert!(p.warnings.iter().all(|w| w.code != Code::PKG109), "{t}: {:?}", p.warnings);
+    }
+    let unknown =
+        opened(&original.replace("\"type\": \"llama\"", "\"type\": \"lama\"")).expect("an unknown type opens");
+    assert!(unknown.warnings.iter().any(|w| w.code == Code::PKG109 && w.message.contains("`lama`")));
+    assert!(opened(&original.replace("\"type\": \"llama\"", "\"type\": \"phi3v\"")).is_err());
+    let (report, _) = onnx_genai_package::validate(&dir);
+    assert!(report.errors().any(|d| d.code == Code::PKG105 && d.message.contains("phi3v")), "{report}");
+
+    let none = original
+        .replace("\"pad_token_id\": 381", "\"pad_token_id\": -1")
+        .replace("\"bos_token_id\": 381", "\"bos_token_id\": -1");
+    let p = opened(&none).expect("ids of -1 open");
+    assert_eq!(p.manifest.generation.bos_token_id, None);
+
+    let theirs = original
+        .replace("\"top_p\": 1.0", "\"top_p\": 1.0, \"random_seed\": 42, \"batch_size\": 1")
+        .replace("\"filename\": \"model.onnx\"", "\"filename\": \"model.onnx\", \"run_options\": {}")
+        .replacen('{', "{\"engine\": {},", 1);
+    opened(&theirs).expect("keys their runtime reads open");
+
+    let beams = opened(&original.replace("\"num_beams\": 1", "\"num_beams\": 4")).expect("beam search opens");
+    assert!(
+        beams.warnings.iter().any(|w| w.code == Code::PKG108 && w.field == "search.num_beams"),
+        "{:?}",
+        beams.warnings
+    );
 }
