@@ -235,17 +235,21 @@ fn import_from<'a>(ir: &'a IrGraph, mut needed: HashSet<&'a str>, opset: i64) ->
             continue;
         }
         let (op, used) = lower(node, opset)?;
-        if let Op::SkipRmsNorm { .. } = op {
-            for o in [1, 2] {
-                if node.outputs.get(o).is_some_and(|n| needed.contains(n.as_str())) {
-                    return Err(CompileError::UnsupportedOp {
-                        node: node.name.clone(),
-                        op: node.op_type.clone(),
-                        domain: node.domain.clone(),
-                        reason: format!("output {o} (mean / inverse std) is not produced by native-cpu"),
-                    });
-                }
-            }
+        // The statistics outputs the RMS norms do not write (an output read
+        // but never written would be an empty tensor).
+        let statistics: &[usize] = match op {
+            Op::SkipRmsNorm { .. } => &[1, 2],
+            Op::RmsNorm { .. } => &[1],
+            _ => &[],
+        };
+        if let Some(o) = statistics.iter().find(|o| node.outputs.get(**o).is_some_and(|n| needed.contains(n.as_str())))
+        {
+            return Err(CompileError::UnsupportedOp {
+                node: node.name.clone(),
+                op: node.op_type.clone(),
+                domain: node.domain.clone(),
+                reason: format!("output {o} (mean / inverse std) is not produced by native-cpu"),
+            });
         }
         let inputs: Vec<Option<String>> =
             used.iter().map(|u| node.inputs.get(*u).filter(|n| !n.is_empty()).cloned()).collect();

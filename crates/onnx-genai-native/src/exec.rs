@@ -303,8 +303,12 @@ pub fn run(op: &Op, inputs: &[Option<&Value>], outputs: &mut [Value], env: &mut 
             crate::kernels::gather_q4::gather_q4(data, ids, scales, opt(inputs, 3), *block, out)
         }
         Op::MatMulNBits { .. } => Err("MatMulNBits weights must be constant (they are packed at compile time)".into()),
-        Op::Rotary { layout, cached } => {
+        Op::Rotary { layout, cached, spec_layout } => {
             let x = arg(inputs, 0)?;
+            // ONNX's and ONNX Runtime's 4-D input is heads first (read
+            // seq-first when the node had `num_heads`, and a decode step's
+            // [1, H, 1, D] rotated head h at position p + h).
+            let layout = if *spec_layout && x.shape.len() == 4 { &Layout::HeadsFirst } else { layout };
             if *cached {
                 let positions = ints(inputs, 1, "position_ids")?;
                 let (cos, sin) = (arg(inputs, 2)?, arg(inputs, 3)?);

@@ -4,7 +4,7 @@
 //! is an error that the compiler reports against the node.
 
 use crate::graph::{Dims, Meta};
-use crate::kernels::elementwise::{broadcast_shape, CmpOp, UnOp};
+use crate::kernels::elementwise::{broadcast_shape, BinOp, CmpOp, UnOp};
 use crate::kernels::layout as ly;
 use crate::ops::Op;
 use crate::value::DType;
@@ -69,8 +69,13 @@ pub fn infer(op: &Op, inputs: &[Option<&Meta>], outputs: usize) -> Result<Vec<Ou
     let konst = |i: usize| inputs.get(i).copied().flatten().and_then(|m| m.konst.clone());
     let single = |o: Out| Ok(vec![o]);
     match op {
-        Op::Binary(_) => {
+        Op::Binary(b) => {
             let dt = same_dtype(t(0), t(1))?;
+            // ONNX: floating-point Mod must set `fmod` (ONNX Runtime refuses
+            // the node; a Python-style float modulo is nobody's).
+            if *b == BinOp::Mod && matches!(dt, Some(DType::F32 | DType::F16 | DType::F64)) {
+                return Err("Mod of floats needs fmod=1 (ONNX defines no other float modulo)".into());
+            }
             if dt == Some(DType::F16) {
                 require_float("the operand", dt)?;
             }

@@ -342,7 +342,7 @@ pub fn lower(node: &Node, opset: i64) -> Result<(Op, Vec<usize>), CompileError> 
                 let layout = if a.int("num_heads")?.is_some() { Layout::SeqFirst } else { Layout::HeadsFirst };
                 // ONNX order is (x, cos, sin, positions); normalize to
                 // (x, positions, cos, sin) as com.microsoft has it.
-                return Ok((Op::Rotary { layout, cached: true }, vec![0, 3, 1, 2]));
+                return Ok((Op::Rotary { layout, cached: true, spec_layout: true }, vec![0, 3, 1, 2]));
             }
             "Attention" => {
                 if a.float("softcap")?.is_some_and(|s| s != 0.0) {
@@ -398,7 +398,9 @@ pub fn lower(node: &Node, opset: i64) -> Result<(Op, Vec<usize>), CompileError> 
             "SimplifiedLayerNormalization" => {
                 Op::RmsNorm { eps: a.float("epsilon")?.unwrap_or(1e-5), axis: a.int_or("axis", -1)? }
             }
-            "SkipSimplifiedLayerNormalization" => Op::SkipRmsNorm { eps: a.float("epsilon")?.unwrap_or(1e-5) },
+            // ONNX Runtime's default for its skip norms (`kDefaultSkipLayerNormEpsilon`), not the 1e-5 of
+            // the plain ones: a node without the attribute normalized small activations by another scale.
+            "SkipSimplifiedLayerNormalization" => Op::SkipRmsNorm { eps: a.float("epsilon")?.unwrap_or(1e-12) },
             "RotaryEmbedding" => {
                 a.require("interleaved", 0, "interleaved rotary is not supported")?;
                 a.require("rotary_embedding_dim", 0, "partial rotary is not supported")?;
@@ -406,7 +408,7 @@ pub fn lower(node: &Node, opset: i64) -> Result<(Op, Vec<usize>), CompileError> 
                 if a.float("scale")?.is_some_and(|s| s != 1.0) {
                     return Err(a.unsupported("scale != 1 is not supported"));
                 }
-                Op::Rotary { layout: Layout::SeqFirst, cached: true }
+                Op::Rotary { layout: Layout::SeqFirst, cached: true, spec_layout: true }
             }
             "GroupQueryAttention" => {
                 a.require("local_window_size", -1, "sliding-window attention is not supported")?;

@@ -170,10 +170,15 @@ pub enum Op {
         accuracy_level: u8,
     },
     /// Inputs `x, cos, sin` (gathered tables) or, with `cached`,
-    /// `x, position_ids, cos_cache, sin_cache`.
+    /// `x, position_ids, cos_cache, sin_cache`. With `spec_layout` (a
+    /// `RotaryEmbedding` node as ONNX and ONNX Runtime define it), a 4-D
+    /// input is `[batch, heads, seq, head_dim]` whatever `layout` says (it
+    /// then only describes a 3-D `[batch, seq, hidden]` input); the
+    /// attention fusion's rewrite sets its own layout for any rank.
     Rotary {
         layout: Layout,
         cached: bool,
+        spec_layout: bool,
     },
     /// Inputs `attention_mask, token_ids`: the additive causal + padding bias
     /// `[1, 1, reps * seq, total]` (0 where a query may attend, `closed`

@@ -512,3 +512,103 @@ fn degenerate_shapes_and_positions_are_not_panics() {
     let err = plan.evaluate(&mut plan.workspace(), Runtime::serial().ctx(), vec![("x".to_string(), x)]).unwrap_err();
     assert!(err.to_string().contains("beyond the rotary cache"), "{err}");
 }
+
+/// A `RotaryEmbedding` node's 4-D input is `[batch, heads, seq, head_dim]`,
+/// as ONNX (opset 23) and ONNX Runtime's com.microsoft op define it, with
+/// or without `num_heads`: a decode step's `[1, 2, 1, 4]` at position 3
+/// rotates both heads at position 3. (With `num_heads` the ONNX node, and
+/// the com.microsoft node always, read it seq-first: head h was rotated at
+/// position 3 + h, silently.) Against rotate-half written out.
+#[test]
+fn a_rotary_nodes_4d_input_is_heads_first() {
+    use onnx_genai_onnx::Tensor;
+    let (max_pos, half) = (8usize, 2usize);
+    let cos: Vec<f32> = (0..max_pos * half).map(|i| ((i as f32) * 0.3).cos()).collect();
+    let sin: Vec<f32> = (0..max_pos * half).map(|i| ((i as f32) * 0.3).sin()).collect();
+    let x: Vec<f32> = (0..8).map(|i| i as f32 * 0.5 - 1.0).collect();
+    let position = 3usize;
+    let want: Vec<f32> = x
+        .chunks(2 * half)
+        .flat_map(|row| {
+            let (c, s) = (&cos[position * half..][..half], &sin[position * half..][..half]);
+            let (a, b) = row.split_at(half);
+            let first: Vec<f32> = (0..half).map(|i| a[i] * c[i] - b[i] * s[i]).collect();
+            let second: Vec<f32> = (0..half).map(|i| b[i] * c[i] + a[i] * s[i]).collect();
+            first.into_iter().chain(second)
+        })
+        .collect();
+    for (domain, attributes) in [("", vec![attr_int("num_heads", 2)]), ("", vec![]), ("com.microsoft", vec![])] {
+        let model = graph(|g| {
+            g.opset("", 23);
+            g.opset("com.microsoft", 1);
+            f32_input(g, "x", &[1, 2, 1, 4]);
+            let positions = g.initializer(Tensor::from_i64("positions", vec![1, 1], &[position as i64]));
+            let cos = g.initializer(Tensor::from_f32("cos", vec![max_pos as i64, half as i64], &cos));
+            let sin = g.initializer(Tensor::from_f32("sin", vec![max_pos as i64, half as i64], &sin));
+            let inputs = if domain.is_empty() { ["x", &cos, &sin, &positions] } else { ["x", &positions, &cos, &sin] };
+            g.node_in(domain, "RotaryEmbedding", &inputs, &["y"], attributes.clone());
+            g.output("y", DataType::Float, vec![]);
+        });
+        let out = run(&model, vec![("x", Value::f32([1, 2, 1, 4], x.clone()))]);
+        let got = out[0].as_f32().unwrap();
+        for (g, w) in got.iter().zip(&want) {
+            assert!((g - w).abs() < 1e-6, "{domain:?} {attributes:?}: {got:?} vs {want:?}");
+        }
+    }
+}
+
+/// Generic ops as ONNX and ONNX Runtime define them, where native read
+/// them otherwise (from an audit of the lowering): a backward Slice whose
+/// start lies before the axis starts at element 0 (clamped to -1 it took
+/// nothing); SkipSimplifiedLayerNormalization without `epsilon` takes ONNX
+/// Runtime's 1e-12 (1e-5 scaled activations of 1e-3 by 0.30 instead of 1);
+/// a SimplifiedLayerNormalization whose `inv_std_var` is read, and a float
+/// Mod without `fmod`, are refused at compile time naming the node (the
+/// one was an empty tensor, the other a Python-style modulo).
+#[test]
+fn generic_ops_follow_onnx_where_native_read_them_otherwise() {
+    use onnx_genai_onnx::Tensor;
+    let backward = graph(|g| {
+        f32_input(g, "x", &[5]);
+        let starts = g.initializer(Tensor::from_i64("starts", vec![1], &[-10]));
+        let ends = g.initializer(Tensor::from_i64("ends", vec![1], &[i64::MIN]));
+        let axes = g.initializer(Tensor::from_i64("axes", vec![1], &[0]));
+        let steps = g.initializer(Tensor::from_i64("steps", vec![1], &[-1]));
+        let y = g.op("Slice", &["x", &starts, &ends, &axes, &steps]);
+        g.output(&y, DataType::Float, vec![]);
+    });
+    let out = run(&backward, vec![("x", Value::f32([5], vec![0.0, 1.0, 2.0, 3.0, 4.0]))]);
+    assert_eq!(out[0].as_f32().unwrap(), [0.0]);
+
+    let skip_norm = graph(|g| {
+        g.opset("com.microsoft", 1);
+        f32_input(g, "x", &[1, 4]);
+        f32_input(g, "skip", &[1, 4]);
+        let gamma = g.initializer(Tensor::from_f32("gamma", vec![4], &[1.0; 4]));
+        g.node_in("com.microsoft", "SkipSimplifiedLayerNormalization", &["x", "skip", &gamma], &["y"], vec![]);
+        g.output("y", DataType::Float, vec![]);
+    });
+    let out =
+        run(&skip_norm, vec![("x", Value::f32([1, 4], vec![1e-3; 4])), ("skip", Value::f32([1, 4], vec![0.0; 4]))]);
+    let want = 1e-3 / (1e-6f32 + 1e-12).sqrt();
+    assert!(out[0].as_f32().unwrap().iter().all(|v| (v - want).abs() < 1e-4), "{:?}", out[0].as_f32());
+
+    let statistics = graph(|g| {
+        f32_input(g, "x", &[1, 4]);
+        let gamma = g.initializer(Tensor::from_f32("gamma", vec![4], &[1.0; 4]));
+        g.node_in("", "SimplifiedLayerNormalization", &["x", &gamma], &["y", "inv_std_var"], vec![]);
+        g.output("y", DataType::Float, vec![]);
+        g.output("inv_std_var", DataType::Float, vec![]);
+    });
+    let err = compile_graph(&statistics).map(|_| ()).unwrap_err().to_string();
+    assert!(err.contains("output 1"), "{err}");
+
+    let modulo = graph(|g| {
+        f32_input(g, "a", &[2]);
+        f32_input(g, "b", &[2]);
+        let y = g.op("Mod", &["a", "b"]);
+        g.output(&y, DataType::Float, vec![]);
+    });
+    let err = compile_graph(&modulo).map(|_| ()).unwrap_err().to_string();
+    assert!(err.contains("fmod=1"), "{err}");
+}

@@ -583,7 +583,7 @@ impl Runner {
             Op::RmsNorm { eps, .. } | Op::SkipRmsNorm { eps } | Op::LayerNorm { eps, .. } => {
                 self.norm(op, *eps, inputs, outputs)
             }
-            Op::Rotary { layout, cached } => self.rotary(*layout, *cached, inputs, out),
+            Op::Rotary { layout, cached, spec_layout } => self.rotary(*layout, *cached, *spec_layout, inputs, out),
             Op::Attention { spec, layer } => self.attention(spec, *layer, inputs, out, segments, rows),
             _ => self.host_step(op, inputs, outputs),
         }

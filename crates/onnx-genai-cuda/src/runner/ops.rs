@@ -324,12 +324,15 @@ impl Runner {
         &mut self,
         layout: Layout,
         cached: bool,
+        spec_layout: bool,
         inputs: &[Option<Ref>],
         out: usize,
     ) -> Result<(), CudaError> {
         let input =
             |i: usize| inputs.get(i).copied().flatten().ok_or_else(|| unsupported(format!("input {i} is missing")));
         let (x, shape, _) = self.device_input(input(0)?)?;
+        // A RotaryEmbedding node's 4-D input is heads first (see the op).
+        let layout = if spec_layout && shape.len() == 4 { Layout::HeadsFirst } else { layout };
         let (positions, npos, cos_i, sin_i) = if cached {
             let (p, pshape, _) = self.device_input(input(1)?)?;
             (p, pshape.iter().product::<usize>(), 2, 3)

@@ -75,7 +75,7 @@ pub(super) fn rotary(g: &Graph, u: &Uses, i: usize) -> Result<Option<Rewrite>, C
             if !private || g.values[x.unwrap_or_default()].dims.as_ref().map(Vec::len) != Some(4) {
                 continue;
             }
-            let op = Op::Rotary { layout: Layout::HeadsFirst, cached: false };
+            let op = Op::Rotary { layout: Layout::HeadsFirst, cached: false, spec_layout: false };
             return Ok(Some(Rewrite {
                 root: i,
                 remove: nodes,
@@ -254,7 +254,7 @@ pub(super) fn head_layout(g: &Graph, u: &Uses, i: usize) -> Result<Option<Rewrit
             return Ok(None);
         }
         let mut r = rot.clone();
-        r.op = Op::Rotary { layout: Layout::SeqFirst, cached };
+        r.op = Op::Rotary { layout: Layout::SeqFirst, cached, spec_layout: false };
         r.inputs[0] = Some(x);
         update.push((ri, r));
         remove.extend(nodes);

@@ -312,7 +312,10 @@ pub fn slice(
             let (b, e) = (start.clamp(0, dim), end.clamp(0, dim));
             (b, visits(e - b, step))
         } else {
-            let (b, e) = (start.clamp(-1, dim - 1), end.clamp(-1, dim - 1));
+            // ONNX clamps a backward start to [0, dim - 1] (to -1 it read
+            // a start below -dim as "nothing"); an empty axis visits none.
+            let b = if dim == 0 { -1 } else { start.clamp(0, dim - 1) };
+            let e = end.clamp(-1, dim - 1);
             (b, visits(b - e, step))
         };
         counts[a] = count as usize;
