@@ -29,6 +29,21 @@ fn naive(q: &[f32], keys: &[f32], values: &[f32], pos: usize, spec: &AttentionSp
     out
 }
 
+/// A spec of `heads` query heads over `kvh` KV heads of `hd`, every
+/// tensor seq-first.
+fn seq_first((heads, kvh, hd): (usize, usize, usize), scale: f32, bias: Bias) -> AttentionSpec {
+    AttentionSpec {
+        heads,
+        kv_heads: kvh,
+        head_dim: hd,
+        scale,
+        q_layout: Layout::SeqFirst,
+        kv_layout: Layout::SeqFirst,
+        out_layout: Layout::SeqFirst,
+        bias,
+    }
+}
+
 /// A step over several sequences with ragged row counts and histories
 /// (a 37-row prefill beside a 3-row one, then a 1-row decode beside a
 /// 20-row chunk, then a decode step of both; and five sequences whose
@@ -41,16 +56,7 @@ fn naive(q: &[f32], keys: &[f32], values: &[f32], pos: usize, spec: &AttentionSp
 #[test]
 fn ragged_batches_equal_direct_attention() {
     let (heads, kvh, hd) = (6, 2, 8);
-    let spec = AttentionSpec {
-        heads,
-        kv_heads: kvh,
-        head_dim: hd,
-        scale: 0.35,
-        q_layout: Layout::SeqFirst,
-        kv_layout: Layout::SeqFirst,
-        out_layout: Layout::SeqFirst,
-        bias: Bias::Causal,
-    };
+    let spec = seq_first((heads, kvh, hd), 0.35, Bias::Causal);
     let value = |i: usize| ((i * 2654435761) % 1000) as f32 / 500.0 - 1.0;
     let batches: [&[&[usize]]; 2] =
         [&[&[37, 3], &[1, 20], &[1, 1]], &[&[37, 3, 1, 5, 16], &[1, 1, 1, 1, 1], &[2, 1, 16, 1, 3]]];
@@ -120,16 +126,7 @@ fn ragged_batches_equal_direct_attention() {
 #[test]
 fn long_contexts_attend_in_parts() {
     let (heads, kvh, hd) = (6, 2, 16);
-    let spec = AttentionSpec {
-        heads,
-        kv_heads: kvh,
-        head_dim: hd,
-        scale: 0.3,
-        q_layout: Layout::SeqFirst,
-        kv_layout: Layout::SeqFirst,
-        out_layout: Layout::SeqFirst,
-        bias: Bias::Causal,
-    };
+    let spec = seq_first((heads, kvh, hd), 0.3, Bias::Causal);
     let value = |i: usize| ((i * 2654435761) % 1000) as f32 / 400.0 - 1.25;
     let gen = |seed: usize, n: usize| -> Vec<f32> { (0..n).map(|i| value(seed * 7919 + i)).collect() };
     let run = |rt: &Runtime, caches: &mut [&mut SeqKv], lens: &[usize], seed: usize| {
@@ -222,16 +219,7 @@ fn long_contexts_attend_in_parts() {
 #[test]
 fn a_masked_part_weighs_nothing() {
     let (heads, kvh, hd) = (4, 2, 8);
-    let spec = AttentionSpec {
-        heads,
-        kv_heads: kvh,
-        head_dim: hd,
-        scale: 0.4,
-        q_layout: Layout::SeqFirst,
-        kv_layout: Layout::SeqFirst,
-        out_layout: Layout::SeqFirst,
-        bias: Bias::PerQuery,
-    };
+    let spec = seq_first((heads, kvh, hd), 0.4, Bias::PerQuery);
     let rows = 600;
     let value = |i: usize| ((i * 2654435761) % 1000) as f32 / 500.0 - 1.0;
     let (q, k, v): (Vec<f32>, Vec<f32>, Vec<f32>) = (
@@ -265,16 +253,7 @@ fn a_masked_part_weighs_nothing() {
 #[test]
 fn overlapping_or_outside_segments_are_refused() {
     let (heads, kvh, hd) = (2, 1, 8);
-    let spec = AttentionSpec {
-        heads,
-        kv_heads: kvh,
-        head_dim: hd,
-        scale: 0.4,
-        q_layout: Layout::SeqFirst,
-        kv_layout: Layout::SeqFirst,
-        out_layout: Layout::SeqFirst,
-        bias: Bias::Causal,
-    };
+    let spec = seq_first((heads, kvh, hd), 0.4, Bias::Causal);
     let rows = 4;
     let (q, k, v) = (vec![0.5; rows * heads * hd], vec![0.25; rows * kvh * hd], vec![1.0; rows * kvh * hd]);
     let cases: [(&[Segment], &str); 3] = [
