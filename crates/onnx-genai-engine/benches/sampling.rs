@@ -2,6 +2,8 @@
 //! like a model's: a few likely tokens over a long tail), per option set.
 //! It runs on the model's driver thread once per sequence a step, while
 //! the model's other threads wait: it must stay small beside a decode step.
+//! Also a flat distribution, the worst case of a draw that sorts only the
+//! likeliest tokens first.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use onnx_genai_engine::sampling::{Sampler, Sampling};
@@ -36,6 +38,13 @@ fn draws(c: &mut Criterion) {
     for (name, options) in sets {
         let mut sampler = Sampler::new(options);
         group.bench_with_input(BenchmarkId::from_parameter(name), &logits, |b, l| b.iter(|| sampler.pick(l)));
+    }
+    // The worst case: a flat distribution (every token within a logit of
+    // the others), where a draw lands anywhere in the vocabulary.
+    let flat: Vec<f32> = logits.iter().map(|l| (l * 0.1).sin()).collect();
+    for (name, top_p) in [("flat_t1", 1.0), ("flat_t1_top_p0.9", 0.9)] {
+        let mut sampler = Sampler::new(Sampling { temperature: 1.0, top_p, ..Sampling::default() });
+        group.bench_with_input(BenchmarkId::from_parameter(name), &flat, |b, l| b.iter(|| sampler.pick(l)));
     }
     group.finish();
 }

@@ -212,8 +212,15 @@ impl Sampler {
             Some(max) if max.is_finite() => max,
             _ => return argmax(logits),
         };
-        let likelier = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
         let inv_t = 1.0 / self.options.temperature;
+        if !inv_t.is_finite() {
+            // A temperature too small for its reciprocal (below 2.9e-39):
+            // the likeliest token's weight would be 0 x inf, NaN, and every
+            // weight 0 (a min-p cut then left no token at all). Its limit
+            // is greedy.
+            return argmax(logits);
+        }
+        let likelier = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
         let mut weights = std::mem::take(&mut self.weights);
         weights.resize(logits.len(), 0.0);
         for (w, l) in weights.iter_mut().zip(logits) {
@@ -277,23 +284,21 @@ impl Sampler {
         } else {
             order.iter().map(|id| weight(*id)).sum()
         };
-        // Sorts the next [`SORTED_FIRST`] candidates after `sorted` (the
-        // others gathered first if need be).
-        let sort_more = |order: &mut Vec<u32>, sorted: &mut usize, whole: &mut bool| {
+        // Sorts the candidates after `sorted` (the others gathered first if
+        // need be; a token of weight 0, masked, is never drawn and never
+        // gathered) — all at once: the walks rarely reach past the first,
+        // and sorting the rest by chunks, a selection over all of it per
+        // chunk, was slower than one sort on a flat distribution.
+        let sort_rest = |order: &mut Vec<u32>, sorted: &mut usize, whole: &mut bool| {
             if !*whole {
-                order.extend((0..logits.len() as u32).filter(|id| logits[*id as usize] < near && wanted(*id)));
+                order.extend(
+                    (0..logits.len() as u32)
+                        .filter(|id| logits[*id as usize] < near && wanted(*id) && weights[*id as usize] > 0.0),
+                );
                 *whole = true;
             }
-            let rest = &mut order[*sorted..];
-            let chunk = SORTED_FIRST.min(rest.len());
-            if chunk == 0 {
-                return;
-            }
-            if chunk < rest.len() {
-                rest.select_nth_unstable_by(chunk - 1, likelier);
-            }
-            rest[..chunk].sort_unstable_by(likelier);
-            *sorted += chunk;
+            order[*sorted..].sort_unstable_by(likelier);
+            *sorted = order.len();
         };
         // top-p: the shortest sorted run whose share reaches it.
         let top_p = f64::from(self.options.top_p);
@@ -303,7 +308,7 @@ impl Sampler {
             let mut i = 0;
             loop {
                 if i == sorted {
-                    sort_more(&mut order, &mut sorted, &mut whole);
+                    sort_rest(&mut order, &mut sorted, &mut whole);
                 }
                 let Some(id) = order.get(i) else { break };
                 mass += weight(*id) / total;
@@ -326,7 +331,7 @@ impl Sampler {
                 break last_weighted;
             }
             if i == sorted {
-                sort_more(&mut order, &mut sorted, &mut whole);
+                sort_rest(&mut order, &mut sorted, &mut whole);
             }
             // Rounding left the draw past the end: the last token with any
             // weight (never one a mask set to -inf).
@@ -640,6 +645,32 @@ mod tests {
         }
         assert!(past_sorted > 20, "only {past_sorted} draws went past the sorted tokens: that path went untried");
         assert!(past_near > 3, "only {past_near} draws went past the near tokens: that path went untried");
+    }
+
+    /// Degenerate requests draw a token the definition allows and never
+    /// panic: a temperature whose reciprocal overflows (1e-45, with a min-p
+    /// cut: every weight was 0 and the cut left no token — an index out of
+    /// bounds) draws greedily; masked (-inf) tokens are never drawn, even
+    /// where the draw walks past every weighted token; a top-k beyond the
+    /// vocabulary keeps it all.
+    #[test]
+    fn degenerate_requests_draw_what_the_definition_allows() {
+        let mut logits: Vec<f32> =
+            (0..6_000).map(|i| if i % 3 == 0 { f32::NEG_INFINITY } else { (i % 7) as f32 * 0.01 }).collect();
+        // One likeliest token, alone within 9 temperatures of itself.
+        logits[4_001] = 1.0;
+        let best = argmax(&logits);
+        for min_p in [0.0, 0.5] {
+            let tiny = Sampling { temperature: 1e-45, min_p, top_p: 0.9, ..Sampling::default() };
+            assert_eq!(Sampler::new(tiny).pick(&logits), best);
+        }
+        for (top_k, top_p) in [(0, 1.0), (0, 0.999_999), (10_000, 1.0)] {
+            let mut s = Sampler::new(Sampling { temperature: 2.0, top_k, top_p, seed: 5, ..Sampling::default() });
+            for _ in 0..50 {
+                let t = s.pick(&logits);
+                assert!(logits[t as usize].is_finite(), "a masked token {t} was drawn");
+            }
+        }
     }
 
     /// A small top-k kept in order as the logits are read is the first k

@@ -102,6 +102,10 @@ pub enum Stop {
 pub struct StreamOptions {
     #[serde(default)]
     pub include_usage: bool,
+    /// OpenAI's random padding of stream events against side channels:
+    /// served only as `false` (this server pads nothing).
+    #[serde(default)]
+    pub include_obfuscation: Option<bool>,
 }
 
 /// Fields shared by chat and text completions (read apart from each
@@ -298,6 +302,12 @@ impl Sampling {
         }
         if self.stream_options.is_some() && !self.stream {
             return Err(ApiError::param("stream_options", "stream_options is only allowed when stream is true"));
+        }
+        if self.stream_options.as_ref().is_some_and(|o| o.include_obfuscation == Some(true)) {
+            return Err(ApiError::param(
+                "stream_options.include_obfuscation",
+                "this server does not pad stream events: send include_obfuscation false or leave it out",
+            ));
         }
         if let Err(message) = self.engine_sampling(&SamplingDefaults::default(), || 0)?.check() {
             // The engine's messages start with the field's name.

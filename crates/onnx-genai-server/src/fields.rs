@@ -53,7 +53,7 @@ const COMMON: [Field; 17] = [
     served("seed", "reproducible sampling (any int64); without it each request draws its own", "-7"),
     served("stop", "up to 4 strings of up to 256 characters; a stream holds back text that may begin one", "[\"zzz\"]"),
     served("stream", "server-sent events", "false"),
-    served("stream_options", "`include_usage`; only with `stream`", "{\"include_usage\": true}"),
+    served("stream_options", "`include_usage` (`include_obfuscation` only false); only with `stream`", "{\"include_usage\": true}"),
     served("user", "an end-user id, written to the request's log line", "\"u-1\""),
     served(
         "n",

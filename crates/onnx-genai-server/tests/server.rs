@@ -594,6 +594,11 @@ fn every_request_field_is_served_or_refused_by_name() {
         body["stream"] = json!(true);
         body["stream_options"] = json!({"include_usage": true, "bogus": 1});
         refused(&call(s.addr, "POST", path, &[], &body.to_string()), "stream_options.bogus");
+        // OpenAI's include_obfuscation: served as false, refused as true.
+        body["stream_options"] = json!({"include_usage": true, "include_obfuscation": false});
+        assert_eq!(call(s.addr, "POST", path, &[], &body.to_string()).status, 200);
+        body["stream_options"] = json!({"include_obfuscation": true});
+        refused(&call(s.addr, "POST", path, &[], &body.to_string()), "stream_options.include_obfuscation");
     }
     let r = call(
         s.addr,

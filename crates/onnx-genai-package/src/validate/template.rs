@@ -15,7 +15,18 @@ pub(crate) const MAX_TAG_CODE: usize = 1024;
 pub(crate) fn check_tags(template: &str) -> Result<(), String> {
     let bytes = template.as_bytes();
     let mut at = 0;
-    while let Some(open) = find(bytes, at, |b, i| b[i] == b'{' && matches!(b.get(i + 1), Some(b'{' | b'%'))) {
+    while let Some(open) = find(bytes, at, |b, i| b[i] == b'{' && matches!(b.get(i + 1), Some(b'{' | b'%' | b'#'))) {
+        // A comment is text: what it holds is no tag (its brackets were
+        // counted, and a `{{ (` in one read the rest as one tag's code).
+        if bytes[open + 1] == b'#' {
+            match template[open + 2..].find("#}") {
+                Some(end) => {
+                    at = open + 2 + end + 2;
+                    continue;
+                }
+                None => break,
+            }
+        }
         let close = if bytes[open + 1] == b'{' { b'}' } else { b'%' };
         // (Brackets are counted as minijinja's lexer counts them: a `}}`
         // inside `[{'a': {}}, …]` does not end the tag, and counting ended
@@ -79,6 +90,9 @@ mod tests {
         let nested = format!("{{{{ [{{'a': {{}}}}, {}1] }}}}", "-".repeat(1_000_000));
         assert!(check_tags(&nested).unwrap_err().contains("more than the 1024"));
         assert_eq!(check_tags("{{ [{'a': {}}, -1] }}{% if x %}}{% endif %}"), Ok(()));
+        // A comment's brackets are no tag's.
+        let commented = format!("{{# e.g. {{{{ ( #}}{}{{{{ x }}}}", "text ".repeat(500));
+        assert_eq!(check_tags(&commented), Ok(()));
         let literal = format!("{{% set system = \"{}\" %}}{{{{ system }}}}", "a }} %} ".repeat(10_000));
         assert_eq!(check_tags(&literal), Ok(()));
         let data = concat!(env!("CARGO_MANIFEST_DIR"), "/../onnx-genai-engine/tests/data/chat_templates");
