@@ -790,33 +790,3 @@ fn a_stop_string_answer_has_usage() {
     }
     assert_eq!(last_usage, v["usage"], "the stream's usage agrees with the JSON answer's");
 }
-
-/// An assistant message sent back with the fields OpenAI's answers carry
-/// (`refusal`, `audio`, `function_call`, `annotations`) is served where
-/// they are empty — the Python client's `model_dump()` writes them as
-/// null, and was refused as unknown fields — and refused naming the field
-/// where one holds a value the server would not read.
-#[test]
-fn echoed_assistant_fields_are_taken_empty_and_refused_with_a_value() {
-    let gate = Gate::default();
-    let (_d, s) = serve(&[M], &gate, u64::MAX, 8);
-    let with = |extra: serde_json::Value| {
-        let mut answer = json!({"role": "assistant", "content": "yo"});
-        answer.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
-        let messages = json!([{"role": "user", "content": "hi"}, answer, {"role": "user", "content": "again"}]);
-        post(s.addr, "/v1/chat/completions", &json!({"model": M, "messages": messages, "max_tokens": 2}))
-    };
-    let empty = json!({"refusal": null, "audio": null, "function_call": null, "annotations": null});
-    assert_eq!(with(empty).status, 200);
-    assert_eq!(with(json!({"annotations": []})).status, 200);
-    for (extra, field) in [
-        (json!({"refusal": "I cannot"}), "refusal"),
-        (json!({"audio": {"id": "a"}}), "audio"),
-        (json!({"function_call": {"name": "f", "arguments": "{}"}}), "function_call"),
-        (json!({"annotations": [{"type": "url_citation"}]}), "annotations"),
-    ] {
-        let r = with(extra);
-        assert_eq!(r.status, 400, "{}", r.body);
-        assert_eq!(r.json()["error"]["param"], format!("messages[1].{field}"), "{}", r.body);
-    }
-}

@@ -1,7 +1,8 @@
 //! Tool calling over real HTTP on loopback (issue 19): a required or named
 //! call is drawn under its arguments' schema and answered as `tool_calls`,
 //! plain and streamed; the call and its result go back in the next turn;
-//! bad tools and choices are 400s naming the field, with nothing held.
+//! bad tools and choices are 400s naming the field, with nothing held; an
+//! answer sent back as the client dumps it is taken.
 
 mod support;
 
@@ -240,4 +241,33 @@ fn template_variables_reach_the_chat_template() {
     let mut unrelated = chat(M, "hi", 1);
     unrelated["chat_template_kwargs"] = json!({"enable_thinking": false});
     assert_eq!(prompt_tokens(unrelated), plain);
+}
+
+/// An assistant message sent back with the fields OpenAI's answers carry
+/// (`refusal`, `audio`, `function_call`, `annotations`) is served where
+/// they are empty — the Python client's `model_dump()` writes them as
+/// null, and was refused as unknown fields — and refused naming the field
+/// where one holds a value the server would not read.
+#[test]
+fn echoed_assistant_fields_are_taken_empty_and_refused_with_a_value() {
+    let (_d, s) = serve();
+    let with = |extra: serde_json::Value| {
+        let mut answer = json!({"role": "assistant", "content": "yo"});
+        answer.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        let messages = json!([{"role": "user", "content": "hi"}, answer, {"role": "user", "content": "again"}]);
+        post(s.addr, "/v1/chat/completions", &json!({"model": M, "messages": messages, "max_tokens": 2}))
+    };
+    let empty = json!({"refusal": null, "audio": null, "function_call": null, "annotations": null});
+    assert_eq!(with(empty).status, 200);
+    assert_eq!(with(json!({"annotations": []})).status, 200);
+    for (extra, field) in [
+        (json!({"refusal": "I cannot"}), "refusal"),
+        (json!({"audio": {"id": "a"}}), "audio"),
+        (json!({"function_call": {"name": "f", "arguments": "{}"}}), "function_call"),
+        (json!({"annotations": [{"type": "url_citation"}]}), "annotations"),
+    ] {
+        let r = with(extra);
+        assert_eq!(r.status, 400, "{}", r.body);
+        assert_eq!(r.json()["error"]["param"], format!("messages[1].{field}"), "{}", r.body);
+    }
 }
